@@ -1,0 +1,184 @@
+"""Benchmarks of the kernels against their plain references; prints figures, asserts nothing.
+
+    python benchmarks/bench_kernels.py [--threads N] [--batch B] [--quick] [--only gae|logprobs]
+
+- GAE: :func:`kernels.gae.compute_gae` against the reverse loop at B=256, T=1024 and
+  B=64, T=8192, for right-padded masks (one span per row) and masks with gaps.
+- Log-probs and entropy at V=32000, T=1024: time against naive ``log_softmax`` + ``gather``
+  (best of several runs, in this process), and peak extra memory.
+
+Peak extra memory is measured per variant in a fresh subprocess: it builds the inputs,
+resets the kernel's resident-set high-water mark (``echo 5 > /proc/self/clear_refs``),
+runs the variant once and reports ``VmHWM − VmRSS before``. That counts every page the
+run touched (torch's CPU allocator has no statistics of its own), including allocator
+slack, so it is an upper bound on tensor memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import torch
+
+from kernels.gae import compute_gae, compute_gae_reference
+from kernels.logprobs import (
+    token_logprobs,
+    token_logprobs_and_entropy,
+    token_logprobs_and_entropy_from_hidden,
+    token_logprobs_and_entropy_from_hidden_reference,
+    token_logprobs_and_entropy_reference,
+    token_logprobs_reference,
+)
+
+V, T, D = 32000, 1024, 512
+HEADER = (f"{'what':>16} {'naive ms':>9} {'fast ms':>9} {'time ratio':>10} "
+          f"{'naive MiB':>10} {'fast MiB':>9} {'mem ratio':>9}")
+
+
+def best_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Fastest of ``repeats`` runs after a warm-up: the least disturbed by other processes."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def bench_gae(quick: bool) -> None:
+    print("\n== GAE: compute_gae vs reverse loop (float32, γ=1, λ=0.95) ==")
+    print(f"{'shape':>12} {'mask':>8} {'loop ms':>9} {'fast ms':>9} {'speed-up':>9} {'max |Δ|':>9}")
+    for B, T_ in [(256, 1024), (64, 8192)]:
+        g = torch.Generator().manual_seed(0)
+        rewards, values = torch.randn(B, T_, generator=g), torch.randn(B, T_, generator=g)
+        lengths = torch.randint(T_ // 4, T_ + 1, (B, 1), generator=g)
+        spans = torch.arange(T_) < lengths
+        masks = {"padded": spans, "gaps": spans & (torch.rand(B, T_, generator=g) < 0.9)}
+        for name, mask in masks.items():
+            loop_ms = best_ms(lambda: compute_gae_reference(rewards, values, mask, 1.0, 0.95), 1 if quick else 3)
+            fast_ms = best_ms(lambda: compute_gae(rewards, values, mask, 1.0, 0.95), 20 if quick else 200)
+            err = (compute_gae(rewards, values, mask, 1.0, 0.95).advantages
+                   - compute_gae_reference(rewards, values, mask, 1.0, 0.95).advantages).abs().max().item()  # fmt: skip
+            print(f"{B:>5}x{T_:<6} {name:>8} {loop_ms:9.2f} {fast_ms:9.3f} {loop_ms / fast_ms:8.1f}x {err:9.1e}")
+
+
+def _logit_inputs(batch: int, dtype: torch.dtype, grad: bool):
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(batch, T, V, generator=g) * 2).to(dtype).requires_grad_(grad)
+    return logits, torch.randint(0, V, (batch, T), generator=g)
+
+
+def _hidden_inputs(batch: int, grad: bool):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(batch, T, D, generator=g).requires_grad_(grad)
+    weight = (torch.randn(V, D, generator=g) / D**0.5).requires_grad_(grad)
+    return hidden, weight, torch.randint(0, V, (batch, T), generator=g)
+
+
+def _run_logits(variant: str, logits, ids):
+    fast, backward = not variant.startswith("naive"), variant.endswith("+bwd")
+    if "entropy" in variant:
+        fn = token_logprobs_and_entropy if fast else token_logprobs_and_entropy_reference
+        out = fn(logits, ids)
+        loss = out.logp.sum() + out.entropy.sum()
+    else:
+        loss = (token_logprobs if fast else token_logprobs_reference)(logits, ids).sum()
+    if backward:
+        torch.autograd.grad(loss, logits)
+
+
+def _run_hidden(variant: str, hidden, weight, ids):
+    naive = variant.startswith("naive")
+    fn = token_logprobs_and_entropy_from_hidden_reference if naive else token_logprobs_and_entropy_from_hidden
+    out = fn(hidden, weight, ids)
+    if variant.endswith("+bwd"):
+        torch.autograd.grad(out.logp.sum() + out.entropy.sum(), (hidden, weight))
+
+
+def _run(variant: str, batch: int, dtype: torch.dtype) -> Callable[[], None]:
+    backward = variant.endswith("+bwd")
+    if "hidden" in variant:
+        hidden, weight, ids = _hidden_inputs(batch, backward)
+        return lambda: _run_hidden(variant, hidden, weight, ids)
+    logits, ids = _logit_inputs(batch, dtype, backward)
+    return lambda: _run_logits(variant, logits, ids)
+
+
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key))
+
+
+def memory_worker(variant: str, batch: int, dtype: str, threads: int) -> None:
+    torch.set_num_threads(threads)
+    small = torch.randn(2, 8, 64, requires_grad=True)  # warm up libraries on a tiny problem
+    _run_logits("fast_entropy+bwd", small, torch.zeros(2, 8, dtype=torch.long))
+    _run_logits("naive_entropy+bwd", small, torch.zeros(2, 8, dtype=torch.long))
+    run = _run(variant, batch, getattr(torch, dtype))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kb("VmRSS")
+    run()
+    print(json.dumps({"extra_mb": (_status_kb("VmHWM") - before) / 1024}))
+
+
+def peak_extra_mb(variant: str, batch: int, dtype: str, threads: int) -> float:
+    cmd = [sys.executable, __file__, "--mem-worker", variant, "--batch", str(batch), "--dtype", dtype,
+           "--threads", str(threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["extra_mb"]
+
+
+def bench_logprobs(batch: int, threads: int, quick: bool) -> None:
+    repeats = 2 if quick else 5
+    for dtype in ["float32", "bfloat16"]:
+        size_mb = batch * T * V * torch.tensor([], dtype=getattr(torch, dtype)).element_size() / 2**20
+        print(f"\n== log-probs from logits [{batch}, {T}, {V}] {dtype} ({size_mb:.0f} MiB of logits) ==")
+        print(HEADER)
+        for what in ["logp", "entropy", "logp+bwd", "entropy+bwd"]:
+            t_naive = best_ms(_run(f"naive_{what}", batch, getattr(torch, dtype)), repeats)
+            t_fast = best_ms(_run(f"fast_{what}", batch, getattr(torch, dtype)), repeats)
+            m_naive = peak_extra_mb(f"naive_{what}", batch, dtype, threads)
+            m_fast = peak_extra_mb(f"fast_{what}", batch, dtype, threads)
+            print(f"{what:>16} {t_naive:9.1f} {t_fast:9.1f} {t_fast / t_naive:9.2f}x "
+                  f"{m_naive:10.1f} {m_fast:9.1f} {m_fast / m_naive:8.3f}x")  # fmt: skip
+    print(f"\n== log-probs + entropy from hidden [{batch}, {T}, {D}] @ weight [{V}, {D}]ᵀ, float32 ==")
+    print(HEADER)
+    for what in ["hidden", "hidden+bwd"]:
+        t_naive = best_ms(_run(f"naive_{what}", batch, torch.float32), max(1, repeats // 2))
+        t_fast = best_ms(_run(f"fast_{what}", batch, torch.float32), max(1, repeats // 2))
+        m_naive = peak_extra_mb(f"naive_{what}", batch, "float32", threads)
+        m_fast = peak_extra_mb(f"fast_{what}", batch, "float32", threads)
+        print(f"{what:>16} {t_naive:9.1f} {t_fast:9.1f} {t_fast / t_naive:9.2f}x "
+              f"{m_naive:10.1f} {m_fast:9.1f} {m_fast / m_naive:8.3f}x")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady on a shared box)")
+    parser.add_argument("--batch", type=int, default=1, help="B of the log-prob benchmark")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--only", choices=["gae", "logprobs"], help="run one of the two parts")
+    parser.add_argument("--mem-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.mem_worker:
+        memory_worker(args.mem_worker, args.batch, args.dtype, args.threads)
+        return
+    torch.set_num_threads(args.threads)
+    cpu = torch.backends.cpu.get_cpu_capability()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU capability {cpu}")
+    if args.only != "logprobs":
+        bench_gae(args.quick)
+    if args.only != "gae":
+        bench_logprobs(args.batch, args.threads, args.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""KL(π ‖ π_ref) per token: estimators, coefficient controllers, and where the KL goes.
+
+Estimators of KL from samples y ~ π, with ``lr = log π(y) − log π_ref(y)``
+(Schulman 2020, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html):
+
+    k1 = lr,    abs = |lr|,    k2 = ½·lr²,    k3 = e^(−lr) − 1 + lr
+
+k1 is unbiased but can be negative per token, k3 is unbiased and >= 0, k2 is biased
+with low variance. Chosen by :class:`KLEstimator` through the ``KL_ESTIMATORS`` registry.
+
+The KL enters either the reward (:func:`kl_shaped_rewards`, the default: ``−β·kl_t`` on
+every response token, the sequence reward added at each row's last response token) or
+the loss (:func:`kl_loss`, ``β·agg(kl_t)``, as in GRPO). β comes from a controller:
+:class:`FixedKLController` or :class:`AdaptiveKLController` (Ziegler et al. 2019,
+"Fine-Tuning Language Models from Human Preferences", §2.2). Controllers are frozen;
+``update`` returns the next controller, so their state travels between tasks as data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import Callable, NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+
+from kernels.aggregation import LossAgg, aggregate
+from kernels.masked import as_bool_mask, masked_mean
+
+__all__ = [
+    "KLEstimator",
+    "KL_ESTIMATORS",
+    "kl_penalty",
+    "KLController",
+    "FixedKLController",
+    "AdaptiveKLController",
+    "KLControl",
+    "KLControllerConfig",
+    "make_kl_controller",
+    "KLShapedRewards",
+    "kl_shaped_rewards",
+    "KLLossOutput",
+    "kl_loss",
+]
+
+
+class KLEstimator(str, Enum):
+    K1 = "k1"
+    ABS = "abs"
+    K2 = "k2"
+    K3 = "k3"
+
+
+KL_ESTIMATORS: dict[KLEstimator, Callable[[Tensor], Tensor]] = {
+    KLEstimator.K1: lambda lr: lr,
+    KLEstimator.ABS: torch.abs,
+    KLEstimator.K2: lambda lr: 0.5 * lr * lr,
+    KLEstimator.K3: lambda lr: torch.expm1(-lr) + lr,  # expm1 keeps precision for small lr
+}
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: KLEstimator | str = KLEstimator.K1) -> Tensor:
+    """Per-token KL estimate from ``log π`` and ``log π_ref`` of the sampled tokens.
+
+    Shape: logp, ref_logp ``[B, T]`` → ``[B, T]`` (float32 or wider). Differentiable in both.
+    """
+    dtype = torch.promote_types(torch.promote_types(logp.dtype, ref_logp.dtype), torch.float32)
+    return KL_ESTIMATORS[KLEstimator(estimator)](logp.to(dtype) - ref_logp.to(dtype))
+
+
+class KLController(Protocol):
+    value: float
+
+    def update(self, current_kl: float, n_steps: int) -> "KLController": ...
+
+
+@dataclass(frozen=True)
+class FixedKLController:
+    """β that never changes."""
+
+    value: float
+    """the KL coefficient β"""
+
+    def update(self, current_kl: float, n_steps: int) -> "FixedKLController":
+        return self
+
+
+@dataclass(frozen=True)
+class AdaptiveKLController:
+    """β steered towards a target KL (Ziegler et al. 2019, §2.2):
+
+    ``e = clip(KL / target − 1, −0.2, 0.2)``,  ``β ← β·(1 + e·n_steps / horizon)``
+    """
+
+    value: float
+    """current β"""
+    target: float
+    """the KL per sequence to steer towards"""
+    horizon: float
+    """number of samples (steps) over which the error is corrected; larger is slower"""
+
+    def __post_init__(self) -> None:
+        if not (self.value >= 0 and self.target > 0 and self.horizon > 0):
+            raise ValueError(f"need value >= 0, target > 0, horizon > 0, got {self}")
+
+    def update(self, current_kl: float, n_steps: int) -> "AdaptiveKLController":
+        proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        return replace(self, value=self.value * (1.0 + proportional_error * n_steps / self.horizon))
+
+
+class KLControl(str, Enum):
+    FIXED = "fixed"
+    ADAPTIVE = "adaptive"
+
+
+@dataclass(frozen=True)
+class KLControllerConfig:
+    """Settings of the KL coefficient."""
+
+    kind: KLControl = KLControl.FIXED
+    """fixed or adaptive β"""
+    init_beta: float = 0.05
+    """β at the first iteration"""
+    target: float = 6.0
+    """adaptive only: target KL per sequence"""
+    horizon: float = 10000.0
+    """adaptive only: samples over which the error is corrected"""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", KLControl(self.kind))
+        if self.init_beta < 0 or self.target <= 0 or self.horizon <= 0:
+            raise ValueError(f"need init_beta >= 0, target > 0, horizon > 0, got {self}")
+
+
+KL_CONTROLLERS: dict[KLControl, Callable[[KLControllerConfig], KLController]] = {
+    KLControl.FIXED: lambda c: FixedKLController(c.init_beta),
+    KLControl.ADAPTIVE: lambda c: AdaptiveKLController(c.init_beta, c.target, c.horizon),
+}
+
+
+def make_kl_controller(config: KLControllerConfig) -> KLController:
+    return KL_CONTROLLERS[config.kind](config)
+
+
+class KLShapedRewards(NamedTuple):
+    token_rewards: Tensor  # [B, T], −β·kl_t, plus the sequence reward at the last token
+    kl: Tensor  # [B, T], the per-token estimate, 0 at masked positions
+    kl_per_seq: Tensor  # [B], Σ_t kl_t
+
+
+def kl_shaped_rewards(
+    reward: Tensor,
+    logp: Tensor,
+    ref_logp: Tensor,
+    mask: Tensor,
+    beta: float,
+    estimator: KLEstimator | str = KLEstimator.K1,
+) -> KLShapedRewards:
+    """Per-token rewards ``r_t = −β·kl_t + 1[t = last_b]·R_b`` on response tokens.
+
+    ``last_b`` is the last valid position of row b. A row without valid tokens gets no
+    reward (nowhere to put it). No gradient is meant to flow (rollout-time quantity).
+
+    Shape: reward ``[B]``, logp/ref_logp/mask ``[B, T]`` → ``[B, T]``, ``[B, T]``, ``[B]``.
+    """
+    m = as_bool_mask(mask)
+    B, T = m.shape
+    kl = torch.where(m, kl_penalty(logp, ref_logp, estimator), 0.0)  # [B, T]
+    token_rewards = -beta * kl
+    if T > 0:
+        positions = torch.arange(T, device=m.device).expand(B, T)
+        last = torch.where(m, positions, -1).amax(dim=-1, keepdim=True)  # [B, 1], -1 if none
+        seq_reward = torch.where(m.any(-1), reward.to(kl.dtype), 0.0).unsqueeze(1)  # [B, 1]
+        token_rewards = token_rewards.scatter_add(1, last.clamp(min=0), seq_reward)
+    return KLShapedRewards(token_rewards, kl, kl.sum(-1))
+
+
+class KLLossOutput(NamedTuple):
+    loss: Tensor  # scalar, β·agg(kl)
+    kl: Tensor  # scalar, masked token mean of kl (detached)
+
+
+def kl_loss(
+    logp: Tensor,
+    ref_logp: Tensor,
+    mask: Tensor,
+    beta: float,
+    estimator: KLEstimator | str = KLEstimator.K3,
+    agg: LossAgg | str = LossAgg.TOKEN_MEAN,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> KLLossOutput:
+    """KL as a loss term, ``β·agg(kl_t)`` (GRPO, Shao et al. 2024, eq. 3-4 with k3).
+
+    Shape: logp, ref_logp, mask ``[B, T]``; gradient flows through ``logp``.
+    """
+    kl = kl_penalty(logp, ref_logp, estimator)  # [B, T]
+    loss = beta * aggregate(kl, mask, agg, num_tokens, num_seqs)
+    return KLLossOutput(loss, masked_mean(kl.detach(), mask))
