@@ -1,0 +1,211 @@
+"""Hugging Face checkpoint directories on any fsspec URL, committed by a final marker.
+
+A checkpoint at ``url`` is whole only if ``{url}/COMMITTED.json`` exists; the marker is
+written last and lists every file with its size and sha256. Writing goes
+
+    local dir --upload--> {url}.tmp-{uuid}/ --move--> {url}/ --then--> {url}/COMMITTED.json
+
+so a crash at any point leaves either no marker (refused on read) or a whole checkpoint.
+Reading verifies sizes and checksums against the marker.
+
+No pickle anywhere: only safetensors, JSON, text and tokenizer files are accepted, on
+write and on read (nothing loaded from storage may execute code).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from typing import Any, Dict, Mapping, Optional
+
+from models import storage
+
+MARKER = "COMMITTED.json"
+ALLOWED_SUFFIXES = (".safetensors", ".json", ".txt", ".model", ".jinja", ".md")
+"""Files a checkpoint may hold: weights (safetensors), configs and tokenizer files
+(``tokenizer.json``, ``vocab.txt``, ``merges.txt``, sentencepiece ``*.model``, chat
+template ``*.jinja``), and a model card."""
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib", ".npy", ".npz")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is not committed, corrupted, or holds a file that is not allowed."""
+
+
+def check_file_allowed(rel_path: str, where: str) -> None:
+    """Raise :class:`CheckpointError` unless ``rel_path`` may be in a checkpoint."""
+    name = rel_path.lower()
+    if name.endswith(PICKLE_SUFFIXES):
+        raise CheckpointError(
+            f"checkpoint {where} contains '{rel_path}', a pickle-based file; only safetensors "
+            f"weights are allowed (save with safe_serialization=True) — pickle can execute code")
+    if not name.endswith(ALLOWED_SUFFIXES):
+        raise CheckpointError(f"checkpoint {where} contains '{rel_path}', which is not an allowed "
+                              f"file type {ALLOWED_SUFFIXES}")
+
+
+def file_digest(path: str) -> Dict[str, Any]:
+    """``{"size": bytes, "sha256": hex}`` of a local file (read in 8 MiB blocks)."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(8 << 20), b""):
+            sha.update(block)
+    return {"size": os.path.getsize(path), "sha256": sha.hexdigest()}
+
+
+def _local_files(local_dir: str) -> Dict[str, str]:
+    """``{relative posix path: absolute path}``; hidden files/dirs (e.g. ``.cache``) skipped."""
+    files = {}
+    for dirpath, dirnames, names in os.walk(local_dir):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(n for n in names if not n.startswith(".")):
+            full = os.path.join(dirpath, name)
+            files[os.path.relpath(full, local_dir).replace(os.sep, "/")] = full
+    return files
+
+
+def save_checkpoint(local_dir: str, url: str, overwrite: bool = False) -> Mapping[str, Any]:
+    """Commit the HF directory ``local_dir`` to ``url``; returns the marker's content.
+
+    Refuses pickle files and unknown file types before uploading anything. An existing
+    committed checkpoint at ``url`` is replaced only with ``overwrite`` (after the upload
+    to the temporary prefix succeeded; its marker is removed first); leftovers of a crashed
+    write (no marker) are removed.
+    """
+    files = _local_files(local_dir)
+    files.pop(MARKER, None)  # a downloaded copy carries its old marker; a new one is written
+    if not files:
+        raise CheckpointError(f"save_checkpoint: no files in {local_dir}")
+    for rel in files:
+        check_file_allowed(rel, local_dir)
+    if "config.json" not in files:
+        raise CheckpointError(f"save_checkpoint: {local_dir} has no config.json (not an HF directory)")
+    manifest = {rel: file_digest(path) for rel, path in files.items()}
+    if is_committed(url) and not overwrite:
+        raise FileExistsError(f"checkpoint {url} is already committed (pass overwrite=True to replace it)")
+    tmp = f"{url.rstrip('/')}.tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        for rel, path in files.items():  # a failed upload leaves any old checkpoint intact
+            storage.put_file(path, storage.join(tmp, rel))
+        storage.remove(storage.join(url, MARKER))  # uncommit first: a crash now leaves no marker
+        storage.remove(url, recursive=True)
+        storage.move_dir(tmp, url)
+    finally:
+        storage.remove(tmp, recursive=True)
+    marker = {"format": 1, "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              "files": manifest}
+    storage.write_json(storage.join(url, MARKER), marker)
+    return marker
+
+
+def save_model_checkpoint(model: Any, tokenizer: Any, url: str, overwrite: bool = False,
+                          state_dict: Optional[Mapping[str, Any]] = None) -> Mapping[str, Any]:
+    """``save_pretrained`` (safetensors) ``model`` and ``tokenizer`` (may be None), then commit.
+
+    ``state_dict``: the full weights when the model's own are sharded (FSDP2)."""
+    with tempfile.TemporaryDirectory(prefix="ckpt-") as tmp:
+        kwargs = {"state_dict": dict(state_dict)} if state_dict is not None else {}
+        model.save_pretrained(tmp, safe_serialization=True, **kwargs)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        return save_checkpoint(tmp, url, overwrite=overwrite)
+
+
+def is_committed(url: str) -> bool:
+    """True if ``{url}/COMMITTED.json`` exists."""
+    return storage.exists(storage.join(url, MARKER))
+
+
+def read_marker(url: str) -> Mapping[str, Any]:
+    """The commit marker of ``url``; refuses an uncommitted checkpoint and any listed pickle."""
+    marker_url = storage.join(url, MARKER)
+    if not storage.exists(marker_url):
+        raise CheckpointError(f"checkpoint {url} is not committed (no {MARKER}) — it may be partial "
+                              f"from a crashed run")
+    marker = storage.read_json(marker_url)
+    if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
+        raise CheckpointError(f"checkpoint {url}: malformed {MARKER}")
+    for rel in set(marker["files"]) | set(storage.list_files(url)):
+        check_file_allowed(rel, url)  # also files not in the marker: never leave a pickle beside
+    return marker
+
+
+def verify_local(local_dir: str, marker: Mapping[str, Any], url: str) -> None:
+    """Check every file of ``marker`` in ``local_dir`` for size and sha256; errors name file and URL."""
+    for rel, want in marker["files"].items():
+        path = os.path.join(local_dir, *rel.split("/"))
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint {url}: file '{rel}' listed in {MARKER} is missing")
+        got = file_digest(path)
+        if got["size"] != want["size"]:
+            raise CheckpointError(f"checkpoint {url}: file '{rel}' has {got['size']} bytes, "
+                                  f"{MARKER} says {want['size']}")
+        if got["sha256"] != want["sha256"]:
+            raise CheckpointError(f"checkpoint {url}: file '{rel}' fails its sha256 check "
+                                  f"(corrupted or changed after commit)")
+
+
+def download_checkpoint(url: str, local_dir: Optional[str] = None, verify: bool = True) -> str:
+    """A local, verified copy of the committed checkpoint at ``url``; returns its path.
+
+    A local committed checkpoint is used in place (no copy) when ``local_dir`` is None.
+    Otherwise the marker's files are downloaded next to ``local_dir``, checked against the
+    marker, and renamed into ``local_dir`` (default: a new temporary folder the caller
+    owns) with a copy of the marker, so the copy is itself a committed checkpoint. A
+    ``local_dir`` that already holds this checkpoint is reused; any other non-empty one
+    is refused.
+    """
+    marker = read_marker(url)
+    if storage.is_local(url) and local_dir is None:
+        path = storage.local_path(url)
+        if verify:
+            verify_local(path, marker, url)
+        return path
+    local_dir = os.path.abspath(local_dir or tempfile.mkdtemp(prefix="ckpt-"))
+    if _holds(local_dir, marker):
+        if verify:
+            verify_local(local_dir, marker, url)
+        return local_dir
+    if os.path.isdir(local_dir) and os.listdir(local_dir):
+        raise CheckpointError(f"download_checkpoint({url}): {local_dir} is not empty and holds "
+                              f"a different checkpoint")
+    tmp = f"{local_dir.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        for rel in marker["files"]:
+            storage.get_file(storage.join(url, rel), os.path.join(tmp, *rel.split("/")))
+        if verify:
+            verify_local(tmp, marker, url)
+        with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
+            json.dump(marker, f, indent=2, sort_keys=True)
+        if os.path.isdir(local_dir):
+            os.rmdir(local_dir)  # empty (checked above)
+        os.replace(tmp, local_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return local_dir
+
+
+def _holds(local_dir: str, marker: Mapping[str, Any]) -> bool:
+    path = os.path.join(local_dir, MARKER)
+    if not os.path.isfile(path):
+        return False
+    with open(path, encoding="utf-8") as f:
+        return json.load(f).get("files") == marker["files"]
+
+
+def load_model(url: str, auto_cls: Any, **kwargs: Any) -> Any:
+    """``auto_cls.from_pretrained`` on the verified checkpoint at ``url`` (safetensors only,
+    no remote code). A remote checkpoint is downloaded to a temporary folder, removed after
+    loading."""
+    if kwargs.get("trust_remote_code"):
+        raise CheckpointError(f"load_model({url}): trust_remote_code is not allowed")
+    kwargs["use_safetensors"] = True
+    if storage.is_local(url):
+        return auto_cls.from_pretrained(download_checkpoint(url), **kwargs)
+    with tempfile.TemporaryDirectory(prefix="ckpt-") as tmp:
+        return auto_cls.from_pretrained(download_checkpoint(url, tmp), **kwargs)

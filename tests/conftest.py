@@ -1,0 +1,98 @@
+"""Shared fixtures: a real S3 API (moto's server, loopback only) for storage tests.
+
+``s3_server`` (session) starts ``python -m moto.server`` as a subprocess (its own process,
+so no in-process moto patching can leak into other tests) and creates a bucket.
+``s3_env`` points the standard AWS/fsspec environment at it for one test, and ``s3_url``
+gives each test a fresh ``s3://bucket/<test-prefix>``.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+
+import pytest
+
+BUCKET = "rlhf-test"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(endpoint: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"moto server exited with code {proc.returncode}")
+        try:
+            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"moto server at {endpoint} not ready after {timeout_s}s")
+
+
+def _clear_s3fs_cache() -> None:
+    try:
+        import s3fs
+    except ImportError:  # pragma: no cover
+        return
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """Endpoint URL of a moto S3 server on 127.0.0.1 with a bucket ``BUCKET`` (one per session).
+
+    The environment is left alone here; :func:`s3_env` points it at the server per test.
+    """
+    port = _free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_ready(endpoint, proc)
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                     aws_secret_access_key="testing").create_bucket(Bucket=BUCKET)
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """Standard AWS/fsspec environment pointing at the moto server, for one test.
+
+    Sets ``AWS_ENDPOINT_URL``, ``FSSPEC_S3_ENDPOINT_URL``, dummy credentials and region;
+    clears s3fs's instance cache before and after so no filesystem keeps a stale endpoint.
+    """
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3_server,
+                       "FSSPEC_S3_ENDPOINT_URL": s3_server}.items():
+        monkeypatch.setenv(key, value)
+    for key in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(key, raising=False)
+    _clear_s3fs_cache()
+    yield s3_server
+    _clear_s3fs_cache()
+
+
+@pytest.fixture
+def s3_url(s3_env, request):
+    """A fresh ``s3://rlhf-test/<test name>-<uuid>`` prefix on the moto server."""
+    name = "".join(c if c.isalnum() else "-" for c in request.node.name)[:40]
+    return f"s3://{BUCKET}/{name}-{uuid.uuid4().hex[:8]}"

@@ -1,0 +1,118 @@
+"""Reward plug-ins: spec resolution and result validation, with errors that name the culprit."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from models.rewards import RewardError, RewardSource, compute_rewards, resolve_reward_fn
+from models.task import reverse_reward
+
+HERE = "tests.unit.models.test_rewards"
+NOT_CALLABLE = 3.0
+
+
+def length_reward(prompts, responses):
+    """Plug-in defined in the test module: response length."""
+    return [len(r) for r in responses]
+
+
+def fails_on_boom(prompts, responses):
+    if "boom" in responses:
+        raise KeyError("boom")
+    return [0.0] * len(responses)
+
+
+class Scorer:
+    @staticmethod
+    def score(prompts, responses):
+        return [1.0] * len(prompts)
+
+
+def test_resolve_the_task_reward_and_a_test_module_function():
+    assert resolve_reward_fn("models.task:reverse_reward") is reverse_reward
+    fn = resolve_reward_fn(f"{HERE}:length_reward")
+    assert compute_rewards(fn, ["a=", "b="], ["xyz", ""]) == [3.0, 0.0]
+    assert resolve_reward_fn(f"{HERE}:Scorer.score")(["p"], ["r"]) == [1.0]
+
+
+def test_functions_satisfy_the_protocol():
+    assert isinstance(reverse_reward, RewardSource)
+    assert not isinstance(NOT_CALLABLE, RewardSource)
+
+
+@pytest.mark.parametrize("spec", ["models.task.reverse_reward", "a:b:c", ":fn", "models.task:", "", None])
+def test_malformed_spec(spec):
+    with pytest.raises(RewardError, match="must look like 'package.module:function'"):
+        resolve_reward_fn(spec)
+
+
+def test_module_not_found():
+    with pytest.raises(RewardError, match="cannot import module 'no_such_module_xyz'"):
+        resolve_reward_fn("no_such_module_xyz:fn")
+
+
+def test_attribute_missing():
+    with pytest.raises(RewardError, match=f"module '{HERE}' has no attribute 'missing_fn'"):
+        resolve_reward_fn(f"{HERE}:missing_fn")
+
+
+def test_not_callable():
+    with pytest.raises(RewardError, match="'NOT_CALLABLE' is a float, not callable"):
+        resolve_reward_fn(f"{HERE}:NOT_CALLABLE")
+
+
+def test_valid_results_become_floats():
+    out = compute_rewards(lambda p, r: [1, 0.5, np.float32(0.25)], ["a"] * 3, ["b"] * 3)
+    assert out == [1.0, 0.5, 0.25] and all(type(x) is float for x in out)
+    assert compute_rewards(lambda p, r: torch.tensor([0.5, 2.0]), ["a"] * 2, ["b"] * 2) == [0.5, 2.0]
+    assert compute_rewards(lambda p, r: np.array([-1.0]), ["a"], ["b"]) == [-1.0]
+    assert compute_rewards(reverse_reward, ["abc=", "abc="], ["cba", "c"]) == [1.0, pytest.approx(1 / 3)]
+
+
+def test_wrong_length_names_the_spec():
+    with pytest.raises(RewardError, match=r"reward 'my:spec' returned 2 values for 3 samples"):
+        compute_rewards(lambda p, r: [0.0, 0.0], ["a"] * 3, ["b"] * 3, spec="my:spec")
+
+
+def test_input_length_mismatch():
+    with pytest.raises(RewardError, match="2 prompts but 1 responses"):
+        compute_rewards(reverse_reward, ["a=", "b="], ["a"])
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ("0.5", r"sample 2 got '0.5' \(str\), expected a real number"),
+        (None, r"sample 2 got None"),
+        (True, r"sample 2 got True \(bool\)"),
+        ([1.0], r"sample 2 got \[1.0\] \(list\)"),
+        (math.nan, r"sample 2 got non-finite value nan"),
+        (-math.inf, r"sample 2 got non-finite value -inf"),
+    ],
+)
+def test_invalid_value_names_the_sample(bad, match):
+    fn = lambda p, r: [0.0, 1.0, bad, 0.0]  # noqa: E731
+    with pytest.raises(RewardError, match=match):
+        compute_rewards(fn, ["a"] * 4, ["b"] * 4, spec="x:y")
+
+
+def test_non_sequence_result():
+    with pytest.raises(RewardError, match="returned float, expected a list of floats"):
+        compute_rewards(lambda p, r: 1.0, ["a"], ["b"])
+
+
+def test_raising_function_names_spec_and_first_failing_sample():
+    fn = resolve_reward_fn(f"{HERE}:fails_on_boom")
+    with pytest.raises(RewardError) as info:
+        compute_rewards(fn, ["a", "b", "c"], ["ok", "boom", "boom"])
+    msg = str(info.value)
+    assert f"'{HERE}:fails_on_boom'" in msg  # default name from the function itself
+    assert "first failing sample: 1" in msg and "KeyError" in msg
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_task_reward_on_malformed_prompt_is_a_reward_error():
+    with pytest.raises(RewardError, match=r"'models.task:reverse_reward'.*first failing sample: 1"):
+        compute_rewards(reverse_reward, ["ab=", "no separator"], ["ba", "x"], spec="models.task:reverse_reward")

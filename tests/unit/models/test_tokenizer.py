@@ -1,0 +1,98 @@
+"""Character tokenizer: ids, exact round trips, save/load through AutoTokenizer."""
+
+import json
+import string
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+
+from models.tokenizer import DEFAULT_ALPHABET, SPECIAL_TOKENS, build_char_tokenizer, save_tokenizer
+
+
+_TOK = build_char_tokenizer()  # shared by the hypothesis test, which cannot take fixtures
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return _TOK
+
+
+def test_special_token_ids_and_vocab_size(tok):
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+    assert (tok.pad_token, tok.bos_token, tok.eos_token, tok.unk_token) == ("<pad>", "<bos>", "<eos>", "<unk>")
+    assert len(DEFAULT_ALPHABET) == 95
+    assert len(tok) == 99
+
+
+def test_default_alphabet_covers_task_characters():
+    for ch in string.ascii_lowercase + string.digits + " =":
+        assert ch in DEFAULT_ALPHABET
+
+
+def test_encode_is_bos_then_one_id_per_character(tok):
+    # hand-worked: ids are 4 + position in the alphabet
+    s = "ab c=1"
+    expected = [1] + [4 + DEFAULT_ALPHABET.index(c) for c in s]
+    assert tok(s).input_ids == expected
+    assert tok("").input_ids == [1]
+    assert tok(s, add_special_tokens=False).input_ids == expected[1:]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=DEFAULT_ALPHABET, max_size=40))
+def test_round_trip_is_exact(s):
+    # The literal texts "<pad>", "<eos>", ... are the one exception: they encode to the
+    # special ids, as in every HF tokenizer (tested below).
+    assume(not any(special in s for special in SPECIAL_TOKENS))
+    tok = _TOK
+    ids = tok(s).input_ids
+    assert len(ids) == len(s) + 1
+    assert tok.decode(ids, skip_special_tokens=True) == s
+    assert tok.decode(ids) == "<bos>" + s
+
+
+def test_whitespace_and_digits_are_not_normalised(tok):
+    for s in ["  a  b  ", "007", " ", "x = 10 ", "a" * 30]:
+        assert tok.decode(tok(s).input_ids, skip_special_tokens=True) == s
+
+
+def test_unknown_characters_map_to_unk(tok):
+    assert tok("a\u00e9\n", add_special_tokens=False).input_ids == [4 + DEFAULT_ALPHABET.index("a"), 3, 3]
+
+
+def test_special_token_text_encodes_to_special_id(tok):
+    ids = tok("ab<eos>", add_special_tokens=False).input_ids
+    assert ids[-1] == tok.eos_token_id and len(ids) == 3
+
+
+def test_batch_padding_uses_pad_id_on_the_right(tok):
+    enc = tok(["ab", "abcd"], padding=True)
+    assert enc.input_ids[0][-2:] == [0, 0]
+    assert enc.attention_mask[0] == [1, 1, 1, 0, 0]
+
+
+def test_custom_alphabet_and_its_checks():
+    small = build_char_tokenizer("xy")
+    assert len(small) == 6
+    assert small("yx").input_ids == [1, 5, 4]
+    with pytest.raises(ValueError, match="repeated"):
+        build_char_tokenizer("abca")
+    with pytest.raises(ValueError, match="empty"):
+        build_char_tokenizer("")
+    with pytest.raises(ValueError, match="printable"):
+        build_char_tokenizer("ab\n")
+
+
+def test_save_and_load_with_auto_tokenizer(tok, tmp_path):
+    save_tokenizer(tok, tmp_path)
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in tmp_path.iterdir()}
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    loaded = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert (loaded.pad_token_id, loaded.bos_token_id, loaded.eos_token_id, loaded.unk_token_id) == (0, 1, 2, 3)
+    for s in ["hello world=", "  9 ", "<eos>z"]:
+        assert loaded(s).input_ids == tok(s).input_ids
+        assert loaded.decode(loaded(s).input_ids, skip_special_tokens=True) == tok.decode(
+            tok(s).input_ids, skip_special_tokens=True
+        )
