@@ -1,0 +1,154 @@
+"""The update loop shared by the actor and the critic: epochs of shuffled minibatches,
+gradient accumulation over micro-batches, global-token normalisation across ranks,
+gradient clipping (as in PPO, Schulman et al. 2017, and the anchors' trainers).
+
+Losses are aggregated with the *global* token (or sequence) count of each minibatch, summed
+over every rank, and multiplied by the world size because DDP/FSDP average gradients: the
+gradient is then exactly that of the one-process minibatch loss, whatever the rank count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from kernels.kl import kl_loss
+from kernels.losses import PolicyLossConfig, PolicyLossInput, policy_loss, value_loss
+from models.distributed import DistInfo, all_reduce_mean_dict, all_reduce_sum, no_grad_sync
+
+
+class UpdateData(NamedTuple):
+    """One rank's rows, padded. Optional fields are ``None`` when the loss does not use them."""
+
+    input_ids: torch.Tensor  # [N, L]
+    attention_mask: torch.Tensor  # [N, L]
+    response_positions: torch.Tensor  # [N, T]
+    response_mask: torch.Tensor  # [N, T] bool
+    old_logp: Optional[torch.Tensor] = None  # [N, T]
+    adv: Optional[torch.Tensor] = None  # [N, T]
+    sampler_logp: Optional[torch.Tensor] = None  # [N, T]
+    ref_logp: Optional[torch.Tensor] = None  # [N, T]
+    old_values: Optional[torch.Tensor] = None  # [N, T]
+    returns: Optional[torch.Tensor] = None  # [N, T]
+
+    def rows(self, idx: torch.Tensor, device) -> "UpdateData":
+        """Rows ``idx``, trimmed to their longest sequence/response, on ``device``."""
+        sub = [None if t is None else t[idx] for t in self]
+        L = int(sub[1].sum(1).max().item()) if len(idx) else 1
+        T = int(sub[3].sum(1).max().item()) if len(idx) else 0
+        out = []
+        for name, t in zip(self._fields, sub):
+            if t is None:
+                out.append(None)
+                continue
+            t = t[:, :L] if name in ("input_ids", "attention_mask") else t[:, :T]
+            if name == "response_positions":  # padded entries pointed past the trimmed width
+                t = t.clamp(max=max(L - 1, 0))
+            out.append(t.to(device))
+        return UpdateData(*out)
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """Shape of the loop: passes, global minibatch, per-rank micro-batch, clipping, seed."""
+
+    epochs: int
+    minibatch_size: int
+    micro_batch_size: int
+    grad_clip: float
+    seed: int
+
+
+LossFn = Callable[[nn.Module, UpdateData, float, float], tuple]
+"""``(model, micro, mb_tokens, mb_seqs) -> (scalar loss, {stat: tensor})``."""
+
+
+def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, data: UpdateData, loss_fn: LossFn,
+               settings: LoopSettings, info: DistInfo) -> Dict[str, float]:
+    """Train ``model`` on this rank's ``data``; returns statistics averaged over steps and ranks."""
+    n_local = data.input_ids.shape[0]
+    local_mb = max(settings.minibatch_size // info.world_size, 1)
+    gen = torch.Generator().manual_seed(settings.seed * 1_000_003 + info.rank)
+    sums: Dict[str, float] = {}
+    steps = 0
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.train()
+    for _ in range(settings.epochs):
+        perm = torch.randperm(n_local, generator=gen)
+        for start in range(0, n_local, local_mb):
+            mb = perm[start:start + local_mb]
+            mb_tokens = float(all_reduce_sum(data.response_mask[mb].sum().double()))
+            mb_seqs = float(all_reduce_sum(data.response_mask[mb].any(-1).sum().double()))
+            optimizer.zero_grad(set_to_none=True)
+            micros = mb.split(settings.micro_batch_size)
+            step_stats: Dict[str, float] = {}
+            for j, idx in enumerate(micros):
+                micro = data.rows(idx, info.device)
+                with no_grad_sync(model, active=j < len(micros) - 1):
+                    loss, stats = loss_fn(model, micro, mb_tokens, mb_seqs)
+                    (loss * info.world_size).backward()
+                w = float(micro.response_mask.sum()) / max(mb_tokens / info.world_size, 1.0)
+                for k, v in stats.items():
+                    step_stats[k] = step_stats.get(k, 0.0) + float(v) * w
+                step_stats["loss"] = step_stats.get("loss", 0.0) + float(loss.detach()) * info.world_size
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
+            optimizer.step()
+            step_stats["grad_norm"] = float(grad_norm)
+            for k, v in step_stats.items():
+                sums[k] = sums.get(k, 0.0) + v
+            steps += 1
+    means = {k: v / max(steps, 1) for k, v in sums.items()}
+    means["lr"] = float(optimizer.param_groups[0]["lr"])
+    means["steps"] = float(steps)
+    return all_reduce_mean_dict(means)
+
+
+def actor_loss_fn(cfg: PolicyLossConfig, temperature: float, kl_beta: float = 0.0,
+                  kl_estimator: str = "k3") -> LossFn:
+    """Clipped-surrogate (or REINFORCE) loss, entropy bonus, optional KL-in-loss term."""
+
+    def fn(model: nn.Module, m: UpdateData, mb_tokens: float, mb_seqs: float):
+        logp, ent = model(m, temperature=temperature, with_entropy=True)  # [b, T], [b, T]
+        out = policy_loss(PolicyLossInput(logp, m.old_logp, m.adv, m.response_mask, ent, m.sampler_logp),
+                          cfg, num_tokens=mb_tokens, num_seqs=mb_seqs)
+        loss = out.loss
+        stats = {"pg_loss": out.pg_loss.detach(), "clip_frac": out.clip_frac, "approx_kl": out.approx_kl,
+                 "entropy": out.entropy, "ratio_mean": out.ratio_mean}
+        if kl_beta > 0 and m.ref_logp is not None:
+            kl = kl_loss(logp, m.ref_logp, m.response_mask, kl_beta, kl_estimator, cfg.agg, mb_tokens, mb_seqs)
+            loss = loss + kl.loss
+            stats["kl_loss"] = kl.loss.detach()
+            stats["ref_kl"] = kl.kl
+        return loss, stats
+
+    return fn
+
+
+def critic_loss_fn(value_clip: Optional[float]) -> LossFn:
+    """Clipped value regression ``½·max((V_clip−G)², (V−G)²)`` (token mean)."""
+
+    def fn(model: nn.Module, m: UpdateData, mb_tokens: float, mb_seqs: float):
+        values = model(m)  # [b, T]
+        out = value_loss(values, m.old_values, m.returns, m.response_mask, value_clip,
+                         num_tokens=mb_tokens, num_seqs=mb_seqs)
+        return out.loss, {"value_clip_frac": out.clip_frac, "explained_variance": out.explained_variance,
+                          "values_mean": out.values_mean}
+
+    return fn
+
+
+def make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """AdamW over trainable parameters only (with LoRA that is the adapters alone)."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                             weight_decay=weight_decay)
+
+
+def stat_keys(prefix: str, stats: Dict[str, float]) -> Dict[str, float]:
+    return {f"{prefix}/{k}": v for k, v in stats.items()}
+
+
+__all__: List[str] = ["UpdateData", "LoopSettings", "run_update", "actor_loss_fn", "critic_loss_fn",
+                      "make_optimizer", "stat_keys"]

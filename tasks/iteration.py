@@ -1,0 +1,125 @@
+"""Bookkeeping tasks of a run: ``commit_iteration`` (the resume point, metrics, retention),
+``evaluate`` (held-out prompts) and ``finish_run`` (summary)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List
+
+import numpy as np
+from flytekit import Resources, task
+
+from kernels.kl import AdaptiveKLController
+from models import storage
+from models.checkpoint import is_committed
+from models.engines import close_engines
+from models.rollout import sample
+from models.rewards import compute_rewards, resolve_reward_fn
+from tasks import tracking
+from tasks.batch import RolloutBatch
+from tasks.common import read_prompts, load_tokenizer
+from tasks.config import TrainConfig
+from tasks.rollout import engine_for, sampling_spec
+from tasks.run_layout import RunState
+from tasks.types import PolicyState, RunHandle
+
+
+def next_kl_coef(cfg: TrainConfig, state: PolicyState, stats: Dict[str, float]) -> float:
+    if not cfg.kl.adaptive:
+        return state.kl_coef
+    ctl = AdaptiveKLController(state.kl_coef, cfg.kl.target, cfg.kl.horizon)
+    return ctl.update(stats.get("rollout/init_policy_kl", 0.0), cfg.rollout.samples_per_iteration).value
+
+
+def sample_table(batch: RolloutBatch, n: int) -> Dict[str, list]:
+    """The first ``n`` samples: prompt, response, reward, KL(π_old‖π_ref) summed over the response."""
+    t = batch.table.slice(0, n)
+    kl = [float(np.sum(np.asarray(o) - np.asarray(r))) for o, r in
+          zip(t.column("old_logprobs").to_pylist(), t.column("ref_logprobs").to_pylist())]
+    return {"prompt": t.column("prompt").to_pylist(), "response": t.column("response").to_pylist(),
+            "reward": [float(x) for x in t.column("reward").to_pylist()], "kl": kl}
+
+
+def prune_checkpoints(cfg: TrainConfig, run: RunHandle, iteration: int) -> None:
+    """Keep every ``save_interval``-th iteration's checkpoints and the newest; drop the one before."""
+    prev = iteration - 1
+    if prev < 0 or (prev + 1) % cfg.run.save_interval == 0:
+        return
+    for url in (run.layout.actor_url(prev), run.layout.critic_url(prev)):
+        storage.remove(url, recursive=True)
+
+
+def run_commit(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List[Dict[str, float]],
+               batch: RolloutBatch, actor_url: str, critic_url: str) -> PolicyState:
+    merged: Dict[str, float] = {}
+    for s in stats:
+        merged.update(s)
+    i = state.iteration
+    kl = next_kl_coef(cfg, state, merged)
+    run.layout.write_state(RunState(iteration=i, actor_url=actor_url, critic_url=critic_url or None,
+                                    extras={"kl_coef": kl}))
+    tracking.log_metrics(run.mlflow_run_id, merged, step=i)
+    tracking.log_table(run.mlflow_run_id, sample_table(batch, cfg.run.num_logged_samples),
+                       f"samples/iter-{i:06d}.json")
+    if (i + 1) % cfg.run.save_interval == 0 or i + 1 == cfg.run.num_iterations:
+        tracking.set_tags(run.mlflow_run_id, {f"checkpoint.iter-{i:06d}.actor": actor_url,
+                                              f"checkpoint.iter-{i:06d}.critic": critic_url or "-"})
+    prune_checkpoints(cfg, run, i)
+    return PolicyState(i + 1, actor_url, critic_url, kl)
+
+
+@task(retries=2, requests=Resources(cpu="1", mem="2Gi"))
+def commit_iteration(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List[Dict[str, float]],
+                     batch: RolloutBatch, actor_url: str, critic_url: str) -> PolicyState:
+    """Write ``state.json`` (the resume point), log the iteration's metrics and samples, prune checkpoints."""
+    return run_commit(cfg, run, state, stats, batch, actor_url, critic_url)
+
+
+def run_evaluate(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> float:
+    prompts, ids = read_prompts(run.eval_prompts_url)
+    tok = load_tokenizer(run.reference_url)
+    engine = engine_for(cfg, state.actor_url)
+    spec = sampling_spec(cfg, tok, cfg.run.seed, 1, cfg.rollout.eval_temperature)
+    cols = sample(engine, tok, prompts, ids, spec)
+    if cfg.reward.source != "function":
+        raise ValueError("evaluation needs reward.source=function in this build")
+    rewards = compute_rewards(resolve_reward_fn(cfg.reward.function), cols.prompt, cols.response,
+                              spec=cfg.reward.function)
+    value = float(np.mean(rewards))
+    tracking.log_metrics(run.mlflow_run_id, {"eval/reward_mean": value}, step=state.iteration - 1)
+    return value
+
+
+@task(retries=2, requests=Resources(cpu="2", mem="8Gi"))
+def evaluate(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> float:
+    """Mean reward on the held-out prompts of the policy in ``state`` (logged at the iteration that made it)."""
+    return run_evaluate(cfg, run, state)
+
+
+@dataclass(frozen=True)
+class TrainingSummary:
+    """What a finished run reports."""
+
+    run_url: str
+    mlflow_run_id: str
+    iterations: int
+    reward_first: float
+    reward_last: float
+    final_actor_url: str
+
+
+def run_finish(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> TrainingSummary:
+    hist = [v for _, v in tracking.metric_history(run.mlflow_run_id, "rollout/reward_mean")]
+    first = hist[0] if hist else float("nan")
+    last = float(np.mean(hist[-2:])) if hist else float("nan")
+    tracking.end_run(run.mlflow_run_id)
+    close_engines()
+    if not is_committed(state.actor_url):
+        raise RuntimeError(f"final actor checkpoint {state.actor_url} is not committed")
+    return TrainingSummary(run.layout.url, run.mlflow_run_id, state.iteration, first, last, state.actor_url)
+
+
+@task(retries=1)
+def finish_run(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> TrainingSummary:
+    """Close the MLflow run and summarise (first iteration's reward, mean of the last two)."""
+    return run_finish(cfg, run, state)

@@ -1,0 +1,16 @@
+"""``prepare_run`` task: the entry of every training workflow (new run or resume)."""
+
+from __future__ import annotations
+
+from typing import List
+
+from flytekit import Resources, task
+
+from tasks.setup import RunSetup, setup_run
+
+
+@task(retries=1, requests=Resources(cpu="2", mem="8Gi"))
+def prepare_run(preset: str, overrides: List[str], run_name: str, algorithm: str) -> RunSetup:
+    """Load and check the config, validate prompts before any model loads, lay out the run
+    (reference policy, initial critic, prompts), start the MLflow run; or resume ``run_name``."""
+    return setup_run(preset, overrides, run_name, algorithm)

@@ -1,0 +1,96 @@
+"""``score`` task: π_old and π_ref log-probs, critic values and the sequence reward for a batch."""
+
+from __future__ import annotations
+
+from typing import Dict, NamedTuple
+
+import numpy as np
+from flytekit import Resources, task
+
+from models.policy import CriticValues, PolicyLogprobs
+from models.reward_sources import FunctionReward, ModelReward, check_rewards
+from models.scoring import score_microbatches
+from tasks import ragged
+from tasks.batch import RolloutBatch
+import pyarrow as pa
+from tasks.batch_tensors import model_inputs
+from tasks.common import CACHE_VERSION, load_hf, load_tokenizer, timed
+from tasks.config import TrainConfig
+from tasks.types import PolicyState, RunHandle
+
+
+class ScoreOutput(NamedTuple):
+    batch: RolloutBatch
+    stats: Dict[str, float]
+
+
+def micro_batches(batch: RolloutBatch, size: int, pad_id: int):
+    """Model inputs of consecutive row slices (each padded to its own longest row)."""
+    table = batch.table
+    for start in range(0, table.num_rows, size):
+        yield model_inputs(table.slice(start, size), pad_id)
+
+
+def reward_source(cfg: TrainConfig, run: RunHandle):
+    from transformers import AutoModelForSequenceClassification
+
+    if cfg.reward.source == "function":
+        return FunctionReward(cfg.reward.function)
+    if cfg.reward.source == "model":
+        return ModelReward(load_hf(run.reward_model_url, AutoModelForSequenceClassification), run.reward_model_url)
+    raise ValueError(f"reward.source={cfg.reward.source!r} is not available in this build")
+
+
+def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> ScoreOutput:
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    stats: Dict[str, float] = {}
+    dtype = cfg.model.dtype
+    with timed(stats, "time/score_s"):
+        tok = load_tokenizer(run.reference_url)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        size = max(cfg.actor.micro_batch_size, 1) * 2
+        actor = PolicyLogprobs(load_hf(state.actor_url, AutoModelForCausalLM, dtype)).eval()
+        ref = PolicyLogprobs(load_hf(run.reference_url, AutoModelForCausalLM, dtype)).eval()
+        critic = CriticValues(load_hf(state.critic_url, AutoModelForTokenClassification, dtype)).eval() \
+            if cfg.uses_critic else None
+        with timed(stats, "time/score_forward_s"):
+            flat = score_microbatches(micro_batches(batch, size, pad), actor, ref, critic,
+                                      temperature=cfg.rollout.temperature)
+        source = reward_source(cfg, run)
+        with timed(stats, "time/reward_s"):
+            table = batch.table
+            rewards = check_rewards(source(table.column("prompt").to_pylist(), table.column("response").to_pylist(),
+                                           micro_batches(batch, size, pad)), cfg.reward.source)
+        lengths = batch.response_lengths()
+        cols = {k: ragged.list_from_flat(flat[k], lengths, pa.float32())
+                for k in ("old_logprobs", "ref_logprobs", "values") if k in flat}
+        scored = batch.with_columns(reward=rewards, **cols)
+        scored = scored.write(run.layout.batch_url(state.iteration, "score"))
+    stats.update(rollout_stats(rewards, lengths, batch, flat))
+    return ScoreOutput(scored, stats)
+
+
+def rollout_stats(rewards: np.ndarray, lengths: np.ndarray, batch: RolloutBatch, flat: Dict[str, np.ndarray]):
+    """``rollout/*`` metrics of DESIGN.md that need only the scored batch."""
+    seq = np.repeat(np.arange(len(lengths)), lengths)  # [N_tok] row of each token
+    kl_tok = flat["old_logprobs"] - flat["ref_logprobs"]
+    kl_seq = np.bincount(seq, weights=kl_tok, minlength=len(lengths))  # [B]
+    ended = batch.table.column("is_end").to_numpy()
+    return {
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/reward_std": float(rewards.std()),
+        "rollout/init_policy_kl": float(kl_seq.mean()),
+        "rollout/response_length_mean": float(lengths.mean()),
+        "rollout/fraction_ended": float(np.asarray(ended, dtype=np.float64).mean()),
+        "rollout/entropy": float(flat["entropy"].mean()) if flat["entropy"].size else 0.0,
+    }
+
+
+@task(cache=True, cache_version=CACHE_VERSION, retries=2, requests=Resources(cpu="2", mem="8Gi"))
+def score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> ScoreOutput:
+    """Recompute π_old with the training-side actor, π_ref, critic values and rewards."""
+    return run_score(cfg, run, state, batch)
+
+
+__all__ = ["score", "run_score", "ScoreOutput", "micro_batches"]

@@ -1,0 +1,98 @@
+"""MLflow helpers: one run per training run, addressed by run id from every task.
+
+Tracking URI from ``MLFLOW_TRACKING_URI`` (local default ``sqlite:///mlflow.db``, which
+``mlflow ui --backend-store-uri sqlite:///mlflow.db`` opens). Logging is idempotent per step,
+so a resumed run continues the same MLflow run without duplicated steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any, Dict, Iterable, List, Mapping, Optional
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+_MAX_PARAM_LEN = 6000
+
+
+def tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_TRACKING_URI)
+
+
+def client():
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    mlflow.set_tracking_uri(tracking_uri())
+    return MlflowClient(tracking_uri=tracking_uri())
+
+
+def start_run(experiment: str, run_name: str, params: Mapping[str, Any],
+              tags: Optional[Mapping[str, str]] = None) -> str:
+    """Create the run (experiment created if missing), log params, return the run id."""
+    c = client()
+    exp = c.get_experiment_by_name(experiment)
+    exp_id = exp.experiment_id if exp is not None else c.create_experiment(experiment)
+    run = c.create_run(exp_id, run_name=run_name, tags=dict(tags or {}))
+    log_params(run.info.run_id, params)
+    return run.info.run_id
+
+
+def log_params(run_id: str, params: Mapping[str, Any]) -> None:
+    from mlflow.entities import Param
+
+    items = [Param(k, str(v)[:_MAX_PARAM_LEN]) for k, v in sorted(params.items())]
+    c = client()
+    for i in range(0, len(items), 100):
+        c.log_batch(run_id, params=items[i:i + 100])
+
+
+def logged_steps(run_id: str, key: str) -> set:
+    return {m.step for m in client().get_metric_history(run_id, key)}
+
+
+def log_metrics(run_id: str, metrics: Mapping[str, float], step: int) -> int:
+    """Log finite metrics at ``step``; keys already logged at that step are skipped. Returns count logged."""
+    import time
+
+    from mlflow.entities import Metric
+
+    c = client()
+    ts = int(time.time() * 1000)
+    todo = []
+    for k, v in sorted(metrics.items()):
+        if v is None or not math.isfinite(float(v)):
+            continue
+        if step in {m.step for m in c.get_metric_history(run_id, k)}:
+            continue
+        todo.append(Metric(k, float(v), ts, step))
+    for i in range(0, len(todo), 200):
+        c.log_batch(run_id, metrics=todo[i:i + 200])
+    return len(todo)
+
+
+def log_table(run_id: str, columns: Dict[str, List[Any]], artifact_file: str) -> None:
+    """A table the MLflow UI shows in its artifact and evaluation views (``mlflow.log_table``)."""
+    client().log_table(run_id, data=columns, artifact_file=artifact_file)
+
+
+def set_tags(run_id: str, tags: Mapping[str, str]) -> None:
+    c = client()
+    for k, v in tags.items():
+        c.set_tag(run_id, k, str(v))
+
+
+def end_run(run_id: str, status: str = "FINISHED") -> None:
+    client().set_terminated(run_id, status=status)
+
+
+def metric_history(run_id: str, key: str) -> List[tuple]:
+    """``[(step, value), ...]`` sorted by step."""
+    return sorted((m.step, m.value) for m in client().get_metric_history(run_id, key))
+
+
+def run_metric_keys(run_id: str) -> Iterable[str]:
+    return client().get_run(run_id).data.metrics.keys()

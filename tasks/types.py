@@ -1,0 +1,53 @@
+"""Typed values that travel between the tasks of a training run (Flyte serialises dataclasses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict
+
+from tasks.run_layout import RunLayout
+
+
+@dataclass(frozen=True)
+class RunHandle:
+    """Which run a task works for: where it lives and where it is tracked."""
+
+    storage_root: str
+    """``run.storage_root`` of the config (any fsspec URL)."""
+    run_name: str
+    """Folder of the run under ``storage_root``."""
+    mlflow_run_id: str
+    """MLflow run that tracks this training run."""
+    reference_url: str
+    """Frozen initial policy (committed HF checkpoint); also the tokenizer's home."""
+    train_prompts_url: str
+    """Validated training prompts (JSONL) under the run."""
+    eval_prompts_url: str
+    """Validated held-out prompts (JSONL) under the run."""
+    reward_model_url: str = ""
+    """Committed reward-model checkpoint when ``reward.source = model``."""
+
+    @property
+    def layout(self) -> RunLayout:
+        return RunLayout(self.storage_root, self.run_name)
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """The policy an iteration starts from (and, after it, the one it produced)."""
+
+    iteration: int
+    """Index of the iteration that uses this state (0-based)."""
+    actor_url: str
+    """Committed actor checkpoint."""
+    critic_url: str = ""
+    """Committed critic checkpoint (PPO), else empty."""
+    kl_coef: float = 0.0
+    """Current KL coefficient β (changes only with the adaptive controller)."""
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """Scalar statistics of one stage, keyed as in DESIGN.md's metric table (``rollout/...``)."""
+
+    values: Dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,112 @@
+"""``actor_update`` (an elastic torchrun job) and ``critic_update``: one pass of training on a batch,
+each writing the next committed checkpoint. They run in parallel in the iteration graph."""
+
+from __future__ import annotations
+
+from typing import Dict, NamedTuple
+
+import torch
+from flytekit import Resources, task
+from flytekitplugins.kfpytorch import Elastic
+
+from kernels.losses import PolicyLossConfig
+from models.checkpoint import save_model_checkpoint
+from models.distributed import (DistInfo, barrier, full_state_dict, init_distributed, shutdown_distributed, unwrap,
+                                wrap_for_training)
+from models.policy import CriticValues, PolicyLogprobs
+from models.update import (LoopSettings, UpdateData, actor_loss_fn, critic_loss_fn, make_optimizer, run_update,
+                           stat_keys)
+from tasks.batch import RolloutBatch
+from tasks.common import CACHE_VERSION, load_hf, load_tokenizer
+from tasks.config import TrainConfig
+from tasks.types import PolicyState, RunHandle
+
+
+class UpdateOutput(NamedTuple):
+    checkpoint_url: str
+    stats: Dict[str, float]
+
+
+_ACTOR_COLS = ("old_logprobs", "advantages", "sampler_logprobs", "ref_logprobs")
+_CRITIC_COLS = ("values", "returns")
+
+
+def update_data(batch: RolloutBatch, pad_id: int, columns, shard) -> UpdateData:
+    """This rank's rows as padded tensors (inputs and the loss columns, same row order)."""
+    inputs = batch.to_model_inputs(pad_id, shard=shard)
+    t = batch.to_padded(list(columns), shard=shard)
+    get = lambda name: t[name].float() if name in t else None  # noqa: E731
+    return UpdateData(inputs.input_ids, inputs.attention_mask, inputs.response_positions, inputs.response_mask,
+                      old_logp=get("old_logprobs"), adv=get("advantages"), sampler_logp=get("sampler_logprobs"),
+                      ref_logp=get("ref_logprobs"), old_values=get("values"), returns=get("returns"))
+
+
+def policy_loss_config(cfg: TrainConfig) -> PolicyLossConfig:
+    a = cfg.actor
+    return PolicyLossConfig(kind="ppo", clip_low=a.clip_eps, clip_high=a.clip_eps_high or a.clip_eps,
+                            dual_clip=a.dual_clip or None, agg=a.loss_agg, entropy_coef=a.entropy_coef)
+
+
+def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch,
+                info: DistInfo) -> UpdateOutput:
+    """The body every rank runs: its shard, DDP/FSDP2, the update, rank 0 commits the checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(cfg.run.seed * 7919 + state.iteration)
+    tok = load_tokenizer(run.reference_url)
+    data = update_data(batch, tok.pad_token_id or 0, _ACTOR_COLS, (info.rank, info.world_size))
+    model = wrap_for_training(PolicyLogprobs(load_hf(state.actor_url, AutoModelForCausalLM, cfg.model.dtype)), info)
+    a = cfg.actor
+    kl_beta = state.kl_coef if cfg.kl.placement == "loss" else 0.0
+    stats = run_update(model, make_optimizer(model, a.lr, a.weight_decay), data,
+                       actor_loss_fn(policy_loss_config(cfg), cfg.rollout.temperature, kl_beta, cfg.kl.estimator),
+                       LoopSettings(a.ppo_epochs, a.minibatch_size, a.micro_batch_size, a.grad_clip,
+                                    cfg.run.seed * 1000 + state.iteration), info)
+    url = run.layout.actor_url(state.iteration)
+    full = full_state_dict(model, info)
+    if info.is_main:
+        save_model_checkpoint(unwrap(model).lm, tok, url, overwrite=True, state_dict=full)
+    barrier()
+    return UpdateOutput(url, stat_keys("actor", stats))
+
+
+def train_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> UpdateOutput:
+    """Clipped value regression on the batch's returns; commits the next critic."""
+    from transformers import AutoModelForTokenClassification
+
+    info = DistInfo(0, 1, 0, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(cfg.run.seed * 7919 + state.iteration + 1)
+    tok = load_tokenizer(run.reference_url)
+    data = update_data(batch, tok.pad_token_id or 0, _CRITIC_COLS, None)
+    model = CriticValues(load_hf(state.critic_url, AutoModelForTokenClassification, cfg.model.dtype)).to(info.device)
+    c = cfg.critic
+    stats = run_update(model, make_optimizer(model, c.lr), data, critic_loss_fn(c.value_clip or None),
+                       LoopSettings(c.epochs, c.minibatch_size, c.micro_batch_size, c.grad_clip,
+                                    cfg.run.seed * 1000 + state.iteration + 1), info)
+    url = run.layout.critic_url(state.iteration)
+    save_model_checkpoint(model.critic, tok, url, overwrite=True)
+    return UpdateOutput(url, {"critic/loss": stats["loss"], "critic/explained_variance": stats["explained_variance"],
+                              "critic/grad_norm": stats["grad_norm"], "critic/value_clip_frac": stats["value_clip_frac"]})
+
+
+@task(task_config=Elastic(nnodes=1, nproc_per_node=2, max_restarts=1, monitor_interval=1),
+      cache=True, cache_version=CACHE_VERSION, retries=1, requests=Resources(cpu="2", mem="8Gi"))
+def actor_update(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> UpdateOutput:
+    """``ppo_epochs`` of clipped-surrogate updates over shuffled minibatches; next actor checkpoint.
+
+    Runs as ``actor.nnodes × actor.nproc_per_node`` processes (the workflow sets the elastic config).
+    """
+    info = init_distributed()
+    try:
+        out = train_actor(cfg, run, state, batch, info)
+    except BaseException:
+        shutdown_distributed(failed=True)  # no barrier: the other ranks may never reach it
+        raise
+    shutdown_distributed()
+    return out
+
+
+@task(cache=True, cache_version=CACHE_VERSION, retries=2, requests=Resources(cpu="2", mem="8Gi"))
+def critic_update(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> UpdateOutput:
+    """Clipped value regression on the same batch; next critic checkpoint."""
+    return train_critic(cfg, run, state, batch)

@@ -1,0 +1,67 @@
+"""The typed config: presets load, overrides apply, bad values are named in the error."""
+
+import dataclasses
+
+import pytest
+
+from tasks.config import ConfigError, TrainConfig
+from tasks.config_io import config_from_json_dict, flatten, load_config, to_dict
+
+
+def test_anchor_defaults():
+    cfg = TrainConfig()
+    assert (cfg.advantage.gamma, cfg.advantage.lam) == (1.0, 0.95)
+    assert (cfg.actor.clip_eps, cfg.critic.value_clip, cfg.kl.coef) == (0.2, 0.2, 0.01)
+    assert cfg.kl.adaptive is False
+
+
+def test_presets_load_and_overrides_apply():
+    cfg = load_config("configs/tiny_ppo.yaml", ["actor.lr=1e-4", "rollout.stop_strings=['.']", "kl.adaptive=true"])
+    assert cfg.actor.lr == pytest.approx(1e-4)
+    assert cfg.rollout.stop_strings == ["."]
+    assert cfg.kl.adaptive is True
+    gpu = load_config("llama8b_ppo_gpu")
+    assert gpu.actor.world_size == 8 and gpu.model.dtype == "bfloat16"
+
+
+def test_frozen():
+    cfg = TrainConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.actor.lr = 1.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["actor.bogus=1"], "unknown key(s) in actor: ['bogus']"),
+    (["nosection.x=1"], "unknown key(s) in config: ['nosection']"),
+    (["actor.lr=abc"], "actor.lr must be a number"),
+    (["actor.lr=-1"], "actor.lr must be > 0"),
+    (["actor.ppo_epochs=1.5"], "actor.ppo_epochs must be an integer"),
+    (["kl.estimator=k9"], "kl.estimator='k9' is not one of"),
+    (["run.algorithm=grpo", "rollout.n_samples_per_prompt=1"], "n_samples_per_prompt must be >= 2 (got 1)"),
+    (["run.algorithm=rloo", "rollout.n_samples_per_prompt=1"], "rloo needs a group baseline"),
+    (["actor.minibatch_size=24"], "must be divisible by actor.micro_batch_size × ranks = 16 × 2"),
+    (["rollout.prompts_per_iteration=5"], "batch (rollout.prompts_per_iteration × rollout.n_samples_per_prompt = 20)"),
+    (["reward.source=model"], "reward.source=model needs reward.model_path"),
+    (["advantage.lam=1.5"], "advantage.lam must be in [0, 1]"),
+    (["actor"], "must look like section.field=value"),
+])
+def test_bad_values_are_named(overrides, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny_ppo", overrides)
+    assert fragment in str(err.value)
+
+
+def test_missing_preset_is_named():
+    with pytest.raises(ConfigError, match="preset 'nope.yaml' not found"):
+        load_config("nope.yaml")
+
+
+def test_round_trip_and_flatten():
+    cfg = load_config("tiny_ppo", ["actor.lr=2e-4"])
+    assert config_from_json_dict(to_dict(cfg)) == cfg
+    flat = flatten(cfg)
+    assert flat["actor.lr"] == pytest.approx(2e-4)
+    assert flat["run.algorithm"] == "ppo"
+    # every leaf field appears exactly once
+    n_leaves = sum(len(dataclasses.fields(getattr(cfg, f.name))) for f in dataclasses.fields(cfg))
+    assert len(flat) == n_leaves
