@@ -19,7 +19,7 @@ from kernels.logprobs import token_logprobs_and_entropy, token_logprobs_and_entr
 
 
 class ModelInputs(Protocol):
-    """What a forward needs (``tasks.batch_tensors.ModelInputs`` provides it)."""
+    """What a forward needs (``models.batch_tensors.ModelInputs`` provides it)."""
 
     input_ids: torch.Tensor  # [B, L] prompt ++ response, right-padded
     attention_mask: torch.Tensor  # [B, L]

@@ -15,6 +15,9 @@ from typing import Dict, Iterable, Mapping, Optional, Sequence
 import numpy as np
 import pyarrow as pa
 
+from models.batch_tensors import RESPONSE_ALIGNED  # one definition, shared with the tensor side
+from models.ragged import list_lengths  # noqa: F401  (re-exported)
+
 LIST_INT32 = pa.list_(pa.int32())
 LIST_FLOAT32 = pa.list_(pa.float32())
 
@@ -36,9 +39,6 @@ COLUMN_TYPES: Mapping[str, pa.DataType] = {
 }
 """Known columns and their exact Arrow types. Other (extra) columns are allowed, unchecked."""
 
-RESPONSE_ALIGNED = ("sampler_logprobs", "old_logprobs", "ref_logprobs", "values",
-                    "token_rewards", "advantages", "returns")
-"""List columns with one entry per response token (same length as ``response_tokens``)."""
 
 ROLLOUT_COLUMNS = ("prompt_id", "prompt_tokens", "response_tokens", "sampler_logprobs", "is_end")
 """Columns every batch has after ``rollout``."""
@@ -118,13 +118,6 @@ def _type_ok(actual: pa.DataType, expected: pa.DataType) -> bool:
     if pa.types.is_list(expected):  # the child field's name ("item", "element") does not matter
         return pa.types.is_list(actual) and actual.value_type == expected.value_type
     return actual == expected
-
-
-def list_lengths(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """Entries per row of a list column, ``[B]`` int64 (no copy of the values)."""
-    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
-    parts = [np.diff(np.asarray(c.offsets, dtype=np.int64)) for c in chunks]
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
 def validate_table(table: pa.Table, required: Iterable[str] = (), source: str = "") -> None:

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from models import storage
-from tasks.ragged import shard_bounds
+from models.ragged import shard_bounds
 
 JSONL_SUFFIXES = (".jsonl",)
 PARQUET_SUFFIXES = (".parquet", ".pq")

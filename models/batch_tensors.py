@@ -25,10 +25,14 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from tasks import ragged
-from tasks.batch_schema import RESPONSE_ALIGNED, list_lengths
+from models import ragged
+from models.ragged import list_lengths
 
 _TOKENS = ("prompt_tokens", "response_tokens")
+
+RESPONSE_ALIGNED = ("sampler_logprobs", "old_logprobs", "ref_logprobs", "values",
+                    "token_rewards", "advantages", "returns")
+"""List columns with one entry per response token (same length as ``response_tokens``)."""
 
 
 class ModelInputs(NamedTuple):

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tasks import ragged
+from models import ragged
 from tasks.batch import RolloutBatch
 from tests.unit.tasks.test_batch import rollout_batch
 

@@ -108,3 +108,10 @@ def list_from_lengths(values: np.ndarray, lengths: np.ndarray, value_type: pa.Da
         raise ValueError(f"values has {values.shape[1]} columns but a row needs {int(lengths.max())}")
     mask = np.arange(values.shape[1])[None, :] < lengths[:, None]  # [B, T]
     return list_from_padded(values, mask, value_type)
+
+
+def list_lengths(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Entries per row of a list column, ``[B]`` int64 (no copy of the values)."""
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    parts = [np.diff(np.asarray(c.offsets, dtype=np.int64)) for c in chunks]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
