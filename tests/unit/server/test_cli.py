@@ -1,0 +1,22 @@
+"""``python -m models.server``: argument checks that fail before any model is loaded."""
+
+import pytest
+
+from models.server.__main__ import main
+
+
+def test_serve_needs_a_model():
+    with pytest.raises(SystemExit, match="give --critic, --reward-model or both"):
+        main(["serve"])
+
+
+def test_token_comes_from_a_set_environment_variable(monkeypatch):
+    monkeypatch.delenv("RS_UNSET_TOKEN", raising=False)
+    with pytest.raises(SystemExit, match="--token-env RS_UNSET_TOKEN: the environment variable is not set"):
+        main(["serve", "--reward-model", "/nonexistent", "--token-env", "RS_UNSET_TOKEN"])
+
+
+def test_the_token_itself_is_not_a_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--token", "secret"])
+    assert "unrecognized arguments: --token secret" in capsys.readouterr().err

@@ -1,0 +1,144 @@
+"""RewardCriticService against direct forwards of the same checkpoints (no HTTP)."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+from models.checkpoint import is_committed, load_model
+from models.policy import CriticValues, reward_model_scores
+from models.server.paths import SaveRefused
+from models.server.schemas import TrainSettings
+from models.server.service import (AlreadyCommitted, InvalidRequest, NotLoaded, RewardCriticService, ServiceConfig,
+                                   token_table)
+from models.batch_tensors import model_inputs
+from tests.unit.server.tiny_checkpoints import commit_tiny_models, samples
+
+
+@pytest.fixture(scope="module")
+def urls(tmp_path_factory):
+    return commit_tiny_models(tmp_path_factory.mktemp("server-models"))
+
+
+def _service(urls, root="", **kw) -> RewardCriticService:
+    return RewardCriticService.load(ServiceConfig(urls["critic"], urls["reward_model"], str(root), **kw))
+
+
+def test_values_and_rewards_equal_direct_forwards(urls):
+    svc = _service(urls, infer_micro_batch_size=3)  # 7 samples → slices of 3, 3, 1
+    prompts, responses = samples(7, seed=1)
+    got = svc.infer(prompts, responses)
+    critic = load_model(urls["critic"], AutoModelForTokenClassification).eval()
+    rm = load_model(urls["reward_model"], AutoModelForSequenceClassification).eval()
+    with torch.no_grad():
+        inputs = model_inputs(token_table(prompts, responses), pad_token_id=0)
+        ref_values = CriticValues(critic)(inputs)  # [B, T]
+        ref_rewards = reward_model_scores(rm, inputs)  # [B]
+        for b, (p, r) in enumerate(zip(prompts, responses)):
+            assert len(got[b].values) == len(r)
+            torch.testing.assert_close(torch.tensor(got[b].values), ref_values[b, :len(r)], atol=1e-5, rtol=1e-5)
+            # independent of padding and of CriticValues: one unpadded row, value of action t at P+t-1
+            row = torch.tensor([p + r])
+            direct = critic(input_ids=row).logits[0, len(p) - 1:len(p) + len(r) - 1, 0]
+            torch.testing.assert_close(torch.tensor(got[b].values), direct, atol=1e-5, rtol=1e-5)
+            assert got[b].reward == pytest.approx(float(rm(input_ids=row).logits[0, 0]), abs=1e-5)
+    np.testing.assert_allclose([g.reward for g in got], ref_rewards.numpy(), atol=1e-5)
+
+
+def _value_loss(svc, prompts, responses, returns) -> float:
+    """½·mean over tokens of (V − G)², from the service's own values."""
+    got = svc.infer(prompts, responses)
+    err = np.concatenate([np.subtract(g.values, ret) for g, ret in zip(got, returns)])
+    return 0.5 * float(np.mean(err ** 2))
+
+
+def test_train_lowers_value_loss_and_keeps_optimizer_state(urls):
+    svc = _service(urls, lr=3e-3)
+    prompts, responses = samples(4, seed=2)
+    returns = [np.linspace(1.0, -1.0, len(r)).tolist() for r in responses]
+    before = _value_loss(svc, prompts, responses, returns)
+    settings = TrainSettings(minibatch_size=2, micro_batch_size=1, value_clip=0.0)
+    for _ in range(5):
+        old = [g.values for g in svc.infer(prompts, responses)]
+        stats = svc.train(prompts, responses, returns, old, settings)
+        assert stats["steps"] == 2.0  # 4 samples / minibatch 2
+    after = _value_loss(svc, prompts, responses, returns)
+    assert after < 0.5 * before, (before, after)
+    assert (svc.train_calls, svc.optimizer_steps) == (5, 10)
+    adam_steps = {float(s["step"]) for s in svc.optimizer.state.values()}
+    assert adam_steps == {10.0}  # one AdamW state across the calls, not a fresh one per call
+
+
+def test_train_validates_its_targets(urls):
+    svc = _service(urls)
+    prompts, responses = samples(2, seed=3)
+    ok = [[0.0] * len(r) for r in responses]
+    with pytest.raises(InvalidRequest, match="sample 1: returns has"):
+        svc.train(prompts, responses, [ok[0], ok[1] + [1.0]], ok)
+    with pytest.raises(InvalidRequest, match="old_values holds a non-finite"):
+        svc.train(prompts, responses, ok, [ok[0], [float("nan")] * len(ok[1])])
+    with pytest.raises(InvalidRequest, match="every response is empty"):
+        svc.train(prompts, [[], []], [[], []], [[], []])
+    reward_only = RewardCriticService.load(ServiceConfig(reward_model_url=urls["reward_model"]))
+    with pytest.raises(NotLoaded, match="no critic"):
+        reward_only.train(prompts, responses, ok, ok)
+    assert reward_only.infer(prompts, responses)[0].values is None
+
+
+def test_check_samples_names_the_bad_sample(urls):
+    svc = _service(urls)
+    with pytest.raises(InvalidRequest, match=r"sample 2: token id 99 in response_tokens .* \[0, 99\)"):
+        svc.check_samples([[5], [6], [7]], [[5], [6], [8, 99]])
+    with pytest.raises(InvalidRequest, match="sample 0: token id -1 in prompt_tokens"):
+        svc.check_samples([[-1]], [[5]])
+    with pytest.raises(InvalidRequest, match="sample 1 has an empty prompt_tokens"):
+        svc.check_samples([[5], []], [[5], [6]])
+    with pytest.raises(InvalidRequest, match="does not fit in int64"):
+        svc.check_samples([[2 ** 70]], [[5]])
+
+
+def test_save_commits_a_checkpoint_that_loads_back_identical(urls, tmp_path):
+    svc = _service(urls, root=tmp_path / "root", lr=1e-2)
+    prompts, responses = samples(3, seed=4)
+    old = [g.values for g in svc.infer(prompts, responses)]
+    svc.train(prompts, responses, [[1.0] * len(r) for r in responses], old)
+    url, files = svc.save("run/iter-1/critic")
+    assert url == str((tmp_path / "root" / "run" / "iter-1" / "critic").resolve())
+    assert is_committed(url) and "model.safetensors" in files and "tokenizer.json" in files
+    trained = svc.infer(prompts, responses)
+    assert not np.allclose(trained[0].values, old[0])  # the saved critic is the trained one
+    back = load_model(url, AutoModelForTokenClassification).eval()
+    with torch.no_grad():
+        ref = CriticValues(back)(model_inputs(token_table(prompts, responses)))
+    for b, r in enumerate(responses):
+        assert torch.equal(torch.tensor(trained[b].values), ref[b, :len(r)])
+    with pytest.raises(AlreadyCommitted, match="overwrite=true"):
+        svc.save(url)
+    svc.save(url, overwrite=True)
+    for bad in ("../escape", str(tmp_path / "elsewhere"), "s3://bucket/critic", str(tmp_path / "root")):
+        with pytest.raises(SaveRefused, match="storage root|contains '..'"):
+            svc.save(bad)
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "elsewhere").exists()
+    with pytest.raises(SaveRefused, match="without --storage-root"):
+        _service(urls).save(str(tmp_path / "root" / "x"))
+
+
+def test_train_save_and_infer_wait_for_the_model_lock(urls, tmp_path):
+    svc = _service(urls, root=tmp_path / "root")
+    prompts, responses = samples(2, seed=8)
+    zeros = [[0.0] * len(r) for r in responses]
+    calls = {"infer": lambda: svc.infer(prompts, responses), "train": lambda: svc.train(prompts, responses, zeros, zeros),
+             "save": lambda: svc.save("locked/critic")}
+    done = {}
+    threads = [threading.Thread(target=lambda k=k, f=f: done.setdefault(k, f())) for k, f in calls.items()]
+    with svc.lock:  # as if an infer batch were running
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        assert done == {}  # all three are blocked on the lock
+    for t in threads:
+        t.join(30)
+    assert set(done) == {"infer", "train", "save"} and svc.train_calls == 1

@@ -1,0 +1,43 @@
+"""Committed tiny critic and reward model for the server tests (random, seeded, never downloaded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict
+
+import torch
+
+from models.checkpoint import save_checkpoint
+from models.tiny import TinyModelConfig, build_critic, build_reward_model, save_model
+from models.tokenizer import build_char_tokenizer
+
+CFG = TinyModelConfig(max_position_embeddings=128)
+
+
+def commit_tiny_models(root: Path, nan_token: int | None = None) -> Dict[str, str]:
+    """``{"critic": url, "reward_model": url}`` committed under ``root/checkpoints``.
+
+    ``nan_token``: make the reward model's embedding of that id NaN, so any sample holding
+    it (and only those) scores NaN.
+    """
+    tok = build_char_tokenizer()
+    reward_model = build_reward_model(CFG, tok)
+    if nan_token is not None:
+        with torch.no_grad():
+            reward_model.get_input_embeddings().weight[nan_token] = float("nan")
+    out = {}
+    for name, model in (("critic", build_critic(CFG, tok)), ("reward_model", reward_model)):
+        local = save_model(model, tok, root / "hf" / name)
+        out[name] = str(root / "checkpoints" / name)
+        save_checkpoint(str(local), out[name])
+    return out
+
+
+def samples(n: int, seed: int = 0, vocab: int = 99, max_prompt: int = 12, max_response: int = 10):
+    """``(prompts, responses)``: ``n`` random token lists (prompts >= 1 token, responses >= 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    p_len = torch.randint(1, max_prompt + 1, (n,), generator=gen).tolist()
+    r_len = torch.randint(1, max_response + 1, (n,), generator=gen).tolist()
+    prompts = [torch.randint(4, vocab, (p,), generator=gen).tolist() for p in p_len]
+    responses = [torch.randint(4, vocab, (r,), generator=gen).tolist() for r in r_len]
+    return prompts, responses
