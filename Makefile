@@ -8,6 +8,8 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+ALGO ?= ppo
+ALGO_WORKFLOW := $(if $(filter ppo,$(ALGO)),ppo,reinforce)
 
 .PHONY: install demo test test-unit bench clean
 
@@ -24,8 +26,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -c "import torch, vllm, flytekit, mlflow; print('installed: torch', torch.__version__, '| vllm', vllm.__version__)"
 	touch $(STAMP)
 
+# PPO on the tiny reversal task through `pyflyte run` (local execution, 2-process elastic update,
+# vLLM rollouts, runs/ for storage, sqlite:///mlflow.db for MLflow).
 demo: $(STAMP)
-	$(PY) -m workflows.demo
+	TRANSFORMERS_VERBOSITY=error VLLM_LOGGING_LEVEL=WARNING TQDM_DISABLE=1 \
+	$(VENV)/bin/pyflyte run workflows/$(ALGO_WORKFLOW).py $(ALGO_WORKFLOW)_training --preset configs/tiny_$(ALGO).yaml
 
 # Unit and integration tests (integration ones start real servers on 127.0.0.1).
 test: $(STAMP)

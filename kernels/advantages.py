@@ -5,6 +5,15 @@ advantages and returns (:class:`AdvantageOutput`), all ``[B, T]`` on response to
 
 - ``ppo``: ``r_t = −β·kl_t + 1[t = last]·R`` (KL in the reward, Ziegler et al. 2019), GAE
   (Schulman et al. 2016) with the critic's values, advantages whitened over the batch.
+- ``reinforce``: sequence return ``R' = Σ_t r_t`` of the same shaped rewards, minus its batch
+  mean (Williams 1992 with a mean baseline), on every token.
+- ``rloo``: ``R'_i`` minus the mean of the other samples of its prompt (Ahmadian et al. 2024).
+- ``grpo``: ``(R_i − mean_g)/(std_g + ε)`` of the raw reward over the prompt's group (Shao et al.
+  2024); its KL is a loss term, so β in the reward is normally 0.
+- ``reinforce_pp``: token returns ``G_t`` of the shaped rewards, whitened over the batch (Hu 2025).
+
+Each algorithm also names its policy loss (``ppo`` clipped surrogate or plain ``reinforce``)
+and whether it trains a critic, in :data:`ALGORITHMS`.
 """
 
 from __future__ import annotations
@@ -14,8 +23,10 @@ from typing import Callable, Dict, NamedTuple, Optional
 
 from torch import Tensor
 
+from kernels.baselines import broadcast_to_tokens, grpo_advantages, reinforce_pp_advantages, rloo_advantages
 from kernels.gae import compute_gae
-from kernels.kl import kl_shaped_rewards
+from kernels.kl import KLShapedRewards, kl_shaped_rewards
+from kernels.losses import PolicyLossKind
 from kernels.masked import masked_mean, masked_whiten
 
 
@@ -62,18 +73,72 @@ def ppo_advantages(x: AdvantageInput, p: AdvantageParams) -> AdvantageOutput:
     return AdvantageOutput(shaped.token_rewards, out * x.mask, returns, shaped.kl, adv)
 
 
-ESTIMATORS: Dict[str, Callable[[AdvantageInput, AdvantageParams], AdvantageOutput]] = {
-    "ppo": ppo_advantages,
+def _shaped(x: AdvantageInput, p: AdvantageParams) -> KLShapedRewards:
+    return kl_shaped_rewards(x.reward, x.old_logp, x.ref_logp, x.mask, p.kl_coef, p.kl_estimator)
+
+
+def _sequence_output(shaped: KLShapedRewards, seq_adv: Tensor, x: AdvantageInput, p: AdvantageParams,
+                     whiten: bool = False) -> AdvantageOutput:
+    """Sequence advantages on every token; returns are the token returns ``G_t`` (γ-discounted)."""
+    returns = reinforce_pp_advantages(shaped.token_rewards, x.mask, p.gamma).returns
+    adv = broadcast_to_tokens(seq_adv, x.mask)
+    out = masked_whiten(adv, x.mask) * x.mask if whiten else adv
+    return AdvantageOutput(shaped.token_rewards, out, returns, shaped.kl, adv)
+
+
+def reinforce_advantages(x: AdvantageInput, p: AdvantageParams) -> AdvantageOutput:
+    """Sequence return minus the batch mean."""
+    shaped = _shaped(x, p)
+    ret = (shaped.token_rewards * x.mask).sum(-1)  # [B]
+    return _sequence_output(shaped, ret - ret.mean(), x, p, p.whiten)
+
+
+def rloo_estimator(x: AdvantageInput, p: AdvantageParams) -> AdvantageOutput:
+    """Leave-one-out baseline over the samples of each prompt."""
+    shaped = _shaped(x, p)
+    ret = (shaped.token_rewards * x.mask).sum(-1)  # [B]
+    return _sequence_output(shaped, rloo_advantages(ret, x.prompt_id), x, p, p.whiten)
+
+
+def grpo_estimator(x: AdvantageInput, p: AdvantageParams) -> AdvantageOutput:
+    """Group-normalised sequence reward (KL, if any in the reward, folded into it first)."""
+    shaped = _shaped(x, p)
+    ret = (shaped.token_rewards * x.mask).sum(-1)  # [B] = R when β = 0
+    return _sequence_output(shaped, grpo_advantages(ret, x.prompt_id), x, p)
+
+
+def reinforce_pp_estimator(x: AdvantageInput, p: AdvantageParams) -> AdvantageOutput:
+    """Batch-whitened token returns of the KL-shaped rewards."""
+    shaped = _shaped(x, p)
+    adv, returns = reinforce_pp_advantages(shaped.token_rewards, x.mask, p.gamma)
+    return AdvantageOutput(shaped.token_rewards, adv, returns, shaped.kl, returns)
+
+
+class AlgorithmSpec(NamedTuple):
+    estimator: Callable[[AdvantageInput, AdvantageParams], AdvantageOutput]
+    policy_loss: PolicyLossKind
+    uses_critic: bool
+    needs_groups: bool
+
+
+ALGORITHMS: Dict[str, AlgorithmSpec] = {
+    "ppo": AlgorithmSpec(ppo_advantages, PolicyLossKind.PPO, uses_critic=True, needs_groups=False),
+    "reinforce": AlgorithmSpec(reinforce_advantages, PolicyLossKind.REINFORCE, uses_critic=False,
+                               needs_groups=False),
+    "rloo": AlgorithmSpec(rloo_estimator, PolicyLossKind.PPO, uses_critic=False, needs_groups=True),
+    "grpo": AlgorithmSpec(grpo_estimator, PolicyLossKind.PPO, uses_critic=False, needs_groups=True),
+    "reinforce_pp": AlgorithmSpec(reinforce_pp_estimator, PolicyLossKind.PPO, uses_critic=False,
+                                  needs_groups=False),
 }
 
 
 def compute_advantages(algorithm: str, x: AdvantageInput, p: AdvantageParams) -> AdvantageOutput:
     """Dispatch to the algorithm's estimator."""
     try:
-        fn = ESTIMATORS[algorithm]
+        spec = ALGORITHMS[algorithm]
     except KeyError:
-        raise ValueError(f"no advantage estimator for algorithm {algorithm!r}; known: {sorted(ESTIMATORS)}")
-    return fn(x, p)
+        raise ValueError(f"no advantage estimator for algorithm {algorithm!r}; known: {sorted(ALGORITHMS)}")
+    return spec.estimator(x, p)
 
 
 def advantage_stats(x: AdvantageInput, out: AdvantageOutput) -> Dict[str, float]:

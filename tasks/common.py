@@ -60,3 +60,16 @@ def timed(stats: Dict[str, float], key: str) -> Iterator[None]:
         yield
     finally:
         stats[key] = stats.get(key, 0.0) + time.perf_counter() - t0
+
+
+SERVER_TOKEN_ENV = "RLHF_SERVER_TOKEN"
+"""Environment variable (a Flyte secret on a cluster) holding the reward/critic server's bearer token."""
+
+
+def server_client(url: str):
+    """A client of the reward/critic server at ``url`` (token from :data:`SERVER_TOKEN_ENV`)."""
+    import os
+
+    from models.server.client import RewardCriticClient
+
+    return RewardCriticClient(url, token=os.environ.get(SERVER_TOKEN_ENV) or None)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List
+
+from kernels.advantages import ALGORITHMS
 
 
 class ConfigError(ValueError):
@@ -25,9 +27,6 @@ class Algorithm(str, enum.Enum):
     RLOO = "rloo"
     GRPO = "grpo"
     REINFORCE_PP = "reinforce_pp"
-
-
-GROUP_BASELINE_ALGORITHMS = (Algorithm.RLOO, Algorithm.GRPO)
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -334,7 +333,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         algo = Algorithm(self.run.algorithm)
         n = self.rollout.n_samples_per_prompt
-        if algo in GROUP_BASELINE_ALGORITHMS:
+        if ALGORITHMS[algo.value].needs_groups:
             _check(n >= 2, f"run.algorithm={algo.value} needs a group baseline: "
                            f"rollout.n_samples_per_prompt must be >= 2 (got {n})")
         batch = self.rollout.samples_per_iteration
@@ -345,7 +344,7 @@ class TrainConfig:
         _check(batch % a.minibatch_size == 0,
                f"the batch (rollout.prompts_per_iteration × rollout.n_samples_per_prompt = {batch}) "
                f"must be divisible by actor.minibatch_size={a.minibatch_size}")
-        if algo == Algorithm.PPO:
+        if self.uses_critic:
             c = self.critic
             _check(c.minibatch_size % c.micro_batch_size == 0,
                    f"critic.minibatch_size={c.minibatch_size} must be divisible by "
@@ -359,4 +358,4 @@ class TrainConfig:
 
     @property
     def uses_critic(self) -> bool:
-        return self.algorithm == Algorithm.PPO
+        return ALGORITHMS[self.run.algorithm].uses_critic

@@ -65,7 +65,19 @@ def run_commit(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List
         tracking.set_tags(run.mlflow_run_id, {f"checkpoint.iter-{i:06d}.actor": actor_url,
                                               f"checkpoint.iter-{i:06d}.critic": critic_url or "-"})
     prune_checkpoints(cfg, run, i)
+    print(progress_line(cfg, i, merged), flush=True)
     return PolicyState(i + 1, actor_url, critic_url, kl)
+
+
+def progress_line(cfg: TrainConfig, i: int, m: Dict[str, float]) -> str:
+    phases = sum(v for k, v in m.items() if k in ("time/rollout_s", "time/score_s", "time/advantages_s",
+                                                   "time/actor_update_s", "time/critic_update_s"))
+    return (f"[{cfg.run.algorithm}] iter {i + 1}/{cfg.run.num_iterations}  "
+            f"reward {m.get('rollout/reward_mean', float('nan')):.3f}  "
+            f"kl {m.get('rollout/init_policy_kl', float('nan')):.3f}  "
+            f"len {m.get('rollout/response_length_mean', float('nan')):.1f}  "
+            f"actor_loss {m.get('actor/loss', float('nan')):+.3f}  "
+            f"clip {m.get('actor/clip_frac', float('nan')):.2f}  ({phases:.1f} s in tasks)")
 
 
 @task(retries=2, requests=Resources(cpu="1", mem="2Gi"))
@@ -116,7 +128,36 @@ def run_finish(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Training
     close_engines()
     if not is_committed(state.actor_url):
         raise RuntimeError(f"final actor checkpoint {state.actor_url} is not committed")
-    return TrainingSummary(run.layout.url, run.mlflow_run_id, state.iteration, first, last, state.actor_url)
+    summary = TrainingSummary(run.layout.url, run.mlflow_run_id, state.iteration, first, last, state.actor_url)
+    curve = _write_curve(run)
+    print(summary_text(cfg, run, summary, curve), flush=True)
+    return summary
+
+
+def _write_curve(run: RunHandle) -> str:
+    """The reward curve as a PNG next to the run's files (local runs), made from the MLflow data."""
+    if not storage.is_local(run.layout.url):
+        return ""
+    from tasks.report import plot, reward_curves
+
+    out = f"{storage.local_path(run.layout.url)}/reward_curve.png"
+    return plot(reward_curves([run.mlflow_run_id]), out, f"{run.run_name}: mean rollout reward")
+
+
+def summary_text(cfg: TrainConfig, run: RunHandle, s: TrainingSummary, curve: str) -> str:
+    saved = ", ".join(f"iter-{i:06d}" for i in range(cfg.run.num_iterations)
+                      if (i + 1) % cfg.run.save_interval == 0 or i + 1 == cfg.run.num_iterations)
+    return "\n".join([
+        f"Run {run.run_name} finished: {s.iterations} iterations of {cfg.run.algorithm}.",
+        f"  rollout reward: {s.reward_first:.3f} (iteration 1) -> {s.reward_last:.3f} (mean of the last two), "
+        f"gain {s.reward_last - s.reward_first:+.3f}",
+        f"  run folder:     {s.run_url}  (run.json, state.json, data/, reference/)",
+        f"  batches:        {s.run_url}/iter-*/{{rollouts,score,advantages}}.arrow",
+        f"  checkpoints:    {saved} (actor/ and critic/ under each); final actor {s.final_actor_url}",
+        f"  reward curve:   {curve or '(remote storage: see MLflow)'}",
+        f"  review:         mlflow ui --backend-store-uri {tracking.tracking_uri()}   "
+        f"(experiment {cfg.run.mlflow_experiment}, run {run.run_name}, id {s.mlflow_run_id})",
+    ])
 
 
 @task(retries=1)

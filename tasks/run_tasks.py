@@ -10,7 +10,8 @@ from tasks.setup import RunSetup, setup_run
 
 
 @task(retries=1, requests=Resources(cpu="2", mem="8Gi"))
-def prepare_run(preset: str, overrides: List[str], run_name: str, algorithm: str) -> RunSetup:
+def prepare_run(preset: str, overrides: List[str], run_name: str, workflow: str) -> RunSetup:
     """Load and check the config, validate prompts before any model loads, lay out the run
-    (reference policy, initial critic, prompts), start the MLflow run; or resume ``run_name``."""
-    return setup_run(preset, overrides, run_name, algorithm)
+    (reference policy, initial critic, prompts), start the MLflow run; or resume ``run_name``.
+    ``workflow`` (``ppo`` or ``reinforce``) must suit ``run.algorithm``."""
+    return setup_run(preset, overrides, run_name, workflow)

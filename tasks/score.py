@@ -10,11 +10,11 @@ from flytekit import Resources, task
 from models.policy import CriticValues, PolicyLogprobs
 from models.reward_sources import FunctionReward, ModelReward, check_rewards
 from models.scoring import score_microbatches
-from tasks import ragged
+from models import ragged
 from tasks.batch import RolloutBatch
 import pyarrow as pa
-from tasks.batch_tensors import model_inputs
-from tasks.common import CACHE_VERSION, load_hf, load_tokenizer, timed
+from models.batch_tensors import model_inputs
+from tasks.common import CACHE_VERSION, load_hf, load_tokenizer, server_client, timed
 from tasks.config import TrainConfig
 from tasks.types import PolicyState, RunHandle
 
@@ -38,7 +38,18 @@ def reward_source(cfg: TrainConfig, run: RunHandle):
         return FunctionReward(cfg.reward.function)
     if cfg.reward.source == "model":
         return ModelReward(load_hf(run.reward_model_url, AutoModelForSequenceClassification), run.reward_model_url)
-    raise ValueError(f"reward.source={cfg.reward.source!r} is not available in this build")
+    from models.server.client import RemoteReward
+
+    return RemoteReward(server_client(cfg.reward.remote_url))
+
+
+def remote_values(cfg: TrainConfig, batch: RolloutBatch) -> np.ndarray:
+    """Critic values from the critic server's ``infer``, flat in row-major response order."""
+    client = server_client(cfg.critic.remote_url)
+    results = client.infer(batch.column("prompt_tokens").to_pylist(), batch.column("response_tokens").to_pylist())
+    if any(r.values is None for r in results):
+        raise ValueError(f"critic server {cfg.critic.remote_url} has no critic loaded")
+    return np.concatenate([np.asarray(r.values, np.float32) for r in results]) if results else np.zeros(0, np.float32)
 
 
 def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> ScoreOutput:
@@ -52,11 +63,14 @@ def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rollo
         size = max(cfg.actor.micro_batch_size, 1) * 2
         actor = PolicyLogprobs(load_hf(state.actor_url, AutoModelForCausalLM, dtype)).eval()
         ref = PolicyLogprobs(load_hf(run.reference_url, AutoModelForCausalLM, dtype)).eval()
+        local_critic = cfg.uses_critic and not cfg.critic.remote_url
         critic = CriticValues(load_hf(state.critic_url, AutoModelForTokenClassification, dtype)).eval() \
-            if cfg.uses_critic else None
+            if local_critic else None
         with timed(stats, "time/score_forward_s"):
             flat = score_microbatches(micro_batches(batch, size, pad), actor, ref, critic,
                                       temperature=cfg.rollout.temperature)
+            if cfg.uses_critic and cfg.critic.remote_url:
+                flat["values"] = remote_values(cfg, batch)
         source = reward_source(cfg, run)
         with timed(stats, "time/reward_s"):
             table = batch.table

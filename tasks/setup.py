@@ -13,7 +13,7 @@ from typing import List, NamedTuple, Optional
 from models import storage
 from models.checkpoint import download_checkpoint, is_committed, save_checkpoint
 from tasks import tracking
-from tasks.config import TrainConfig
+from tasks.config import ConfigError, TrainConfig
 from tasks.config_io import config_from_json_dict, flatten, load_config, to_dict
 from tasks.prompts import PromptDataConfig, load_prompts
 from tasks.run_layout import RunInfo, RunLayout
@@ -194,10 +194,21 @@ def resume_run(layout: RunLayout, cfg_now: Optional[TrainConfig]) -> RunSetup:
     return RunSetup(cfg, handle, PolicyState(state.iteration + 1, state.actor_url, state.critic_url or "", kl))
 
 
-def setup_run(preset: str, overrides: List[str], run_name: str = "", algorithm: str = "") -> RunSetup:
+def check_workflow(cfg: TrainConfig, workflow: str) -> None:
+    """The PPO workflow trains a critic; the critic-free one must not be given PPO."""
+    if workflow and workflow not in ("ppo", "reinforce"):
+        raise ConfigError(f"unknown workflow {workflow!r}: use 'ppo' or 'reinforce'")
+    if workflow == "ppo" and not cfg.uses_critic:
+        raise ConfigError(f"run.algorithm={cfg.run.algorithm} is critic-free: use workflows/reinforce.py "
+                          f"reinforce_training")
+    if workflow == "reinforce" and cfg.uses_critic:
+        raise ConfigError(f"run.algorithm={cfg.run.algorithm} trains a critic: use workflows/ppo.py ppo_training")
+
+
+def setup_run(preset: str, overrides: List[str], run_name: str = "", workflow: str = "") -> RunSetup:
     """Entry point of a training workflow: a new run, or the resumption of ``run_name``."""
-    extra = [f"run.algorithm={algorithm}"] if algorithm else []
-    cfg = load_config(preset, extra + list(overrides))
+    cfg = load_config(preset, list(overrides))
+    check_workflow(cfg, workflow)
     name = run_name or cfg.run.name or default_run_name(cfg.run.algorithm)
     layout = RunLayout(cfg.run.storage_root, name)
     if storage.exists(layout.run_info_url):

@@ -3,12 +3,14 @@ each writing the next committed checkpoint. They run in parallel in the iteratio
 
 from __future__ import annotations
 
+import time
 from typing import Dict, NamedTuple
 
 import torch
 from flytekit import Resources, task
 from flytekitplugins.kfpytorch import Elastic
 
+from kernels.advantages import ALGORITHMS
 from kernels.losses import PolicyLossConfig
 from models.checkpoint import save_model_checkpoint
 from models.distributed import (DistInfo, barrier, full_state_dict, init_distributed, shutdown_distributed, unwrap,
@@ -17,7 +19,7 @@ from models.policy import CriticValues, PolicyLogprobs
 from models.update import (LoopSettings, UpdateData, actor_loss_fn, critic_loss_fn, make_optimizer, run_update,
                            stat_keys)
 from tasks.batch import RolloutBatch
-from tasks.common import CACHE_VERSION, load_hf, load_tokenizer
+from tasks.common import CACHE_VERSION, load_hf, load_tokenizer, server_client
 from tasks.config import TrainConfig
 from tasks.types import PolicyState, RunHandle
 
@@ -43,7 +45,7 @@ def update_data(batch: RolloutBatch, pad_id: int, columns, shard) -> UpdateData:
 
 def policy_loss_config(cfg: TrainConfig) -> PolicyLossConfig:
     a = cfg.actor
-    return PolicyLossConfig(kind="ppo", clip_low=a.clip_eps, clip_high=a.clip_eps_high or a.clip_eps,
+    return PolicyLossConfig(kind=ALGORITHMS[cfg.run.algorithm].policy_loss, clip_low=a.clip_eps, clip_high=a.clip_eps_high or a.clip_eps,
                             dual_clip=a.dual_clip or None, agg=a.loss_agg, entropy_coef=a.entropy_coef)
 
 
@@ -52,6 +54,7 @@ def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rol
     """The body every rank runs: its shard, DDP/FSDP2, the update, rank 0 commits the checkpoint."""
     from transformers import AutoModelForCausalLM
 
+    t0 = time.perf_counter()
     torch.manual_seed(cfg.run.seed * 7919 + state.iteration)
     tok = load_tokenizer(run.reference_url)
     data = update_data(batch, tok.pad_token_id or 0, _ACTOR_COLS, (info.rank, info.world_size))
@@ -67,13 +70,18 @@ def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rol
     if info.is_main:
         save_model_checkpoint(unwrap(model).lm, tok, url, overwrite=True, state_dict=full)
     barrier()
-    return UpdateOutput(url, stat_keys("actor", stats))
+    out = stat_keys("actor", stats)
+    out["time/actor_update_s"] = time.perf_counter() - t0
+    return UpdateOutput(url, out)
 
 
 def train_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> UpdateOutput:
     """Clipped value regression on the batch's returns; commits the next critic."""
     from transformers import AutoModelForTokenClassification
 
+    t0 = time.perf_counter()
+    if cfg.critic.remote_url:
+        return train_remote_critic(cfg, run, state, batch, t0)
     info = DistInfo(0, 1, 0, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(cfg.run.seed * 7919 + state.iteration + 1)
     tok = load_tokenizer(run.reference_url)
@@ -86,7 +94,29 @@ def train_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
     url = run.layout.critic_url(state.iteration)
     save_model_checkpoint(model.critic, tok, url, overwrite=True)
     return UpdateOutput(url, {"critic/loss": stats["loss"], "critic/explained_variance": stats["explained_variance"],
-                              "critic/grad_norm": stats["grad_norm"], "critic/value_clip_frac": stats["value_clip_frac"]})
+                              "critic/grad_norm": stats["grad_norm"], "critic/value_clip_frac": stats["value_clip_frac"],
+                              "time/critic_update_s": time.perf_counter() - t0})
+
+
+def train_remote_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch,
+                        t0: float) -> UpdateOutput:
+    """The critic server's ``train`` on this batch, then ``save`` to the run's critic URL."""
+    from models.server.schemas import TrainSettings
+
+    c = cfg.critic
+    t = batch.table
+    client = server_client(c.remote_url)
+    out = client.train(t.column("prompt_tokens").to_pylist(), t.column("response_tokens").to_pylist(),
+                       t.column("returns").to_pylist(), t.column("values").to_pylist(),
+                       TrainSettings(epochs=c.epochs, minibatch_size=c.minibatch_size,
+                                     micro_batch_size=c.micro_batch_size, grad_clip=c.grad_clip,
+                                     value_clip=c.value_clip, seed=cfg.run.seed * 1000 + state.iteration + 1))
+    url = run.layout.critic_url(state.iteration)
+    client.save(url, overwrite=True)
+    s = out.stats
+    return UpdateOutput(url, {"critic/loss": s["loss"], "critic/explained_variance": s["explained_variance"],
+                              "critic/grad_norm": s["grad_norm"], "critic/value_clip_frac": s["value_clip_frac"],
+                              "time/critic_update_s": time.perf_counter() - t0})
 
 
 @task(task_config=Elastic(nnodes=1, nproc_per_node=2, max_restarts=1, monitor_interval=1),

@@ -39,7 +39,7 @@ def test_frozen():
     (["kl.estimator=k9"], "kl.estimator='k9' is not one of"),
     (["run.algorithm=grpo", "rollout.n_samples_per_prompt=1"], "n_samples_per_prompt must be >= 2 (got 1)"),
     (["run.algorithm=rloo", "rollout.n_samples_per_prompt=1"], "rloo needs a group baseline"),
-    (["actor.minibatch_size=24"], "must be divisible by actor.micro_batch_size × ranks = 16 × 2"),
+    (["actor.minibatch_size=48"], "actor.minibatch_size=48 must be divisible by actor.micro_batch_size × ranks = 32 × 2"),
     (["rollout.prompts_per_iteration=5"], "batch (rollout.prompts_per_iteration × rollout.n_samples_per_prompt = 20)"),
     (["reward.source=model"], "reward.source=model needs reward.model_path"),
     (["advantage.lam=1.5"], "advantage.lam must be in [0, 1]"),
