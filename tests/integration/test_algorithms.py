@@ -1,0 +1,145 @@
+"""Critic-free algorithms end to end through ``pyflyte run``, and PPO with its critic (and the
+reward model) behind the HTTP server."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from models.checkpoint import is_committed
+from models.server.launch import ServerProcess
+from tasks.batch import ADVANTAGE_COLUMNS, RolloutBatch
+from tasks.run_layout import RunLayout
+
+pytestmark = pytest.mark.integration
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMALL = ["run.num_iterations=2", "run.eval_interval=2", "rollout.prompts_per_iteration=8",
+         "actor.minibatch_size=32", "actor.micro_batch_size=16", "data.num_demo_train_prompts=64",
+         "data.num_demo_eval_prompts=8", "critic.minibatch_size=32", "critic.micro_batch_size=32"]
+
+
+def _pyflyte(workflow: str, entry: str, preset: str, overrides, run_name: str, db) -> str:
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{db}", PYTHONUNBUFFERED="1")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "pyflyte"), "run", workflow, entry, "--preset", preset,
+           "--overrides", json.dumps(overrides), "--run_name", run_name]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("algo", ["rloo", "grpo", "reinforce_pp", "reinforce"])
+def test_critic_free_two_iterations(algo, tmp_path):
+    out = _pyflyte("workflows/reinforce.py", "reinforce_training", f"configs/tiny_{algo}.yaml",
+                   [f"run.storage_root={tmp_path}"] + SMALL, algo, tmp_path / "mlflow.db")
+    assert f"[{algo}] iter 2/2" in out
+    layout = RunLayout(str(tmp_path), algo)
+    for i in range(2):
+        batch = RolloutBatch.read(layout.batch_url(i, "advantages"))
+        batch.validate(ADVANTAGE_COLUMNS)
+        assert "values" not in batch.column_names
+        assert not os.path.exists(layout.critic_url(i))  # no critic task ran
+    assert not os.path.exists(os.path.join(layout.url, "critic-init"))
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    metrics = client.get_run(layout.read_run_info().mlflow_run_id).data.metrics
+    assert "actor/loss" in metrics and "eval/reward_mean" in metrics
+    assert not [k for k in metrics if k.startswith("critic/")]
+
+
+def test_reinforce_workflow_refuses_ppo(tmp_path):
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/m.db")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "pyflyte"), "run", "workflows/reinforce.py",
+           "reinforce_training", "--preset", "configs/tiny_ppo.yaml", "--overrides",
+           json.dumps([f"run.storage_root={tmp_path}"])]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "run.algorithm=ppo trains a critic: use workflows/ppo.py ppo_training" in proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tmp_path_factory):
+    """A tiny PPO run (HF engine, one process) set up in-process, and its first rollout."""
+    from tasks.rollout import run_rollout
+    from tasks.setup import setup_run
+
+    root = tmp_path_factory.mktemp("remote")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
+    overrides = [f"run.storage_root={root}", "rollout.engine=hf", "actor.nproc_per_node=1"] + SMALL
+    setup = setup_run("tiny_ppo", overrides, "remote")
+    yield root, overrides, setup, run_rollout(setup.cfg, setup.run, setup.state)
+    mp.undo()
+
+
+def _with(cfg, **sections):
+    from tasks.config_io import config_from_json_dict, to_dict
+
+    data = to_dict(cfg)
+    for section, values in sections.items():
+        data[section].update(values)
+    return config_from_json_dict(data)
+
+
+def test_remote_critic_matches_in_task_critic(ppo_run, tmp_path):
+    from tasks.score import run_score
+    from tasks.updates import train_critic
+
+    root, _, setup, ro = ppo_run
+    local = run_score(setup.cfg, setup.run, setup.state, ro.batch)
+    token = "s3cret-token"
+    with ServerProcess(["--critic", setup.state.critic_url, "--storage-root", str(root), "--threads", "1",
+                        "--token-env", "RS_TOKEN"], env={"RS_TOKEN": token}, log_path=tmp_path / "srv.log") as srv:
+        os.environ["RLHF_SERVER_TOKEN"] = token
+        try:
+            cfg = _with(setup.cfg, critic={"remote_url": srv.url})
+            remote = run_score(cfg, setup.run, setup.state, ro.batch)
+            np.testing.assert_allclose(np.concatenate(remote.batch.column("values").to_pylist()),
+                                       np.concatenate(local.batch.column("values").to_pylist()), atol=1e-5)
+            from tasks.advantages import run_advantages
+
+            adv = run_advantages(cfg, setup.run, setup.state, remote.batch)
+            out = train_critic(cfg, setup.run, setup.state, adv.batch)
+        finally:
+            os.environ.pop("RLHF_SERVER_TOKEN", None)
+    assert out.checkpoint_url == setup.run.layout.critic_url(0) and is_committed(out.checkpoint_url)
+    assert np.isfinite(out.stats["critic/loss"])
+
+
+def test_remote_reward_model_matches_local(ppo_run, tmp_path):
+    from models.checkpoint import save_checkpoint
+    from models.tiny import TinyModelConfig, build_reward_model, save_model
+    from models.tokenizer import build_char_tokenizer
+    from tasks.score import run_score
+
+    root, _, setup, ro = ppo_run
+    tok = build_char_tokenizer()
+    rm_url = str(root / "rm")
+    save_checkpoint(str(save_model(build_reward_model(TinyModelConfig(), tok), tok, tmp_path / "rm")), rm_url)
+    local_cfg = _with(setup.cfg, reward={"source": "model", "model_path": rm_url})
+    local = run_score(local_cfg, dataclasses.replace(setup.run, reward_model_url=rm_url), setup.state, ro.batch)
+    with ServerProcess(["--reward-model", rm_url, "--threads", "1"], log_path=tmp_path / "srv.log") as srv:
+        cfg = _with(setup.cfg, reward={"source": "remote", "remote_url": srv.url})
+        remote = run_score(cfg, setup.run, setup.state, ro.batch)
+    np.testing.assert_allclose(remote.batch.column("reward").to_numpy(), local.batch.column("reward").to_numpy(),
+                               atol=1e-5)
+
+
+def test_ppo_end_to_end_with_critic_server(ppo_run, tmp_path):
+    root, _, setup, _ = ppo_run
+    with ServerProcess(["--critic", setup.state.critic_url, "--storage-root", str(tmp_path), "--threads", "1"],
+                       log_path=tmp_path / "srv.log") as srv:
+        out = _pyflyte("workflows/ppo.py", "ppo_training", "configs/tiny_ppo.yaml",
+                       [f"run.storage_root={tmp_path}", f"critic.remote_url={srv.url}"] + SMALL, "e2e-remote", tmp_path / "mlflow.db")
+    assert "[ppo] iter 2/2" in out
+    layout = RunLayout(str(tmp_path), "e2e-remote")
+    assert layout.read_state().critic_url == layout.critic_url(1)
+    assert is_committed(layout.critic_url(1))  # written by the server's save
+    RolloutBatch.read(layout.batch_url(1, "advantages")).validate(ADVANTAGE_COLUMNS + ("values",))
