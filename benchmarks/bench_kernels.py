@@ -3,7 +3,10 @@
     python benchmarks/bench_kernels.py [--threads N] [--batch B] [--quick] [--only gae|logprobs]
 
 - GAE: :func:`kernels.gae.compute_gae` against the reverse loop at B=256, T=1024 and
-  B=64, T=8192, for right-padded masks (one span per row) and masks with gaps.
+  B=64, T=8192, for right-padded masks (one span per row) and masks with gaps. "faults"
+  is minor page faults per fast call: when glibc hands freed [B, T] buffers back to the
+  OS between calls (it does in a small process, depending on its heap history), each call
+  pays ~1-2 µs per 4 KiB page it touches again, which can double the fast time.
 - Log-probs and entropy at V=32000, T=1024: time against naive ``log_softmax`` + ``gather``
   (best of several runs, in this process), and peak extra memory.
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -51,9 +55,13 @@ def best_ms(fn: Callable[[], object], repeats: int) -> float:
     return best * 1e3
 
 
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def bench_gae(quick: bool) -> None:
     print("\n== GAE: compute_gae vs reverse loop (float32, γ=1, λ=0.95) ==")
-    print(f"{'shape':>12} {'mask':>8} {'loop ms':>9} {'fast ms':>9} {'speed-up':>9} {'max |Δ|':>9}")
+    print(f"{'shape':>12} {'mask':>8} {'loop ms':>9} {'fast ms':>9} {'speed-up':>9} {'max |Δ|':>9} {'faults':>7}")
     for B, T_ in [(256, 1024), (64, 8192)]:
         g = torch.Generator().manual_seed(0)
         rewards, values = torch.randn(B, T_, generator=g), torch.randn(B, T_, generator=g)
@@ -62,10 +70,13 @@ def bench_gae(quick: bool) -> None:
         masks = {"padded": spans, "gaps": spans & (torch.rand(B, T_, generator=g) < 0.9)}
         for name, mask in masks.items():
             loop_ms = best_ms(lambda: compute_gae_reference(rewards, values, mask, 1.0, 0.95), 1 if quick else 3)
-            fast_ms = best_ms(lambda: compute_gae(rewards, values, mask, 1.0, 0.95), 20 if quick else 200)
+            repeats, faults = 20 if quick else 200, _minor_faults()
+            fast_ms = best_ms(lambda: compute_gae(rewards, values, mask, 1.0, 0.95), repeats)
+            faults = (_minor_faults() - faults) / (repeats + 1)
             err = (compute_gae(rewards, values, mask, 1.0, 0.95).advantages
                    - compute_gae_reference(rewards, values, mask, 1.0, 0.95).advantages).abs().max().item()  # fmt: skip
-            print(f"{B:>5}x{T_:<6} {name:>8} {loop_ms:9.2f} {fast_ms:9.3f} {loop_ms / fast_ms:8.1f}x {err:9.1e}")
+            print(f"{B:>5}x{T_:<6} {name:>8} {loop_ms:9.2f} {fast_ms:9.3f} {loop_ms / fast_ms:8.1f}x {err:9.1e} "
+                  f"{faults:7.0f}")  # fmt: skip
 
 
 def _logit_inputs(batch: int, dtype: torch.dtype, grad: bool):

@@ -1,11 +1,12 @@
-"""GAE: hand-worked examples, the fast scan against the reverse loop, long rows, bf16."""
+"""GAE: hand-worked examples, the fast paths against the reverse loop, long rows, bf16."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.gae import _single_span, compute_gae, compute_gae_reference, discounted_cumsum
+from kernels import gae
+from kernels.gae import _chain_blocks, _single_span, compute_gae, compute_gae_reference, discounted_cumsum
 
 BOTH = [compute_gae, compute_gae_reference]
 
@@ -49,6 +50,48 @@ def test_discounted_cumsum_by_hand_across_blocks():
     x = torch.ones(1, 37, dtype=torch.float64)
     t = torch.arange(37, dtype=torch.float64)
     torch.testing.assert_close(discounted_cumsum(x, 0.5, block=4), (2 - 0.5 ** (36 - t)).unsqueeze(0))
+
+
+@pytest.mark.parametrize("T", [5, 32, 96])
+def test_discounted_cumsum_writes_into_out(T):
+    x = torch.randn(3, T, dtype=torch.float64)
+    out = torch.full_like(x, float("nan"))
+    y = discounted_cumsum(x, 0.9, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(y, discounted_cumsum(x, 0.9), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 63])
+def test_chain_blocks_matches_the_sequential_recurrence(n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(3, n, generator=g, dtype=torch.float64)
+    c = torch.rand(3, n, generator=g, dtype=torch.float64)
+    expected, y = torch.zeros_like(x), torch.zeros(3, dtype=torch.float64)
+    for b in reversed(range(n)):  # y_b = x_b + c_b·y_{b+1}
+        y = x[:, b] + c[:, b] * y
+        expected[:, b] = y
+    torch.testing.assert_close(_chain_blocks(x.clone(), c), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "gamma, lam, path",
+    [
+        (1.0, 0.95, "segmented"),
+        (0.5, 0.5, "segmented"),
+        (1.0, 1 / 16, "segmented"),
+        (0.2, 0.2, "packed"),
+        (1.0, 0.0, "packed"),
+    ],
+)
+def test_gap_masks_take_the_expected_path(monkeypatch, gamma, lam, path):
+    # gaps with γλ >= 1/16 skip packing; below it (g^L near float32 underflow) they pack
+    calls = []
+    for name in ("_advantages_segmented", "_advantages_packed", "_advantages_single_span"):
+        fn = getattr(gae, name)
+        monkeypatch.setattr(gae, name, lambda *a, _fn=fn, _name=name: calls.append(_name) or _fn(*a))
+    mask = torch.tensor([[1, 0, 1, 1]], dtype=torch.bool)
+    compute_gae(torch.ones(1, 4), torch.ones(1, 4), mask, gamma, lam)
+    assert calls == [f"_advantages_{path}"]
 
 
 def test_rejects_bad_arguments():
@@ -104,6 +147,42 @@ def test_fast_matches_reference_loop(case):
     assert torch.all(out.advantages[~mask] == 0) and torch.all(out.returns[~mask] == 0)
 
 
+@st.composite
+def multi_turn_cases(draw):
+    # rows of alternating response spans and masked tool/observation spans of 1..40 tokens,
+    # crossing the 16-token blocks of the gap path; γλ on both sides of the packing threshold
+    B, T = draw(st.integers(1, 4)), draw(st.sampled_from([1, 2, 15, 16, 17, 33, 100, 257]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    m = torch.zeros(B, T, dtype=torch.bool)
+    for b in range(B):
+        t, valid = 0, draw(st.booleans())
+        while t < T:
+            n = int(torch.randint(1, 41, (1,), generator=g))
+            m[b, t : t + n] = valid
+            t, valid = t + n, not valid
+    if draw(st.booleans()):
+        m[draw(st.integers(0, B - 1))] = False  # an all-masked row
+    gamma = draw(st.sampled_from([1.0, 0.99, 0.5, 0.25]) | st.floats(0.0, 1.0))
+    lam = draw(st.sampled_from([1.0, 0.95, 0.25, 1 / 16]) | st.floats(0.0, 1.0))
+    rewards, values = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    return rewards, values, m, gamma, lam
+
+
+@settings(max_examples=150, deadline=None)
+@given(multi_turn_cases())
+def test_fast_matches_reference_loop_on_multi_turn_masks(case):
+    rewards, values, mask, gamma, lam = case
+    ref64 = compute_gae_reference(rewards.double(), values.double(), mask, gamma, lam)
+    out64 = compute_gae(rewards.double(), values.double(), mask, gamma, lam)
+    torch.testing.assert_close(out64.advantages, ref64.advantages, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out64.returns, ref64.returns, rtol=1e-10, atol=1e-10)
+    ref = compute_gae_reference(rewards, values, mask, gamma, lam)
+    out = compute_gae(rewards, values, mask, gamma, lam)
+    torch.testing.assert_close(out.advantages, ref.advantages, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.returns, ref.returns, rtol=1e-5, atol=1e-5)
+    assert torch.all(out.advantages[~mask] == 0) and torch.all(out.returns[~mask] == 0)
+
+
 @pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (1.0, 0.999), (0.999, 0.95)])
 @pytest.mark.parametrize("gaps", [False, True])
 def test_long_rows_stay_within_1e5_of_the_loop(gamma, lam, gaps):
@@ -124,6 +203,20 @@ def test_long_rows_stay_within_1e5_of_the_loop(gamma, lam, gaps):
     loop_err = (loop32.advantages.double() - exact.advantages).abs().max().item()
     fast_err = (out.advantages.double() - exact.advantages).abs().max().item()
     assert fast_err <= max(loop_err, 1e-5)
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 0.1), (0.3, 0.3)])
+def test_gap_path_with_small_lambda_is_as_accurate_as_the_float32_loop(gamma, lam):
+    # the gap path weighs each V by 1/λ − 1 (9 at λ = 0.1) and scales by running products of γλ,
+    # so γλ must enter exactly as fl32(γλ), not as 1 + (γλ − 1) (off by ~1e-7 relative)
+    g = torch.Generator().manual_seed(3)
+    rewards, values = torch.randn(64, 1024, generator=g) * 2, torch.randn(64, 1024, generator=g) * 2
+    mask = torch.rand(64, 1024, generator=g) < 0.6
+    exact = compute_gae_reference(rewards.double(), values.double(), mask, gamma, lam).advantages
+    loop32 = compute_gae_reference(rewards, values, mask, gamma, lam).advantages
+    loop_err = (loop32.double() - exact).abs().max()
+    fast_err = (compute_gae(rewards, values, mask, gamma, lam).advantages.double() - exact).abs().max()
+    assert fast_err <= 2 * loop_err
 
 
 def test_bfloat16_inputs_match_float32_reference_to_bf16_rounding():
