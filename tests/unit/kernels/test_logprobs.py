@@ -131,7 +131,8 @@ def test_bfloat16_logits_against_float32_reference(case):
     torch.testing.assert_close(lp, lp_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent, ent_ref, rtol=1e-5, atol=1e-5)
     # the gradient is rounded once to bf16 (relative error <= 2^-9)
-    torch.testing.assert_close(grad.float(), grad_ref, rtol=2**-8, atol=1e-6)
+    # (atol: the reference itself varies by ~1e-6 with the thread count on near-zero entries)
+    torch.testing.assert_close(grad.float(), grad_ref, rtol=2**-8, atol=1e-5)
 
 
 def test_gradcheck_float64_split_vocab():
