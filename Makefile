@@ -10,8 +10,15 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 ALGO ?= ppo
 ALGO_WORKFLOW := $(if $(filter ppo,$(ALGO)),ppo,reinforce)
+# Cluster deployment: the image tasks run in, and the config the tasks are registered with
+# (resources, GPU type, elastic topology of actor_update; see tasks/deploy.py). `make image`
+# and `make package` must use the same DEPLOY_PRESET / DEPLOY_OVERRIDES.
+IMAGE ?= ghcr.io/my-org/flyte-rlhf:0.1.0
+DEPLOY_PRESET ?= configs/llama8b_ppo_gpu.yaml
+DEPLOY_OVERRIDES ?=
+PACKAGE ?= dist/flyte-package.tgz
 
-.PHONY: install demo test test-unit bench clean
+.PHONY: install demo test test-unit bench bench-server clean browser package image
 
 install: $(STAMP)
 
@@ -32,9 +39,29 @@ demo: $(STAMP)
 	TRANSFORMERS_VERBOSITY=error VLLM_LOGGING_LEVEL=WARNING TQDM_DISABLE=1 \
 	$(VENV)/bin/pyflyte run workflows/$(ALGO_WORKFLOW).py $(ALGO_WORKFLOW)_training --preset configs/tiny_$(ALGO).yaml
 
-# Unit and integration tests (integration ones start real servers on 127.0.0.1).
-test: $(STAMP)
+# Unit and integration tests (integration ones start real servers on 127.0.0.1, and headless
+# Chromium for the MLflow UI test).
+test: $(STAMP) browser
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# Debian's Chromium and its WebDriver for tests/integration/test_mlflow_ui.py (as root, or via sudo).
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+	  command -v apt-get >/dev/null || { echo "no apt-get: install chromium and chromedriver into /usr/bin"; exit 0; }; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver; \
+	fi
+
+# Registrable Flyte package of every workflow, task and launch plan (offline: nothing is contacted).
+package: $(STAMP)
+	mkdir -p $(dir $(PACKAGE))
+	RLHF_DEPLOY_PRESET=$(DEPLOY_PRESET) RLHF_DEPLOY_OVERRIDES="$(DEPLOY_OVERRIDES)" \
+	$(VENV)/bin/pyflyte --pkgs workflows package --image $(IMAGE) --output $(PACKAGE) --force
+
+# The task image (CUDA PyTorch + vLLM + this project); push it where the cluster can pull it.
+image:
+	docker build --build-arg DEPLOY_PRESET=$(DEPLOY_PRESET) --build-arg DEPLOY_OVERRIDES="$(DEPLOY_OVERRIDES)" \
+	  -t $(IMAGE) .
 
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
@@ -42,5 +69,10 @@ test-unit: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_kernels.py
 
+# The reward/critic server under 16 concurrent clients for 60 s: throughput, latency p50/p90/p99,
+# lost and mixed responses (exit 1 if any).
+bench-server: $(STAMP)
+	$(PY) benchmarks/bench_server.py --seconds 60 --clients 16
+
 clean:
-	rm -rf $(VENV) .cache .pytest_cache .hypothesis runs mlruns mlflow.db
+	rm -rf $(VENV) .cache .pytest_cache .hypothesis runs mlruns mlflow.db dist

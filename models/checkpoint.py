@@ -24,6 +24,7 @@ import uuid
 from typing import Any, Dict, Mapping, Optional
 
 from models import storage
+from models.faults import pause_point
 
 MARKER = "COMMITTED.json"
 ALLOWED_SUFFIXES = (".safetensors", ".json", ".txt", ".model", ".jinja", ".md")
@@ -97,6 +98,7 @@ def save_checkpoint(local_dir: str, url: str, overwrite: bool = False) -> Mappin
         storage.move_dir(tmp, url)
     finally:
         storage.remove(tmp, recursive=True)
+    pause_point(f"commit/{url}")  # tests only: files in place, not committed yet
     marker = {"format": 1, "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "files": manifest}
     storage.write_json(storage.join(url, MARKER), marker)

@@ -7,6 +7,7 @@ Outside a launcher (plain calls, unit tests) everything degrades to a single pro
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import os
 from dataclasses import dataclass
 from typing import Dict, Iterator
@@ -38,8 +39,28 @@ def init_distributed() -> DistInfo:
     if cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if cuda else "gloo")
+        backend = "nccl" if cuda else "gloo"
+        store = _attempt_store(world)
+        if store is None:
+            dist.init_process_group(backend=backend)
+        else:
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
     return DistInfo(rank, world, local_rank, device)
+
+
+def _attempt_store(world: int):
+    """The elastic agent's store under a prefix per worker-group attempt, or None (plain env://).
+
+    Torch elastic keeps one agent-hosted store across restarts of the worker group, and the
+    process group's keys carry no attempt in their names: a restarted rank could read the
+    address a dead rank of the previous attempt published and fail ("Gloo connectFullMesh
+    failed ... Connection refused") or hang. The prefix keeps each attempt to itself.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=dt.timedelta(minutes=30))
+    return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def shutdown_distributed(failed: bool = False) -> None:

@@ -18,6 +18,7 @@ from torch import nn
 from kernels.kl import kl_loss
 from kernels.losses import PolicyLossConfig, PolicyLossInput, policy_loss, value_loss
 from models.distributed import DistInfo, all_reduce_mean_dict, all_reduce_sum, no_grad_sync
+from models.faults import maybe_kill_rank
 
 
 class UpdateData(NamedTuple):
@@ -79,6 +80,7 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, data: UpdateD
     for _ in range(settings.epochs):
         perm = torch.randperm(n_local, generator=gen)
         for start in range(0, n_local, local_mb):
+            maybe_kill_rank(info.rank, steps)  # tests only: a rank dies mid-update
             mb = perm[start:start + local_mb]
             mb_tokens = float(all_reduce_sum(data.response_mask[mb].sum().double()))
             mb_seqs = float(all_reduce_sum(data.response_mask[mb].any(-1).sum().double()))

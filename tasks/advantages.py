@@ -9,6 +9,7 @@ from flytekit import Resources, task
 from kernels.advantages import AdvantageInput, AdvantageParams, advantage_stats, compute_advantages
 from tasks.batch import RolloutBatch
 from tasks.common import CACHE_VERSION, timed
+from tasks import secrets
 from tasks.config import TrainConfig
 from tasks.types import PolicyState, RunHandle
 
@@ -41,9 +42,11 @@ def run_advantages(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: 
     return AdvantagesOutput(result, stats)
 
 
-@task(cache=True, cache_version=CACHE_VERSION, retries=2, requests=Resources(cpu="1", mem="2Gi"))
+@task(cache=True, cache_version=CACHE_VERSION, retries=2, requests=Resources(cpu="1", mem="2Gi"),
+      secret_requests=secrets.requests(secrets.S3))
 def advantages(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> AdvantagesOutput:
     """Token rewards, advantages and returns for the algorithm in ``cfg``."""
+    secrets.load(secrets.S3)
     return run_advantages(cfg, run, state, batch)
 
 

@@ -24,6 +24,7 @@ Writing and reading with the project::
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
 import numpy as np
@@ -37,8 +38,18 @@ from tasks.batch_schema import (ADVANTAGE_COLUMNS, COLUMN_TYPES, RESPONSE_ALIGNE
                                 validate_table)
 from models.batch_tensors import ModelInputs, model_inputs, padded_tensors
 
-__all__ = ["RolloutBatch", "BatchMetadata", "BatchSchemaError", "ModelInputs", "ROLLOUT_COLUMNS",
-           "SCORE_COLUMNS", "ADVANTAGE_COLUMNS", "RESPONSE_ALIGNED", "COLUMN_TYPES"]
+__all__ = ["RolloutBatch", "BatchMetadata", "BatchSchemaError", "BatchCorruptError", "ModelInputs",
+           "ROLLOUT_COLUMNS", "SCORE_COLUMNS", "ADVANTAGE_COLUMNS", "RESPONSE_ALIGNED", "COLUMN_TYPES",
+           "checksum_url"]
+
+
+class BatchCorruptError(BatchSchemaError):
+    """A batch file is truncated, is not Arrow IPC, or fails its sha256 check; names the URL."""
+
+
+def checksum_url(url: str) -> str:
+    """``{url}.sha256``: the hex sha256 of the batch file, written after it."""
+    return url + ".sha256"
 
 
 class RolloutBatch:
@@ -198,8 +209,13 @@ class RolloutBatch:
 
     # --- I/O and tensors ------------------------------------------------------------------
     def write(self, url: str) -> "RolloutBatch":
-        """Write as one Arrow IPC file to ``url`` (atomic); returns the batch bound to ``url``."""
-        storage.write_bytes(url, self.to_ipc_bytes())
+        """Write as one Arrow IPC file to ``url`` (atomic) and its sha256 to ``{url}.sha256``;
+        returns the batch bound to ``url``. The old checksum goes first, so a crash in between
+        leaves a whole file without a checksum (read unverified), never a false mismatch."""
+        data = self.to_ipc_bytes()
+        storage.remove(checksum_url(url))
+        storage.write_bytes(url, data)
+        storage.write_bytes(checksum_url(url), hashlib.sha256(data).hexdigest().encode())
         return RolloutBatch(self.table, self.metadata, uri=url)
 
     def to_ipc_bytes(self) -> bytes:
@@ -236,9 +252,26 @@ def _read_table(uri: str) -> pa.Table:
                 raise FileNotFoundError(f"RolloutBatch: not found: {uri}") from err
         else:
             source = pa.py_buffer(storage.read_bytes(uri))
+        _verify_checksum(uri, source)
         return pa.ipc.open_file(source).read_all()
     except pa.ArrowInvalid as err:
-        raise BatchSchemaError(f"{uri} is not an Arrow IPC file: {err}") from err
+        raise BatchCorruptError(f"{uri} is not an Arrow IPC file (truncated or corrupted?): {err}") from err
+
+
+def _verify_checksum(uri: str, source: Any) -> None:
+    """Compare the file's sha256 with ``{uri}.sha256`` when that exists (files written by
+    :meth:`RolloutBatch.write` have one; plain Arrow files from elsewhere do not)."""
+    if not storage.exists(checksum_url(uri)):
+        return
+    want = storage.read_bytes(checksum_url(uri)).decode("ascii", "replace").strip()
+    if isinstance(source, pa.MemoryMappedFile):
+        got = hashlib.sha256(memoryview(source.read_buffer())).hexdigest()
+        source.seek(0)
+    else:
+        got = hashlib.sha256(memoryview(source)).hexdigest()
+    if got != want:
+        raise BatchCorruptError(f"batch {uri} fails its sha256 check against {checksum_url(uri)} "
+                                f"(corrupted or changed after it was written)")
 
 
 def _append(table: Optional[pa.Table], name: str, value: Any) -> pa.Table:

@@ -66,10 +66,10 @@ SERVER_TOKEN_ENV = "RLHF_SERVER_TOKEN"
 """Environment variable (a Flyte secret on a cluster) holding the reward/critic server's bearer token."""
 
 
-def server_client(url: str):
+def server_client(url: str, timeout_s: float = 60.0):
     """A client of the reward/critic server at ``url`` (token from :data:`SERVER_TOKEN_ENV`)."""
     import os
 
     from models.server.client import RewardCriticClient
 
-    return RewardCriticClient(url, token=os.environ.get(SERVER_TOKEN_ENV) or None)
+    return RewardCriticClient(url, token=os.environ.get(SERVER_TOKEN_ENV) or None, timeout_s=timeout_s)

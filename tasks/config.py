@@ -148,6 +148,9 @@ class RewardConfig:
     """Reward-model checkpoint (sequence-classification head, 1 label) for ``source=model``."""
     remote_url: str = ""
     """Reward server base URL for ``source=remote``."""
+    remote_timeout_s: float = 60.0
+    """Seconds to wait for one answer of the reward server (and of the critic server,
+    ``critic.remote_url``): at set-up (a health check) and for every request."""
 
     def __post_init__(self) -> None:
         _check_choice("reward.source", self.source, ["function", "model", "remote"])
@@ -157,6 +160,7 @@ class RewardConfig:
             _check(bool(self.model_path), "reward.source=model needs reward.model_path")
         if self.source == "remote":
             _check(bool(self.remote_url), "reward.source=remote needs reward.remote_url")
+        _check(self.remote_timeout_s > 0, "reward.remote_timeout_s must be > 0")
 
 
 @dataclass(frozen=True)
@@ -304,6 +308,12 @@ class RunConfig:
     """MLflow experiment name (tracking URI from ``MLFLOW_TRACKING_URI``)."""
     num_logged_samples: int = 8
     """Sample generations logged to MLflow per iteration."""
+    registered_model_name: str = "flyte-rlhf-policy"
+    """MLflow Model Registry name the final policy is registered under (alias ``candidate``);
+    empty: log the final policy without registering it."""
+    checkpoint_artifact_max_mb: float = 512.0
+    """Checkpoints kept at ``save_interval`` up to this size are copied into the MLflow run as
+    artifacts; larger ones are recorded by reference (a ``checkpoint.*`` tag with their URL)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.storage_root), "run.storage_root must not be empty")
@@ -314,6 +324,51 @@ class RunConfig:
         _check_choice("run.algorithm", self.algorithm, list(Algorithm))
         _check("/" not in self.name and " " not in self.name,
                f"run.name={self.name!r} must not contain '/' or spaces")
+        _check(self.checkpoint_artifact_max_mb >= 0, "run.checkpoint_artifact_max_mb must be >= 0")
+
+
+@dataclass(frozen=True)
+class ResourcesConfig:
+    """What each heavy task asks of a Flyte cluster (ignored by local runs). Requests and limits
+    are the same values; GPUs are whole devices of type ``accelerator``."""
+
+    rollout_cpu: str = "2"
+    """CPU cores of ``rollout`` (and of evaluation, which generates the same way)."""
+    rollout_mem: str = "8Gi"
+    """Memory of ``rollout`` (Kubernetes quantity)."""
+    rollout_gpu: int = 0
+    """GPUs of ``rollout``."""
+    score_cpu: str = "2"
+    """CPU cores of ``score``."""
+    score_mem: str = "8Gi"
+    """Memory of ``score``."""
+    score_gpu: int = 0
+    """GPUs of ``score``."""
+    actor_cpu: str = "2"
+    """CPU cores of each node of ``actor_update``."""
+    actor_mem: str = "8Gi"
+    """Memory of each node of ``actor_update``."""
+    actor_gpu: int = 0
+    """GPUs of each node of ``actor_update``: 0, or ``actor.nproc_per_node`` (one per process)."""
+    critic_cpu: str = "2"
+    """CPU cores of ``critic_update``."""
+    critic_mem: str = "8Gi"
+    """Memory of ``critic_update``."""
+    critic_gpu: int = 0
+    """GPUs of ``critic_update``."""
+    accelerator: str = ""
+    """GPU type for tasks that ask for GPUs, as the cluster labels it (``nvidia-tesla-a100``,
+    ``nvidia-h100``, ``nvidia-l4``, ...); empty: any GPU."""
+
+    def __post_init__(self) -> None:
+        for task in TASKS_WITH_RESOURCES:
+            _check(getattr(self, f"{task}_gpu") >= 0, f"resources.{task}_gpu must be >= 0")
+            for kind in ("cpu", "mem"):
+                _check(bool(str(getattr(self, f"{task}_{kind}")).strip()), f"resources.{task}_{kind} must not be empty")
+
+
+TASKS_WITH_RESOURCES = ("rollout", "score", "actor", "critic")
+"""Tasks whose requests come from :class:`ResourcesConfig` (``actor`` is ``actor_update``)."""
 
 
 @dataclass(frozen=True)
@@ -329,6 +384,7 @@ class TrainConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
     def __post_init__(self) -> None:
         algo = Algorithm(self.run.algorithm)
@@ -338,6 +394,9 @@ class TrainConfig:
                            f"rollout.n_samples_per_prompt must be >= 2 (got {n})")
         batch = self.rollout.samples_per_iteration
         a = self.actor
+        _check(self.resources.actor_gpu in (0, a.nproc_per_node),
+               f"resources.actor_gpu={self.resources.actor_gpu} must be 0 (CPU) or actor.nproc_per_node="
+               f"{a.nproc_per_node} (one GPU per process)")
         _check(a.minibatch_size % (a.micro_batch_size * a.world_size) == 0,
                f"actor.minibatch_size={a.minibatch_size} must be divisible by actor.micro_batch_size "
                f"× ranks = {a.micro_batch_size} × {a.world_size}")

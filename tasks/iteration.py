@@ -15,10 +15,12 @@ from models.checkpoint import is_committed
 from models.engines import close_engines
 from models.rollout import sample
 from models.rewards import compute_rewards, resolve_reward_fn
-from tasks import tracking
+from tasks import registry, secrets, tracking
 from tasks.batch import RolloutBatch
 from tasks.common import read_prompts, load_tokenizer
 from tasks.config import TrainConfig
+from tasks.deploy import deployment_config, resources_for
+from tasks.redact import redact
 from tasks.rollout import engine_for, sampling_spec
 from tasks.run_layout import RunState
 from tasks.types import PolicyState, RunHandle
@@ -56,14 +58,18 @@ def run_commit(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List
         merged.update(s)
     i = state.iteration
     kl = next_kl_coef(cfg, state, merged)
-    run.layout.write_state(RunState(iteration=i, actor_url=actor_url, critic_url=critic_url or None,
-                                    extras={"kl_coef": kl}))
+    # MLflow first (idempotent per step and file), state.json last: a crash in between redoes
+    # this commit on resume instead of losing the iteration's metrics.
     tracking.log_metrics(run.mlflow_run_id, merged, step=i)
     tracking.log_table(run.mlflow_run_id, sample_table(batch, cfg.run.num_logged_samples),
                        f"samples/iter-{i:06d}.json")
     if (i + 1) % cfg.run.save_interval == 0 or i + 1 == cfg.run.num_iterations:
-        tracking.set_tags(run.mlflow_run_id, {f"checkpoint.iter-{i:06d}.actor": actor_url,
-                                              f"checkpoint.iter-{i:06d}.critic": critic_url or "-"})
+        for role, url in (("actor", actor_url), ("critic", critic_url)):
+            if url:
+                registry.log_checkpoint(run.mlflow_run_id, f"iter-{i:06d}/{role}", url,
+                                        cfg.run.checkpoint_artifact_max_mb)
+    run.layout.write_state(RunState(iteration=i, actor_url=actor_url, critic_url=critic_url or None,
+                                    extras={"kl_coef": kl}))
     prune_checkpoints(cfg, run, i)
     print(progress_line(cfg, i, merged), flush=True)
     return PolicyState(i + 1, actor_url, critic_url, kl)
@@ -80,31 +86,42 @@ def progress_line(cfg: TrainConfig, i: int, m: Dict[str, float]) -> str:
             f"clip {m.get('actor/clip_frac', float('nan')):.2f}  ({phases:.1f} s in tasks)")
 
 
-@task(retries=2, requests=Resources(cpu="1", mem="2Gi"))
+@task(retries=2, requests=Resources(cpu="1", mem="2Gi"), secret_requests=secrets.requests(secrets.S3, secrets.MLFLOW))
 def commit_iteration(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List[Dict[str, float]],
                      batch: RolloutBatch, actor_url: str, critic_url: str) -> PolicyState:
     """Write ``state.json`` (the resume point), log the iteration's metrics and samples, prune checkpoints."""
+    secrets.load(secrets.S3, secrets.MLFLOW)
     return run_commit(cfg, run, state, stats, batch, actor_url, critic_url)
 
 
-def run_evaluate(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> float:
-    prompts, ids = read_prompts(run.eval_prompts_url)
-    tok = load_tokenizer(run.reference_url)
-    engine = engine_for(cfg, state.actor_url)
+def eval_reward(cfg: TrainConfig, actor_url: str, prompts_url: str, tokenizer_url: str) -> float:
+    """Mean reward of the policy at ``actor_url`` on the prompts at ``prompts_url`` (``eval_temperature``)."""
+    prompts, ids = read_prompts(prompts_url)
+    tok = load_tokenizer(tokenizer_url)
+    engine = engine_for(cfg, actor_url)
     spec = sampling_spec(cfg, tok, cfg.run.seed, 1, cfg.rollout.eval_temperature)
     cols = sample(engine, tok, prompts, ids, spec)
     if cfg.reward.source != "function":
         raise ValueError("evaluation needs reward.source=function in this build")
     rewards = compute_rewards(resolve_reward_fn(cfg.reward.function), cols.prompt, cols.response,
                               spec=cfg.reward.function)
-    value = float(np.mean(rewards))
+    return float(np.mean(rewards))
+
+
+def run_evaluate(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> float:
+    done = dict(tracking.metric_history(run.mlflow_run_id, "eval/reward_mean"))
+    if state.iteration - 1 in done:  # evaluated before a crash or at the end of the previous chunk
+        return done[state.iteration - 1]
+    value = eval_reward(cfg, state.actor_url, run.eval_prompts_url, run.reference_url)
     tracking.log_metrics(run.mlflow_run_id, {"eval/reward_mean": value}, step=state.iteration - 1)
     return value
 
 
-@task(retries=2, requests=Resources(cpu="2", mem="8Gi"))
+@task(retries=2, secret_requests=secrets.requests(secrets.S3, secrets.MLFLOW),
+      **resources_for(deployment_config(), "rollout"))
 def evaluate(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> float:
     """Mean reward on the held-out prompts of the policy in ``state`` (logged at the iteration that made it)."""
+    secrets.load(secrets.S3, secrets.MLFLOW)
     return run_evaluate(cfg, run, state)
 
 
@@ -118,19 +135,29 @@ class TrainingSummary:
     reward_first: float
     reward_last: float
     final_actor_url: str
+    registered_model: str = ""
+    """Model Registry name of the final policy ("" when not registered)."""
+    model_version: str = ""
+    """Its version (alias ``candidate``)."""
 
 
 def run_finish(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> TrainingSummary:
     hist = [v for _, v in tracking.metric_history(run.mlflow_run_id, "rollout/reward_mean")]
     first = hist[0] if hist else float("nan")
     last = float(np.mean(hist[-2:])) if hist else float("nan")
-    tracking.end_run(run.mlflow_run_id)
     close_engines()
     if not is_committed(state.actor_url):
         raise RuntimeError(f"final actor checkpoint {state.actor_url} is not committed")
-    summary = TrainingSummary(run.layout.url, run.mlflow_run_id, state.iteration, first, last, state.actor_url)
+    policy = registry.log_policy(run.mlflow_run_id, state.actor_url, cfg.run.registered_model_name)
+    tracking.end_run(run.mlflow_run_id)
+    summary = TrainingSummary(run.layout.url, run.mlflow_run_id, state.iteration, first, last, state.actor_url,
+                              cfg.run.registered_model_name if policy.version else "", policy.version)
     curve = _write_curve(run)
-    print(summary_text(cfg, run, summary, curve), flush=True)
+    text = summary_text(cfg, run, summary, curve)
+    head, *rest = text.splitlines()  # the run's description in the MLflow UI (Markdown)
+    tracking.set_tags(run.mlflow_run_id, {"mlflow.note.content": "\n".join([f"**{head}**", ""] + [
+        f"- {line.strip()}" for line in rest])})
+    print(text, flush=True)
     return summary
 
 
@@ -155,12 +182,16 @@ def summary_text(cfg: TrainConfig, run: RunHandle, s: TrainingSummary, curve: st
         f"  batches:        {s.run_url}/iter-*/{{rollouts,score,advantages}}.arrow",
         f"  checkpoints:    {saved} (actor/ and critic/ under each); final actor {s.final_actor_url}",
         f"  reward curve:   {curve or '(remote storage: see MLflow)'}",
-        f"  review:         mlflow ui --backend-store-uri {tracking.tracking_uri()}   "
+        "  policy:         " + (f"models:/{s.registered_model}/{s.model_version} (alias {registry.CANDIDATE})"
+                                if s.model_version else "logged to the MLflow run (not registered)"),
+        f"  review:         mlflow ui --backend-store-uri {redact(tracking.tracking_uri())}   "
         f"(experiment {cfg.run.mlflow_experiment}, run {run.run_name}, id {s.mlflow_run_id})",
     ])
 
 
-@task(retries=1)
+@task(retries=1, requests=Resources(cpu="2", mem="8Gi"), secret_requests=secrets.requests(secrets.S3, secrets.MLFLOW))
 def finish_run(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> TrainingSummary:
-    """Close the MLflow run and summarise (first iteration's reward, mean of the last two)."""
+    """Log and register the final policy (alias ``candidate``), close the MLflow run and summarise
+    (first iteration's reward, mean of the last two)."""
+    secrets.load(secrets.S3, secrets.MLFLOW)
     return run_finish(cfg, run, state)

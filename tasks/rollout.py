@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from typing import Dict, NamedTuple
 
-from flytekit import Resources, task
+from flytekit import task
 
 from models.engines import SamplingSpec, get_engine
+from models.faults import pause_point
 from models.rollout import sample
 from tasks.batch import BatchMetadata, RolloutBatch
 from tasks.common import CACHE_VERSION, iteration_indices, load_tokenizer, local_checkpoint, read_prompts, timed
+from tasks import decks, secrets
 from tasks.config import TrainConfig
+from tasks.deploy import deployment_config, resources_for
 from tasks.types import PolicyState, RunHandle
 
 
@@ -44,6 +47,7 @@ def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Rollout
         spec = sampling_spec(cfg, tokenizer, cfg.run.seed * 100_003 + state.iteration,
                              cfg.rollout.n_samples_per_prompt, cfg.rollout.temperature)
         cols = sample(engine, tokenizer, [prompts[i] for i in idx], ids[idx], spec)
+        pause_point(f"rollout/iter-{state.iteration:06d}")  # tests only: kill the run mid-rollout
         meta = BatchMetadata(iteration=state.iteration, policy_version=state.iteration,
                              algorithm=cfg.run.algorithm, extras={"run_name": run.run_name})
         batch = RolloutBatch.from_columns(meta, **cols.as_dict())
@@ -55,7 +59,11 @@ def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Rollout
     return RolloutOutput(batch, stats)
 
 
-@task(cache=True, cache_version=CACHE_VERSION, retries=2, requests=Resources(cpu="2", mem="8Gi"))
+@task(cache=True, cache_version=CACHE_VERSION, retries=2, enable_deck=True, secret_requests=secrets.requests(secrets.S3),
+      **resources_for(deployment_config(), "rollout"))
 def rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> RolloutOutput:
     """Sample ``n_samples_per_prompt`` responses per prompt with vLLM (or HF) from the actor."""
-    return run_rollout(cfg, run, state)
+    secrets.load(secrets.S3)
+    out = run_rollout(cfg, run, state)
+    decks.publish("Rollout", out.batch)
+    return out

@@ -6,12 +6,14 @@ from typing import List
 
 from flytekit import Resources, task
 
+from tasks import secrets
 from tasks.setup import RunSetup, setup_run
 
 
-@task(retries=1, requests=Resources(cpu="2", mem="8Gi"))
+@task(retries=1, requests=Resources(cpu="2", mem="8Gi"), secret_requests=secrets.requests(secrets.S3, secrets.MLFLOW))
 def prepare_run(preset: str, overrides: List[str], run_name: str, workflow: str) -> RunSetup:
     """Load and check the config, validate prompts before any model loads, lay out the run
     (reference policy, initial critic, prompts), start the MLflow run; or resume ``run_name``.
     ``workflow`` (``ppo`` or ``reinforce``) must suit ``run.algorithm``."""
+    secrets.load(secrets.S3, secrets.MLFLOW)
     return setup_run(preset, overrides, run_name, workflow)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Dict, NamedTuple
 
 import numpy as np
-from flytekit import Resources, task
+from flytekit import task
 
 from models.policy import CriticValues, PolicyLogprobs
 from models.reward_sources import FunctionReward, ModelReward, check_rewards
@@ -15,7 +15,9 @@ from tasks.batch import RolloutBatch
 import pyarrow as pa
 from models.batch_tensors import model_inputs
 from tasks.common import CACHE_VERSION, load_hf, load_tokenizer, server_client, timed
+from tasks import decks, secrets
 from tasks.config import TrainConfig
+from tasks.deploy import deployment_config, resources_for
 from tasks.types import PolicyState, RunHandle
 
 
@@ -40,12 +42,12 @@ def reward_source(cfg: TrainConfig, run: RunHandle):
         return ModelReward(load_hf(run.reward_model_url, AutoModelForSequenceClassification), run.reward_model_url)
     from models.server.client import RemoteReward
 
-    return RemoteReward(server_client(cfg.reward.remote_url))
+    return RemoteReward(server_client(cfg.reward.remote_url, cfg.reward.remote_timeout_s))
 
 
 def remote_values(cfg: TrainConfig, batch: RolloutBatch) -> np.ndarray:
     """Critic values from the critic server's ``infer``, flat in row-major response order."""
-    client = server_client(cfg.critic.remote_url)
+    client = server_client(cfg.critic.remote_url, cfg.reward.remote_timeout_s)
     results = client.infer(batch.column("prompt_tokens").to_pylist(), batch.column("response_tokens").to_pylist())
     if any(r.values is None for r in results):
         raise ValueError(f"critic server {cfg.critic.remote_url} has no critic loaded")
@@ -101,10 +103,14 @@ def rollout_stats(rewards: np.ndarray, lengths: np.ndarray, batch: RolloutBatch,
     }
 
 
-@task(cache=True, cache_version=CACHE_VERSION, retries=2, requests=Resources(cpu="2", mem="8Gi"))
+@task(cache=True, cache_version=CACHE_VERSION, retries=2, enable_deck=True,
+      secret_requests=secrets.requests(secrets.S3, secrets.SERVER), **resources_for(deployment_config(), "score"))
 def score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> ScoreOutput:
     """Recompute π_old with the training-side actor, π_ref, critic values and rewards."""
-    return run_score(cfg, run, state, batch)
+    secrets.load(secrets.S3, secrets.SERVER)
+    out = run_score(cfg, run, state, batch)
+    decks.publish("Score", out.batch)
+    return out
 
 
 __all__ = ["score", "run_score", "ScoreOutput", "micro_batches"]

@@ -15,6 +15,7 @@ from models.checkpoint import download_checkpoint, is_committed, save_checkpoint
 from tasks import tracking
 from tasks.config import ConfigError, TrainConfig
 from tasks.config_io import config_from_json_dict, flatten, load_config, to_dict
+from tasks.preflight import check_resume_point, check_sources, check_storage, check_vocab
 from tasks.prompts import PromptDataConfig, load_prompts
 from tasks.run_layout import RunInfo, RunLayout
 from tasks.types import PolicyState, RunHandle
@@ -74,10 +75,10 @@ def _demo_assets(cfg: TrainConfig, workdir: str) -> dict:
         num_train_prompts=cfg.data.num_demo_train_prompts, num_eval_prompts=cfg.data.num_demo_eval_prompts).items()}
 
 
-def _check_prompts(cfg: TrainConfig, url: str, tokenizer) -> None:
+def _check_prompts(cfg: TrainConfig, url: str, tokenizer) -> List[str]:
     d = cfg.data
-    load_prompts(PromptDataConfig(url=url, prompt_column=d.prompt_column, max_prompt_chars=d.max_prompt_chars,
-                                  max_prompt_tokens=d.max_prompt_tokens), tokenizer)
+    return load_prompts(PromptDataConfig(url=url, prompt_column=d.prompt_column, max_prompt_chars=d.max_prompt_chars,
+                                         max_prompt_tokens=d.max_prompt_tokens), tokenizer).prompts
 
 
 def _commit_copy(src: str, dst: str) -> str:
@@ -106,17 +107,19 @@ def new_run(cfg: TrainConfig, layout: RunLayout, preset: str) -> RunSetup:
         tokenizer = build_char_tokenizer()
     else:
         tokenizer = load_tokenizer_only(cfg.model.actor_path)
+        _check_vocabularies(cfg, tokenizer)
     if train_url:  # user data: every row is checked before any model is loaded
-        _check_prompts(cfg, train_url, tokenizer)
+        probe = _check_prompts(cfg, train_url, tokenizer)[:4]
         if eval_url:
             _check_prompts(cfg, eval_url, tokenizer)
+        check_sources(cfg, probe, len(tokenizer))
     assets = _demo_assets(cfg, work) if demo else {}
     train_url = train_url or assets.get("train_prompts", "")
     eval_url = eval_url or assets.get("eval_prompts", "") or train_url
     if not train_url:
         raise ValueError("data.train_prompts is empty and no demo prompts were built")
-    if demo:
-        _check_prompts(cfg, train_url, tokenizer)
+    if demo and not cfg.data.train_prompts:  # the demo's own prompts, checked like user data
+        check_sources(cfg, _check_prompts(cfg, train_url, tokenizer)[:4], len(tokenizer))
     run_train = storage.join(data_dir, "train_prompts.jsonl")
     run_eval = storage.join(data_dir, "eval_prompts.jsonl")
     _copy_data(train_url, run_train)
@@ -131,13 +134,25 @@ def new_run(cfg: TrainConfig, layout: RunLayout, preset: str) -> RunSetup:
     if cfg.reward.source == "model":
         rm_url = _commit_copy(cfg.reward.model_path, storage.join(layout.url, "reward-model"))
 
-    tags = {"algorithm": cfg.run.algorithm, "preset": preset or "(none)", "git_commit": git_commit(),
-            "storage": layout.url, "flyte_execution_id": _flyte_execution_id()}
+    commit = git_commit()
+    tags = {"algorithm": cfg.run.algorithm, "preset": preset or "(none)", "git_commit": commit,
+            "mlflow.source.git.commit": commit, "storage": layout.url, "flyte_execution_id": _flyte_execution_id(),
+            "registered_model_name": cfg.run.registered_model_name or "(not registered)"}
     run_id = tracking.start_run(cfg.run.mlflow_experiment, layout.run_name, flatten(cfg), tags)
     layout.write_run_info(RunInfo(run_name=layout.run_name, algorithm=cfg.run.algorithm, config=to_dict(cfg),
                                   mlflow_run_id=run_id))
     handle = RunHandle(layout.root, layout.run_name, run_id, ref, run_train, run_eval, rm_url)
     return RunSetup(cfg, handle, PolicyState(0, ref, critic_url, cfg.kl.coef))
+
+
+def _check_vocabularies(cfg: TrainConfig, tokenizer) -> None:
+    """The actor's tokenizer against every user checkpoint that reads its token ids."""
+    m = cfg.model
+    check_vocab(tokenizer, m.actor_path, "model.actor_path")
+    if m.critic_path and cfg.uses_critic:
+        check_vocab(tokenizer, m.critic_path, "model.critic_path")
+    if cfg.reward.source == "model":
+        check_vocab(tokenizer, cfg.reward.model_path, "reward.model_path")
 
 
 def _copy_data(src: str, dst: str) -> None:
@@ -175,7 +190,12 @@ def _flyte_execution_id() -> str:
 
 
 def resume_run(layout: RunLayout, cfg_now: Optional[TrainConfig]) -> RunSetup:
-    """Continue a run from ``state.json``: its stored config (``num_iterations`` may grow)."""
+    """Continue a run from ``state.json``: its stored config (``num_iterations`` may grow).
+
+    The next iteration starts from the committed checkpoints ``state.json`` names (refused if
+    not committed). With fixed seeds on the same CPU machine the resumed run is bit-identical
+    to an uninterrupted one (every seed depends on ``run.seed`` and the iteration only;
+    ``tests/integration/test_resume.py``, README "Reliability")."""
     info = layout.read_run_info()
     cfg = config_from_json_dict(info.config)
     if cfg_now is not None and cfg_now.run.num_iterations != cfg.run.num_iterations:
@@ -186,10 +206,13 @@ def resume_run(layout: RunLayout, cfg_now: Optional[TrainConfig]) -> RunSetup:
     rm = storage.join(layout.url, "reward-model") if cfg.reward.source == "model" else ""
     handle = RunHandle(layout.root, layout.run_name, info.mlflow_run_id or "", layout.reference_url(),
                        storage.join(base, "train_prompts.jsonl"), storage.join(base, "eval_prompts.jsonl"), rm)
+    if info.mlflow_run_id:  # the same MLflow run goes on (a finished run shows as running again)
+        tracking.client().update_run(info.mlflow_run_id, status="RUNNING")
     state = layout.read_state()
     if state is None:
         critic = storage.join(layout.url, "critic-init") if cfg.uses_critic else ""
         return RunSetup(cfg, handle, PolicyState(0, layout.reference_url(), critic, cfg.kl.coef))
+    check_resume_point(layout.url, state.actor_url, state.critic_url or "")
     kl = float(state.extras.get("kl_coef", cfg.kl.coef))
     return RunSetup(cfg, handle, PolicyState(state.iteration + 1, state.actor_url, state.critic_url or "", kl))
 
@@ -211,6 +234,7 @@ def setup_run(preset: str, overrides: List[str], run_name: str = "", workflow: s
     check_workflow(cfg, workflow)
     name = run_name or cfg.run.name or default_run_name(cfg.run.algorithm)
     layout = RunLayout(cfg.run.storage_root, name)
+    check_storage(layout.url)
     if storage.exists(layout.run_info_url):
         log.info("resuming run %s", layout.url)
         return resume_run(layout, cfg)

@@ -12,6 +12,8 @@ import math
 import os
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
+from tasks.redact import redact
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
@@ -36,7 +38,7 @@ def start_run(experiment: str, run_name: str, params: Mapping[str, Any],
     c = client()
     exp = c.get_experiment_by_name(experiment)
     exp_id = exp.experiment_id if exp is not None else c.create_experiment(experiment)
-    run = c.create_run(exp_id, run_name=run_name, tags=dict(tags or {}))
+    run = c.create_run(exp_id, run_name=run_name, tags={k: redact(str(v)) for k, v in (tags or {}).items()})
     log_params(run.info.run_id, params)
     return run.info.run_id
 
@@ -44,7 +46,7 @@ def start_run(experiment: str, run_name: str, params: Mapping[str, Any],
 def log_params(run_id: str, params: Mapping[str, Any]) -> None:
     from mlflow.entities import Param
 
-    items = [Param(k, str(v)[:_MAX_PARAM_LEN]) for k, v in sorted(params.items())]
+    items = [Param(k, redact(str(v))[:_MAX_PARAM_LEN]) for k, v in sorted(params.items())]  # no credentials
     c = client()
     for i in range(0, len(items), 100):
         c.log_batch(run_id, params=items[i:i + 100])
@@ -75,14 +77,38 @@ def log_metrics(run_id: str, metrics: Mapping[str, float], step: int) -> int:
 
 
 def log_table(run_id: str, columns: Dict[str, List[Any]], artifact_file: str) -> None:
-    """A table the MLflow UI shows in its artifact and evaluation views (``mlflow.log_table``)."""
-    client().log_table(run_id, data=columns, artifact_file=artifact_file)
+    """A table the MLflow UI shows in its artifact and evaluation views (``mlflow.log_table``).
+
+    Logged once per ``artifact_file``: MLflow appends to an existing table, so a retried or
+    resumed commit would duplicate its rows."""
+    c = client()
+    if any(a.path == artifact_file for a in c.list_artifacts(run_id, os.path.dirname(artifact_file) or None)):
+        return
+    _make_room_in_table_list(c, run_id, artifact_file)
+    c.log_table(run_id, data=columns, artifact_file=artifact_file)
+
+
+_TABLE_LIST_TAG = "mlflow.loggedArtifacts"
+_MAX_TAG_LEN = 8000
+
+
+def _make_room_in_table_list(c, run_id: str, artifact_file: str) -> None:
+    """MLflow lists a run's tables in one tag of at most 8000 characters (about 150 tables): drop
+    the oldest entries so the next one fits. Their files stay; the UI shows them as plain JSON."""
+    import json
+
+    tables = json.loads(c.get_run(run_id).data.tags.get(_TABLE_LIST_TAG, "[]"))
+    kept = list(tables)
+    while kept and len(json.dumps(kept + [{"path": artifact_file, "type": "table"}])) > _MAX_TAG_LEN:
+        kept.pop(0)
+    if len(kept) < len(tables):
+        c.set_tag(run_id, _TABLE_LIST_TAG, json.dumps(kept))
 
 
 def set_tags(run_id: str, tags: Mapping[str, str]) -> None:
     c = client()
     for k, v in tags.items():
-        c.set_tag(run_id, k, str(v))
+        c.set_tag(run_id, k, redact(str(v)))
 
 
 def end_run(run_id: str, status: str = "FINISHED") -> None:

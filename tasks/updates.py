@@ -7,20 +7,22 @@ import time
 from typing import Dict, NamedTuple
 
 import torch
-from flytekit import Resources, task
-from flytekitplugins.kfpytorch import Elastic
+from flytekit import task
 
 from kernels.advantages import ALGORITHMS
 from kernels.losses import PolicyLossConfig
 from models.checkpoint import save_model_checkpoint
 from models.distributed import (DistInfo, barrier, full_state_dict, init_distributed, shutdown_distributed, unwrap,
                                 wrap_for_training)
+from models.faults import pause_point
 from models.policy import CriticValues, PolicyLogprobs
 from models.update import (LoopSettings, UpdateData, actor_loss_fn, critic_loss_fn, make_optimizer, run_update,
                            stat_keys)
 from tasks.batch import RolloutBatch
 from tasks.common import CACHE_VERSION, load_hf, load_tokenizer, server_client
+from tasks import secrets
 from tasks.config import TrainConfig
+from tasks.deploy import deployment_config, elastic_for, resources_for
 from tasks.types import PolicyState, RunHandle
 
 
@@ -65,6 +67,7 @@ def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rol
                        actor_loss_fn(policy_loss_config(cfg), cfg.rollout.temperature, kl_beta, cfg.kl.estimator),
                        LoopSettings(a.ppo_epochs, a.minibatch_size, a.micro_batch_size, a.grad_clip,
                                     cfg.run.seed * 1000 + state.iteration), info)
+    pause_point(f"actor_update/iter-{state.iteration:06d}")  # tests only: kill the run mid-update
     url = run.layout.actor_url(state.iteration)
     full = full_state_dict(model, info)
     if info.is_main:
@@ -105,7 +108,7 @@ def train_remote_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, ba
 
     c = cfg.critic
     t = batch.table
-    client = server_client(c.remote_url)
+    client = server_client(c.remote_url, cfg.reward.remote_timeout_s)
     out = client.train(t.column("prompt_tokens").to_pylist(), t.column("response_tokens").to_pylist(),
                        t.column("returns").to_pylist(), t.column("values").to_pylist(),
                        TrainSettings(epochs=c.epochs, minibatch_size=c.minibatch_size,
@@ -119,13 +122,15 @@ def train_remote_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, ba
                               "time/critic_update_s": time.perf_counter() - t0})
 
 
-@task(task_config=Elastic(nnodes=1, nproc_per_node=2, max_restarts=1, monitor_interval=1),
-      cache=True, cache_version=CACHE_VERSION, retries=1, requests=Resources(cpu="2", mem="8Gi"))
+@task(task_config=elastic_for(deployment_config()), cache=True, cache_version=CACHE_VERSION, retries=1,
+      secret_requests=secrets.requests(secrets.S3), **resources_for(deployment_config(), "actor"))
 def actor_update(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> UpdateOutput:
     """``ppo_epochs`` of clipped-surrogate updates over shuffled minibatches; next actor checkpoint.
 
-    Runs as ``actor.nnodes × actor.nproc_per_node`` processes (the workflow sets the elastic config).
+    Runs as ``actor.nnodes × actor.nproc_per_node`` processes: registered from the deployment config
+    (``tasks/deploy.py``); local runs take the run's config (the workflow overrides the elastic config).
     """
+    secrets.load(secrets.S3)
     info = init_distributed()
     try:
         out = train_actor(cfg, run, state, batch, info)
@@ -136,7 +141,9 @@ def actor_update(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
     return out
 
 
-@task(cache=True, cache_version=CACHE_VERSION, retries=2, requests=Resources(cpu="2", mem="8Gi"))
+@task(cache=True, cache_version=CACHE_VERSION, retries=2, secret_requests=secrets.requests(secrets.S3, secrets.SERVER),
+      **resources_for(deployment_config(), "critic"))
 def critic_update(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> UpdateOutput:
     """Clipped value regression on the same batch; next critic checkpoint."""
+    secrets.load(secrets.S3, secrets.SERVER)
     return train_critic(cfg, run, state, batch)

@@ -8,35 +8,16 @@ gives each test a fresh ``s3://bucket/<test-prefix>``.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 import uuid
 
 import pytest
 
+from tests.processes import free_port, stop, wait_http
+
 BUCKET = "rlhf-test"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(endpoint: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"moto server exited with code {proc.returncode}")
-        try:
-            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"moto server at {endpoint} not ready after {timeout_s}s")
+_free_port = free_port  # other test modules import it from here
 
 
 def _clear_s3fs_cache() -> None:
@@ -53,24 +34,19 @@ def s3_server():
 
     The environment is left alone here; :func:`s3_env` points it at the server per test.
     """
-    port = _free_port()
+    port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_ready(endpoint, proc)
+        wait_http(f"{endpoint}/moto-api/", proc, "moto server")
         import boto3
 
         boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
                      aws_secret_access_key="testing").create_bucket(Bucket=BUCKET)
         yield endpoint
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 @pytest.fixture

@@ -4,34 +4,46 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from flytekitplugins.kfpytorch import Elastic
+from flytekit import current_context
 
 from tasks.advantages import advantages
 from tasks.config import TrainConfig
+from tasks.deploy import check_topology, deployment_config, elastic_for, resources_for
 from tasks.iteration import commit_iteration, evaluate
 from tasks.rollout import rollout
 from tasks.score import score
 from tasks.updates import actor_update, critic_update
 
 
-def elastic_for(cfg: TrainConfig) -> Elastic:
-    a = cfg.actor
-    return Elastic(nnodes=a.nnodes, nproc_per_node=a.nproc_per_node, max_restarts=a.max_restarts,
-                   monitor_interval=1)
+def is_local_execution() -> bool:
+    """True under ``pyflyte run`` without ``--remote`` (and in tests)."""
+    return current_context().execution_id.domain == "local"
 
 
-def wire_iteration(cfg, run, state, critic: bool, elastic: Optional[Elastic] = None):
-    """rollout → score → advantages → actor_update (∥ critic_update) → commit_iteration."""
+def wire_iteration(cfg, run, state, critic: bool, known: Optional[TrainConfig] = None):
+    """rollout → score → advantages → actor_update (∥ critic_update) → commit_iteration.
+
+    ``known``: the concrete config inside a dynamic workflow; its ``resources`` (and, in local
+    executions, the actor's elastic topology) override the registered task settings.
+    """
     ro = rollout(cfg=cfg, run=run, state=state)
     sc = score(cfg=cfg, run=run, state=state, batch=ro.batch)
     ad = advantages(cfg=cfg, run=run, state=state, batch=sc.batch)
     ac = actor_update(cfg=cfg, run=run, state=state, batch=ad.batch)
-    if elastic is not None:
-        ac.with_overrides(task_config=elastic)
+    if known is not None:
+        ro.with_overrides(**resources_for(known, "rollout"))
+        sc.with_overrides(**resources_for(known, "score"))
+        ac.with_overrides(**resources_for(known, "actor"))
+        if is_local_execution():
+            ac.with_overrides(task_config=elastic_for(known))
+        else:
+            check_topology(known, deployment_config())
     stats = [ro.stats, sc.stats, ad.stats, ac.stats]
     critic_url = ""
     if critic:
         cr = critic_update(cfg=cfg, run=run, state=state, batch=ad.batch)
+        if known is not None:
+            cr.with_overrides(**resources_for(known, "critic"))
         stats.append(cr.stats)
         critic_url = cr.checkpoint_url
     return commit_iteration(cfg=cfg, run=run, state=state, stats=stats, batch=sc.batch,
@@ -51,9 +63,10 @@ def chain_iterations(cfg: TrainConfig, run, state, critic: bool) -> Tuple[object
     """
     start = state.iteration
     stop = min(start + cfg.run.iterations_per_chunk, cfg.run.num_iterations)
-    elastic = elastic_for(cfg)
+    if start > 0 and eval_due(cfg, start - 1):  # resumed after a crash between commit and evaluate?
+        evaluate(cfg=cfg, run=run, state=state)  # (no-op when that evaluation is logged)
     for i in range(start, stop):
-        state = wire_iteration(cfg, run, state, critic, elastic)
+        state = wire_iteration(cfg, run, state, critic, known=cfg)
         if eval_due(cfg, i):
-            evaluate(cfg=cfg, run=run, state=state)
+            evaluate(cfg=cfg, run=run, state=state).with_overrides(**resources_for(cfg, "rollout"))
     return state, stop < cfg.run.num_iterations

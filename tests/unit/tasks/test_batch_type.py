@@ -66,7 +66,8 @@ def test_workflow_passes_the_uri_without_copying(tmp_path):
     assert rollouts.uri == rollouts_url and scored.uri == score_url
     assert scored.table.column("reward").to_pylist() == [2.0, 0.0, 3.0, 1.0]
     assert scored.table.column("response_tokens").equals(rollout_batch().table.column("response_tokens"))
-    assert sorted(p.name for p in (tmp_path / "iter-000000").iterdir()) == ["rollouts.arrow", "score.arrow"]
+    assert sorted(p.name for p in (tmp_path / "iter-000000").iterdir()) == [
+        "rollouts.arrow", "rollouts.arrow.sha256", "score.arrow", "score.arrow.sha256"]
 
 
 def test_unwritten_batch_is_written_once_to_flyte_raw_output():

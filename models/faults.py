@@ -1,0 +1,57 @@
+"""Fault injection for the reliability tests: no-ops unless their environment variable is set.
+
+The tests kill a run at a chosen point and check it resumes as if nothing happened. Two hooks:
+
+- ``RLHF_FAULT_PAUSE="<point>:<seconds>"`` — :func:`pause_point` with a name containing
+  ``<point>`` announces itself (``{RLHF_FAULT_DIR}/paused``, holding the point's name) and
+  sleeps, so the test can SIGKILL the run right there. Points: ``rollout/iter-000001``
+  (responses sampled, batch not written), ``actor_update/iter-000001`` (elastic workers
+  trained, checkpoint not saved), ``commit/<checkpoint URL>`` (files in place under the
+  checkpoint's URL, ``COMMITTED.json`` not written).
+- ``RLHF_FAULT_KILL_RANK="<rank>@step=<k>"`` — :func:`maybe_kill_rank`: that rank of the
+  elastic update ``os._exit(1)``s before optimiser step ``k``, once per ``RLHF_FAULT_DIR``
+  (a marker file is made first, so the restarted worker group runs through).
+
+Nothing here runs in a normal run: every hook returns at once when its variable is unset.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+PAUSE_ENV = "RLHF_FAULT_PAUSE"
+KILL_RANK_ENV = "RLHF_FAULT_KILL_RANK"
+DIR_ENV = "RLHF_FAULT_DIR"
+
+
+def _fault_dir() -> str:
+    path = os.environ.get(DIR_ENV)
+    if not path:
+        raise RuntimeError(f"{PAUSE_ENV}/{KILL_RANK_ENV} need {DIR_ENV} (a folder for the fault markers)")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def pause_point(name: str) -> None:
+    """Sleep here if ``RLHF_FAULT_PAUSE`` names this point (after writing the ``paused`` marker)."""
+    spec = os.environ.get(PAUSE_ENV)
+    if not spec:
+        return
+    point, _, seconds = spec.rpartition(":")
+    if point and point in name:
+        with open(os.path.join(_fault_dir(), "paused"), "w") as f:
+            f.write(name)
+        time.sleep(float(seconds))
+
+
+def maybe_kill_rank(rank: int, step: int) -> None:
+    """Exit this process abruptly if ``RLHF_FAULT_KILL_RANK`` is ``{rank}@step={step}`` (first time only)."""
+    spec = os.environ.get(KILL_RANK_ENV)
+    if not spec or spec != f"{rank}@step={step}":
+        return
+    marker = os.path.join(_fault_dir(), f"killed-rank-{rank}-step-{step}")
+    if os.path.exists(marker):
+        return
+    open(marker, "w").close()
+    os._exit(1)  # no cleanup, no exception: as if the process were killed

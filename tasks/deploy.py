@@ -1,0 +1,67 @@
+"""What the heavy tasks ask of a Flyte cluster: resources, GPU type and the actor's elastic topology.
+
+Two places use the same config fields (``resources.*`` and ``actor.nnodes/nproc_per_node``):
+
+- the task decorators, at import time, from the **deployment config**: the preset named by
+  ``RLHF_DEPLOY_PRESET`` plus the space-separated ``section.field=value`` items of
+  ``RLHF_DEPLOY_OVERRIDES`` (both unset: the config defaults, the tiny CPU settings). This is
+  what ``pyflyte package``/``register`` compiles into the task templates, and what a task pod
+  runs with, so the image must be built with the same two variables (see the ``Dockerfile``);
+- the training workflows' dynamic chunks, from the run's own config, as node overrides
+  (``with_overrides(requests=..., limits=..., accelerator=...)``).
+
+The elastic topology is special: flytekit's kfpytorch plugin fixes the task type (``pytorch`` for
+more than one node) and the worker count when the task object is built, and a task pod re-imports
+the module, so a run can change ``actor.nnodes``/``actor.nproc_per_node`` only in local
+executions; on a cluster they must match the deployment config (:func:`check_topology`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Dict
+
+from flytekit import Resources
+from flytekit.extras.accelerators import GPUAccelerator
+from flytekitplugins.kfpytorch import Elastic
+
+from tasks.config import ConfigError, TrainConfig
+from tasks.config_io import load_config
+
+DEPLOY_PRESET_ENV = "RLHF_DEPLOY_PRESET"
+DEPLOY_OVERRIDES_ENV = "RLHF_DEPLOY_OVERRIDES"
+
+
+@functools.lru_cache(maxsize=1)
+def deployment_config() -> TrainConfig:
+    """The config the registered tasks are compiled with (see the module docstring)."""
+    return load_config(os.environ.get(DEPLOY_PRESET_ENV, ""), os.environ.get(DEPLOY_OVERRIDES_ENV, "").split())
+
+
+def resources_for(cfg: TrainConfig, task: str) -> Dict[str, Any]:
+    """``requests``/``limits`` (equal) and ``accelerator`` for ``task`` in rollout, score, actor, critic."""
+    r = cfg.resources
+    gpu = getattr(r, f"{task}_gpu")
+    res = Resources(cpu=getattr(r, f"{task}_cpu"), mem=getattr(r, f"{task}_mem"), gpu=str(gpu) if gpu else None)
+    out: Dict[str, Any] = {"requests": res, "limits": res}
+    if gpu and r.accelerator:
+        out["accelerator"] = GPUAccelerator(r.accelerator)
+    return out
+
+
+def elastic_for(cfg: TrainConfig) -> Elastic:
+    """The torch-elastic launch of ``actor_update``: ``actor.nnodes`` × ``actor.nproc_per_node`` processes."""
+    a = cfg.actor
+    return Elastic(nnodes=a.nnodes, nproc_per_node=a.nproc_per_node, max_restarts=a.max_restarts,
+                   monitor_interval=1)
+
+
+def check_topology(cfg: TrainConfig, registered: TrainConfig) -> None:
+    """On a cluster the actor's topology is the registered one; say how to change it if the run asks for another."""
+    a, b = cfg.actor, registered.actor
+    if (a.nnodes, a.nproc_per_node) != (b.nnodes, b.nproc_per_node):
+        raise ConfigError(
+            f"actor.nnodes × actor.nproc_per_node = {a.nnodes} × {a.nproc_per_node}, but the registered actor_update "
+            f"runs {b.nnodes} × {b.nproc_per_node}: register the workflows (and build the image) with "
+            f"{DEPLOY_PRESET_ENV}/{DEPLOY_OVERRIDES_ENV} naming this topology (README, 'Run on a Flyte cluster')")

@@ -1,0 +1,138 @@
+"""Checkpoints and policies in MLflow: checkpoint artifacts, the final policy in the ``transformers``
+flavour, the Model Registry and its aliases (``candidate``, ``champion``).
+
+Every call is idempotent, so a retried or resumed task never logs a checkpoint, a model or a
+model version twice.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import NamedTuple, Optional
+
+from models.checkpoint import download_checkpoint, is_committed, read_marker, save_checkpoint
+from tasks import tracking
+from tasks.redact import redact
+
+CANDIDATE = "candidate"
+"""Alias of the newest trained policy (set by every finished run that registers its policy)."""
+CHAMPION = "champion"
+"""Alias of the policy in production; moved only by a retraining run whose candidate wins."""
+POLICY_NAME = "policy"
+"""Name of the final policy among the run's logged models."""
+
+
+class PolicyVersion(NamedTuple):
+    model_uri: str
+    """``models:/m-...`` of the logged policy."""
+    version: str
+    """Model Registry version ("" when not registered)."""
+
+
+def checkpoint_bytes(url: str) -> int:
+    """Size of a committed checkpoint, from its marker."""
+    return sum(int(f["size"]) for f in read_marker(url)["files"].values())
+
+
+def log_checkpoint(run_id: str, name: str, url: str, max_mb: float) -> bool:
+    """Tag ``checkpoint.{name}`` with ``url``; copy the checkpoint into ``checkpoints/{name}/`` when
+    it is at most ``max_mb`` MiB. Returns whether it is (now) an artifact of the run."""
+    tracking.set_tags(run_id, {f"checkpoint.{name}": url})
+    if checkpoint_bytes(url) > max_mb * 2 ** 20:
+        return False
+    dest = f"checkpoints/{name}"
+    c = tracking.client()
+    if any(a.path == f"{dest}/config.json" for a in c.list_artifacts(run_id, dest)):
+        return True
+    c.log_artifacts(run_id, download_checkpoint(url), dest)
+    return True
+
+
+def _logged_policy(run_id: str):
+    import mlflow
+
+    exp = tracking.client().get_run(run_id).info.experiment_id
+    found = mlflow.search_logged_models(experiment_ids=[exp], output_format="list",
+                                        filter_string=f"source_run_id = '{run_id}' AND name = '{POLICY_NAME}'")
+    ready = [m for m in found if str(m.status).endswith("READY")]
+    return ready[0] if ready else None
+
+
+def _requirements() -> list:
+    import safetensors
+    import tokenizers
+    import torch
+    import transformers
+
+    return [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}",
+            f"tokenizers=={tokenizers.__version__}", f"safetensors=={safetensors.__version__}"]
+
+
+def log_policy(run_id: str, actor_url: str, registered_name: str) -> PolicyVersion:
+    """Log the committed checkpoint ``actor_url`` as the run's ``policy`` (``transformers`` flavour);
+    register it under ``registered_name`` (if not empty) with alias ``candidate``."""
+    import mlflow
+
+    tracking.client()  # sets the tracking URI
+    model = _logged_policy(run_id)
+    if model is None:
+        with mlflow.start_run(run_id=run_id):
+            info = mlflow.transformers.log_model(download_checkpoint(actor_url), name=POLICY_NAME,
+                                                 task="text-generation", pip_requirements=_requirements(),
+                                                 metadata={"checkpoint_url": redact(actor_url)})
+        model_uri = info.model_uri
+    else:
+        model_uri = model.model_uri
+    if not registered_name:
+        return PolicyVersion(model_uri, "")
+    c = tracking.client()
+    versions = c.search_model_versions(f"name = '{registered_name}' AND run_id = '{run_id}'")
+    version = str(versions[0].version) if versions else \
+        str(mlflow.register_model(model_uri, registered_name, tags={"checkpoint_url": redact(actor_url)}).version)
+    c.set_registered_model_alias(registered_name, CANDIDATE, version)
+    return PolicyVersion(model_uri, version)
+
+
+def version_by_alias(name: str, alias: str) -> Optional[str]:
+    """The version ``name@alias`` points at, or None (no such model or alias)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(tracking.client().get_model_version_by_alias(name, alias).version)
+    except MlflowException:
+        return None
+
+
+def set_alias(name: str, alias: str, version: str) -> None:
+    tracking.client().set_registered_model_alias(name, alias, version)
+
+
+def tag_version(name: str, version: str, tags: dict) -> None:
+    c = tracking.client()
+    for k, v in tags.items():
+        c.set_model_version_tag(name, version, k, str(v))
+
+
+def checkpoint_from_registry(name: str, version: str, url: str) -> str:
+    """A committed HF checkpoint at ``url`` of ``models:/{name}/{version}`` (weights and tokenizer
+    files of the ``transformers`` flavour); reused when already there."""
+    import mlflow
+
+    if is_committed(url):
+        return url
+    tracking.client()
+    tmp = tempfile.mkdtemp(prefix="registry-")
+    try:
+        local = mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=tmp)
+        hf = os.path.join(tmp, "hf")
+        for part in ("model", os.path.join("components", "tokenizer")):  # weights + config, tokenizer
+            if os.path.isdir(os.path.join(local, part)):
+                shutil.copytree(os.path.join(local, part), hf, dirs_exist_ok=True)
+        if not os.path.isfile(os.path.join(hf, "config.json")):
+            raise ValueError(f"models:/{name}/{version} is not a transformers-flavour model (no model/config.json)")
+        save_checkpoint(hf, url, overwrite=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return url

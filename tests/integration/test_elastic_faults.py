@@ -1,0 +1,75 @@
+"""A rank of the elastic actor update dies mid-update (``os._exit`` before its second optimiser
+step, injected by ``RLHF_FAULT_KILL_RANK``): torch elastic restarts the worker group
+(``max_restarts``), the update starts over from its inputs (the batch and the input
+checkpoint), and its checkpoint is bit-identical to an unbroken update's. Without restarts the
+same fault fails the task."""
+
+from __future__ import annotations
+
+import pytest
+from flytekit import task
+from flytekitplugins.kfpytorch import Elastic
+
+from models.checkpoint import is_committed, read_marker
+from tasks.advantages import run_advantages
+from tasks.rollout import run_rollout
+from tasks.score import run_score
+from tasks.setup import setup_run
+from tasks.updates import actor_update
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+OVERRIDES = ["rollout.engine=hf", "rollout.prompts_per_iteration=8", "rollout.n_samples_per_prompt=4",
+             "actor.minibatch_size=16", "actor.micro_batch_size=8", "actor.nproc_per_node=2",
+             "critic.minibatch_size=16", "critic.micro_batch_size=8", "run.num_iterations=1",
+             "data.num_demo_train_prompts=64", "data.num_demo_eval_prompts=8", "actor.lr=1e-3"]
+
+
+def elastic_update(max_restarts: int):
+    """``actor_update`` as a 2-process elastic task with ``max_restarts`` (local execution)."""
+    return task(task_config=Elastic(nnodes=1, nproc_per_node=2, max_restarts=max_restarts, monitor_interval=1))(
+        actor_update.task_function)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("elastic")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
+    mp.setenv("FLYTE_LOCAL_CACHE_ENABLED", "false")  # each call must really run
+    setup = setup_run("tiny_ppo", [f"run.storage_root={root}"] + OVERRIDES, "elastic")
+    ro = run_rollout(setup.cfg, setup.run, setup.state)
+    sc = run_score(setup.cfg, setup.run, setup.state, ro.batch)
+    ad = run_advantages(setup.cfg, setup.run, setup.state, sc.batch)
+    yield dict(cfg=setup.cfg, run=setup.run, state=setup.state, batch=ad.batch), root
+    mp.undo()
+
+
+def _digest(url: str) -> str:
+    return read_marker(url)["files"]["model.safetensors"]["sha256"]
+
+
+def test_killed_rank_is_restarted_and_the_update_is_unchanged(inputs, monkeypatch):
+    kwargs, root = inputs
+    unbroken = elastic_update(max_restarts=1)(**kwargs)
+    reference = _digest(unbroken.checkpoint_url)
+    assert unbroken.stats["actor/steps"] == 4  # 32 samples / minibatch 16 × 2 epochs
+
+    faults = root / "faults-restart"
+    monkeypatch.setenv("RLHF_FAULT_KILL_RANK", "1@step=1")
+    monkeypatch.setenv("RLHF_FAULT_DIR", str(faults))
+    broken = elastic_update(max_restarts=1)(**kwargs)
+    assert (faults / "killed-rank-1-step-1").exists()  # rank 1 did die once
+    assert broken.checkpoint_url == unbroken.checkpoint_url and is_committed(broken.checkpoint_url)
+    assert _digest(broken.checkpoint_url) == reference
+    for key in ("actor/loss", "actor/clip_frac", "actor/grad_norm", "actor/approx_kl"):
+        assert broken.stats[key] == unbroken.stats[key], key
+
+
+def test_without_restarts_the_killed_rank_fails_the_task(inputs, monkeypatch):
+    kwargs, root = inputs
+    monkeypatch.setenv("RLHF_FAULT_KILL_RANK", "1@step=1")
+    monkeypatch.setenv("RLHF_FAULT_DIR", str(root / "faults-no-restart"))
+    with pytest.raises(Exception, match="exitcode *: 1") as err:
+        elastic_update(max_restarts=0)(**kwargs)
+    assert "rank *: 1" in str(err.value) or "local_rank" in str(err.value), str(err.value)[-2000:]

@@ -1,0 +1,63 @@
+"""The bookkeeping that makes a resumed run equal an uninterrupted one: ``commit_iteration``
+writes ``state.json`` last (a crash before it redoes the commit instead of losing its
+metrics), logs each metric step and sample table once however often it runs, and an
+evaluation already logged is not run again."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from models.checkpoint import save_checkpoint
+from tasks import iteration, tracking
+from tasks.config import TrainConfig
+from tasks.iteration import run_commit, run_evaluate
+from tasks.types import PolicyState, RunHandle
+from tests.unit.models.test_checkpoint import hf_dir
+from tests.unit.tasks.test_batch import LOGP, rollout_batch
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    run_id = tracking.start_run("commit-test", "r", {}, {})
+    handle = RunHandle(str(tmp_path / "runs"), "r", run_id, "", "", "")
+    actor = handle.layout.actor_url(0)
+    save_checkpoint(hf_dir(tmp_path / "src"), actor)
+    batch = rollout_batch().with_columns(old_logprobs=LOGP, ref_logprobs=LOGP, reward=[0.0, 0.5, 1.0, 0.25])
+    return handle, actor, batch
+
+
+def _rows(run_id: str, path: str, tmp_path) -> int:
+    local = tracking.client().download_artifacts(run_id, path, str(tmp_path / "dl"))
+    return len(json.loads(open(local).read())["data"])
+
+
+def test_a_crash_before_state_json_redoes_the_commit_without_duplicates(run, tmp_path, monkeypatch):
+    handle, actor, batch = run
+    cfg, state = TrainConfig(), PolicyState(0, actor, "", 0.01)
+    stats = [{"rollout/reward_mean": 0.4375, "actor/loss": -0.1}]
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("killed while committing")
+
+    with monkeypatch.context() as m:
+        m.setattr(handle.layout.__class__, "write_state", crash)
+        with pytest.raises(KeyboardInterrupt):
+            run_commit(cfg, handle, state, stats, batch, actor, "")
+    assert handle.layout.read_state() is None  # not committed: a rerun starts this iteration again
+    assert tracking.metric_history(handle.mlflow_run_id, "rollout/reward_mean") == [(0, 0.4375)]
+
+    nxt = run_commit(cfg, handle, state, stats, batch, actor, "")  # the resumed run commits it again
+    assert nxt.iteration == 1 and handle.layout.read_state().iteration == 0
+    for key in ("rollout/reward_mean", "actor/loss"):
+        assert [s for s, _ in tracking.metric_history(handle.mlflow_run_id, key)] == [0]
+    assert _rows(handle.mlflow_run_id, "samples/iter-000000.json", tmp_path) == 4  # not appended twice
+
+
+def test_logged_evaluation_is_not_run_again(run, monkeypatch):
+    handle, actor, _ = run
+    tracking.log_metrics(handle.mlflow_run_id, {"eval/reward_mean": 0.75}, step=4)
+    monkeypatch.setattr(iteration, "eval_reward", lambda *a, **k: pytest.fail("evaluated twice"))
+    assert run_evaluate(TrainConfig(), handle, PolicyState(5, actor, "", 0.01)) == 0.75

@@ -1,0 +1,278 @@
+"""Bad input fails ``setup_run`` early — before any model is built, copied or loaded and before
+MLflow — with an error of a known type whose message names the problem (file, row, column,
+field, numbers, URL). One case per row of ``CASES``.
+
+The guard: ``_demo_assets`` (model building), ``_commit_copy`` (checkpoint copies) and
+``tracking.start_run`` raise ``ModelWorkStarted`` here, so a check that came too late shows up
+as that error instead of the expected one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from threading import Thread
+
+import pytest
+
+from models import storage
+from models.checkpoint import CheckpointError
+from models.rewards import RewardError
+from models.server.client import ServerError
+from models.storage import StorageError
+from tasks import setup as run_setup
+from tasks.config import ConfigError
+from tasks.config_io import load_config, to_dict
+from tasks.prompts import PromptDataError
+from tasks.run_layout import RunInfo, RunLayout
+from tests.processes import free_port
+from tests.fault_proxy import FaultProxy
+from tests.unit.models.test_checkpoint import tiny_model_and_tokenizer
+
+PROMPTS = ["a b", "b a", "a a b", "b"]
+
+
+# --- reward functions (named by spec in the cases) ----------------------------------------------
+def reward_zero(prompts, responses):
+    return [0.0] * len(prompts)
+
+
+def reward_raises(prompts, responses):
+    raise KeyError("answer")
+
+
+def reward_wrong_length(prompts, responses):
+    return [0.0]
+
+
+def reward_nan(prompts, responses):
+    return [math.nan] * len(prompts)
+
+
+def reward_inf(prompts, responses):
+    return [0.0] * (len(prompts) - 1) + [math.inf]
+
+
+class ModelWorkStarted(AssertionError):
+    """Raised by the guard: set-up got as far as models or MLflow."""
+
+
+class HealthStub:
+    """``GET /health`` on 127.0.0.1: ``status`` after ``delay_s``; 401 unless the bearer token is ``token``."""
+
+    def __init__(self, status: int = 200, delay_s: float = 0.0, token: str = "", parts=("reward_model",),
+                 vocab_size: int = 99):
+        body = {"status": "ok", "parts": list(parts), "critic": None, "reward_model": "rm", "vocab_size": vocab_size,
+                "device": "cpu", "train_calls": 0, "optimizer_steps": 0, "infer_requests": 0, "infer_samples": 0,
+                "infer_batches": 0, "largest_batch": 0}
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                time.sleep(delay_s)
+                code, data = status, body if status == 200 else {"detail": "model exploded"}
+                if token and self.headers.get("Authorization") != f"Bearer {token}":
+                    code, data = 401, {"detail": "bearer token missing or wrong"}
+                raw = json.dumps(data).encode()
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(raw)))
+                    self.end_headers()
+                    self.wfile.write(raw)
+                except OSError:  # the client gave up (timeout case)
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def user_actor(tmp_path_factory) -> Path:
+    """A user's HF checkpoint (no commit marker): 4-token tokenizer, 8-row embedding."""
+    path = tmp_path_factory.mktemp("user") / "actor"
+    model, tokenizer = tiny_model_and_tokenizer()
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def ws(tmp_path, user_actor, monkeypatch):
+    """A workspace: good prompts, the guard, MLflow in the test folder, no server token."""
+    def guard(*args, **kwargs):
+        raise ModelWorkStarted("set-up reached model or MLflow work before failing")
+
+    monkeypatch.setattr(run_setup, "_demo_assets", guard)
+    monkeypatch.setattr(run_setup, "_commit_copy", guard)
+    monkeypatch.setattr(run_setup.tracking, "start_run", guard)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.delenv("RLHF_SERVER_TOKEN", raising=False)
+    write_lines(tmp_path / "train.jsonl", [json.dumps({"prompt": p}) for p in PROMPTS])
+    return tmp_path
+
+
+def write_lines(path: Path, lines) -> str:
+    path.write_bytes(b"".join((x if isinstance(x, bytes) else x.encode()) + b"\n" for x in lines))
+    return str(path)
+
+
+def base(ws: Path, user_actor: Path, train: str = "") -> list:
+    return [f"run.storage_root={ws}/runs", f"model.actor_path={user_actor}",
+            f"data.train_prompts={train or ws / 'train.jsonl'}"]
+
+
+def stub(request, **kwargs) -> str:
+    server = HealthStub(**kwargs)
+    request.addfinalizer(server.close)
+    return server.url
+
+
+def uncommitted_resume_point(ws: Path, user_actor: Path) -> list:
+    """A run whose state.json points at a checkpoint without COMMITTED.json."""
+    cfg = load_config("tiny_ppo", base(ws, user_actor))
+    layout = RunLayout(str(ws / "runs"), "case")
+    layout.write_run_info(RunInfo(run_name="case", algorithm="ppo", config=to_dict(cfg), mlflow_run_id=None))
+    (Path(layout.actor_url(3))).mkdir(parents=True)
+    (Path(layout.actor_url(3)) / "config.json").write_text("{}")
+    storage.write_json(layout.state_url, {"iteration": 3, "actor_url": layout.actor_url(3), "critic_url": None,
+                                          "extras": {}, "updated_at": "2024-01-01T00:00:00+00:00"})
+    return base(ws, user_actor)
+
+
+# Each case: (id, overrides(ws, actor, request, monkeypatch) -> list, workflow, error type, message regex).
+CASES = [
+    ("prompts file missing", lambda w, a, r, m: base(w, a, f"{w}/missing.jsonl"), "ppo", PromptDataError,
+     r"missing\.jsonl: file not found"),
+    ("prompts file empty", lambda w, a, r, m: base(w, a, write_lines(w / "empty.jsonl", [])), "ppo",
+     PromptDataError, r"empty\.jsonl: file is empty"),
+    ("wrong prompt column", lambda w, a, r, m: base(w, a, write_lines(w / "t.jsonl", ['{"text": "a b"}'])), "ppo",
+     PromptDataError, r"t\.jsonl line 1 \(row 0\): missing column 'prompt' \(available columns: \['text'\]\)"),
+    ("prompts not UTF-8", lambda w, a, r, m: base(w, a, write_lines(w / "u.jsonl", [b'{"prompt": "a\xff"}'])),
+     "ppo", PromptDataError, r"u\.jsonl line 1 \(row 0\): not valid UTF-8 \(byte 0xff"),
+    ("prompt over the character limit", lambda w, a, r, m: base(w, a) + ["data.max_prompt_chars=4"], "ppo",
+     PromptDataError, r"line 3 \(row 2\): prompt has 5 characters > max_prompt_chars=4"),
+    ("prompt over the token limit", lambda w, a, r, m: base(w, a) + ["data.max_prompt_tokens=2"], "ppo",
+     PromptDataError, r"line 3 \(row 2\): prompt has 3 tokens > max_prompt_tokens=2"),
+    ("eval prompts not JSON", lambda w, a, r, m: base(w, a) + [
+        f"data.eval_prompts={write_lines(w / 'eval.jsonl', ['{not json'])}"], "ppo", PromptDataError,
+     r"eval\.jsonl line 1 \(row 0\): invalid JSON"),
+    ("tokenizer larger than the model's vocabulary", lambda w, a, r, m: base(w, shrunk_vocab(a, w)), "ppo",
+     ConfigError, r"model\.actor_path .*: the tokenizer has 4 tokens but the model's embedding has 2 rows"),
+    ("minibatch not divisible by micro-batch x ranks", lambda w, a, r, m: base(w, a) + [
+        "actor.minibatch_size=48"], "ppo", ConfigError,
+     r"actor\.minibatch_size=48 must be divisible by actor\.micro_batch_size × ranks = 32 × 2"),
+    ("batch not divisible by minibatch", lambda w, a, r, m: base(w, a) + ["rollout.prompts_per_iteration=10"],
+     "ppo", ConfigError, r"\(rollout\.prompts_per_iteration × rollout\.n_samples_per_prompt = 40\) must be "
+                         r"divisible by actor\.minibatch_size=64"),
+    ("group baseline with one sample per prompt", lambda w, a, r, m: base(w, a) + [
+        "run.algorithm=grpo", "rollout.n_samples_per_prompt=1", "rollout.prompts_per_iteration=64"], "reinforce",
+     ConfigError, r"run\.algorithm=grpo needs a group baseline: rollout\.n_samples_per_prompt must be >= 2 \(got 1\)"),
+    ("value out of range", lambda w, a, r, m: base(w, a) + ["actor.clip_eps=1.5"], "ppo", ConfigError,
+     r"actor\.clip_eps must be in \(0, 1\)"),
+    ("value of the wrong type", lambda w, a, r, m: base(w, a) + ["actor.lr=fast"], "ppo", ConfigError,
+     r"actor\.lr must be a number, got 'fast'"),
+    ("unknown config key", lambda w, a, r, m: base(w, a) + ["actor.learning_rate=1e-4"], "ppo", ConfigError,
+     r"unknown key\(s\) in actor: \['learning_rate'\]"),
+    ("algorithm and workflow disagree", lambda w, a, r, m: base(w, a) + ["run.algorithm=grpo"], "ppo", ConfigError,
+     r"run\.algorithm=grpo is critic-free: use workflows/reinforce\.py"),
+    ("reward module missing", lambda w, a, r, m: base(w, a) + ["reward.function=no_such_module:score"], "ppo",
+     RewardError, r"reward spec 'no_such_module:score': cannot import module 'no_such_module'"),
+    ("reward function missing", lambda w, a, r, m: base(w, a) + ["reward.function=models.task:no_such_fn"], "ppo",
+     RewardError, r"module 'models\.task' has no attribute 'no_such_fn'"),
+    ("reward function raises", lambda w, a, r, m: base(w, a) + [f"reward.function={__name__}:reward_raises"],
+     "ppo", RewardError, r"reward_raises' raised on a batch of 4 \(first failing sample: 0\): KeyError\('answer'\)"),
+    ("reward of the wrong length", lambda w, a, r, m: base(w, a) + [
+        f"reward.function={__name__}:reward_wrong_length"], "ppo", RewardError,
+     r"reward_wrong_length' returned 1 values for 4 samples"),
+    ("reward NaN", lambda w, a, r, m: base(w, a) + [f"reward.function={__name__}:reward_nan"], "ppo", RewardError,
+     r"reward_nan': sample 0 got non-finite value nan"),
+    ("reward inf", lambda w, a, r, m: base(w, a) + [f"reward.function={__name__}:reward_inf"], "ppo", RewardError,
+     r"reward_inf': sample 3 got non-finite value inf"),
+    ("reward server unreachable", lambda w, a, r, m: base(w, a) + [
+        "reward.source=remote", f"reward.remote_url=http://127.0.0.1:{free_port()}"], "ppo", ServerError,
+     r"reward server http://127\.0\.0\.1:\d+/health unreachable after 4 attempts \(connection refused\)"),
+    ("reward server slow", lambda w, a, r, m: base(w, a) + [
+        "reward.source=remote", f"reward.remote_url={stub(r, delay_s=3)}", "reward.remote_timeout_s=0.3"], "ppo",
+     ServerError, r"reward server http://127\.0\.0\.1:\d+/health timed out after 0\.3 s"),
+    ("reward server answers 500", lambda w, a, r, m: base(w, a) + [
+        "reward.source=remote", f"reward.remote_url={stub(r, status=500)}"], "ppo", ServerError,
+     r"/health returned 500 after 4 attempts: model exploded"),
+    ("reward server answers 401", lambda w, a, r, m: with_env(m, "RLHF_SERVER_TOKEN", "wrong-token") + base(w, a) + [
+        "reward.source=remote", f"reward.remote_url={stub(r, token='right-token')}"], "ppo", ServerError,
+     r"/health returned 401: bearer token missing or wrong"),
+    ("reward server without a reward model", lambda w, a, r, m: base(w, a) + [
+        "reward.source=remote", f"reward.remote_url={stub(r, parts=('critic',))}"], "ppo", ConfigError,
+     r"reward server http://127\.0\.0\.1:\d+ serves \['critic'\], not a reward_model"),
+    ("critic server unreachable", lambda w, a, r, m: base(w, a) + [
+        f"reward.function={__name__}:reward_zero", f"critic.remote_url=http://127.0.0.1:{free_port()}"], "ppo",
+     ServerError,
+     r"reward server http://127\.0\.0\.1:\d+/health unreachable"),
+    ("storage unreachable", lambda w, a, r, m: s3_endpoint(m, f"http://127.0.0.1:{free_port()}") + base(w, a) + [
+        "run.storage_root=s3://rlhf-test/runs"], "ppo", StorageError,
+     r"write failed for s3://rlhf-test/runs/case/\.write-check-\w+ after 4 attempt"),
+    ("storage without permission", lambda w, a, r, m: s3_endpoint(m, denying_proxy(r)) + base(w, a) + [
+        "run.storage_root=s3://rlhf-test/runs"], "ppo", PermissionError,
+     r"permission denied for s3://rlhf-test/runs/case/\.write-check-\w+"),
+    ("resume point not committed", lambda w, a, r, m: uncommitted_resume_point(w, a), "ppo", CheckpointError,
+     r"state\.json points at .*/runs/case/iter-000003/actor, which is not committed"),
+]
+
+
+def shrunk_vocab(actor: Path, ws: Path) -> Path:
+    """A copy of the user checkpoint whose config says the embedding has 2 rows."""
+    import shutil
+
+    path = ws / "small-vocab"
+    shutil.copytree(actor, path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(cfg, vocab_size=2)))
+    return path
+
+
+def with_env(monkeypatch, key: str, value: str) -> list:
+    monkeypatch.setenv(key, value)
+    return []
+
+
+def s3_endpoint(monkeypatch, url: str) -> list:
+    from tests.conftest import _clear_s3fs_cache
+
+    for key, value in {"AWS_ENDPOINT_URL": url, "FSSPEC_S3_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing",
+                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+                       "AWS_MAX_ATTEMPTS": "1"}.items():
+        monkeypatch.setenv(key, value)
+    _clear_s3fs_cache()
+    return []
+
+
+def denying_proxy(request) -> str:
+    proxy = FaultProxy("http://127.0.0.1:9", mode="403", fail_first=10**6).start()
+    request.addfinalizer(proxy.close)
+    return proxy.url
+
+
+def test_at_least_fifteen_cases():
+    assert len(CASES) >= 15 and len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("make, workflow, error, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_fails_early_naming_the_problem(ws, user_actor, request, monkeypatch, make, workflow, error,
+                                                  message):
+    overrides = make(ws, user_actor, request, monkeypatch)
+    run_json = ws / "runs" / "case" / "run.json"
+    existed = run_json.exists()  # only the resume case has a run already
+    with pytest.raises(error, match=message):
+        run_setup.setup_run("tiny_ppo", overrides, "case", workflow)
+    assert run_json.exists() == existed
