@@ -79,9 +79,8 @@ class FlyteRun:
 
     def kill(self) -> None:
         """SIGKILL the whole process group (pyflyte, the elastic agent and its workers)."""
-        if self.proc.poll() is None or self.descendants():
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the group is gone already
+            pass
         self.proc.wait(timeout=60)
