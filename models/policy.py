@@ -52,10 +52,10 @@ class PolicyLogprobs(nn.Module):
         h = _gather_positions(hidden, inputs.response_positions - 1)  # [B, T, H]
         tokens = inputs.input_ids.gather(1, inputs.response_positions)  # [B, T]
         head = self.lm.get_output_embeddings()
-        if self.chunked and head.bias is None:
+        if self.chunked and isinstance(head, nn.Linear) and head.bias is None:
             logp, ent = token_logprobs_and_entropy_from_hidden(h, head.weight, tokens,
                                                               temperature=temperature)
-        else:  # sharded/biased heads: plain logits for the response positions only
+        else:  # LoRA-adapted/sharded/biased heads: plain logits for the response positions only
             logp, ent = token_logprobs_and_entropy(head(h), tokens, temperature=temperature)
         mask = inputs.response_mask.bool()
         logp = logp.masked_fill(~mask, 0.0)

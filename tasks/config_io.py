@@ -56,9 +56,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 
 def from_dict(cls, data: Mapping[str, Any] | None, where: str = "config"):
     """Build dataclass ``cls`` from a plain mapping; unknown keys are errors that name the key."""
-    data = dict(data or {})
-    if not isinstance(data, dict):
+    if not isinstance(data or {}, Mapping):
         raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
+    data = dict(data or {})
     types = _field_types(cls)
     unknown = sorted(set(data) - set(types))
     if unknown:
@@ -88,14 +88,25 @@ def flatten(cfg) -> Dict[str, Any]:
 
 
 def parse_override(text: str) -> tuple[List[str], Any]:
-    """``"actor.lr=3e-4"`` → (["actor", "lr"], 3e-4). Values are parsed as YAML scalars/lists."""
+    """``"actor.lr=3e-4"`` → (["actor", "lr"], 3e-4); nested sections too: ``"actor.lora.rank=8"``
+    → (["actor", "lora", "rank"], 8). Values are parsed as YAML scalars/lists."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like section.field=value")
     key, raw = text.split("=", 1)
     path = [p for p in key.strip().split(".") if p]
-    if len(path) != 2:
-        raise ConfigError(f"override {text!r}: key must be section.field (e.g. actor.lr)")
+    if len(path) < 2:
+        raise ConfigError(f"override {text!r}: key must be section.field (e.g. actor.lr, actor.lora.rank)")
     return path, yaml.safe_load(raw) if raw.strip() else ""
+
+
+def _set_path(data: Dict[str, Any], path: List[str], value: Any, text: str) -> None:
+    """``data[path[0]][path[1]]... = value``, creating sections on the way."""
+    node = data
+    for depth, part in enumerate(path[:-1]):
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {text!r}: {'.'.join(path[:depth + 1])} is a value, not a section")
+    node[path[-1]] = value
 
 
 def resolve_preset(preset: str) -> pathlib.Path:
@@ -117,8 +128,8 @@ def load_config(preset: str = "", overrides: Iterable[str] = ()) -> TrainConfig:
             raise ConfigError(f"preset {path} must be a mapping of sections")
         data = {k: dict(v or {}) for k, v in loaded.items()}
     for text in overrides:
-        (section, key), value = parse_override(text)
-        data.setdefault(section, {})[key] = value
+        path, value = parse_override(text)
+        _set_path(data, path, value, text)
     return from_dict(TrainConfig, data)
 
 

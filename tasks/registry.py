@@ -13,6 +13,7 @@ import tempfile
 from typing import NamedTuple, Optional
 
 from models.checkpoint import download_checkpoint, is_committed, read_marker, save_checkpoint
+from models.lora import ADAPTER_CONFIG, is_adapter, merge_adapter
 from tasks import tracking
 from tasks.redact import redact
 
@@ -22,6 +23,8 @@ CHAMPION = "champion"
 """Alias of the policy in production; moved only by a retraining run whose candidate wins."""
 POLICY_NAME = "policy"
 """Name of the final policy among the run's logged models."""
+ADAPTER_ARTIFACTS = "policy-adapter"
+"""Artifact folder of the final LoRA adapter (peft format) when the actor trains one."""
 
 
 class PolicyVersion(NamedTuple):
@@ -44,7 +47,7 @@ def log_checkpoint(run_id: str, name: str, url: str, max_mb: float) -> bool:
         return False
     dest = f"checkpoints/{name}"
     c = tracking.client()
-    if any(a.path == f"{dest}/config.json" for a in c.list_artifacts(run_id, dest)):
+    if any(a.path in (f"{dest}/config.json", f"{dest}/{ADAPTER_CONFIG}") for a in c.list_artifacts(run_id, dest)):
         return True
     c.log_artifacts(run_id, download_checkpoint(url), dest)
     return True
@@ -72,16 +75,24 @@ def _requirements() -> list:
 
 def log_policy(run_id: str, actor_url: str, registered_name: str) -> PolicyVersion:
     """Log the committed checkpoint ``actor_url`` as the run's ``policy`` (``transformers`` flavour);
-    register it under ``registered_name`` (if not empty) with alias ``candidate``."""
+    register it under ``registered_name`` (if not empty) with alias ``candidate``.
+
+    A LoRA adapter is logged as is under the artifacts ``policy-adapter/``, and the ``policy``
+    model is the adapter merged into its base: a full model that serves and registers like any."""
     import mlflow
 
     tracking.client()  # sets the tracking URI
     model = _logged_policy(run_id)
     if model is None:
-        with mlflow.start_run(run_id=run_id):
-            info = mlflow.transformers.log_model(download_checkpoint(actor_url), name=POLICY_NAME,
-                                                 task="text-generation", pip_requirements=_requirements(),
-                                                 metadata={"checkpoint_url": redact(actor_url)})
+        local = download_checkpoint(actor_url)
+        with tempfile.TemporaryDirectory(prefix="policy-") as tmp, mlflow.start_run(run_id=run_id):
+            metadata = {"checkpoint_url": redact(actor_url)}
+            if is_adapter(local):
+                tracking.client().log_artifacts(run_id, local, ADAPTER_ARTIFACTS)
+                local = merge_adapter(local, tmp)
+                metadata["lora_adapter"] = f"runs:/{run_id}/{ADAPTER_ARTIFACTS}"
+            info = mlflow.transformers.log_model(local, name=POLICY_NAME, task="text-generation",
+                                                 pip_requirements=_requirements(), metadata=metadata)
         model_uri = info.model_uri
     else:
         model_uri = model.model_uri

@@ -42,6 +42,8 @@ def test_frozen():
     (["actor.minibatch_size=48"], "actor.minibatch_size=48 must be divisible by actor.micro_batch_size × ranks = 32 × 2"),
     (["rollout.prompts_per_iteration=5"], "batch (rollout.prompts_per_iteration × rollout.n_samples_per_prompt = 20)"),
     (["reward.source=model"], "reward.source=model needs reward.model_path"),
+    (["rollout.remote_url=localhost:8124"], "rollout.remote_url='localhost:8124' must be an http:// or https:// URL"),
+    (["rollout.remote_url=http://"], "rollout.remote_url='http://' must be an http:// or https:// URL with a host"),
     (["advantage.lam=1.5"], "advantage.lam must be in [0, 1]"),
     (["actor"], "must look like section.field=value"),
 ])
@@ -62,6 +64,10 @@ def test_round_trip_and_flatten():
     flat = flatten(cfg)
     assert flat["actor.lr"] == pytest.approx(2e-4)
     assert flat["run.algorithm"] == "ppo"
-    # every leaf field appears exactly once
-    n_leaves = sum(len(dataclasses.fields(getattr(cfg, f.name))) for f in dataclasses.fields(cfg))
-    assert len(flat) == n_leaves
+    # every leaf field appears exactly once (nested sections such as actor.lora included)
+    def leaves(obj) -> int:
+        return sum(leaves(v) if dataclasses.is_dataclass(v) else 1
+                   for v in (getattr(obj, f.name) for f in dataclasses.fields(obj)))
+
+    assert len(flat) == leaves(cfg)
+    assert flat["actor.lora.rank"] == 0

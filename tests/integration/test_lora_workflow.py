@@ -1,0 +1,120 @@
+"""PPO with LoRA end to end: two iterations through ``pyflyte run`` (vLLM serving the adapter, the
+2-process elastic update), and the elastic update on its own (DDP on CPU; FSDP2 on GPUs)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from flytekit import task
+from flytekitplugins.kfpytorch import Elastic
+from safetensors.torch import load_file
+
+from models.checkpoint import read_marker
+from models.lora import canonical_url
+from tasks.batch import RolloutBatch
+from tasks.run_layout import RunLayout
+from tests.integration.test_algorithms import SMALL, _pyflyte
+
+pytestmark = pytest.mark.integration
+
+
+def _path(url: str) -> str:
+    return url.replace("file://", "")
+
+
+def _token_logprobs(model, batch: RolloutBatch):
+    """Independent reference: full logits, log_softmax, gather, one row at a time."""
+    out = []
+    for p, r in zip(batch.column("prompt_tokens").to_pylist(), batch.column("response_tokens").to_pylist()):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([p + r])).logits[0].float(), -1)  # [L, V]
+        out.append([float(logp[len(p) + t - 1, tok]) for t, tok in enumerate(r)])
+    return out
+
+
+def _assert_adapter_only(url: str, base: str) -> dict:
+    files = set(read_marker(url)["files"])
+    assert "adapter_model.safetensors" in files and not any(f.startswith("model") for f in files), files
+    config = json.load(open(os.path.join(_path(url), "adapter_config.json")))
+    assert config["base_model_name_or_path"] == canonical_url(base)
+    tensors = load_file(os.path.join(_path(url), "adapter_model.safetensors"))
+    assert tensors and all(".lora_A." in k or ".lora_B." in k for k in tensors)
+    return tensors
+
+
+def test_ppo_lora_two_iterations_through_pyflyte(tmp_path):
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    out = _pyflyte("workflows/ppo.py", "ppo_training", "configs/tiny_ppo_lora.yaml",
+                   [f"run.storage_root={tmp_path}", "run.save_interval=1"] + SMALL, "lora", tmp_path / "mlflow.db")
+    assert "[ppo] iter 2/2" in out
+    layout = RunLayout(str(tmp_path), "lora")
+    for i in range(2):
+        _assert_adapter_only(layout.actor_url(i), layout.reference_url())
+    # iteration 1 scored with the adapter of iteration 0: π_ref is the base, π_old base + adapter
+    batch = RolloutBatch.read(layout.batch_url(1, "score"))
+    base = AutoModelForCausalLM.from_pretrained(_path(layout.reference_url())).eval()
+    adapted = AutoPeftModelForCausalLM.from_pretrained(_path(layout.actor_url(0))).eval()
+    for col, model in (("ref_logprobs", base), ("old_logprobs", adapted)):
+        for mine, theirs in zip(batch.column(col).to_pylist(), _token_logprobs(model, batch)):
+            np.testing.assert_allclose(mine, theirs, atol=1e-4)
+    assert layout.read_state().actor_url == layout.actor_url(1)
+
+
+def elastic_update():
+    """``actor_update`` as a 2-process elastic task (local execution; gloo + DDP on CPU, NCCL + FSDP2 on GPUs)."""
+    from tasks.updates import actor_update
+
+    return task(task_config=Elastic(nnodes=1, nproc_per_node=2, max_restarts=0, monitor_interval=1))(
+        actor_update.task_function)
+
+
+@pytest.fixture(scope="module")
+def iteration_one(tmp_path_factory):
+    """Iteration 0 in-process (HF engine, one process) so iteration 1 starts from an adapter."""
+    from tasks.advantages import run_advantages
+    from tasks.iteration import run_commit
+    from tasks.rollout import run_rollout
+    from tasks.score import run_score
+    from tasks.setup import setup_run
+    from tasks.updates import train_actor
+    from models.distributed import DistInfo
+
+    root = tmp_path_factory.mktemp("lora-elastic")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
+    mp.setenv("FLYTE_LOCAL_CACHE_ENABLED", "false")
+    overrides = [f"run.storage_root={root}", "rollout.engine=hf", "actor.nproc_per_node=1", "run.algorithm=grpo",
+                 "actor.minibatch_size=16", "actor.micro_batch_size=8", "rollout.prompts_per_iteration=8",
+                 "data.num_demo_train_prompts=64", "data.num_demo_eval_prompts=8", "actor.lr=1e-2"]
+    cfg, run, s0 = setup_run("tiny_ppo_lora", overrides, "elastic")
+
+    def scored(state):
+        ro = run_rollout(cfg, run, state)
+        return run_advantages(cfg, run, state, run_score(cfg, run, state, ro.batch).batch).batch
+
+    batch0 = scored(s0)
+    actor = train_actor(cfg, run, s0, batch0, DistInfo(0, 1, 0, torch.device("cpu")))
+    s1 = run_commit(cfg, run, s0, [], batch0, actor.checkpoint_url, "")
+    yield cfg, run, s1, scored(s1)
+    mp.undo()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_elastic_update_trains_only_the_adapter(iteration_one, device):
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (FSDP2 across 2 processes)")
+    cfg, run, state, batch = iteration_one
+    before = _assert_adapter_only(state.actor_url, run.reference_url)
+    out = elastic_update()(cfg=cfg, run=run, state=state, batch=batch)
+    assert out.checkpoint_url == run.layout.actor_url(1)
+    assert out.stats["actor/steps"] == 2 * cfg.actor.ppo_epochs  # 32 samples / minibatch 16
+    after = _assert_adapter_only(out.checkpoint_url, run.reference_url)  # still the same base
+    assert after.keys() == before.keys()
+    moved = [k for k in after if not torch.equal(after[k], before[k])]
+    assert len(moved) == len(after)  # every A and B trained; the base is not in the checkpoint
