@@ -17,7 +17,7 @@ import hmac
 import json
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
@@ -65,7 +65,7 @@ class TooLarge(ValueError):
 _STATUS = {InvalidRequest: 422, TooLarge: 413, SaveRefused: 403, NotLoaded: 409, AlreadyCommitted: 409}
 
 
-def _json(model: BaseModel) -> Response:
+def json_response(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")  # NaN kept (see schemas)
 
 
@@ -138,15 +138,21 @@ class RequestGuard:
             more = message.get("more_body", False)
 
 
-def _check_limits(samples, settings: ServerSettings) -> None:
-    if len(samples) > settings.max_samples_per_request:
-        raise TooLarge(f"request has {len(samples)} samples; this server accepts at most "
+def check_limits(n_samples: int, token_counts: Iterable[int], settings: ServerSettings,
+                 label: str = "sample {i}") -> None:
+    """:class:`TooLarge` if the request has more than ``max_samples_per_request`` samples or entry
+    ``i`` of ``token_counts`` (named by ``label``) more than ``max_tokens_per_sample`` tokens."""
+    if n_samples > settings.max_samples_per_request:
+        raise TooLarge(f"request has {n_samples} samples; this server accepts at most "
                        f"{settings.max_samples_per_request} per request (--max-samples)")
-    for i, s in enumerate(samples):
-        n = len(s.prompt_tokens) + len(s.response_tokens)
+    for i, n in enumerate(token_counts):
         if n > settings.max_tokens_per_sample:
-            raise TooLarge(f"sample {i} has {n} tokens; this server accepts at most "
+            raise TooLarge(f"{label.format(i=i)} has {n} tokens; this server accepts at most "
                            f"{settings.max_tokens_per_sample} per sample (--max-tokens)")
+
+
+def _check_limits(samples, settings: ServerSettings) -> None:
+    check_limits(len(samples), (len(s.prompt_tokens) + len(s.response_tokens) for s in samples), settings)
 
 
 def _handler(status: int):
@@ -154,6 +160,21 @@ def _handler(status: int):
         return JSONResponse({"detail": str(err)}, status_code=status)
 
     return handle
+
+
+def guarded_app(title: str, settings: ServerSettings, lifespan, statuses: Mapping[type, int]) -> FastAPI:
+    """A FastAPI app behind :class:`RequestGuard` whose errors map to ``statuses`` (else 500 with the
+    message); the reward/critic and the rollout server are both built on it."""
+    app = FastAPI(title=title, lifespan=lifespan)
+    app.add_middleware(RequestGuard, token=settings.token, max_body_bytes=settings.max_body_bytes)
+    for exc_type, status in statuses.items():
+        app.add_exception_handler(exc_type, _handler(status))
+
+    @app.exception_handler(Exception)
+    async def internal(_request: Request, err: Exception):
+        return JSONResponse({"detail": f"internal error: {type(err).__name__}: {err}"}, status_code=500)
+
+    return app
 
 
 def create_app(service: RewardCriticService, settings: ServerSettings = ServerSettings(),
@@ -173,16 +194,8 @@ def create_app(service: RewardCriticService, settings: ServerSettings = ServerSe
         yield
         await batcher.stop()
 
-    app = FastAPI(title="reward/critic server", lifespan=lifespan)
+    app = guarded_app("reward/critic server", settings, lifespan, _STATUS)
     app.state.service, app.state.batcher = service, batcher
-    app.add_middleware(RequestGuard, token=settings.token, max_body_bytes=settings.max_body_bytes)
-
-    for exc_type, status in _STATUS.items():
-        app.add_exception_handler(exc_type, _handler(status))
-
-    @app.exception_handler(Exception)
-    async def internal(_request: Request, err: Exception):
-        return JSONResponse({"detail": f"internal error: {type(err).__name__}: {err}"}, status_code=500)
 
     @app.post("/infer")
     async def infer(req: InferRequest) -> Response:
@@ -191,7 +204,7 @@ def create_app(service: RewardCriticService, settings: ServerSettings = ServerSe
         responses = [s.response_tokens for s in req.samples]
         service.check_samples(prompts, responses)  # one bad request must not fail a whole batch
         results = await batcher.submit(list(zip(prompts, responses)))
-        return _json(InferResponse(results=results))
+        return json_response(InferResponse(results=results))
 
     @app.post("/train")
     async def train(req: TrainRequest) -> Response:
@@ -199,18 +212,18 @@ def create_app(service: RewardCriticService, settings: ServerSettings = ServerSe
         s = req.samples
         stats = await run_in_threadpool(service.train, [x.prompt_tokens for x in s], [x.response_tokens for x in s],
                                         [x.returns for x in s], [x.old_values for x in s], req.settings)
-        return _json(TrainResponse(stats=stats, train_calls=service.train_calls,
+        return json_response(TrainResponse(stats=stats, train_calls=service.train_calls,
                                    optimizer_steps=service.optimizer_steps))
 
     @app.post("/save")
     async def save(req: SaveRequest) -> Response:
         url, files = await run_in_threadpool(service.save, req.url, req.overwrite)
-        return _json(SaveResponse(url=url, files=files, train_calls=service.train_calls))
+        return json_response(SaveResponse(url=url, files=files, train_calls=service.train_calls))
 
     @app.get("/health")
     async def health() -> Response:
         st = batcher.stats
-        return _json(HealthResponse(
+        return json_response(HealthResponse(
             parts=service.parts, critic=service.config.critic_url or None,
             reward_model=service.config.reward_model_url or None, vocab_size=service.vocab_size,
             device=str(service.device), train_calls=service.train_calls, optimizer_steps=service.optimizer_steps,

@@ -1,4 +1,5 @@
-"""Client of the reward/critic server, and :class:`RemoteReward`, a reward source backed by it.
+"""Client of the reward/critic server, and :class:`RemoteReward`, a reward source backed by it;
+:class:`JSONClient` is the retrying base it shares with the rollout client (``rollout_client``).
 
 Retries: connection failures and 5xx answers are retried with exponential backoff
 (``backoff_s · 2^k``, capped at ``max_backoff_s``); 4xx answers are not (retrying cannot
@@ -52,8 +53,11 @@ def _reason(err: Exception) -> str:
     return "connection refused" if "refused" in text.lower() else text
 
 
-class RewardCriticClient:
-    """``infer`` / ``train`` / ``save`` / ``health`` over HTTP. Thread-safe (one ``httpx.Client``)."""
+class JSONClient:
+    """JSON over HTTP with the retries above; subclasses add the endpoints. Thread-safe (one ``httpx.Client``)."""
+
+    name = "server"
+    """How errors name the server (``reward server http://... returned 401: ...``)."""
 
     def __init__(self, base_url: str, token: Optional[str] = None, timeout_s: float = 60.0, retries: int = 3,
                  backoff_s: float = 0.5, max_backoff_s: float = 8.0, http: Optional[httpx.Client] = None):
@@ -70,7 +74,7 @@ class RewardCriticClient:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> "RewardCriticClient":
+    def __enter__(self) -> "JSONClient":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -88,29 +92,35 @@ class RewardCriticClient:
             try:
                 response = self._http.request(method, url, json=body, headers=self._headers)
             except httpx.TimeoutException as err:
-                raise ServerError(f"reward server {url} timed out after {self.timeout_s:g} s", url,
+                raise ServerError(f"{self.name} {url} timed out after {self.timeout_s:g} s", url,
                                   attempts=attempt) from err
             except retryable as err:
                 if attempt == self.attempts:
-                    raise ServerError(f"reward server {url} unreachable after {attempt} attempts ({_reason(err)})",
+                    raise ServerError(f"{self.name} {url} unreachable after {attempt} attempts ({_reason(err)})",
                                       url, attempts=attempt) from err
-                log.warning("reward server %s: %s (attempt %d of %d)", url, _reason(err), attempt, self.attempts)
+                log.warning("%s %s: %s (attempt %d of %d)", self.name, url, _reason(err), attempt, self.attempts)
             except httpx.HTTPError as err:
-                raise ServerError(f"reward server {url} failed: {_reason(err)}", url, attempts=attempt) from err
+                raise ServerError(f"{self.name} {url} failed: {_reason(err)}", url, attempts=attempt) from err
             else:
                 if response.status_code < 400:
                     return response
                 detail = _detail(response)
                 if response.status_code < 500:
-                    raise ServerError(f"reward server {url} returned {response.status_code}: {detail}", url,
+                    raise ServerError(f"{self.name} {url} returned {response.status_code}: {detail}", url,
                                       response.status_code, attempt)
                 if attempt == self.attempts:
-                    raise ServerError(f"reward server {url} returned {response.status_code} after {attempt} "
+                    raise ServerError(f"{self.name} {url} returned {response.status_code} after {attempt} "
                                       f"attempts: {detail}", url, response.status_code, attempt)
-                log.warning("reward server %s returned %d (attempt %d of %d): %s", url, response.status_code,
+                log.warning("%s %s returned %d (attempt %d of %d): %s", self.name, url, response.status_code,
                             attempt, self.attempts, detail)
             time.sleep(self.delay_s(attempt))
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+class RewardCriticClient(JSONClient):
+    """``infer`` / ``train`` / ``save`` / ``health`` of the reward/critic server."""
+
+    name = "reward server"
 
     def infer(self, prompt_tokens: Sequence[Sequence[int]],
               response_tokens: Sequence[Sequence[int]]) -> List[InferResult]:

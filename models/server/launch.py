@@ -1,7 +1,10 @@
-"""Run ``python -m models.server serve`` as a child process and wait until it accepts requests.
+"""Run ``python -m models.server serve`` (or ``serve-rollout``) as a child process and wait until it
+accepts requests.
 
     with ServerProcess(["--critic", url, "--token-env", "RS_TOKEN"], env={"RS_TOKEN": token}) as server:
         RewardCriticClient(server.url, token=token).health()
+    with ServerProcess(["--checkpoint", url, "--engine", "hf"], command="serve-rollout") as server:
+        RolloutClient(server.url).health()
 
 The child binds ``--port 0`` (unless ``args`` name a port) and prints its ready line, from
 which the URL is read; its log (stderr) goes to ``log_path`` or a temporary file, and the
@@ -19,17 +22,21 @@ import time
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-READY = "reward server ready on "
+READY = " server ready on "
+"""What both servers' ready lines hold (``reward server ready on URL ...``), the URL after it."""
 
 
 class ServerProcess:
     """The server as a child process; ``url`` once started; stopped on ``stop()`` / context exit."""
 
     def __init__(self, args: Sequence[str], env: Optional[Mapping[str, str]] = None,
-                 log_path: Optional[str | Path] = None, host: str = "127.0.0.1", timeout_s: float = 120.0):
+                 log_path: Optional[str | Path] = None, host: str = "127.0.0.1", timeout_s: float = 120.0,
+                 command: str = "serve"):
+        """``command``: the CLI's subcommand, ``serve`` (reward/critic) or ``serve-rollout``."""
         self.args, self.env, self.host, self.timeout_s = list(args), dict(env or {}), host, timeout_s
+        self.command = command
         if log_path is None:
-            fd, log_path = tempfile.mkstemp(prefix="reward-server-", suffix=".log")
+            fd, log_path = tempfile.mkstemp(prefix=f"{command}-", suffix=".log")
             os.close(fd)
         self.log_path = Path(log_path)
         self.proc: Optional[subprocess.Popen] = None
@@ -41,8 +48,8 @@ class ServerProcess:
         env = {**os.environ, **self.env}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH", "")) if p)
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "models.server", "serve", "--host", self.host, *port,
-                                          *self.args], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+            self.proc = subprocess.Popen([sys.executable, "-m", "models.server", self.command, "--host", self.host,
+                                          *port, *self.args], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         lines: list[str] = []
 
         def read_stdout() -> None:  # keeps draining the pipe after the ready line
@@ -52,14 +59,14 @@ class ServerProcess:
         threading.Thread(target=read_stdout, daemon=True).start()
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline and self.proc.poll() is None:
-            ready = [line for line in lines if line.startswith(READY)]
+            ready = [line for line in lines if READY in line]
             if ready:
-                self.url = ready[0][len(READY):].split()[0]
+                self.url = ready[0].partition(READY)[2].split()[0]
                 return self
             time.sleep(0.05)
         code = self.proc.poll()
         self.stop()
-        raise RuntimeError(f"reward server did not get ready in {self.timeout_s:g} s (exit code {code}); "
+        raise RuntimeError(f"{self.command} did not get ready in {self.timeout_s:g} s (exit code {code}); "
                            f"log {self.log_path}:\n{self.log_path.read_text()[-3000:]}")
 
     def stop(self, timeout_s: float = 10.0) -> None:

@@ -52,6 +52,21 @@ class AlreadyCommitted(FileExistsError):
     """A committed checkpoint exists at the save URL and ``overwrite`` is false (HTTP 409)."""
 
 
+def check_token_ids(lists: Sequence[Sequence[int]], vocab_size: int, name: str, row: str = "sample") -> None:
+    """:class:`InvalidRequest` naming the first ``{row} i`` of ``lists`` with a token id outside
+    ``[0, vocab_size)`` (an embedding lookup would fail or read another row's memory)."""
+    lengths = np.fromiter(map(len, lists), np.int64, len(lists))  # [B]
+    try:
+        flat = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(lengths.sum()))  # [N]
+    except OverflowError as err:
+        raise InvalidRequest(f"{name}: a token id does not fit in int64: {err}") from err
+    bad = np.flatnonzero((flat < 0) | (flat >= vocab_size))
+    if bad.size:
+        i = int(np.searchsorted(np.cumsum(lengths), bad[0], side="right"))
+        raise InvalidRequest(f"{row} {i}: token id {int(flat[bad[0]])} in {name} is outside the "
+                             f"vocabulary [0, {vocab_size})")
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     """What the service loads and how it trains."""
@@ -158,16 +173,7 @@ class RewardCriticService:
             raise InvalidRequest(f"sample {int(empty[0])} has an empty prompt_tokens (the first response "
                                  f"token is predicted from the last prompt token)")
         for name, lists in (("prompt_tokens", prompts), ("response_tokens", responses)):
-            lengths = np.fromiter(map(len, lists), np.int64, len(lists))  # [B]
-            try:
-                flat = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(lengths.sum()))  # [N]
-            except OverflowError as err:
-                raise InvalidRequest(f"{name}: a token id does not fit in int64: {err}") from err
-            bad = np.flatnonzero((flat < 0) | (flat >= self.vocab_size))
-            if bad.size:
-                row = int(np.searchsorted(np.cumsum(lengths), bad[0], side="right"))
-                raise InvalidRequest(f"sample {row}: token id {int(flat[bad[0]])} in {name} is outside the "
-                                     f"vocabulary [0, {self.vocab_size})")
+            check_token_ids(lists, self.vocab_size, name)
 
     def _inputs(self, prompts, responses) -> ModelInputs:
         return inputs_to(model_inputs(token_table(prompts, responses), self.pad_id), self.device)

@@ -20,3 +20,14 @@ def test_the_token_itself_is_not_a_flag(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--token", "secret"])
     assert "unrecognized arguments: --token secret" in capsys.readouterr().err
+
+
+def test_serve_rollout_needs_a_committed_checkpoint(tmp_path):
+    with pytest.raises(SystemExit, match=r"serve-rollout: checkpoint .*/missing is not committed"):
+        main(["serve-rollout", "--checkpoint", str(tmp_path / "missing"), "--engine", "hf"])
+
+
+def test_serve_rollout_names_its_engines(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve-rollout", "--checkpoint", "/x", "--engine", "trtllm"])
+    assert "argument --engine: invalid choice: 'trtllm'" in capsys.readouterr().err

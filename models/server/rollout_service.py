@@ -1,0 +1,182 @@
+"""The model side of the rollout server, usable without HTTP: one generation engine, started once.
+
+Each request names the committed policy checkpoint to sample from (and optionally a LoRA
+adapter on it). When that is not the one served, the new weights go into the running engine
+in place (:meth:`models.engines.GenerationEngine.load_weights`: vLLM ``reload_weights`` +
+``reset_prefix_cache``, or a restart from the checkpoint where that cannot work), so on a
+cluster the engine start-up is paid once per run instead of once per rollout pod.
+
+Every engine call (start, loads, generation, close) runs on one dedicated thread: that
+serialises requests (one engine, and a request must be sampled from the weights it named), and
+keeps thread-local state the engine depends on fixed — vLLM's CPU attention checks that each
+call runs with the OpenMP thread count it was planned with, which a web server's worker
+threads do not share.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from models import storage
+from models.checkpoint import CheckpointError, download_checkpoint
+from models.engines import Generation, SamplingSpec, make_engine
+from models.server.service import InvalidRequest, NotLoaded, check_token_ids
+
+
+@dataclass(frozen=True)
+class RolloutServiceConfig:
+    """The engine the service starts (the fields of :class:`models.engines.VLLMEngine`)."""
+
+    checkpoint_url: str
+    """Committed policy checkpoint the engine starts from."""
+    engine: str = "vllm"
+    """``vllm`` or ``hf`` (transformers ``generate``)."""
+    dtype: str = "float32"
+    kv_cache_gib: float = 1.0
+    """vLLM KV-cache space on CPU (``VLLM_CPU_KVCACHE_SPACE``)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take."""
+    max_model_len: int = 0
+    """Longest prompt + response vLLM plans for; 0: the model's own limit."""
+    max_lora_rank: int = 0
+    """vLLM: largest LoRA rank served (0: no adapters). The HF engine serves any adapter (peft)."""
+    seed: int = 0
+    """vLLM engine seed (each request's sampling seed is its own)."""
+    threads: int = 0
+    """Torch intra-op threads of the engine thread; 0: torch's choice."""
+
+    def __post_init__(self) -> None:
+        if not self.checkpoint_url:
+            raise ValueError("RolloutServiceConfig needs checkpoint_url")
+        if self.engine not in ("vllm", "hf"):
+            raise ValueError(f"unknown engine {self.engine!r}: use 'vllm' or 'hf'")
+        if self.kv_cache_gib <= 0 or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("need kv_cache_gib > 0 and 0 < gpu_memory_utilization <= 1")
+        if self.max_model_len < 0 or self.max_lora_rank < 0:
+            raise ValueError("need max_model_len >= 0 and max_lora_rank >= 0")
+
+
+def _fetch(url: str) -> Tuple[str, Optional[str]]:
+    """``(local folder, folder to delete once unused or None)`` of the committed checkpoint at ``url``;
+    a checkpoint that is missing, uncommitted or fails its checksums is the caller's error (422)."""
+    try:
+        local = download_checkpoint(url)
+    except CheckpointError as err:
+        raise InvalidRequest(str(err)) from err
+    except FileNotFoundError as err:
+        raise InvalidRequest(f"checkpoint {url} not found: {err}") from err
+    return local, None if storage.is_local(url) else local
+
+
+def _vocab_size(checkpoint_dir: str) -> int:
+    with open(os.path.join(checkpoint_dir, "config.json"), encoding="utf-8") as f:
+        return int(json.load(f)["vocab_size"])
+
+
+class RolloutService:
+    """One engine; ``generate`` loads the named weights when they change, then samples."""
+
+    def __init__(self, config: RolloutServiceConfig):
+        self.config = config
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._owned: Dict[str, Optional[str]] = {}  # "weights"/"adapter" -> downloaded folder in use
+        try:
+            self._thread.submit(self._start).result()
+        except BaseException:
+            self._thread.shutdown()
+            raise
+        self.lora = config.engine == "hf" or config.max_lora_rank > 0
+        self.checkpoint_url: Optional[str] = config.checkpoint_url
+        self.adapter_url: Optional[str] = None
+        self.requests = self.prompts = 0
+
+    def _start(self) -> None:
+        config = self.config
+        if config.threads > 0:
+            torch.set_num_threads(config.threads)
+        local, self._owned["weights"] = _fetch(config.checkpoint_url)
+        kwargs = dict(dtype=config.dtype) if config.engine == "hf" else dict(
+            dtype=config.dtype, kv_cache_gib=config.kv_cache_gib, seed=config.seed,
+            gpu_memory_utilization=config.gpu_memory_utilization, max_model_len=config.max_model_len or None,
+            max_lora_rank=config.max_lora_rank)
+        self.engine = make_engine(config.engine, local, **kwargs)
+        self.vocab_size = _vocab_size(local)
+
+    def _swap(self, role: str, url: Optional[str], load: Callable[[Optional[str]], None]) -> Optional[str]:
+        """Fetch ``url`` (None: nothing), ``load`` its folder and return it; then the previous download
+        of ``role`` is deleted, or on failure the new one."""
+        local, owned = _fetch(url) if url else (None, None)
+        try:
+            load(local)
+        except BaseException:
+            if owned:
+                shutil.rmtree(owned, ignore_errors=True)
+            raise
+        old, self._owned[role] = self._owned.get(role), owned
+        if old and old != owned:
+            shutil.rmtree(old, ignore_errors=True)
+        return local
+
+    def _serve(self, checkpoint_url: str, adapter_url: Optional[str]) -> None:
+        if adapter_url is not None and not self.lora:
+            raise NotLoaded("this rollout server serves no LoRA adapters: start it with --max-lora-rank R")
+        if checkpoint_url != self.checkpoint_url:
+            local = self._swap("weights", checkpoint_url, self._load_weights)
+            self.checkpoint_url, self.vocab_size = checkpoint_url, _vocab_size(local)
+        if adapter_url != self.adapter_url:
+            self._swap("adapter", adapter_url, self._load_adapter)
+            self.adapter_url = adapter_url
+
+    def _load_weights(self, local_dir: str) -> None:
+        self.checkpoint_url = self.adapter_url = None  # unknown until the load succeeded; it drops the adapter
+        self.engine.load_weights(local_dir)
+
+    def _load_adapter(self, local_dir: Optional[str]) -> None:
+        self.adapter_url = None
+        self.engine.set_adapter(local_dir)
+
+    def generate(self, prompts: List[List[int]], spec: SamplingSpec, checkpoint_url: str,
+                 adapter_url: Optional[str] = None) -> Tuple[List[List[Generation]], float, float]:
+        """``(generations per prompt, load_s, generate_s)`` from the policy at ``checkpoint_url``
+        (+ ``adapter_url``); :class:`InvalidRequest` for empty prompts or ids outside the vocabulary.
+        Blocks until the engine thread has served the requests before this one and this one."""
+        return self._thread.submit(self._generate, prompts, spec, checkpoint_url, adapter_url).result()
+
+    def _generate(self, prompts: List[List[int]], spec: SamplingSpec, checkpoint_url: str,
+                  adapter_url: Optional[str]) -> Tuple[List[List[Generation]], float, float]:
+        t0 = time.perf_counter()
+        self._serve(checkpoint_url, adapter_url)
+        t1 = time.perf_counter()
+        self._check(prompts, spec.stop_token_ids)
+        generations = self.engine.generate(prompts, spec)
+        self.requests += 1
+        self.prompts += len(prompts)
+        return generations, t1 - t0, time.perf_counter() - t1
+
+    def _check(self, prompts: Sequence[Sequence[int]], stop_token_ids: Sequence[int]) -> None:
+        empty = next((i for i, p in enumerate(prompts) if not p), None)
+        if empty is not None:
+            raise InvalidRequest(f"prompt {empty} is empty (the first response token is predicted from the "
+                                 f"last prompt token)")
+        check_token_ids(prompts, self.vocab_size, "prompts", row="prompt")
+        bad = [t for t in stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"sampling.stop_token_ids: token id {bad[0]} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+
+    def close(self) -> None:
+        """Free the engine and delete the downloaded checkpoints (after the requests under way)."""
+        self._thread.submit(self.engine.close).result()
+        self._thread.shutdown()
+        for owned in self._owned.values():
+            if owned:
+                shutil.rmtree(owned, ignore_errors=True)
+        self._owned.clear()
