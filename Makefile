@@ -7,9 +7,13 @@ PIP := $(PY) -m pip
 # The CPU wheel of torch must go in before anything that depends on torch, or pip pulls CUDA.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
+QUICK ?=
+BENCH_ARGS ?=
 PYTEST_ARGS ?=
 ALGO ?= ppo
-ALGO_WORKFLOW := $(if $(filter ppo,$(ALGO)),ppo,reinforce)
+# ppo and ppo_* presets (e.g. ppo_lora) train a critic: the ppo workflow; the rest are critic-free.
+ALGO_WORKFLOW := $(if $(filter ppo ppo_%,$(ALGO)),ppo,reinforce)
 # Cluster deployment: the image tasks run in, and the config the tasks are registered with
 # (resources, GPU type, elastic topology of actor_update; see tasks/deploy.py). `make image`
 # and `make package` must use the same DEPLOY_PRESET / DEPLOY_OVERRIDES.
@@ -39,9 +43,9 @@ demo: $(STAMP)
 	TRANSFORMERS_VERBOSITY=error VLLM_LOGGING_LEVEL=WARNING TQDM_DISABLE=1 \
 	$(VENV)/bin/pyflyte run workflows/$(ALGO_WORKFLOW).py $(ALGO_WORKFLOW)_training --preset configs/tiny_$(ALGO).yaml
 
-# Unit and integration tests (integration ones start real servers on 127.0.0.1, and headless
-# Chromium for the MLflow UI test).
-test: $(STAMP) browser
+# Unit and integration tests (integration ones start real servers on 127.0.0.1, headless
+# Chromium for the MLflow UI test, and TRL from the bench extra for the TRL benchmark's test).
+test: $(BENCH_STAMP) browser
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 # Debian's Chromium and its WebDriver for tests/integration/test_mlflow_ui.py (as root, or via sudo).
@@ -66,8 +70,17 @@ image:
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
-bench: $(STAMP)
-	$(PY) benchmarks/bench_kernels.py
+# One table of figures and ratios measured in this run (benchmarks/run_all.py): rollout engines,
+# weights into the engine, RolloutBatch and checkpoint I/O, kernels, a PPO iteration, TRL, LoRA.
+# QUICK=1: small sizes. BENCH_ARGS: e.g. --threads 1 --only rollout,batch_io. Exit 1 if a target is missed.
+bench: $(BENCH_STAMP)
+	$(PY) benchmarks/run_all.py $(if $(filter-out 0 no false,$(QUICK)),--quick) $(BENCH_ARGS)
+
+# What only the benchmarks need (the `bench` extra of pyproject.toml), on top of the install.
+$(BENCH_STAMP): $(STAMP) pyproject.toml constraints.txt
+	$(PIP) install -q -c constraints.txt -e ".[bench]"
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
+	touch $(BENCH_STAMP)
 
 # The reward/critic server under 16 concurrent clients for 60 s: throughput, latency p50/p90/p99,
 # lost and mixed responses (exit 1 if any).

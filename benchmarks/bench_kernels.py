@@ -1,6 +1,6 @@
 """Benchmarks of the kernels against their plain references; prints figures, asserts nothing.
 
-    python benchmarks/bench_kernels.py [--threads N] [--batch B] [--quick] [--only gae|logprobs]
+    python benchmarks/bench_kernels.py [--threads N] [--batch B] [--quick] [--only gae|logprobs] [--json PATH]
 
 - GAE: :func:`kernels.gae.compute_gae` against the reverse loop at B=256, T=1024 and
   B=64, T=8192, for right-padded masks (one span per row) and masks with gaps. "faults"
@@ -15,17 +15,23 @@ resets the kernel's resident-set high-water mark (``echo 5 > /proc/self/clear_re
 runs the variant once and reports ``VmHWM − VmRSS before``. That counts every page the
 run touched (torch's CPU allocator has no statistics of its own), including allocator
 slack, so it is an upper bound on tensor memory.
+
+``--json PATH`` also writes the headline figures as rows for ``run_all.py`` (see
+``benchmarks/rows.py``): GAE speed-ups, and for log-probs + entropy with backward the
+naive/fast time and memory ratios (> 1: the fast kernel is better).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
 import time
-from typing import Callable
+from pathlib import Path
+from typing import Callable, List
 
 import torch
 
@@ -38,6 +44,11 @@ from kernels.logprobs import (
     token_logprobs_and_entropy_reference,
     token_logprobs_reference,
 )
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.rows import Row, row, write_rows  # noqa: E402
 
 V, T, D = 32000, 1024, 512
 HEADER = (f"{'what':>16} {'naive ms':>9} {'fast ms':>9} {'time ratio':>10} "
@@ -59,7 +70,7 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def bench_gae(quick: bool) -> None:
+def bench_gae(quick: bool, rows: List[Row]) -> None:
     print("\n== GAE: compute_gae vs reverse loop (float32, γ=1, λ=0.95) ==")
     print(f"{'shape':>12} {'mask':>8} {'loop ms':>9} {'fast ms':>9} {'speed-up':>9} {'max |Δ|':>9} {'faults':>7}")
     for B, T_ in [(256, 1024), (64, 8192)]:
@@ -77,6 +88,8 @@ def bench_gae(quick: bool) -> None:
                    - compute_gae_reference(rewards, values, mask, 1.0, 0.95).advantages).abs().max().item()  # fmt: skip
             print(f"{B:>5}x{T_:<6} {name:>8} {loop_ms:9.2f} {fast_ms:9.3f} {loop_ms / fast_ms:8.1f}x {err:9.1e} "
                   f"{faults:7.0f}")  # fmt: skip
+            rows.append(row("kernels", f"GAE vs reverse loop, {B}x{T_} {name}", loop_ms / fast_ms, "x",
+                            f"loop {loop_ms:.2f} ms, fast {fast_ms:.3f} ms, max |Δ| {err:.1e}"))
 
 
 def _logit_inputs(batch: int, dtype: torch.dtype, grad: bool):
@@ -146,7 +159,7 @@ def peak_extra_mb(variant: str, batch: int, dtype: str, threads: int) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])["extra_mb"]
 
 
-def bench_logprobs(batch: int, threads: int, quick: bool) -> None:
+def bench_logprobs(batch: int, threads: int, quick: bool, rows: List[Row]) -> None:
     repeats = 2 if quick else 5
     for dtype in ["float32", "bfloat16"]:
         size_mb = batch * T * V * torch.tensor([], dtype=getattr(torch, dtype)).element_size() / 2**20
@@ -159,6 +172,8 @@ def bench_logprobs(batch: int, threads: int, quick: bool) -> None:
             m_fast = peak_extra_mb(f"fast_{what}", batch, dtype, threads)
             print(f"{what:>16} {t_naive:9.1f} {t_fast:9.1f} {t_fast / t_naive:9.2f}x "
                   f"{m_naive:10.1f} {m_fast:9.1f} {m_fast / m_naive:8.3f}x")  # fmt: skip
+            if what == "entropy+bwd":
+                rows += _ratio_rows(f"log-probs+entropy fwd+bwd, logits {dtype}", t_naive, t_fast, m_naive, m_fast)
     print(f"\n== log-probs + entropy from hidden [{batch}, {T}, {D}] @ weight [{V}, {D}]ᵀ, float32 ==")
     print(HEADER)
     for what in ["hidden", "hidden+bwd"]:
@@ -168,14 +183,24 @@ def bench_logprobs(batch: int, threads: int, quick: bool) -> None:
         m_fast = peak_extra_mb(f"fast_{what}", batch, "float32", threads)
         print(f"{what:>16} {t_naive:9.1f} {t_fast:9.1f} {t_fast / t_naive:9.2f}x "
               f"{m_naive:10.1f} {m_fast:9.1f} {m_fast / m_naive:8.3f}x")  # fmt: skip
+        if what == "hidden+bwd":
+            rows += _ratio_rows("log-probs+entropy fwd+bwd, from hidden", t_naive, t_fast, m_naive, m_fast)
+
+
+def _ratio_rows(what: str, t_naive: float, t_fast: float, m_naive: float, m_fast: float) -> List[Row]:
+    return [row("kernels", f"{what}: time naive/fast", t_naive / t_fast, "x", f"{t_naive:.1f} ms vs {t_fast:.1f} ms"),
+            row("kernels", f"{what}: memory naive/fast", m_naive / m_fast, "x",
+                f"{m_naive:.0f} MiB vs {m_fast:.0f} MiB extra")]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady on a shared box)")
+    parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS") or 1),
+                        help="torch intra-op threads (default OMP_NUM_THREADS, else 1: steady on a shared box)")
     parser.add_argument("--batch", type=int, default=1, help="B of the log-prob benchmark")
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument("--only", choices=["gae", "logprobs"], help="run one of the two parts")
+    parser.add_argument("--json", metavar="PATH", help="also write the headline figures as rows (benchmarks/rows.py)")
     parser.add_argument("--mem-worker", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -185,10 +210,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cpu = torch.backends.cpu.get_cpu_capability()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU capability {cpu}")
+    rows: List[Row] = []
     if args.only != "logprobs":
-        bench_gae(args.quick)
+        bench_gae(args.quick, rows)
     if args.only != "gae":
-        bench_logprobs(args.batch, args.threads, args.quick)
+        bench_logprobs(args.batch, args.threads, args.quick, rows)
+    write_rows(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import os
 import shutil
 import tempfile
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, Mapping, Optional
 
 from models import storage
@@ -70,13 +71,17 @@ def _local_files(local_dir: str) -> Dict[str, str]:
     return files
 
 
-def save_checkpoint(local_dir: str, url: str, overwrite: bool = False) -> Mapping[str, Any]:
+def save_checkpoint(local_dir: str, url: str, overwrite: bool = False,
+                    workers: Optional[int] = None, consume: bool = False) -> Mapping[str, Any]:
     """Commit the HF directory ``local_dir`` to ``url``; returns the marker's content.
 
     Refuses pickle files and unknown file types before uploading anything. An existing
     committed checkpoint at ``url`` is replaced only with ``overwrite`` (after the upload
     to the temporary prefix succeeded; its marker is removed first); leftovers of a crashed
-    write (no marker) are removed.
+    write (no marker) are removed. Files are hashed and uploaded by ``workers`` threads
+    (default: Python's thread-pool default), so the shards of a big model go in parallel.
+    ``consume``: the caller drops ``local_dir`` afterwards, so on the same local filesystem
+    its files are hard-linked into place instead of copied.
     """
     files = _local_files(local_dir)
     files.pop(MARKER, None)  # a downloaded copy carries its old marker; a new one is written
@@ -84,15 +89,22 @@ def save_checkpoint(local_dir: str, url: str, overwrite: bool = False) -> Mappin
         raise CheckpointError(f"save_checkpoint: no files in {local_dir}")
     for rel in files:
         check_file_allowed(rel, local_dir)
-    if "config.json" not in files:
-        raise CheckpointError(f"save_checkpoint: {local_dir} has no config.json (not an HF directory)")
-    manifest = {rel: file_digest(path) for rel, path in files.items()}
+    if "config.json" not in files and "adapter_config.json" not in files:  # full weights or a peft adapter
+        raise CheckpointError(f"save_checkpoint: {local_dir} has no config.json (not an HF directory) "
+                              f"and no adapter_config.json (not a peft adapter)")
     if is_committed(url) and not overwrite:
         raise FileExistsError(f"checkpoint {url} is already committed (pass overwrite=True to replace it)")
     tmp = f"{url.rstrip('/')}.tmp-{uuid.uuid4().hex[:12]}"
-    try:
-        for rel, path in files.items():  # a failed upload leaves any old checkpoint intact
-            storage.put_file(path, storage.join(tmp, rel))
+
+    def upload(rel: str) -> Dict[str, Any]:
+        digest, dst = file_digest(files[rel]), storage.join(tmp, rel)
+        if not (consume and storage.is_local(dst) and _hard_link(files[rel], storage.local_path(dst))):
+            storage.put_file(files[rel], dst)
+        return digest
+
+    try:  # a failed upload leaves any old checkpoint intact
+        with ThreadPoolExecutor(max_workers=workers) as pool:  # sha256 and file I/O release the GIL
+            manifest = dict(zip(files, pool.map(upload, files)))
         storage.remove(storage.join(url, MARKER))  # uncommit first: a crash now leaves no marker
         storage.remove(url, recursive=True)
         storage.move_dir(tmp, url)
@@ -105,17 +117,51 @@ def save_checkpoint(local_dir: str, url: str, overwrite: bool = False) -> Mappin
     return marker
 
 
+def _hard_link(src: str, dst: str) -> bool:
+    """Make ``dst`` a hard link to ``src``; False where that is impossible (another filesystem)."""
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        return False
+    return True
+
+
+MIN_SHARD_BYTES = 256 << 20
+"""Smallest safetensors shard :func:`save_model_checkpoint` cuts (smaller models stay one file)."""
+
+
+def shard_bytes(state_dict: Mapping[str, Any], parts: Optional[int] = None) -> int:
+    """``max_shard_size`` that splits ``state_dict`` into about ``parts`` safetensors shards
+    (default: one per core, so they are hashed and uploaded in parallel), at least
+    :data:`MIN_SHARD_BYTES` and at most 5 GB (the Hugging Face Hub's default)."""
+    total = sum(t.numel() * t.element_size() for t in state_dict.values())
+    parts = parts or os.cpu_count() or 1
+    return min(max(-(-total // parts), MIN_SHARD_BYTES), 5 * 10**9)
+
+
 def save_model_checkpoint(model: Any, tokenizer: Any, url: str, overwrite: bool = False,
-                          state_dict: Optional[Mapping[str, Any]] = None) -> Mapping[str, Any]:
-    """``save_pretrained`` (safetensors) ``model`` and ``tokenizer`` (may be None), then commit.
+                          state_dict: Optional[Mapping[str, Any]] = None,
+                          max_shard_size: Optional[int] = None, workers: Optional[int] = None) -> Mapping[str, Any]:
+    """``save_pretrained`` (safetensors shards of ``max_shard_size`` bytes, default
+    :func:`shard_bytes`) ``model`` and ``tokenizer`` (may be None), then commit with
+    :func:`save_checkpoint` (``workers`` threads). For a local ``url`` the files are written
+    next to it and linked into place, so the weights are written once.
 
     ``state_dict``: the full weights when the model's own are sharded (FSDP2)."""
-    with tempfile.TemporaryDirectory(prefix="ckpt-") as tmp:
-        kwargs = {"state_dict": dict(state_dict)} if state_dict is not None else {}
-        model.save_pretrained(tmp, safe_serialization=True, **kwargs)
+    weights = dict(state_dict) if state_dict is not None else model.state_dict()
+    near = None
+    if storage.is_local(url):  # same filesystem as url: hard links, no copy
+        near = os.path.dirname(os.path.abspath(storage.local_path(url).rstrip("/")))
+        os.makedirs(near, exist_ok=True)
+    name = os.path.basename(url.rstrip("/"))
+    with tempfile.TemporaryDirectory(prefix=f"{name}.tmp-save-", dir=near) as tmp:
+        kwargs = {"state_dict": weights} if state_dict is not None else {}
+        model.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size or shard_bytes(weights),
+                              **kwargs)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        return save_checkpoint(tmp, url, overwrite=overwrite)
+        return save_checkpoint(tmp, url, overwrite=overwrite, workers=workers, consume=True)
 
 
 def is_committed(url: str) -> bool:

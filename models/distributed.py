@@ -100,9 +100,10 @@ def wrap_for_training(module: nn.Module, info: DistInfo) -> nn.Module:
     if info.device.type == "cuda":
         from torch.distributed.fsdp import fully_shard
 
-        layers = getattr(getattr(module, "lm", module), "model", None)
-        for layer in getattr(layers, "layers", []):
-            fully_shard(layer)
+        lm = getattr(module, "lm", module)  # a causal LM, or a peft model around one (LoRA)
+        trunk = lm.get_decoder() if hasattr(lm, "get_decoder") else getattr(lm, "model", None)
+        for layer in getattr(trunk, "layers", []):
+            fully_shard(layer)  # frozen base and trainable adapters share a unit: FSDP2 allows mixed requires_grad
         fully_shard(module)
         return module
     from torch.nn.parallel import DistributedDataParallel as DDP

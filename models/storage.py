@@ -166,28 +166,32 @@ def read_bytes(url: str, retry: RetryPolicy = DEFAULT_RETRY, **storage_options: 
     return with_retry("read", url, lambda: fs.cat_file(path), retry)
 
 
-def write_bytes(url: str, data: bytes, retry: RetryPolicy = DEFAULT_RETRY,
+def write_bytes(url: str, data: bytes | memoryview, retry: RetryPolicy = DEFAULT_RETRY, durable: bool = True,
                 **storage_options: Any) -> None:
     """Write ``data`` to ``url`` so readers never see a partial file.
 
-    Local: write a temporary file in the same folder, fsync, then ``os.replace``.
-    Object stores: one PUT, which is atomic per object.
+    Local: write a temporary file in the same folder, fsync (``durable``), then ``os.replace``
+    (a memoryview is written without a copy). The rename alone makes the file whole or absent
+    after a crash of the process; fsync adds the same after a crash of the machine. Object
+    stores: one PUT, which is atomic per object.
     """
     fs, path = fs_and_path(url, **storage_options)
     if isinstance(fs, LocalFileSystem):
-        with_retry("write", url, lambda: _atomic_local_write(path, data), retry)
+        with_retry("write", url, lambda: _atomic_local_write(path, data, durable), retry)
     else:
-        with_retry("write", url, lambda: fs.pipe_file(path, data), retry)
+        body = bytes(data)  # no copy for bytes; botocore wants bytes or a file
+        with_retry("write", url, lambda: fs.pipe_file(path, body), retry)
 
 
-def _atomic_local_write(path: str, data: bytes) -> None:
+def _atomic_local_write(path: str, data: bytes | memoryview, durable: bool = True) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
     try:
         with open(tmp, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

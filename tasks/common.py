@@ -6,7 +6,7 @@ import contextlib
 import functools
 import json
 import time
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -23,10 +23,22 @@ def local_checkpoint(url: str) -> str:
     return download_checkpoint(url)
 
 
-def load_hf(url: str, auto_cls, dtype: str = "float32"):
+def load_hf(url: str, auto_cls, dtype: str = "float32", trainable: bool = False):
+    """The model of the committed checkpoint at ``url``: full weights, or a LoRA adapter on its base
+    (``models.lora``); ``trainable``: the adapter's parameters require gradients."""
     import torch
 
-    return auto_cls.from_pretrained(local_checkpoint(url), dtype=getattr(torch, dtype), use_safetensors=True)
+    from models.lora import load_pretrained
+
+    return load_pretrained(local_checkpoint(url), auto_cls, getattr(torch, dtype), local_checkpoint, trainable)
+
+
+def base_checkpoint_url(url: str) -> str:
+    """The full checkpoint behind ``url``: the base of a LoRA adapter, else ``url`` itself."""
+    from models.lora import base_url, is_adapter
+
+    local = local_checkpoint(url)
+    return base_url(local) if is_adapter(local) else url
 
 
 def load_tokenizer(url: str):
@@ -63,13 +75,19 @@ def timed(stats: Dict[str, float], key: str) -> Iterator[None]:
 
 
 SERVER_TOKEN_ENV = "RLHF_SERVER_TOKEN"
-"""Environment variable (a Flyte secret on a cluster) holding the reward/critic server's bearer token."""
+"""Environment variable (a Flyte secret on a cluster) holding the bearer token of the reward/critic
+and the rollout server."""
+
+
+def server_token() -> Optional[str]:
+    """The servers' bearer token from :data:`SERVER_TOKEN_ENV`; None if unset or empty."""
+    import os
+
+    return os.environ.get(SERVER_TOKEN_ENV) or None
 
 
 def server_client(url: str, timeout_s: float = 60.0):
     """A client of the reward/critic server at ``url`` (token from :data:`SERVER_TOKEN_ENV`)."""
-    import os
-
     from models.server.client import RewardCriticClient
 
-    return RewardCriticClient(url, token=os.environ.get(SERVER_TOKEN_ENV) or None, timeout_s=timeout_s)
+    return RewardCriticClient(url, token=server_token(), timeout_s=timeout_s)

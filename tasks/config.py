@@ -11,8 +11,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from typing import List
+from urllib.parse import urlsplit
 
 from kernels.advantages import ALGORITHMS
+from models.engines import VLLM_MAX_LORA_RANK
 
 
 class ConfigError(ValueError):
@@ -120,6 +122,17 @@ class RolloutConfig:
     vllm_dtype: str = "float32"
     """vLLM weights/activations dtype. bf16 is faster but drifts from an fp32 trainer;
     π_old is always recomputed by the trainer."""
+    lora_mode: str = "adapter"
+    """With ``actor.lora``: ``adapter`` serves the base weights plus the iteration's adapter
+    (vLLM ``enable_lora``, one LoRA request per iteration; HF through peft); ``merged`` merges the
+    adapter into the base weights and reloads them in place."""
+    remote_url: str = ""
+    """Rollout server base URL (``python -m models.server serve-rollout``); empty: an engine inside
+    the task. The server keeps one engine for the whole run and loads each iteration's weights in
+    place; its own ``--engine``/``--dtype`` apply, and with ``actor.lora`` it is sent the base
+    checkpoint plus the adapter (start it with ``--max-lora-rank``)."""
+    remote_timeout_s: float = 600.0
+    """Seconds to wait for one answer of the rollout server (a request may load new weights first)."""
 
     def __post_init__(self) -> None:
         _check_choice("rollout.engine", self.engine, ["vllm", "hf"])
@@ -130,6 +143,12 @@ class RolloutConfig:
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
         _check(self.eval_temperature >= 0, "rollout.eval_temperature must be >= 0")
         _check_choice("rollout.vllm_dtype", self.vllm_dtype, ["float32", "bfloat16", "float16"])
+        _check_choice("rollout.lora_mode", self.lora_mode, ["adapter", "merged"])
+        remote = urlsplit(self.remote_url)
+        _check(not self.remote_url or (remote.scheme in ("http", "https") and bool(remote.netloc)),
+               f"rollout.remote_url={self.remote_url!r} must be an http:// or https:// URL with a host "
+               f"(or empty for an engine inside the task)")
+        _check(self.remote_timeout_s > 0, "rollout.remote_timeout_s must be > 0")
 
     @property
     def samples_per_iteration(self) -> int:
@@ -204,6 +223,38 @@ class AdvantageConfig:
         _check(0 <= self.lam <= 1, "advantage.lam must be in [0, 1]")
 
 
+LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Attention and MLP projections of Llama-style decoders (Mistral, Qwen2, ... use the same names)."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters instead of full fine-tuning (Hu et al. 2021, "LoRA"), built with ``peft``:
+    each target ``W`` becomes ``W + (alpha / rank)·B·A`` with ``A [rank, in]``, ``B [out, rank]``,
+    ``B = 0`` at the start. Only ``A`` and ``B`` train; the frozen base is the reference policy."""
+
+    rank: int = 0
+    """Adapter rank r; 0 = off (full fine-tuning, the default)."""
+    alpha: float = 16.0
+    """Scale numerator: the update is scaled by ``alpha / rank``."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input during training (off in scoring and rollout)."""
+    target_modules: List[str] = field(default_factory=lambda: list(LLAMA_PROJECTIONS))
+    """Names of the linear layers that get adapters (module-name suffixes)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def check(self, section: str) -> None:
+        """Raise :class:`ConfigError` naming ``{section}.lora.<field>`` (called by the owning config)."""
+        _check(self.rank >= 0, f"{section}.lora.rank must be >= 0 (0 = off), got {self.rank}")
+        _check(self.alpha > 0, f"{section}.lora.alpha must be > 0, got {self.alpha}")
+        _check(0 <= self.dropout < 1, f"{section}.lora.dropout must be in [0, 1), got {self.dropout}")
+        _check(len(self.target_modules) > 0 and all(self.target_modules),
+               f"{section}.lora.target_modules must be a non-empty list of module names")
+
+
 @dataclass(frozen=True)
 class ActorConfig:
     """The policy update (an elastic torchrun job)."""
@@ -236,8 +287,12 @@ class ActorConfig:
     """Processes per node (gloo + DDP on CPU, NCCL + FSDP2 on GPU)."""
     max_restarts: int = 1
     """Torch-elastic restarts of the worker group on failure."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (``actor.lora.rank > 0``): checkpoints hold the adapter only, and the
+    reference log-probs come from the same model with the adapter disabled."""
 
     def __post_init__(self) -> None:
+        self.lora.check("actor")
         _check(self.lr > 0, "actor.lr must be > 0")
         _check(self.ppo_epochs >= 1, "actor.ppo_epochs must be >= 1")
         _check(self.minibatch_size >= 1 and self.micro_batch_size >= 1,
@@ -274,8 +329,14 @@ class CriticConfig:
     """Global gradient-norm clip."""
     remote_url: str = ""
     """Critic server base URL; empty runs the critic inside the tasks."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters for the critic's trunk; the value head stays fully trainable."""
 
     def __post_init__(self) -> None:
+        self.lora.check("critic")
+        _check(not (self.lora.enabled and self.remote_url),
+               "critic.lora needs the critic inside the tasks: the critic server (critic.remote_url) "
+               "trains its own critic")
         _check(self.lr > 0, "critic.lr must be > 0")
         _check(self.epochs >= 1, "critic.epochs must be >= 1")
         _check(self.minibatch_size >= 1 and self.micro_batch_size >= 1,
@@ -394,6 +455,10 @@ class TrainConfig:
                            f"rollout.n_samples_per_prompt must be >= 2 (got {n})")
         batch = self.rollout.samples_per_iteration
         a = self.actor
+        if a.lora.enabled and self.rollout.lora_mode == "adapter" and self.rollout.engine == "vllm":
+            _check(a.lora.rank <= VLLM_MAX_LORA_RANK,
+                   f"actor.lora.rank={a.lora.rank}: vLLM serves adapters up to rank {VLLM_MAX_LORA_RANK}; "
+                   f"use rollout.lora_mode=merged")
         _check(self.resources.actor_gpu in (0, a.nproc_per_node),
                f"resources.actor_gpu={self.resources.actor_gpu} must be 0 (CPU) or actor.nproc_per_node="
                f"{a.nproc_per_node} (one GPU per process)")

@@ -24,10 +24,10 @@ from typing import Any, Dict
 
 from flytekit import Resources
 from flytekit.extras.accelerators import GPUAccelerator
-from flytekitplugins.kfpytorch import Elastic
 
 from tasks.config import ConfigError, TrainConfig
 from tasks.config_io import load_config
+from tasks.elastic import FORKSERVER, ActorElastic
 
 DEPLOY_PRESET_ENV = "RLHF_DEPLOY_PRESET"
 DEPLOY_OVERRIDES_ENV = "RLHF_DEPLOY_OVERRIDES"
@@ -50,11 +50,27 @@ def resources_for(cfg: TrainConfig, task: str) -> Dict[str, Any]:
     return out
 
 
-def elastic_for(cfg: TrainConfig) -> Elastic:
-    """The torch-elastic launch of ``actor_update``: ``actor.nnodes`` × ``actor.nproc_per_node`` processes."""
+def elastic_for(cfg: TrainConfig, local: bool = False) -> ActorElastic:
+    """The torch-elastic launch of ``actor_update``: ``actor.nnodes`` × ``actor.nproc_per_node`` processes.
+
+    ``local`` (one node): workers forked from a forkserver that outlives the launch, polled every
+    0.1 s (:mod:`tasks.elastic`); registered tasks keep the plugin's spawn and 1 s polling.
+    """
     a = cfg.actor
-    return Elastic(nnodes=a.nnodes, nproc_per_node=a.nproc_per_node, max_restarts=a.max_restarts,
-                   monitor_interval=1)
+    fast = local and a.nnodes == 1
+    return ActorElastic(nnodes=a.nnodes, nproc_per_node=a.nproc_per_node, max_restarts=a.max_restarts,
+                        monitor_interval=0.1 if fast else 1,  # type: ignore[arg-type]  # the field says int
+                        start_method=FORKSERVER if fast else "spawn", increase_shared_mem=False)
+
+
+def use_local_topology(elastic_task, cfg: TrainConfig) -> None:
+    """Give ``elastic_task`` the run's launch before a local execution calls it.
+
+    Local executions run each task as soon as the workflow calls it, so a node override
+    (``with_overrides(task_config=...)``) arrives after the launch and is ignored; this sets what
+    that override sets (``Node.with_overrides`` assigns the task's ``_task_config`` too).
+    """
+    elastic_task._task_config = elastic_for(cfg, local=True)
 
 
 def check_topology(cfg: TrainConfig, registered: TrainConfig) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass
 from typing import Dict, List
 
@@ -14,14 +15,14 @@ from models import storage
 from models.checkpoint import is_committed
 from models.engines import close_engines
 from models.rollout import sample
-from models.rewards import compute_rewards, resolve_reward_fn
 from tasks import registry, secrets, tracking
-from tasks.batch import RolloutBatch
+from tasks.batch import BatchMetadata, RolloutBatch
 from tasks.common import read_prompts, load_tokenizer
 from tasks.config import TrainConfig
 from tasks.deploy import deployment_config, resources_for
 from tasks.redact import redact
 from tasks.rollout import engine_for, sampling_spec
+from tasks.score import batch_rewards
 from tasks.run_layout import RunState
 from tasks.types import PolicyState, RunHandle
 
@@ -58,6 +59,9 @@ def run_commit(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List
         merged.update(s)
     i = state.iteration
     kl = next_kl_coef(cfg, state, merged)
+    prev = run.layout.read_state()
+    if prev is not None and prev.iteration == i - 1:  # end to end, orchestration included
+        merged["time/iteration_s"] = seconds_since(prev.updated_at)
     # MLflow first (idempotent per step and file), state.json last: a crash in between redoes
     # this commit on resume instead of losing the iteration's metrics.
     tracking.log_metrics(run.mlflow_run_id, merged, step=i)
@@ -75,15 +79,20 @@ def run_commit(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List
     return PolicyState(i + 1, actor_url, critic_url, kl)
 
 
+def seconds_since(iso: str) -> float:
+    return (dt.datetime.now(dt.timezone.utc) - dt.datetime.fromisoformat(iso)).total_seconds()
+
+
 def progress_line(cfg: TrainConfig, i: int, m: Dict[str, float]) -> str:
     phases = sum(v for k, v in m.items() if k in ("time/rollout_s", "time/score_s", "time/advantages_s",
                                                    "time/actor_update_s", "time/critic_update_s"))
+    wall = f"{m['time/iteration_s']:.1f} s wall, " if "time/iteration_s" in m else ""
     return (f"[{cfg.run.algorithm}] iter {i + 1}/{cfg.run.num_iterations}  "
             f"reward {m.get('rollout/reward_mean', float('nan')):.3f}  "
             f"kl {m.get('rollout/init_policy_kl', float('nan')):.3f}  "
             f"len {m.get('rollout/response_length_mean', float('nan')):.1f}  "
             f"actor_loss {m.get('actor/loss', float('nan')):+.3f}  "
-            f"clip {m.get('actor/clip_frac', float('nan')):.2f}  ({phases:.1f} s in tasks)")
+            f"clip {m.get('actor/clip_frac', float('nan')):.2f}  ({wall}{phases:.1f} s in tasks)")
 
 
 @task(retries=2, requests=Resources(cpu="1", mem="2Gi"), secret_requests=secrets.requests(secrets.S3, secrets.MLFLOW))
@@ -94,34 +103,33 @@ def commit_iteration(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats
     return run_commit(cfg, run, state, stats, batch, actor_url, critic_url)
 
 
-def eval_reward(cfg: TrainConfig, actor_url: str, prompts_url: str, tokenizer_url: str) -> float:
-    """Mean reward of the policy at ``actor_url`` on the prompts at ``prompts_url`` (``eval_temperature``)."""
-    prompts, ids = read_prompts(prompts_url)
-    tok = load_tokenizer(tokenizer_url)
-    engine = engine_for(cfg, actor_url)
+def eval_reward(cfg: TrainConfig, run: RunHandle, actor_url: str) -> float:
+    """Mean reward of the policy at ``actor_url`` on the run's held-out prompts (``eval_temperature``),
+    from the run's reward source (function, reward model or reward server)."""
+    prompts, ids = read_prompts(run.eval_prompts_url)
+    tok = load_tokenizer(run.reference_url)
     spec = sampling_spec(cfg, tok, cfg.run.seed, 1, cfg.rollout.eval_temperature)
-    cols = sample(engine, tok, prompts, ids, spec)
-    if cfg.reward.source != "function":
-        raise ValueError("evaluation needs reward.source=function in this build")
-    rewards = compute_rewards(resolve_reward_fn(cfg.reward.function), cols.prompt, cols.response,
-                              spec=cfg.reward.function)
-    return float(np.mean(rewards))
+    cols = sample(engine_for(cfg, actor_url), tok, prompts, ids, spec)
+    batch = RolloutBatch.from_columns(BatchMetadata(iteration=0, policy_version=0, algorithm=cfg.run.algorithm),
+                                      **cols.as_dict())
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    return float(np.mean(batch_rewards(cfg, run, batch, max(cfg.actor.micro_batch_size, 1), pad)))
 
 
 def run_evaluate(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> float:
     done = dict(tracking.metric_history(run.mlflow_run_id, "eval/reward_mean"))
     if state.iteration - 1 in done:  # evaluated before a crash or at the end of the previous chunk
         return done[state.iteration - 1]
-    value = eval_reward(cfg, state.actor_url, run.eval_prompts_url, run.reference_url)
+    value = eval_reward(cfg, run, state.actor_url)
     tracking.log_metrics(run.mlflow_run_id, {"eval/reward_mean": value}, step=state.iteration - 1)
     return value
 
 
-@task(retries=2, secret_requests=secrets.requests(secrets.S3, secrets.MLFLOW),
+@task(retries=2, secret_requests=secrets.requests(secrets.S3, secrets.MLFLOW, secrets.SERVER),
       **resources_for(deployment_config(), "rollout"))
 def evaluate(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> float:
     """Mean reward on the held-out prompts of the policy in ``state`` (logged at the iteration that made it)."""
-    secrets.load(secrets.S3, secrets.MLFLOW)
+    secrets.load(secrets.S3, secrets.MLFLOW, secrets.SERVER)
     return run_evaluate(cfg, run, state)
 
 

@@ -90,8 +90,8 @@ def decide(cfg: TrainConfig, run: RunHandle, summary: TrainingSummary, champion_
     name = summary.registered_model
     if not summary.model_version:
         raise ValueError("the retraining run registered no policy (run.registered_model_name is empty)")
-    candidate = eval_reward(cfg, summary.final_actor_url, run.eval_prompts_url, run.reference_url)
-    champion = eval_reward(cfg, run.reference_url, run.eval_prompts_url, run.reference_url)
+    candidate = eval_reward(cfg, run, summary.final_actor_url)
+    champion = eval_reward(cfg, run, run.reference_url)
     promoted = candidate > champion + min_improvement
     decision = "promoted" if promoted else "kept_for_review"
     if promoted:

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, NamedTuple
 
+import torch
 from flytekit import task
 
 from models.engines import SamplingSpec, get_engine
 from models.faults import pause_point
+from models.lora import base_url, is_adapter, merged_copy
 from models.rollout import sample
+from models.server.rollout_client import RemoteEngine, RolloutClient
 from tasks.batch import BatchMetadata, RolloutBatch
-from tasks.common import CACHE_VERSION, iteration_indices, load_tokenizer, local_checkpoint, read_prompts, timed
+from tasks.common import (CACHE_VERSION, base_checkpoint_url, iteration_indices, load_tokenizer, local_checkpoint,
+                          read_prompts, server_token, timed)
 from tasks import decks, secrets
 from tasks.config import TrainConfig
 from tasks.deploy import deployment_config, resources_for
@@ -22,12 +27,44 @@ class RolloutOutput(NamedTuple):
     stats: Dict[str, float]
 
 
+@functools.lru_cache(maxsize=4)
+def _remote_engine(url: str, timeout_s: float) -> RemoteEngine:
+    """One per process and server, so connections are reused across iterations (as ``get_engine``
+    reuses an in-process engine)."""
+    return RemoteEngine(RolloutClient(url, token=server_token(), timeout_s=timeout_s))
+
+
+def remote_engine_for(cfg: TrainConfig, actor_url: str) -> RemoteEngine:
+    """The rollout server at ``rollout.remote_url`` sampling from ``actor_url``: a LoRA adapter is
+    sent as the adapter on its base checkpoint (the server loads both)."""
+    engine = _remote_engine(cfg.rollout.remote_url, cfg.rollout.remote_timeout_s)
+    base = base_checkpoint_url(actor_url) if cfg.actor.lora.enabled else actor_url
+    engine.load_weights(base)
+    engine.set_adapter(actor_url if base != actor_url else None)
+    return engine
+
+
 def engine_for(cfg: TrainConfig, actor_url: str):
+    """An engine serving the policy at ``actor_url``: the rollout server if ``rollout.remote_url`` is
+    set, else one in this process. With ``actor.lora``: its base weights plus the adapter
+    (``rollout.lora_mode=adapter``), or the adapter merged into the base (``merged``)."""
     r = cfg.rollout
+    if r.remote_url:
+        return remote_engine_for(cfg, actor_url)
     kwargs = dict(dtype=r.vllm_dtype, kv_cache_gib=r.vllm_kv_cache_gib,
                   gpu_memory_utilization=r.vllm_gpu_memory_utilization, seed=cfg.run.seed) \
         if r.engine == "vllm" else dict(dtype=cfg.model.dtype)
-    return get_engine(r.engine, local_checkpoint(actor_url), **kwargs)
+    local = local_checkpoint(actor_url)
+    adapter = local if is_adapter(local) else None  # None before the first LoRA update: the base itself
+    if not cfg.actor.lora.enabled:
+        return get_engine(r.engine, local, **kwargs)
+    if r.lora_mode == "merged":
+        weights = merged_copy(adapter, local_checkpoint, getattr(torch, cfg.model.dtype)) if adapter else local
+        return get_engine(r.engine, weights, **kwargs)
+    base = local_checkpoint(base_url(adapter)) if adapter else local
+    engine = get_engine(r.engine, base, max_lora_rank=cfg.actor.lora.rank, **kwargs)
+    engine.set_adapter(adapter)
+    return engine
 
 
 def sampling_spec(cfg: TrainConfig, tokenizer, seed: int, n: int, temperature: float) -> SamplingSpec:
@@ -59,11 +96,11 @@ def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Rollout
     return RolloutOutput(batch, stats)
 
 
-@task(cache=True, cache_version=CACHE_VERSION, retries=2, enable_deck=True, secret_requests=secrets.requests(secrets.S3),
-      **resources_for(deployment_config(), "rollout"))
+@task(cache=True, cache_version=CACHE_VERSION, retries=2, enable_deck=True, deck_fields=decks.DECK_FIELDS,
+      secret_requests=secrets.requests(secrets.S3, secrets.SERVER), **resources_for(deployment_config(), "rollout"))
 def rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> RolloutOutput:
     """Sample ``n_samples_per_prompt`` responses per prompt with vLLM (or HF) from the actor."""
-    secrets.load(secrets.S3)
+    secrets.load(secrets.S3, secrets.SERVER)
     out = run_rollout(cfg, run, state)
     decks.publish("Rollout", out.batch)
     return out

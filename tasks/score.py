@@ -14,7 +14,8 @@ from models import ragged
 from tasks.batch import RolloutBatch
 import pyarrow as pa
 from models.batch_tensors import model_inputs
-from tasks.common import CACHE_VERSION, load_hf, load_tokenizer, server_client, timed
+from models.lora import canonical_url, without_adapter
+from tasks.common import CACHE_VERSION, base_checkpoint_url, load_hf, load_tokenizer, server_client, timed
 from tasks import decks, secrets
 from tasks.config import TrainConfig
 from tasks.deploy import deployment_config, resources_for
@@ -45,6 +46,14 @@ def reward_source(cfg: TrainConfig, run: RunHandle):
     return RemoteReward(server_client(cfg.reward.remote_url, cfg.reward.remote_timeout_s))
 
 
+def batch_rewards(cfg: TrainConfig, run: RunHandle, batch: RolloutBatch, size: int, pad_id: int) -> np.ndarray:
+    """The configured reward source's reward per sample of ``batch``, all finite (else an error naming one)."""
+    source = reward_source(cfg, run)
+    table = batch.table
+    return check_rewards(source(table.column("prompt").to_pylist(), table.column("response").to_pylist(),
+                                micro_batches(batch, size, pad_id)), cfg.reward.source)
+
+
 def remote_values(cfg: TrainConfig, batch: RolloutBatch) -> np.ndarray:
     """Critic values from the critic server's ``infer``, flat in row-major response order."""
     client = server_client(cfg.critic.remote_url, cfg.reward.remote_timeout_s)
@@ -52,6 +61,14 @@ def remote_values(cfg: TrainConfig, batch: RolloutBatch) -> np.ndarray:
     if any(r.values is None for r in results):
         raise ValueError(f"critic server {cfg.critic.remote_url} has no critic loaded")
     return np.concatenate([np.asarray(r.values, np.float32) for r in results]) if results else np.zeros(0, np.float32)
+
+
+def check_reference_base(actor_url: str, reference_url: str) -> None:
+    """With LoRA the reference is the actor's base: refuse an adapter trained on another base."""
+    base = base_checkpoint_url(actor_url)
+    if canonical_url(base) != canonical_url(reference_url):
+        raise ValueError(f"LoRA actor {actor_url} adapts {base}, not the run's reference {reference_url}: "
+                         f"its base with the adapter off would not be the reference policy")
 
 
 def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> ScoreOutput:
@@ -63,8 +80,13 @@ def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rollo
         tok = load_tokenizer(run.reference_url)
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         size = max(cfg.actor.micro_batch_size, 1) * 2
-        actor = PolicyLogprobs(load_hf(state.actor_url, AutoModelForCausalLM, dtype)).eval()
-        ref = PolicyLogprobs(load_hf(run.reference_url, AutoModelForCausalLM, dtype)).eval()
+        actor_lm = load_hf(state.actor_url, AutoModelForCausalLM, dtype)
+        actor = PolicyLogprobs(actor_lm).eval()
+        if cfg.actor.lora.enabled:  # π_ref = the same model with its adapter off; no second copy
+            check_reference_base(state.actor_url, run.reference_url)
+            ref = without_adapter(actor, actor_lm)
+        else:
+            ref = PolicyLogprobs(load_hf(run.reference_url, AutoModelForCausalLM, dtype)).eval()
         local_critic = cfg.uses_critic and not cfg.critic.remote_url
         critic = CriticValues(load_hf(state.critic_url, AutoModelForTokenClassification, dtype)).eval() \
             if local_critic else None
@@ -73,11 +95,8 @@ def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rollo
                                       temperature=cfg.rollout.temperature)
             if cfg.uses_critic and cfg.critic.remote_url:
                 flat["values"] = remote_values(cfg, batch)
-        source = reward_source(cfg, run)
         with timed(stats, "time/reward_s"):
-            table = batch.table
-            rewards = check_rewards(source(table.column("prompt").to_pylist(), table.column("response").to_pylist(),
-                                           micro_batches(batch, size, pad)), cfg.reward.source)
+            rewards = batch_rewards(cfg, run, batch, size, pad)
         lengths = batch.response_lengths()
         cols = {k: ragged.list_from_flat(flat[k], lengths, pa.float32())
                 for k in ("old_logprobs", "ref_logprobs", "values") if k in flat}
@@ -103,7 +122,7 @@ def rollout_stats(rewards: np.ndarray, lengths: np.ndarray, batch: RolloutBatch,
     }
 
 
-@task(cache=True, cache_version=CACHE_VERSION, retries=2, enable_deck=True,
+@task(cache=True, cache_version=CACHE_VERSION, retries=2, enable_deck=True, deck_fields=decks.DECK_FIELDS,
       secret_requests=secrets.requests(secrets.S3, secrets.SERVER), **resources_for(deployment_config(), "score"))
 def score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> ScoreOutput:
     """Recompute π_old with the training-side actor, π_ref, critic values and rewards."""

@@ -15,13 +15,14 @@ from models.checkpoint import save_model_checkpoint
 from models.distributed import (DistInfo, barrier, full_state_dict, init_distributed, shutdown_distributed, unwrap,
                                 wrap_for_training)
 from models.faults import pause_point
+from models.lora import CAUSAL_LM, TOKEN_CLS, add_adapter, is_peft, save_adapter_checkpoint
 from models.policy import CriticValues, PolicyLogprobs
 from models.update import (LoopSettings, UpdateData, actor_loss_fn, critic_loss_fn, make_optimizer, run_update,
                            stat_keys)
 from tasks.batch import RolloutBatch
-from tasks.common import CACHE_VERSION, load_hf, load_tokenizer, server_client
+from tasks.common import CACHE_VERSION, base_checkpoint_url, load_hf, load_tokenizer, server_client, timed
 from tasks import secrets
-from tasks.config import TrainConfig
+from tasks.config import LoraConfig, TrainConfig
 from tasks.deploy import deployment_config, elastic_for, resources_for
 from tasks.types import PolicyState, RunHandle
 
@@ -51,6 +52,26 @@ def policy_loss_config(cfg: TrainConfig) -> PolicyLossConfig:
                             dual_clip=a.dual_clip or None, agg=a.loss_agg, entropy_coef=a.entropy_coef)
 
 
+def load_trainable(url: str, auto_cls, dtype: str, lora: LoraConfig, task_type: str):
+    """The model to train from checkpoint ``url``: all its weights, or with ``lora`` its adapter
+    (fresh, seeded by the caller's RNG, when ``url`` holds full weights: the first iteration)."""
+    model = load_hf(url, auto_cls, dtype, trainable=True)
+    return add_adapter(model, lora, task_type) if lora.enabled and not is_peft(model) else model
+
+
+def save_trained(model, tokenizer, url: str, from_url: str, full_state=None, prefix: str = "") -> None:
+    """Commit the trained ``model`` at ``url``: the adapter only (pointing at the base of ``from_url``)
+    for a peft model, else the full weights. ``full_state``: gathered FSDP2 weights whose keys carry
+    the training wrapper's ``prefix``."""
+    state = None if full_state is None else {k[len(prefix):]: v for k, v in full_state.items()
+                                             if k.startswith(prefix)}
+    if is_peft(model):
+        save_adapter_checkpoint(model, tokenizer, url, base_checkpoint_url(from_url), overwrite=True,
+                                state_dict=state)
+    else:
+        save_model_checkpoint(model, tokenizer, url, overwrite=True, state_dict=state)
+
+
 def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch,
                 info: DistInfo) -> UpdateOutput:
     """The body every rank runs: its shard, DDP/FSDP2, the update, rank 0 commits the checkpoint."""
@@ -60,20 +81,23 @@ def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rol
     torch.manual_seed(cfg.run.seed * 7919 + state.iteration)
     tok = load_tokenizer(run.reference_url)
     data = update_data(batch, tok.pad_token_id or 0, _ACTOR_COLS, (info.rank, info.world_size))
-    model = wrap_for_training(PolicyLogprobs(load_hf(state.actor_url, AutoModelForCausalLM, cfg.model.dtype)), info)
     a = cfg.actor
+    lm = load_trainable(state.actor_url, AutoModelForCausalLM, cfg.model.dtype, a.lora, CAUSAL_LM)
+    model = wrap_for_training(PolicyLogprobs(lm), info)
     kl_beta = state.kl_coef if cfg.kl.placement == "loss" else 0.0
-    stats = run_update(model, make_optimizer(model, a.lr, a.weight_decay), data,
-                       actor_loss_fn(policy_loss_config(cfg), cfg.rollout.temperature, kl_beta, cfg.kl.estimator),
-                       LoopSettings(a.ppo_epochs, a.minibatch_size, a.micro_batch_size, a.grad_clip,
-                                    cfg.run.seed * 1000 + state.iteration), info)
+    times: Dict[str, float] = {}
+    with timed(times, "time/actor_train_s"):
+        stats = run_update(model, make_optimizer(model, a.lr, a.weight_decay), data,
+                           actor_loss_fn(policy_loss_config(cfg), cfg.rollout.temperature, kl_beta, cfg.kl.estimator),
+                           LoopSettings(a.ppo_epochs, a.minibatch_size, a.micro_batch_size, a.grad_clip,
+                                        cfg.run.seed * 1000 + state.iteration), info)
     pause_point(f"actor_update/iter-{state.iteration:06d}")  # tests only: kill the run mid-update
     url = run.layout.actor_url(state.iteration)
     full = full_state_dict(model, info)
     if info.is_main:
-        save_model_checkpoint(unwrap(model).lm, tok, url, overwrite=True, state_dict=full)
+        save_trained(unwrap(model).lm, tok, url, state.actor_url, full, prefix="lm.")
     barrier()
-    out = stat_keys("actor", stats)
+    out = {**stat_keys("actor", stats), **times}
     out["time/actor_update_s"] = time.perf_counter() - t0
     return UpdateOutput(url, out)
 
@@ -89,16 +113,19 @@ def train_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
     torch.manual_seed(cfg.run.seed * 7919 + state.iteration + 1)
     tok = load_tokenizer(run.reference_url)
     data = update_data(batch, tok.pad_token_id or 0, _CRITIC_COLS, None)
-    model = CriticValues(load_hf(state.critic_url, AutoModelForTokenClassification, cfg.model.dtype)).to(info.device)
     c = cfg.critic
-    stats = run_update(model, make_optimizer(model, c.lr), data, critic_loss_fn(c.value_clip or None),
-                       LoopSettings(c.epochs, c.minibatch_size, c.micro_batch_size, c.grad_clip,
-                                    cfg.run.seed * 1000 + state.iteration + 1), info)
+    critic = load_trainable(state.critic_url, AutoModelForTokenClassification, cfg.model.dtype, c.lora, TOKEN_CLS)
+    model = CriticValues(critic).to(info.device)
+    times: Dict[str, float] = {}
+    with timed(times, "time/critic_train_s"):
+        stats = run_update(model, make_optimizer(model, c.lr), data, critic_loss_fn(c.value_clip or None),
+                           LoopSettings(c.epochs, c.minibatch_size, c.micro_batch_size, c.grad_clip,
+                                        cfg.run.seed * 1000 + state.iteration + 1), info)
     url = run.layout.critic_url(state.iteration)
-    save_model_checkpoint(model.critic, tok, url, overwrite=True)
+    save_trained(model.critic, tok, url, state.critic_url)
     return UpdateOutput(url, {"critic/loss": stats["loss"], "critic/explained_variance": stats["explained_variance"],
                               "critic/grad_norm": stats["grad_norm"], "critic/value_clip_frac": stats["value_clip_frac"],
-                              "time/critic_update_s": time.perf_counter() - t0})
+                              **times, "time/critic_update_s": time.perf_counter() - t0})
 
 
 def train_remote_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch,
@@ -123,7 +150,7 @@ def train_remote_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, ba
 
 
 @task(task_config=elastic_for(deployment_config()), cache=True, cache_version=CACHE_VERSION, retries=1,
-      secret_requests=secrets.requests(secrets.S3), **resources_for(deployment_config(), "actor"))
+      shared_memory=True, secret_requests=secrets.requests(secrets.S3), **resources_for(deployment_config(), "actor"))
 def actor_update(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> UpdateOutput:
     """``ppo_epochs`` of clipped-surrogate updates over shuffled minibatches; next actor checkpoint.
 

@@ -8,13 +8,11 @@ gives each test a fresh ``s3://bucket/<test-prefix>``.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import uuid
 
 import pytest
 
-from tests.processes import free_port, stop, wait_http
+from tests.processes import S3_ENV_TO_UNSET, free_port, moto_s3_server, s3_client_env
 
 BUCKET = "rlhf-test"
 _free_port = free_port  # other test modules import it from here
@@ -34,19 +32,8 @@ def s3_server():
 
     The environment is left alone here; :func:`s3_env` points it at the server per test.
     """
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_http(f"{endpoint}/moto-api/", proc, "moto server")
-        import boto3
-
-        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
-                     aws_secret_access_key="testing").create_bucket(Bucket=BUCKET)
+    with moto_s3_server(BUCKET) as endpoint:
         yield endpoint
-    finally:
-        stop(proc)
 
 
 @pytest.fixture
@@ -56,11 +43,9 @@ def s3_env(s3_server, monkeypatch):
     Sets ``AWS_ENDPOINT_URL``, ``FSSPEC_S3_ENDPOINT_URL``, dummy credentials and region;
     clears s3fs's instance cache before and after so no filesystem keeps a stale endpoint.
     """
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3_server,
-                       "FSSPEC_S3_ENDPOINT_URL": s3_server}.items():
+    for key, value in s3_client_env(s3_server).items():
         monkeypatch.setenv(key, value)
-    for key in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL_S3"):
+    for key in S3_ENV_TO_UNSET:
         monkeypatch.delenv(key, raising=False)
     _clear_s3fs_cache()
     yield s3_server

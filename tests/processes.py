@@ -1,12 +1,15 @@
-"""Child processes that serve HTTP on 127.0.0.1 in tests: a free port, waiting until a URL answers,
-stopping them (SIGTERM, then SIGKILL)."""
+"""Child processes that serve HTTP on 127.0.0.1 in tests and benchmarks: a free port, waiting until
+a URL answers, stopping them (SIGTERM, then SIGKILL), and a moto S3 server with a bucket."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
+from typing import Iterator
 
 
 def free_port() -> int:
@@ -36,3 +39,33 @@ def stop(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+@contextlib.contextmanager
+def moto_s3_server(bucket: str) -> Iterator[str]:
+    """Endpoint URL of ``python -m moto.server`` on 127.0.0.1 (its own process, so no in-process
+    moto patching can leak) holding an empty ``bucket``; stopped on exit."""
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_http(f"{endpoint}/moto-api/", proc, "moto server")
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                     aws_secret_access_key="testing").create_bucket(Bucket=bucket)
+        yield endpoint
+    finally:
+        stop(proc)
+
+
+def s3_client_env(endpoint: str) -> dict:
+    """The standard AWS/fsspec environment for a client of the moto server at ``endpoint`` (dummy
+    credentials); unset :data:`S3_ENV_TO_UNSET` too, so no real profile or token is mixed in."""
+    return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": endpoint, "FSSPEC_S3_ENDPOINT_URL": endpoint}
+
+
+S3_ENV_TO_UNSET = ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL_S3")
+"""Variables that would override :func:`s3_client_env`'s endpoint or credentials."""

@@ -8,7 +8,7 @@ from flytekit import current_context
 
 from tasks.advantages import advantages
 from tasks.config import TrainConfig
-from tasks.deploy import check_topology, deployment_config, elastic_for, resources_for
+from tasks.deploy import check_topology, deployment_config, resources_for, use_local_topology
 from tasks.iteration import commit_iteration, evaluate
 from tasks.rollout import rollout
 from tasks.score import score
@@ -24,8 +24,13 @@ def wire_iteration(cfg, run, state, critic: bool, known: Optional[TrainConfig] =
     """rollout → score → advantages → actor_update (∥ critic_update) → commit_iteration.
 
     ``known``: the concrete config inside a dynamic workflow; its ``resources`` (and, in local
-    executions, the actor's elastic topology) override the registered task settings.
+    executions, the actor's elastic launch) override the registered task settings.
     """
+    if known is not None:
+        if is_local_execution():
+            use_local_topology(actor_update, known)
+        else:
+            check_topology(known, deployment_config())
     ro = rollout(cfg=cfg, run=run, state=state)
     sc = score(cfg=cfg, run=run, state=state, batch=ro.batch)
     ad = advantages(cfg=cfg, run=run, state=state, batch=sc.batch)
@@ -34,10 +39,6 @@ def wire_iteration(cfg, run, state, critic: bool, known: Optional[TrainConfig] =
         ro.with_overrides(**resources_for(known, "rollout"))
         sc.with_overrides(**resources_for(known, "score"))
         ac.with_overrides(**resources_for(known, "actor"))
-        if is_local_execution():
-            ac.with_overrides(task_config=elastic_for(known))
-        else:
-            check_topology(known, deployment_config())
     stats = [ro.stats, sc.stats, ad.stats, ac.stats]
     critic_url = ""
     if critic:

@@ -114,6 +114,7 @@ def test_remote_critic_matches_in_task_critic(ppo_run, tmp_path):
 
 
 def test_remote_reward_model_matches_local(ppo_run, tmp_path):
+    from tasks.iteration import eval_reward
     from models.checkpoint import save_checkpoint
     from models.tiny import TinyModelConfig, build_reward_model, save_model
     from models.tokenizer import build_char_tokenizer
@@ -128,8 +129,13 @@ def test_remote_reward_model_matches_local(ppo_run, tmp_path):
     with ServerProcess(["--reward-model", rm_url, "--threads", "1"], log_path=tmp_path / "srv.log") as srv:
         cfg = _with(setup.cfg, reward={"source": "remote", "remote_url": srv.url})
         remote = run_score(cfg, setup.run, setup.state, ro.batch)
+        remote_eval = eval_reward(cfg, setup.run, setup.state.actor_url)
     np.testing.assert_allclose(remote.batch.column("reward").to_numpy(), local.batch.column("reward").to_numpy(),
                                atol=1e-5)
+    # evaluation scores held-out samples with the run's reward source too, not only reward functions
+    local_eval = eval_reward(local_cfg, dataclasses.replace(setup.run, reward_model_url=rm_url), setup.state.actor_url)
+    assert local_eval == pytest.approx(remote_eval, abs=1e-5)
+    assert local_eval != pytest.approx(eval_reward(setup.cfg, setup.run, setup.state.actor_url), abs=1e-3)
 
 
 def test_ppo_end_to_end_with_critic_server(ppo_run, tmp_path):

@@ -92,7 +92,8 @@ def runs(s3_server, tmp_path_factory):
 
     # 2. during the elastic actor update of iteration 1 (its workers alive, nothing saved)
     def workers_alive(run: FlyteRun) -> None:
-        workers = [p for p in run.descendants() if "spawn_main" in " ".join(p.cmdline())]
+        # local runs fork the workers from a forkserver (tasks/elastic.py): its children
+        workers = [p for p in run.descendants() if "multiprocessing.forkserver" in " ".join(p.parent().cmdline())]
         assert len(workers) >= 2, [p.cmdline() for p in run.descendants()]
 
     r.kill_at("resumed", 2, "actor_update/iter-000001", workers_alive)

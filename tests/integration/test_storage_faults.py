@@ -134,10 +134,10 @@ def test_corrupted_or_truncated_batch_is_reported_with_its_url(s3_url):
     data = storage.read_bytes(url)
     flipped = _silent_flip(data, batch)
     storage.write_bytes(url, flipped)
-    with pytest.raises(BatchCorruptError, match=f"batch {url} fails its sha256 check"):
+    with pytest.raises(BatchCorruptError, match=f"batch {url} fails its BLAKE3 check"):
         RolloutBatch.read(url)
     storage.write_bytes(url, data[: len(data) - 100])
-    with pytest.raises(BatchCorruptError, match=f"batch {url} fails its sha256 check"):
+    with pytest.raises(BatchCorruptError, match=f"batch {url} fails its BLAKE3 check"):
         RolloutBatch.read(url)
     storage.remove(checksum_url(url))  # without its checksum: truncation still caught, the flip is not
     with pytest.raises(BatchCorruptError, match=f"{url} is not an Arrow IPC file"):

@@ -145,3 +145,42 @@ def test_overwrite_and_crash_leftovers(tmp_path):
 def test_trust_remote_code_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="trust_remote_code"):
         load_model(str(tmp_path), object, trust_remote_code=True)
+
+
+def test_big_models_are_saved_in_shards_hashed_in_parallel(tmp_path, tiny):
+    import hashlib
+
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = tiny
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    url = str(tmp_path / "sharded")
+    marker = save_model_checkpoint(model, tokenizer, url, max_shard_size=weight_bytes // 3, workers=4)
+    shards = sorted(rel for rel in marker["files"] if rel.endswith(".safetensors"))
+    assert len(shards) >= 3 and "model.safetensors.index.json" in marker["files"]
+    for rel in shards:  # each digest belongs to its own file
+        data = (tmp_path / "sharded" / rel).read_bytes()
+        assert marker["files"][rel] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    loaded = load_model(url, AutoModelForCausalLM)
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0)
+
+
+def test_shard_size_splits_the_weights_over_the_cores_within_bounds():
+    from models.checkpoint import MIN_SHARD_BYTES, shard_bytes
+
+    gib = {"a": torch.empty(256, 1 << 20, device="meta")}  # 256 Mi float32 = 1 GiB (no memory)
+    assert shard_bytes(gib, parts=2) == 512 << 20
+    assert shard_bytes(gib, parts=3) == -(-(1 << 30) // 3)  # rounded up: never a 4th shard
+    assert shard_bytes(gib, parts=64) == MIN_SHARD_BYTES  # no shards of 16 MiB
+    assert shard_bytes({"a": torch.empty(2 << 30, device="meta")}, parts=1) == 5 * 10**9  # 8 GiB: capped
+
+
+def test_consumed_local_files_are_linked_not_copied(tmp_path):
+    src = hf_dir(tmp_path / "src")
+    save_checkpoint(src, str(tmp_path / "copied"))
+    save_checkpoint(src, str(tmp_path / "linked"), consume=True)
+    inode = os.stat(os.path.join(src, "model.safetensors")).st_ino
+    assert os.stat(tmp_path / "copied" / "model.safetensors").st_ino != inode
+    assert os.stat(tmp_path / "linked" / "model.safetensors").st_ino == inode
+    assert download_checkpoint(str(tmp_path / "linked")) == str(tmp_path / "linked")  # verifies checksums

@@ -185,3 +185,20 @@ def test_ragged_rows_as_tensors_and_extra_list_columns_pad_to_their_own_width():
     padded = extra.to_padded(["kl", "response_tokens"])
     assert padded["kl"].shape == (3, 5) and padded["response_tokens"].shape == (3, 3)
     torch.testing.assert_close(padded["kl"][2], torch.tensor([0.0, 0, 0, 0, 0], dtype=torch.float64))
+
+
+def test_written_file_is_the_ipc_bytes_and_the_sidecar_their_blake3(tmp_path):
+    import blake3
+
+    from tasks.batch import checksum_url
+
+    one = rollout_batch()
+    chunked = RolloutBatch(pa.concat_tables([one.table, one.table.slice(1, 2)]), META)  # 2 record batches
+    url = str(tmp_path / "b.arrow")
+    chunked.write(url)
+    data = (tmp_path / "b.arrow").read_bytes()
+    assert data == chunked.to_ipc_bytes()
+    assert (tmp_path / "b.arrow.blake3").read_text() == blake3.blake3(data).hexdigest()  # one-threaded reference
+    assert checksum_url(url) == str(tmp_path / "b.arrow.blake3")
+    back = RolloutBatch.read(url)
+    assert back.table.column("response_tokens").to_pylist() == RESPONSES + RESPONSES[1:3]

@@ -67,7 +67,7 @@ def test_workflow_passes_the_uri_without_copying(tmp_path):
     assert scored.table.column("reward").to_pylist() == [2.0, 0.0, 3.0, 1.0]
     assert scored.table.column("response_tokens").equals(rollout_batch().table.column("response_tokens"))
     assert sorted(p.name for p in (tmp_path / "iter-000000").iterdir()) == [
-        "rollouts.arrow", "rollouts.arrow.sha256", "score.arrow", "score.arrow.sha256"]
+        "rollouts.arrow", "rollouts.arrow.blake3", "score.arrow", "score.arrow.blake3"]
 
 
 def test_unwritten_batch_is_written_once_to_flyte_raw_output():

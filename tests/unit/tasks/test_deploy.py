@@ -71,7 +71,7 @@ def test_registered_defaults_are_the_tiny_cpu_settings():
     assert "gpu" not in str(res).lower()
     assert _template(rollout).metadata.generates_deck and _template(score).metadata.generates_deck
     secrets = {s.key for s in _template(rollout).security_context.secrets}
-    assert secrets == {"aws-access-key-id", "aws-secret-access-key"}
+    assert secrets == {"aws-access-key-id", "aws-secret-access-key", "server-token"}  # (the rollout service's)
 
 
 def test_flyte_config_is_readable_by_pyflyte_and_holds_no_credentials():

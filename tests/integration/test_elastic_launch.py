@@ -1,0 +1,62 @@
+"""The local elastic launch of ``actor_update`` (tasks/elastic.py): real workers from a forkserver."""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import pytest
+from flytekit import task
+
+from tasks.config_io import load_config
+from tasks.deploy import elastic_for, use_local_topology
+
+pytestmark = pytest.mark.integration
+
+
+class Seen(NamedTuple):
+    world: int
+    parent_pid: int
+    threads: int
+    doubled: int
+
+
+def _seen(x: int) -> Seen:
+    import torch
+    import torch.distributed as dist
+
+    from models.distributed import init_distributed, shutdown_distributed
+
+    info = init_distributed()
+    t = torch.tensor([float(info.rank + 1)])
+    if dist.is_initialized():  # (a single worker has no process group)
+        dist.all_reduce(t)  # a real collective across the launched ranks
+    if x < 0:
+        raise ValueError(f"rank {info.rank} refuses x={x}")
+    shutdown_distributed()
+    return Seen(info.world_size * 100 + int(t.item()), os.getppid(), torch.get_num_threads(), 2 * x)
+
+
+who = task(task_config=elastic_for(load_config("tiny_ppo", ["actor.nproc_per_node=2"]), local=True))(_seen)
+
+
+def test_workers_come_from_one_forkserver_that_outlives_the_launch():
+    preset = os.environ.get("OMP_NUM_THREADS")
+    first, second = who(x=3), who(x=4)
+    assert (first.world, first.doubled, second.doubled) == (2 * 100 + 3, 6, 8)  # 2 ranks, 1 + 2 all-reduced
+    assert first.parent_pid == second.parent_pid != os.getpid()  # the same server forked both launches
+    # torchrun's per-worker share of the cores, unless OMP_NUM_THREADS says otherwise
+    assert first.threads == int(preset or max((os.cpu_count() or 1) // 2, 1))
+
+
+def test_the_run_config_sets_the_local_worker_count():
+    use_local_topology(who, load_config("tiny_ppo", ["actor.nproc_per_node=1"]))
+    try:
+        assert who(x=1).world == 1 * 100 + 1
+    finally:
+        use_local_topology(who, load_config("tiny_ppo", ["actor.nproc_per_node=2"]))
+
+
+def test_a_failing_worker_fails_the_task_with_its_error():
+    with pytest.raises(Exception, match="refuses x=-1"):
+        who(x=-1)

@@ -1,0 +1,91 @@
+"""VLLMEngine.load_weights: new weights in place when the layout matches, else a restart from the
+checkpoint; an unusable checkpoint gives a clear error. min_new_tokens masks stop tokens.
+
+vLLM's own ``reload_weights`` does not check shapes: a checkpoint with a wider MLP is cut to
+the old shape without an error, so the "other shapes" test fails if the engine trusts it.
+"Serves checkpoint X" is checked against Hugging Face on X, as in test_models_vllm.py: the
+engine's sampled tokens get the log-probs HF's forward pass gives them (within 1e-3; the
+checkpoints differ by several nats per token).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from models.engines import EngineLoadError, SamplingSpec, VLLMEngine
+from tests.unit.models.actor_checkpoints import PROMPTS, actor_dir, with_extra_tensor, with_truncated_weights
+
+pytestmark = pytest.mark.integration
+
+SAMPLE = SamplingSpec(n=2, temperature=1.0, max_new_tokens=6, seed=0)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("actors")
+    out = {"a": actor_dir(root / "a", seed=0), "b": actor_dir(root / "b", seed=1),
+           "wide": actor_dir(root / "wide", seed=2, intermediate_size=384)}
+    out["extra"] = with_extra_tensor(out["b"], root / "extra")
+    out["truncated"] = with_truncated_weights(out["b"], root / "truncated")
+    return out
+
+
+@pytest.fixture
+def engine(ckpts):
+    pytest.importorskip("vllm")
+    eng = VLLMEngine(ckpts["a"], max_model_len=64)
+    yield eng
+    eng.close()
+
+
+def _worst_logp_error(engine, ckpt) -> float:
+    """max |log-prob of the engine - HF's log-prob under ``ckpt``| over sampled tokens."""
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    worst = 0.0
+    for prompt, gens in zip(PROMPTS, engine.generate(PROMPTS, SAMPLE)):
+        for gen in gens:
+            ids = torch.tensor([prompt + gen.tokens])  # [1, P + R]
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1]  # [R, V]
+            hf = F.log_softmax(logits, -1).gather(-1, torch.tensor(gen.tokens)[:, None]).squeeze(-1)
+            worst = max(worst, (torch.tensor(gen.logprobs) - hf).abs().max().item())
+    return worst
+
+
+def test_same_layout_goes_in_place_and_serves_the_new_weights(engine, ckpts):
+    assert _worst_logp_error(engine, ckpts["a"]) < 1e-3
+    assert _worst_logp_error(engine, ckpts["b"]) > 0.5  # the checkpoints are told apart
+    engine.load_weights(ckpts["b"])  # the same prompts are in the prefix cache: it must be reset
+    assert (engine.stats.reloads, engine.stats.restarts) == (1, 0)
+    assert _worst_logp_error(engine, ckpts["b"]) < 1e-3
+
+
+def test_other_shapes_restart_from_the_checkpoint(engine, ckpts):
+    engine.load_weights(ckpts["wide"])  # intermediate_size 256 -> 384
+    assert (engine.stats.reloads, engine.stats.restarts) == (0, 1)
+    assert _worst_logp_error(engine, ckpts["wide"]) < 1e-3
+
+
+def test_unreadable_checkpoint_is_refused_and_the_engine_keeps_serving(engine, ckpts):
+    with pytest.raises(EngineLoadError, match="truncated is unusable"):
+        engine.load_weights(ckpts["truncated"])
+    assert _worst_logp_error(engine, ckpts["a"]) < 1e-3
+
+
+def test_checkpoint_vllm_cannot_load_is_a_clear_error(engine, ckpts):
+    with pytest.raises(EngineLoadError, match=r"extra: tensors differ: .*unexpected "
+                                              r"\['model.layers.0.mlp.extra_proj.weight'\].*starting the engine"):
+        engine.load_weights(ckpts["extra"])
+    with pytest.raises(EngineLoadError, match="closed"):
+        engine.generate(PROMPTS, SAMPLE)
+
+
+def test_min_new_tokens_masks_stop_tokens(engine):
+    greedy = SamplingSpec(temperature=0.0, max_new_tokens=6)
+    first = [g[0].tokens[0] for g in engine.generate(PROMPTS, greedy)]
+    stop = SamplingSpec(temperature=0.0, max_new_tokens=6, stop_token_ids=[first[0]])
+    assert engine.generate(PROMPTS[:1], stop)[0][0].tokens == [first[0]]
+    forced = SamplingSpec(temperature=0.0, max_new_tokens=6, min_new_tokens=6, stop_token_ids=[first[0]])
+    gen = engine.generate(PROMPTS[:1], forced)[0][0]
+    assert len(gen.tokens) == 6 and first[0] not in gen.tokens and not gen.is_end
