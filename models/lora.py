@@ -142,7 +142,9 @@ def save_adapter_checkpoint(model: nn.Module, tokenizer: Any, url: str, base: st
     state when its own parameters are sharded (FSDP2)."""
     with tempfile.TemporaryDirectory(prefix="adapter-") as tmp:
         kwargs = {"state_dict": dict(state_dict)} if state_dict is not None else {}
-        model.save_pretrained(tmp, safe_serialization=True, **kwargs)
+        # save_embedding_layers=False: with lm_head among the targets peft would otherwise save the
+        # (frozen, tied) base lm_head / embedding weights too; the base checkpoint already has them
+        model.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False, **kwargs)
         path = os.path.join(tmp, ADAPTER_CONFIG)
         config = adapter_config(tmp)
         config["base_model_name_or_path"] = canonical_url(base)

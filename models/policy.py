@@ -37,6 +37,12 @@ def _gather_positions(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor
     return hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
 
 
+FROM_HIDDEN_MIN_LOGITS = 1 << 26
+"""Logit count (``B·T·V``, 256 MiB in fp32) from which log-probs come from the hidden states in
+vocabulary chunks, the logits never materialised. Below it the logits are made whole: the chunked
+path recomputes them in backward, ~1.5x the time of the plain path (benchmarks/bench_kernels.py)."""
+
+
 class PolicyLogprobs(nn.Module):
     """Wraps a causal LM so one ``forward`` (the one DDP/FSDP hook into) gives log-probs and entropy."""
 
@@ -52,10 +58,11 @@ class PolicyLogprobs(nn.Module):
         h = _gather_positions(hidden, inputs.response_positions - 1)  # [B, T, H]
         tokens = inputs.input_ids.gather(1, inputs.response_positions)  # [B, T]
         head = self.lm.get_output_embeddings()
-        if self.chunked and isinstance(head, nn.Linear) and head.bias is None:
+        plain = isinstance(head, nn.Linear) and head.bias is None
+        if self.chunked and plain and h.shape[0] * h.shape[1] * head.out_features >= FROM_HIDDEN_MIN_LOGITS:
             logp, ent = token_logprobs_and_entropy_from_hidden(h, head.weight, tokens,
                                                               temperature=temperature)
-        else:  # LoRA-adapted/sharded/biased heads: plain logits for the response positions only
+        else:  # small logits, LoRA-adapted/sharded/biased heads: logits of the response positions only
             logp, ent = token_logprobs_and_entropy(head(h), tokens, temperature=temperature)
         mask = inputs.response_mask.bool()
         logp = logp.masked_fill(~mask, 0.0)

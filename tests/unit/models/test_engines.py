@@ -85,6 +85,7 @@ def test_get_engine_drops_an_engine_that_cannot_serve_the_new_checkpoint(ckpts, 
     from models.engines import _CACHE, close_engines, get_engine
 
     broken = with_truncated_weights(ckpts["b"], tmp_path / "broken")
+    close_engines()  # an engine left by an earlier test in this process would be reused
     try:
         engine = get_engine("hf", ckpts["a"])
         assert get_engine("hf", ckpts["b"]) is engine and engine.stats.reloads == 1  # same layout: in place
