@@ -18,22 +18,13 @@ from models.lora import canonical_url
 from tasks.batch import RolloutBatch
 from tasks.run_layout import RunLayout
 from tests.integration.test_algorithms import SMALL, _pyflyte
+from tests.reference import token_logprobs
 
 pytestmark = pytest.mark.integration
 
 
 def _path(url: str) -> str:
     return url.replace("file://", "")
-
-
-def _token_logprobs(model, batch: RolloutBatch):
-    """Independent reference: full logits, log_softmax, gather, one row at a time."""
-    out = []
-    for p, r in zip(batch.column("prompt_tokens").to_pylist(), batch.column("response_tokens").to_pylist()):
-        with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([p + r])).logits[0].float(), -1)  # [L, V]
-        out.append([float(logp[len(p) + t - 1, tok]) for t, tok in enumerate(r)])
-    return out
 
 
 def _assert_adapter_only(url: str, base: str) -> dict:
@@ -61,7 +52,7 @@ def test_ppo_lora_two_iterations_through_pyflyte(tmp_path):
     base = AutoModelForCausalLM.from_pretrained(_path(layout.reference_url())).eval()
     adapted = AutoPeftModelForCausalLM.from_pretrained(_path(layout.actor_url(0))).eval()
     for col, model in (("ref_logprobs", base), ("old_logprobs", adapted)):
-        for mine, theirs in zip(batch.column(col).to_pylist(), _token_logprobs(model, batch)):
+        for mine, theirs in zip(batch.column(col).to_pylist(), token_logprobs(model, batch)):
             np.testing.assert_allclose(mine, theirs, atol=1e-4)
     assert layout.read_state().actor_url == layout.actor_url(1)
 

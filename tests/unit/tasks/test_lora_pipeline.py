@@ -24,6 +24,7 @@ from tasks.rollout import run_rollout
 from tasks.score import run_score
 from tasks.setup import setup_run
 from tasks.updates import load_trainable, train_actor, train_critic
+from tests.reference import token_logprobs
 
 OVERRIDES = ["rollout.engine=hf", "rollout.prompts_per_iteration=8", "rollout.n_samples_per_prompt=4",
              "actor.minibatch_size=16", "actor.micro_batch_size=8", "actor.nproc_per_node=1",
@@ -60,16 +61,6 @@ def run(tmp_path_factory):
     ro1 = run_rollout(cfg, handle, s1)
     yield dict(cfg=cfg, run=handle, s0=s0, s1=s1, ad0=ad, ro1=ro1)
     mp.undo()
-
-
-def _token_logprobs(model, batch):
-    """Independent reference: full logits, log_softmax, gather, one row at a time."""
-    out = []
-    for p, r in zip(batch.column("prompt_tokens").to_pylist(), batch.column("response_tokens").to_pylist()):
-        with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([p + r])).logits[0].float(), -1)  # [L, V]
-        out.append([float(logp[len(p) + t - 1, tok]) for t, tok in enumerate(r)])
-    return out
 
 
 def test_actor_checkpoint_is_the_adapter_only(run):
@@ -113,9 +104,9 @@ def test_score_reference_is_the_base_with_the_adapter_off(run, monkeypatch):
     base = AutoModelForCausalLM.from_pretrained(_path(handle.reference_url)).eval()
     adapted = AutoPeftModelForCausalLM.from_pretrained(_path(s1.actor_url)).eval()
     ref, old = scored.column("ref_logprobs").to_pylist(), scored.column("old_logprobs").to_pylist()
-    for mine, theirs in zip(ref, _token_logprobs(base, batch)):
+    for mine, theirs in zip(ref, token_logprobs(base, batch)):
         np.testing.assert_allclose(mine, theirs, atol=1e-4)
-    for mine, theirs in zip(old, _token_logprobs(adapted, batch)):
+    for mine, theirs in zip(old, token_logprobs(adapted, batch)):
         np.testing.assert_allclose(mine, theirs, atol=1e-4)
     gap = max(abs(a - b) for o, r in zip(old, ref) for a, b in zip(o, r))
     assert gap > 1e-3  # the adapter moved the policy: the two columns are not the same model
@@ -127,7 +118,7 @@ def test_rollout_serves_the_adapter(run):
 
     batch = run["ro1"].batch
     adapted = AutoPeftModelForCausalLM.from_pretrained(_path(run["s1"].actor_url)).eval()
-    for sampler, theirs in zip(batch.column("sampler_logprobs").to_pylist(), _token_logprobs(adapted, batch)):
+    for sampler, theirs in zip(batch.column("sampler_logprobs").to_pylist(), token_logprobs(adapted, batch)):
         np.testing.assert_allclose(sampler, theirs, atol=1e-4)
 
 
