@@ -9,8 +9,6 @@ import os
 import numpy as np
 import pytest
 import torch
-from flytekit import task
-from flytekitplugins.kfpytorch import Elastic
 from safetensors.torch import load_file
 
 from models.checkpoint import read_marker
@@ -18,6 +16,7 @@ from models.lora import canonical_url
 from tasks.batch import RolloutBatch
 from tasks.run_layout import RunLayout
 from tests.integration.test_algorithms import SMALL, _pyflyte
+from tests.integration.test_elastic_faults import elastic_update
 from tests.reference import token_logprobs
 
 pytestmark = pytest.mark.integration
@@ -57,14 +56,6 @@ def test_ppo_lora_two_iterations_through_pyflyte(tmp_path):
     assert layout.read_state().actor_url == layout.actor_url(1)
 
 
-def elastic_update():
-    """``actor_update`` as a 2-process elastic task (local execution; gloo + DDP on CPU, NCCL + FSDP2 on GPUs)."""
-    from tasks.updates import actor_update
-
-    return task(task_config=Elastic(nnodes=1, nproc_per_node=2, max_restarts=0, monitor_interval=1))(
-        actor_update.task_function)
-
-
 @pytest.fixture(scope="module")
 def iteration_one(tmp_path_factory):
     """Iteration 0 in-process (HF engine, one process) so iteration 1 starts from an adapter."""
@@ -102,7 +93,7 @@ def test_elastic_update_trains_only_the_adapter(iteration_one, device):
         pytest.skip("needs 2 GPUs (FSDP2 across 2 processes)")
     cfg, run, state, batch = iteration_one
     before = _assert_adapter_only(state.actor_url, run.reference_url)
-    out = elastic_update()(cfg=cfg, run=run, state=state, batch=batch)
+    out = elastic_update(max_restarts=0)(cfg=cfg, run=run, state=state, batch=batch)
     assert out.checkpoint_url == run.layout.actor_url(1)
     assert out.stats["actor/steps"] == 2 * cfg.actor.ppo_epochs  # 32 samples / minibatch 16
     after = _assert_adapter_only(out.checkpoint_url, run.reference_url)  # still the same base

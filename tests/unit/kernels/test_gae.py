@@ -130,20 +130,25 @@ def gae_cases(draw):
     return rewards, values, m, gamma, lam
 
 
-@settings(max_examples=150, deadline=None)
-@given(gae_cases())
-def test_fast_matches_reference_loop(case):
-    rewards, values, mask, gamma, lam = case
-    # float64: the two algorithms agree to rounding
+def _assert_matches_reference_loop(rewards, values, mask, gamma, lam, fast_mask):
+    """compute_gae against the reverse loop: to rounding in float64, within 1e-5 in float32
+    (``fast_mask``: the mask as the fast path is given it, bool or float)."""
     ref64 = compute_gae_reference(rewards.double(), values.double(), mask, gamma, lam)
     out64 = compute_gae(rewards.double(), values.double(), mask, gamma, lam)
     torch.testing.assert_close(out64.advantages, ref64.advantages, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(out64.returns, ref64.returns, rtol=1e-10, atol=1e-10)
-    # float32 against the float32 loop: within 1e-5
     ref = compute_gae_reference(rewards, values, mask, gamma, lam)
-    out = compute_gae(rewards, values, mask.float(), gamma, lam)
+    out = compute_gae(rewards, values, fast_mask, gamma, lam)
     torch.testing.assert_close(out.advantages, ref.advantages, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.returns, ref.returns, rtol=1e-5, atol=1e-5)
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(gae_cases())
+def test_fast_matches_reference_loop(case):
+    rewards, values, mask, gamma, lam = case
+    out = _assert_matches_reference_loop(rewards, values, mask, gamma, lam, fast_mask=mask.float())
     assert torch.all(out.advantages[~mask] == 0) and torch.all(out.returns[~mask] == 0)
 
 
@@ -172,14 +177,7 @@ def multi_turn_cases(draw):
 @given(multi_turn_cases())
 def test_fast_matches_reference_loop_on_multi_turn_masks(case):
     rewards, values, mask, gamma, lam = case
-    ref64 = compute_gae_reference(rewards.double(), values.double(), mask, gamma, lam)
-    out64 = compute_gae(rewards.double(), values.double(), mask, gamma, lam)
-    torch.testing.assert_close(out64.advantages, ref64.advantages, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(out64.returns, ref64.returns, rtol=1e-10, atol=1e-10)
-    ref = compute_gae_reference(rewards, values, mask, gamma, lam)
-    out = compute_gae(rewards, values, mask, gamma, lam)
-    torch.testing.assert_close(out.advantages, ref.advantages, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out.returns, ref.returns, rtol=1e-5, atol=1e-5)
+    out = _assert_matches_reference_loop(rewards, values, mask, gamma, lam, fast_mask=mask)
     assert torch.all(out.advantages[~mask] == 0) and torch.all(out.returns[~mask] == 0)
 
 
