@@ -72,7 +72,8 @@ def _local_files(local_dir: str) -> Dict[str, str]:
 
 
 def save_checkpoint(local_dir: str, url: str, overwrite: bool = False,
-                    workers: Optional[int] = None, consume: bool = False) -> Mapping[str, Any]:
+                    workers: Optional[int] = None, consume: bool = False,
+                    require_model: bool = True) -> Mapping[str, Any]:
     """Commit the HF directory ``local_dir`` to ``url``; returns the marker's content.
 
     Refuses pickle files and unknown file types before uploading anything. An existing
@@ -81,7 +82,8 @@ def save_checkpoint(local_dir: str, url: str, overwrite: bool = False,
     write (no marker) are removed. Files are hashed and uploaded by ``workers`` threads
     (default: Python's thread-pool default), so the shards of a big model go in parallel.
     ``consume``: the caller drops ``local_dir`` afterwards, so on the same local filesystem
-    its files are hard-linked into place instead of copied.
+    its files are hard-linked into place instead of copied. ``require_model=False`` commits a
+    folder that is no model (an optimizer state, ``models/optimizer_state.py``).
     """
     files = _local_files(local_dir)
     files.pop(MARKER, None)  # a downloaded copy carries its old marker; a new one is written
@@ -89,7 +91,7 @@ def save_checkpoint(local_dir: str, url: str, overwrite: bool = False,
         raise CheckpointError(f"save_checkpoint: no files in {local_dir}")
     for rel in files:
         check_file_allowed(rel, local_dir)
-    if "config.json" not in files and "adapter_config.json" not in files:  # full weights or a peft adapter
+    if require_model and "config.json" not in files and "adapter_config.json" not in files:  # full weights or a peft adapter
         raise CheckpointError(f"save_checkpoint: {local_dir} has no config.json (not an HF directory) "
                               f"and no adapter_config.json (not a peft adapter)")
     if is_committed(url) and not overwrite:

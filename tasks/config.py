@@ -281,6 +281,10 @@ class ActorConfig:
     """token_mean, seq_mean_token_mean or seq_mean_token_sum."""
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
+    keep_optimizer_state: bool = True
+    """Carry AdamW's moments from one iteration's update to the next (committed beside each
+    checkpoint as ``<checkpoint>-optimizer/``, ``models/optimizer_state.py``), as one long-running
+    trainer would; false restarts AdamW every iteration."""
     nnodes: int = 1
     """Nodes for the elastic job."""
     nproc_per_node: int = 2
@@ -327,6 +331,9 @@ class CriticConfig:
     """Clip of the new value around the old one; 0 disables clipping."""
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
+    keep_optimizer_state: bool = True
+    """Carry AdamW's moments from one iteration's update to the next (as ``actor.keep_optimizer_state``;
+    the critic server keeps its optimiser in memory instead)."""
     remote_url: str = ""
     """Critic server base URL; empty runs the critic inside the tasks."""
     lora: LoraConfig = field(default_factory=LoraConfig)

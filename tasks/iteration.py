@@ -13,6 +13,7 @@ from flytekit import Resources, task
 from kernels.kl import AdaptiveKLController
 from models import storage
 from models.checkpoint import is_committed
+from models.optimizer_state import optimizer_url
 from models.engines import close_engines
 from models.rollout import sample
 from tasks import registry, secrets, tracking
@@ -44,12 +45,16 @@ def sample_table(batch: RolloutBatch, n: int) -> Dict[str, list]:
 
 
 def prune_checkpoints(cfg: TrainConfig, run: RunHandle, iteration: int) -> None:
-    """Keep every ``save_interval``-th iteration's checkpoints and the newest; drop the one before."""
+    """Keep every ``save_interval``-th iteration's checkpoints and the newest; drop the one before.
+    Optimizer states are kept with the newest checkpoints only (the resume point's)."""
     prev = iteration - 1
-    if prev < 0 or (prev + 1) % cfg.run.save_interval == 0:
+    if prev < 0:
         return
-    for url in (run.layout.actor_url(prev), run.layout.critic_url(prev)):
-        storage.remove(url, recursive=True)
+    urls = (run.layout.actor_url(prev), run.layout.critic_url(prev))
+    for url in urls:
+        storage.remove(optimizer_url(url), recursive=True)
+        if (prev + 1) % cfg.run.save_interval != 0:
+            storage.remove(url, recursive=True)
 
 
 def run_commit(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List[Dict[str, float]],

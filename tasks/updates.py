@@ -4,7 +4,7 @@ each writing the next committed checkpoint. They run in parallel in the iteratio
 from __future__ import annotations
 
 import time
-from typing import Dict, NamedTuple
+from typing import Dict, NamedTuple, Tuple
 
 import torch
 from flytekit import task
@@ -14,8 +14,10 @@ from kernels.losses import PolicyLossConfig
 from models.checkpoint import save_model_checkpoint
 from models.distributed import (DistInfo, barrier, full_state_dict, init_distributed, shutdown_distributed, unwrap,
                                 wrap_for_training)
+from models import optimizer_state
 from models.faults import pause_point
 from models.lora import CAUSAL_LM, TOKEN_CLS, add_adapter, is_peft, save_adapter_checkpoint
+from models.optimizer_state import optimizer_url
 from models.policy import CriticValues, PolicyLogprobs
 from models.update import (LoopSettings, UpdateData, actor_loss_fn, critic_loss_fn, make_optimizer, run_update,
                            stat_keys)
@@ -86,8 +88,10 @@ def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rol
     model = wrap_for_training(PolicyLogprobs(lm), info)
     kl_beta = state.kl_coef if cfg.kl.placement == "loss" else 0.0
     times: Dict[str, float] = {}
+    optimizer, prior_steps = carried_optimizer(model, a.lr, a.weight_decay, state.actor_url, a.keep_optimizer_state,
+                                               times, "actor")
     with timed(times, "time/actor_train_s"):
-        stats = run_update(model, make_optimizer(model, a.lr, a.weight_decay), data,
+        stats = run_update(model, optimizer, data,
                            actor_loss_fn(policy_loss_config(cfg), cfg.rollout.temperature, kl_beta, cfg.kl.estimator),
                            LoopSettings(a.ppo_epochs, a.minibatch_size, a.micro_batch_size, a.grad_clip,
                                         cfg.run.seed * 1000 + state.iteration), info)
@@ -96,7 +100,11 @@ def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rol
     full = full_state_dict(model, info)
     if info.is_main:
         save_trained(unwrap(model).lm, tok, url, state.actor_url, full, prefix="lm.")
+    if a.keep_optimizer_state:
+        with timed(times, "time/actor_optimizer_state_s"):
+            optimizer_state.save(model, optimizer, optimizer_url(url), info)
     barrier()
+    stats["optimizer_steps_total"] = prior_steps + stats["steps"]
     out = {**stat_keys("actor", stats), **times}
     out["time/actor_update_s"] = time.perf_counter() - t0
     return UpdateOutput(url, out)
@@ -117,15 +125,33 @@ def train_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
     critic = load_trainable(state.critic_url, AutoModelForTokenClassification, cfg.model.dtype, c.lora, TOKEN_CLS)
     model = CriticValues(critic).to(info.device)
     times: Dict[str, float] = {}
+    optimizer, prior_steps = carried_optimizer(model, c.lr, 0.0, state.critic_url, c.keep_optimizer_state, times,
+                                               "critic")
     with timed(times, "time/critic_train_s"):
-        stats = run_update(model, make_optimizer(model, c.lr), data, critic_loss_fn(c.value_clip or None),
+        stats = run_update(model, optimizer, data, critic_loss_fn(c.value_clip or None),
                            LoopSettings(c.epochs, c.minibatch_size, c.micro_batch_size, c.grad_clip,
                                         cfg.run.seed * 1000 + state.iteration + 1), info)
     url = run.layout.critic_url(state.iteration)
     save_trained(model.critic, tok, url, state.critic_url)
+    if c.keep_optimizer_state:
+        with timed(times, "time/critic_optimizer_state_s"):
+            optimizer_state.save(model, optimizer, optimizer_url(url), info)
     return UpdateOutput(url, {"critic/loss": stats["loss"], "critic/explained_variance": stats["explained_variance"],
                               "critic/grad_norm": stats["grad_norm"], "critic/value_clip_frac": stats["value_clip_frac"],
+                              "critic/optimizer_steps_total": prior_steps + stats["steps"],
                               **times, "time/critic_update_s": time.perf_counter() - t0})
+
+
+def carried_optimizer(model, lr: float, weight_decay: float, from_url: str, keep: bool, times: Dict[str, float],
+                      role: str) -> Tuple[torch.optim.Optimizer, int]:
+    """AdamW for ``model`` and the optimizer steps it has already taken: with ``keep``, its state is
+    the one committed beside ``from_url`` (the checkpoint this update starts from) when there is
+    one that fits; else fresh (0 steps)."""
+    optimizer = make_optimizer(model, lr, weight_decay)
+    if not keep:
+        return optimizer, 0
+    with timed(times, f"time/{role}_optimizer_state_s"):
+        return optimizer, optimizer_state.load(model, optimizer, optimizer_url(from_url)) or 0
 
 
 def train_remote_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch,

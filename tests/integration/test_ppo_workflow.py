@@ -12,7 +12,9 @@ import pytest
 
 from models import storage
 from models.checkpoint import download_checkpoint, is_committed
+from models.optimizer_state import optimizer_url
 from tasks.batch import ADVANTAGE_COLUMNS, RolloutBatch
+from tasks.config_io import load_config
 from tasks.run_layout import RunLayout
 
 pytestmark = pytest.mark.integration
@@ -65,6 +67,15 @@ def test_two_iterations_on_s3(s3_url, tmp_path):
     assert not missing, f"metrics missing from the MLflow run: {missing}"
     assert [m.step for m in client.get_metric_history(run_id, "rollout/reward_mean")] == [0, 1]
     assert client.get_run(run_id).data.params["actor.lr"] == "0.0001"
+    # AdamW's state goes from one iteration's update to the next, beside the newest checkpoints only
+    cfg = load_config("configs/tiny_ppo.yaml", overrides)
+    per_iteration = {"actor": cfg.actor.ppo_epochs * 32 // 32, "critic": cfg.critic.epochs * 32 // 32}
+    for role, steps in per_iteration.items():
+        urls = [getattr(layout, f"{role}_url")(i) for i in range(2)]
+        assert not storage.exists(optimizer_url(urls[0])) and is_committed(optimizer_url(urls[1]))
+        history = [m.value for m in sorted(client.get_metric_history(run_id, f"{role}/optimizer_steps_total"),
+                                           key=lambda m: m.step)]
+        assert history == [steps, 2 * steps], role
     tables = [a.path for a in client.list_artifacts(run_id, "samples")]
     assert tables == ["samples/iter-000000.json", "samples/iter-000001.json"]
     assert storage.exists(storage.join(layout.url, "data", "train_prompts.jsonl"))

@@ -61,3 +61,24 @@ def test_logged_evaluation_is_not_run_again(run, monkeypatch):
     tracking.log_metrics(handle.mlflow_run_id, {"eval/reward_mean": 0.75}, step=4)
     monkeypatch.setattr(iteration, "eval_reward", lambda *a, **k: pytest.fail("evaluated twice"))
     assert run_evaluate(TrainConfig(), handle, PolicyState(5, actor, "", 0.01)) == 0.75
+
+
+@pytest.mark.parametrize("save_interval", [1, 2])
+def test_optimizer_state_stays_with_the_newest_checkpoint_only(run, tmp_path, save_interval):
+    from dataclasses import replace
+
+    from models import storage
+    from models.checkpoint import is_committed
+    from models.optimizer_state import optimizer_url
+
+    handle, actor0, batch = run
+    cfg = TrainConfig()
+    cfg = replace(cfg, run=replace(cfg.run, save_interval=save_interval, num_iterations=3))
+    actor1 = handle.layout.actor_url(1)
+    for url in (actor1, optimizer_url(actor0), optimizer_url(actor1)):
+        save_checkpoint(hf_dir(tmp_path / url.rsplit("/", 2)[-2] / url.rsplit("/", 1)[-1]), url)
+    state = run_commit(cfg, handle, PolicyState(0, actor0, "", 0.01), [], batch, actor0, "")
+    assert is_committed(optimizer_url(actor0))  # the resume point's state
+    run_commit(cfg, handle, state, [], batch, actor1, "")
+    assert not storage.exists(optimizer_url(actor0)) and is_committed(optimizer_url(actor1))
+    assert is_committed(actor0) == (save_interval == 1)  # iteration 0 is kept only at save_interval 1
