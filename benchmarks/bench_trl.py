@@ -10,10 +10,20 @@ benchmarks/trl_runner.py from a spec derived from the same TrainConfig (`trl_spe
 
 Seconds per iteration are wall-clock gaps between iteration ends (our commit progress lines, TRL's
 optimiser-step callback); the first iteration pays start-up on both sides and is reported apart.
-Reward: both final policies sampled (T=1, same seed) on the same held-out prompts; ours - TRL is
-judged paired per prompt, "within noise" meaning above -2 standard errors of the mean difference.
+Reward: both final policies sampled on the same held-out prompts (T=1, the training seed as sampling
+seed on both sides). With one training seed (`--seeds 1`, the default) ours - TRL is judged paired per
+prompt; with `--seeds N` the grpo and ppo sections train each side N times (run.seed / TRL's seed
+0..N-1; the seed also draws each iteration's prompts, the same on both sides) and judge the mean over
+seeds of the per-seed difference (each the mean over the prompts) with its standard error over seeds,
+so a gap that is one seed's luck, in training or in the eval samples, does not count. "Within noise"
+means above -2 standard errors. Their speed rows are the seed-0 runs.
 
-    python benchmarks/bench_trl.py [--quick] [--json rows.json] [--details details.json]
+Generation is HF `generate` on both sides unless `--engine vllm`, which switches our side alone to
+vLLM (rollout.engine): TRL has no CPU vLLM path (benchmarks/trl_runner.py), so the rows name each
+side's engine, "ours (vLLM) / TRL (HF generate)".
+
+    python benchmarks/bench_trl.py [--quick] [--seeds N] [--engine hf|vllm] [--json rows.json]
+                                   [--details details.json]
 """
 
 from __future__ import annotations
@@ -57,6 +67,8 @@ TRL_DIFFERENCES = {
            "and takes the same prompts in its own shuffled order",
 }
 """What TRL does not let the comparison hold equal (it changes learning, not the work per iteration)."""
+ENGINES = {"hf": "HF generate", "vllm": "vLLM"}
+"""Our rollout engines (rollout.engine) as the rows name them; TRL generates with HF generate."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +91,8 @@ PEER = ModelSize("2x128", TinyModelConfig(hidden_size=128, num_layers=2, num_hea
 
 @dataclass(frozen=True)
 class Case:
-    """One comparison: an algorithm at a model size and batch, the same on both sides."""
+    """One comparison: an algorithm at a model size and batch with one training seed, the same on both
+    sides but for our rollout engine."""
 
     algorithm: str
     size: ModelSize
@@ -88,10 +101,23 @@ class Case:
     max_new_tokens: int
     iterations: int
     threads: int
+    seed: int = 0
+    """run.seed on our side, TRL's seed: it also draws each iteration's prompts (`iteration_indices`)."""
+    engine: str = "hf"
+    """Our rollout engine, a key of ENGINES; TRL generates with HF generate either way."""
 
     @property
     def label(self) -> str:
         return f"{self.size.label}, {self.prompts}x{self.samples}x{self.max_new_tokens}"
+
+    @property
+    def name(self) -> str:
+        """What names this case's runs (ours adds the time, TRL's folder a random suffix)."""
+        return f"{self.algorithm}-{self.size.label}-{self.prompts}x{self.samples}-seed{self.seed}"
+
+    def sides(self, op: str) -> str:
+        """The two sides and how each generates, e.g. ``ours (vLLM) / TRL (HF generate)``."""
+        return f"ours ({ENGINES[self.engine]}) {op} TRL ({ENGINES['hf']})"
 
     @property
     def workflow(self) -> str:
@@ -101,9 +127,9 @@ class Case:
         """Overrides of configs/bench_<algorithm>.yaml; minibatches shrink with small batches."""
         mini = min(64, self.prompts * self.samples)
         micro = min(32, mini)
-        out = [f"run.num_iterations={self.iterations}", f"run.storage_root={storage_root}",
+        out = [f"run.num_iterations={self.iterations}", f"run.seed={self.seed}", f"run.storage_root={storage_root}",
                f"model.actor_path={assets['actor']}", f"data.train_prompts={assets['train_prompts']}",
-               f"data.eval_prompts={assets['eval_prompts']}",
+               f"data.eval_prompts={assets['eval_prompts']}", f"rollout.engine={self.engine}",
                f"rollout.prompts_per_iteration={self.prompts}", f"rollout.n_samples_per_prompt={self.samples}",
                f"rollout.max_new_tokens={self.max_new_tokens}", f"actor.minibatch_size={mini}",
                f"actor.micro_batch_size={micro}"]
@@ -195,7 +221,7 @@ def mlflow_series(uri: str, run_id: str, keys: List[str]) -> Dict[str, List[floa
 
 def run_ours(case: Case, overrides: List[str], work: Path) -> Side:
     """`pyflyte run` of the case; iteration ends are the arrival times of its commit progress lines."""
-    name = f"bench-{case.algorithm}-{case.size.label}-{case.prompts}x{case.samples}-{time.strftime('%H%M%S')}"
+    name = f"bench-{case.name}-{time.strftime('%H%M%S')}"
     cmd = [str(Path(sys.executable).parent / "pyflyte"), "run", f"workflows/{case.workflow}.py",
            f"{case.workflow}_training", "--preset", f"configs/bench_{case.algorithm}.yaml",
            "--overrides", json.dumps(overrides), "--run_name", name]
@@ -234,8 +260,7 @@ def trl_spec(cfg: TrainConfig, prompts: List[str], threads: int) -> Dict[str, ob
 
 def run_trl(cfg: TrainConfig, case: Case, prompts: List[str], work: Path) -> Side:
     """benchmarks/trl_runner.py in its own process with the case's thread count."""
-    out = work / f"trl-{case.algorithm}-{case.size.label}-{case.prompts}x{case.samples}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix=f"trl-{case.name}-", dir=work))  # cases of one name differ elsewhere
     (out / "spec.json").write_text(json.dumps(trl_spec(cfg, prompts, case.threads)))
     start = time.time()
     run_process([sys.executable, str(ROOT / "benchmarks" / "trl_runner.py"), "--spec", str(out / "spec.json"),
@@ -246,13 +271,13 @@ def run_trl(cfg: TrainConfig, case: Case, prompts: List[str], work: Path) -> Sid
     return Side(start, res["iteration_ends"], res["rewards"], res["actor"], res["response_length_mean"], extra=extra)
 
 
-def eval_rewards(actor_dir: str, prompts: List[str], threads: int) -> np.ndarray:
-    """Per-prompt `reverse_reward` of one sample (T=1, seed 0) from the policy in `actor_dir`."""
+def eval_rewards(actor_dir: str, prompts: List[str], threads: int, seed: int = 0) -> np.ndarray:
+    """Per-prompt `reverse_reward` of one sample (T=1, `seed`) from the policy in `actor_dir`."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(actor_dir).eval()
     responses = generate_responses(model, load_tokenizer(actor_dir), prompts, ReverseTaskConfig().max_new_tokens,
-                                   temperature=1.0, seed=0, threads=threads)
+                                   temperature=1.0, seed=seed, threads=threads)
     return np.asarray(reverse_reward(prompts, responses))
 
 
@@ -278,30 +303,53 @@ def compare(case: Case, work: Path, eval_n: int, assets_cache: Dict[str, Dict[st
     return Comparison(case, ours, trl)
 
 
-def speed_row(c: Comparison) -> Row:
+def speed_row(runs: List[Comparison]) -> Row:
+    """Seconds per iteration ours / TRL of the seed-0 runs; with more seeds their ratios in the detail."""
+    c = runs[0]
     o, t, n = c.ours, c.trl, c.case.iterations
     which = f"iterations 2-{n} of {n}" if n > 1 else "1 iteration, incl. start-up"
+    seeds = "" if len(runs) == 1 else (f"; seed 0 of {len(runs)}, ours / TRL by seed: "
+                                       + ", ".join(f"{r.ratio:.2f}x" for r in runs))
     trl_len = "n/a" if t.response_length is None else f"{t.response_length:.1f}"
-    return row(SECTION, f"{c.case.algorithm.upper()} s/iter ours / TRL ({c.case.label})", c.ratio, "x",
+    return row(SECTION, f"{c.case.algorithm.upper()} s/iter {c.case.sides('/')} ({c.case.label})", c.ratio, "x",
                f"ours {o.steady_s:.1f} s, TRL {t.steady_s:.1f} s ({which}, {c.case.threads} thread(s), 1 process "
-               f"each); first iteration incl. start-up: ours {o.first_s:.1f} s, TRL {t.first_s:.1f} s; ours per "
-               f"iteration: {o.phases()}; mean response tokens ours "
+               f"each){seeds}; first iteration incl. start-up: ours {o.first_s:.1f} s, TRL {t.first_s:.1f} s; ours "
+               f"per iteration: {o.phases()}; mean response tokens ours "
                f"{o.response_length:.1f}, TRL {trl_len}; TRL {t.extra['trl_version']} {t.extra['trainer']}",
                at_most=1.0)
 
 
-def reward_row(c: Comparison, eval_prompts: List[str], start_reward: np.ndarray) -> Row:
-    ours = eval_rewards(c.ours.actor, eval_prompts, c.case.threads)
-    trl = eval_rewards(c.trl.actor, eval_prompts, c.case.threads)
-    d = ours - trl
-    se = float(d.std(ddof=1) / np.sqrt(d.size))
-    return Row(SECTION, f"{c.case.algorithm.upper()} eval reward ours - TRL after {c.case.iterations} iterations "
-               f"({c.case.label})", float(d.mean()), "reward", ">= 0 within noise (-2 SE)", bool(d.mean() >= -2 * se),
-               f"ours {ours.mean():.3f}, TRL {trl.mean():.3f}, warm start {start_reward.mean():.3f} on {d.size} "
-               f"held-out prompts (T=1, same seed), paired SE {se:.3f}; last training batch ours "
-               f"{c.ours.rewards[-1]:.3f}, TRL {c.trl.rewards[-1]:.3f}{TRL_DIFFERENCES[c.case.algorithm]}")
+def reward_gap(ours: List[np.ndarray], trl: List[np.ndarray]) -> Tuple[float, float]:
+    """Mean eval reward ours - TRL and its standard error, from each seed's per-prompt rewards (the same
+    prompts in every array): one seed is judged paired per prompt; more over seeds, each seed's difference
+    the mean over the prompts, so that seed-to-seed variance counts."""
+    d = np.stack(ours) - np.stack(trl)  # [seeds, prompts]
+    per = d[0] if len(d) == 1 else d.mean(axis=1)
+    return float(per.mean()), float(per.std(ddof=1) / np.sqrt(per.size))
 
 
+def reward_row(runs: List[Comparison], eval_prompts: List[str], start_reward: np.ndarray) -> Row:
+    """Eval reward ours - TRL after training, judged by `reward_gap`: >= -2 standard errors."""
+    c = runs[0].case
+    # Each seed's samples with its own sampling seed, so the seeds' differences are independent draws.
+    ours = [eval_rewards(r.ours.actor, eval_prompts, c.threads, r.case.seed) for r in runs]
+    trl = [eval_rewards(r.trl.actor, eval_prompts, c.threads, r.case.seed) for r in runs]
+    gap, se = reward_gap(ours, trl)
+    if len(runs) == 1:
+        seeds, sampled, where, spread = "", "same seed", "", f"paired SE {se:.3f}"
+        last = f"ours {runs[0].ours.rewards[-1]:.3f}, TRL {runs[0].trl.rewards[-1]:.3f}"
+    else:
+        seeds, sampled = f", {len(runs)} seeds", "sampling seed = training seed, both sides; warm start seed 0"
+        where = ("; ours / TRL by seed: "
+                 + ", ".join(f"{r.case.seed}: {o.mean():.3f} / {t.mean():.3f}" for r, o, t in zip(runs, ours, trl)))
+        spread = f"SE over seeds {se:.3f}"
+        last = (f"(mean over seeds) ours {np.mean([r.ours.rewards[-1] for r in runs]):.3f}, "
+                f"TRL {np.mean([r.trl.rewards[-1] for r in runs]):.3f}")
+    return Row(SECTION, f"{c.algorithm.upper()} eval reward {c.sides('-')} after {c.iterations} iterations "
+               f"({c.label}{seeds})", gap, "reward", ">= 0 within noise (-2 SE)", bool(gap >= -2 * se),
+               f"ours {np.mean(ours):.3f}, TRL {np.mean(trl):.3f}, warm start {start_reward.mean():.3f} on "
+               f"{len(eval_prompts)} held-out prompts (T=1, {sampled}){where}; {spread}; last training batch "
+               f"{last}{TRL_DIFFERENCES[c.algorithm]}")
 
 
 @dataclass(frozen=True)
@@ -314,18 +362,20 @@ class Plan:
     sweep_iterations: int
     peer: Case
     eval_prompts: int
+    seeds: int = 1
+    """Training seeds (0..seeds-1) of the main case in the grpo and ppo sections."""
 
 
-def plan_for(quick: bool, threads: int, iterations: Optional[int]) -> Plan:
+def plan_for(quick: bool, threads: int, iterations: Optional[int], seeds: int = 1, engine: str = "hf") -> Plan:
     """Full: the issue's compute-bound GRPO/PPO, a sweep of the batch, the peer case (one thread).
-    Quick: everything at the peer size, 2 iterations."""
-    peer = Case("grpo", PEER, 8, 4, 16, iterations=2 if quick else 5, threads=1)
+    Quick: everything at the peer size, 2 iterations. `engine` is our rollout engine in every case."""
+    peer = Case("grpo", PEER, 8, 4, 16, iterations=2 if quick else 5, threads=1, engine=engine)
     if quick:
         plan = Plan(main=replace(peer, threads=threads), sweep=(2, 16), sweep_iterations=2, peer=peer,
-                    eval_prompts=64)
+                    eval_prompts=64, seeds=seeds)
     else:
-        plan = Plan(main=Case("grpo", COMPUTE_BOUND, 64, 4, 128, iterations=3, threads=threads),
-                    sweep=(8, 32), sweep_iterations=2, peer=peer, eval_prompts=256)
+        plan = Plan(main=Case("grpo", COMPUTE_BOUND, 64, 4, 128, iterations=3, threads=threads, engine=engine),
+                    sweep=(8, 32), sweep_iterations=2, peer=peer, eval_prompts=256, seeds=seeds)
     if iterations:
         plan = replace(plan, main=replace(plan.main, iterations=iterations),
                        peer=replace(plan.peer, iterations=iterations), sweep_iterations=iterations)
@@ -349,24 +399,27 @@ class Bench:
         return self.done[case]
 
     def algorithm(self, name: str) -> List[Row]:
-        c = self.compare(replace(self.plan.main, algorithm=name))
-        assets = self.assets[c.case.size.label]
+        """The main case with `name`, once per training seed: its speed row and its reward row."""
+        runs = [self.compare(replace(self.plan.main, algorithm=name, seed=s)) for s in range(self.plan.seeds)]
+        case = runs[0].case
+        assets = self.assets[case.size.label]
         prompts = read_prompts_jsonl(assets["eval_prompts"])
-        return [speed_row(c), reward_row(c, prompts, eval_rewards(assets["actor"], prompts, c.case.threads))]
+        return [speed_row(runs), reward_row(runs, prompts, eval_rewards(assets["actor"], prompts, case.threads))]
 
     def sweep(self) -> List[Row]:
         main = self.plan.main
         cases = [replace(main, prompts=p, iterations=self.plan.sweep_iterations) for p in self.plan.sweep]
         found = sorted([self.compare(c) for c in cases] + [c for c in self.done.values() if c.case == main],
                        key=lambda c: c.case.prompts)
-        rows = [row(SECTION, f"GRPO s/iter ours / TRL at {c.case.prompts}x{c.case.samples} ({c.case.size.label})",
-                    c.ratio, "x", f"ours {c.ours.steady_s:.1f} s, TRL {c.trl.steady_s:.1f} s ({c.case.iterations} "
-                    f"iterations, {c.case.threads} thread(s))") for c in found]
+        rows = [row(SECTION, f"GRPO s/iter {c.case.sides('/')} at {c.case.prompts}x{c.case.samples} "
+                    f"({c.case.size.label})", c.ratio, "x", f"ours {c.ours.steady_s:.1f} s, TRL "
+                    f"{c.trl.steady_s:.1f} s ({c.case.iterations} iterations, {c.case.threads} thread(s))")
+                for c in found]
         faster = [c.case.prompts for c in found if c.ratio <= 1.0]
         ratios = ", ".join(f"{c.case.prompts}: {c.ratio:.2f}x" for c in found)
         rows.append(row(SECTION, f"GRPO crossover: fewest prompts/iter (x{main.samples}) where ours is faster",
-                        faster[0] if faster else None, "prompts", f"ours / TRL by prompts per iteration: {ratios}"
-                        + ("" if faster else f"; ours not faster up to {found[-1].case.prompts}")))
+                        faster[0] if faster else None, "prompts", f"{main.sides('/')} by prompts per iteration: "
+                        f"{ratios}" + ("" if faster else f"; ours not faster up to {found[-1].case.prompts}")))
         return rows
 
     def peer(self) -> List[Row]:
@@ -377,8 +430,9 @@ class Bench:
                     f"TRL {t.extra['trl_version']} {t.extra['trainer']}; first iteration incl. start-up "
                     f"{t.first_s:.1f} s"),
                 row(SECTION, f"Peer GRPO s/iter ours {where}", o.steady_s, "s",
-                    f"{o.phases()}; first iteration incl. start-up {o.first_s:.1f} s"),
-                row(SECTION, f"Peer GRPO s/iter ours / TRL {where}", c.ratio, "x",
+                    f"{o.phases()}; first iteration incl. start-up {o.first_s:.1f} s; rollouts with "
+                    f"{ENGINES[c.case.engine]}"),
+                row(SECTION, f"Peer GRPO s/iter {c.case.sides('/')} {where}", c.ratio, "x",
                     "fixed per-iteration cost dominates at this size (its <= 10 s target: bench_iteration.py)")]
 
 
@@ -389,13 +443,19 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "losses, phase times) as JSON")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("--iterations", type=int, help="iterations per side in every case (default: the plan's)")
+    parser.add_argument("--seeds", type=int, default=1, help="training seeds 0..N-1 per side in the grpo and ppo "
+                        "sections; with 2 or more the eval reward is judged over seeds, not per prompt")
+    parser.add_argument("--engine", choices=sorted(ENGINES), default="hf", help="our rollout engine "
+                        "(rollout.engine); TRL generates with HF generate either way (no CPU vLLM path)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (runs, checkpoints, logs)")
     args = parser.parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
     if set(sections) - set(SECTIONS):
         parser.error(f"unknown sections {sorted(set(sections) - set(SECTIONS))}; choose from {SECTIONS}")
+    if args.seeds < 1:
+        parser.error(f"--seeds must be >= 1, got {args.seeds}")
     work = Path(tempfile.mkdtemp(prefix="bench-trl-"))
-    bench = Bench(plan_for(args.quick, args.threads, args.iterations), work)
+    bench = Bench(plan_for(args.quick, args.threads, args.iterations, args.seeds, args.engine), work)
     rows: List[Row] = []
     for name in sections:
         try:
