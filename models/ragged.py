@@ -115,3 +115,16 @@ def list_lengths(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
     chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
     parts = [np.diff(np.asarray(c.offsets, dtype=np.int64)) for c in chunks]
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def unpermute_flat(flat: np.ndarray, lengths: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Row order restored: ``flat`` holds the entries of rows ``order[0], order[1], ...`` one after
+    the other, row b having ``lengths[b]`` entries; returns them as rows ``0, 1, ...``."""
+    lengths, order = np.asarray(lengths, dtype=np.int64), np.asarray(order, dtype=np.int64)
+    if int(lengths.sum()) != len(flat):
+        raise ValueError(f"lengths add up to {int(lengths.sum())} but {len(flat)} values were given")
+    starts_in_flat = np.empty_like(lengths)
+    starts_in_flat[order] = np.cumsum(lengths[order]) - lengths[order]  # where row b begins in `flat`
+    row_starts = np.cumsum(lengths) - lengths  # where row b begins in the result
+    within = np.arange(len(flat)) - np.repeat(row_starts, lengths)
+    return np.asarray(flat)[np.repeat(starts_in_flat, lengths) + within]

@@ -76,6 +76,7 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, data: UpdateD
     sums: Dict[str, float] = {}
     steps = 0
     params = [p for p in model.parameters() if p.requires_grad]
+    seq_len = data.attention_mask.sum(1)  # [N] micro-batches of similar lengths carry little padding
     model.train()
     for _ in range(settings.epochs):
         perm = torch.randperm(n_local, generator=gen)
@@ -85,7 +86,9 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, data: UpdateD
             mb_tokens = float(all_reduce_sum(data.response_mask[mb].sum().double()))
             mb_seqs = float(all_reduce_sum(data.response_mask[mb].any(-1).sum().double()))
             optimizer.zero_grad(set_to_none=True)
-            micros = mb.split(settings.micro_batch_size)
+            # The minibatch's gradient is the sum over its micro-batches whatever rows go together,
+            # so they are cut from its rows sorted by length: each is trimmed to its longest row.
+            micros = mb[torch.argsort(seq_len[mb], stable=True)].split(settings.micro_batch_size)
             step_stats: Dict[str, float] = {}
             for j, idx in enumerate(micros):
                 micro = data.rows(idx, info.device)

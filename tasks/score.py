@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Dict, NamedTuple
+from typing import Dict, NamedTuple, Optional
 
 import numpy as np
+import pyarrow as pa
 from flytekit import task
 
 from models.policy import CriticValues, PolicyLogprobs
 from models.reward_sources import FunctionReward, ModelReward, check_rewards
 from models.scoring import score_microbatches
 from models import ragged
-from tasks.batch import RolloutBatch
-import pyarrow as pa
 from models.batch_tensors import model_inputs
+from models.ragged import list_lengths
+from tasks.batch import RolloutBatch
 from models.lora import canonical_url, without_adapter
 from tasks.common import CACHE_VERSION, base_checkpoint_url, load_hf, load_tokenizer, server_client, timed
 from tasks import decks, secrets
@@ -27,11 +28,17 @@ class ScoreOutput(NamedTuple):
     stats: Dict[str, float]
 
 
-def micro_batches(batch: RolloutBatch, size: int, pad_id: int):
-    """Model inputs of consecutive row slices (each padded to its own longest row)."""
-    table = batch.table
+def micro_batches(batch: RolloutBatch, size: int, pad_id: int, order: Optional[np.ndarray] = None):
+    """Model inputs of consecutive row slices (each padded to its own longest row), of the rows
+    taken in ``order`` when given."""
+    table = batch.table if order is None else batch.table.take(pa.array(order))
     for start in range(0, table.num_rows, size):
         yield model_inputs(table.slice(start, size), pad_id)
+
+
+def by_length(batch: RolloutBatch) -> np.ndarray:
+    """Row order by sequence length (stable): micro-batches of similar lengths carry little padding."""
+    return np.argsort(list_lengths(batch.column("prompt_tokens")) + batch.response_lengths(), kind="stable")
 
 
 def reward_source(cfg: TrainConfig, run: RunHandle):
@@ -90,14 +97,16 @@ def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rollo
         local_critic = cfg.uses_critic and not cfg.critic.remote_url
         critic = CriticValues(load_hf(state.critic_url, AutoModelForTokenClassification, dtype)).eval() \
             if local_critic else None
+        lengths = batch.response_lengths()
         with timed(stats, "time/score_forward_s"):
-            flat = score_microbatches(micro_batches(batch, size, pad), actor, ref, critic,
+            order = by_length(batch)
+            flat = score_microbatches(micro_batches(batch, size, pad, order), actor, ref, critic,
                                       temperature=cfg.rollout.temperature)
+            flat = {k: ragged.unpermute_flat(v, lengths, order) for k, v in flat.items()}
             if cfg.uses_critic and cfg.critic.remote_url:
                 flat["values"] = remote_values(cfg, batch)
         with timed(stats, "time/reward_s"):
             rewards = batch_rewards(cfg, run, batch, size, pad)
-        lengths = batch.response_lengths()
         cols = {k: ragged.list_from_flat(flat[k], lengths, pa.float32())
                 for k in ("old_logprobs", "ref_logprobs", "values") if k in flat}
         scored = batch.with_columns(reward=rewards, **cols)

@@ -117,3 +117,18 @@ def test_batch_shards_cover_all_rows(tmp_path):
     torch.testing.assert_close(torch.cat(ids), torch.arange(7))
     with pytest.raises(ValueError, match="rank=3, world_size=3"):
         batch.shard(3, 3)
+
+
+def test_unpermute_flat_restores_row_order():
+    from models.ragged import unpermute_flat
+
+    # rows 0..3 hold [a], [b b], [], [c c c]; scored in order 3, 0, 2, 1
+    flat_in_order = np.array([30, 31, 32, 0, 10, 11])
+    got = unpermute_flat(flat_in_order, np.array([1, 2, 0, 3]), np.array([3, 0, 2, 1]))
+    assert got.tolist() == [0, 10, 11, 30, 31, 32]
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 5, 50)
+    rows = [rng.normal(size=n) for n in lengths]
+    order = rng.permutation(50)
+    flat = np.concatenate([rows[i] for i in order])
+    np.testing.assert_array_equal(unpermute_flat(flat, lengths, order), np.concatenate(rows))
