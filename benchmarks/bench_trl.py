@@ -124,8 +124,9 @@ class Case:
         return "ppo" if self.algorithm == "ppo" else "reinforce"
 
     def overrides(self, assets: Dict[str, str], storage_root: Path) -> List[str]:
-        """Overrides of configs/bench_<algorithm>.yaml; minibatches shrink with small batches."""
-        mini = min(64, self.prompts * self.samples)
+        """Overrides of configs/bench_<algorithm>.yaml; minibatches shrink with small batches (at least
+        two per iteration, so the TRL mapping of minibatches is exercised at every size)."""
+        mini = max(1, min(64, self.prompts * self.samples // 2))
         micro = min(32, mini)
         out = [f"run.num_iterations={self.iterations}", f"run.seed={self.seed}", f"run.storage_root={storage_root}",
                f"model.actor_path={assets['actor']}", f"data.train_prompts={assets['train_prompts']}",
@@ -231,13 +232,14 @@ def run_ours(case: Case, overrides: List[str], work: Path) -> Side:
     run_process(cmd, env, work / f"{name}.log", lambda line: ends.append(time.time()) if PROGRESS.match(line) else None)
     layout = RunLayout(str(work / "runs"), name)
     keys = [f"time/{p}_s" for p in PHASES] + ["time/generate_s", "rollout/reward_mean",
-                                              "rollout/response_length_mean"]
+                                              "rollout/response_length_mean", "actor/optimizer_steps_total"]
     series = mlflow_series(env["MLFLOW_TRACKING_URI"], layout.read_run_info().mlflow_run_id, keys)
     steady = slice(1, None) if len(ends) > 1 else slice(None)
     breakdown = {k.split("/")[1][:-2]: float(np.mean(v[steady])) for k, v in series.items()
                  if k.startswith("time/") and v}
     return Side(start, ends, series["rollout/reward_mean"], layout.read_state().actor_url,
-                float(np.mean(series["rollout/response_length_mean"])), breakdown)
+                float(np.mean(series["rollout/response_length_mean"])), breakdown,
+                extra={"optimizer_steps": int(series["actor/optimizer_steps_total"][-1])})
 
 
 def trl_spec(cfg: TrainConfig, prompts: List[str], threads: int) -> Dict[str, object]:
@@ -267,7 +269,8 @@ def run_trl(cfg: TrainConfig, case: Case, prompts: List[str], work: Path) -> Sid
                  "--out", str(out / "result.json")], private_env(case.threads, work), out / "trl.log",
                 lambda line: None)
     res = json.loads((out / "result.json").read_text())
-    extra = {k: res[k] for k in ("trl_version", "trainer", "threads", "losses", "max_weight_change", "train_start")}
+    extra = {k: res[k] for k in ("trl_version", "trainer", "threads", "losses", "max_weight_change", "train_start",
+                                 "optimizer_steps")}
     return Side(start, res["iteration_ends"], res["rewards"], res["actor"], res["response_length_mean"], extra=extra)
 
 
@@ -300,7 +303,22 @@ def compare(case: Case, work: Path, eval_n: int, assets_cache: Dict[str, Dict[st
     cfg = load_config(f"configs/bench_{case.algorithm}.yaml", overrides)
     ours = run_ours(case, overrides, work)
     trl = run_trl(cfg, case, read_prompts_jsonl(assets["train_prompts"]), work)
+    check_same_steps(cfg, ours, trl)
     return Comparison(case, ours, trl)
+
+
+def check_same_steps(cfg: TrainConfig, ours: Side, trl: Side) -> None:
+    """Both sides took the optimiser steps the config asks for (``epochs × ⌈rows / minibatch⌉`` per
+    iteration), counted from AdamW's state: a mapping onto TRL's batch settings that did other work
+    fails here instead of giving a ratio of different things."""
+    a, r = cfg.actor, cfg.rollout
+    want = cfg.run.num_iterations * a.ppo_epochs * -(-r.prompts_per_iteration * r.n_samples_per_prompt
+                                                     // a.minibatch_size)
+    got = {"ours": ours.extra["optimizer_steps"], "TRL": trl.extra["optimizer_steps"]}
+    if any(v != want for v in got.values()):
+        raise RuntimeError(f"optimizer steps ours {got['ours']}, TRL {got['TRL']}; the config asks for {want} "
+                           f"({cfg.run.num_iterations} iterations x {a.ppo_epochs} epochs x minibatches of "
+                           f"{a.minibatch_size} rows)")
 
 
 def speed_row(runs: List[Comparison]) -> Row:

@@ -123,7 +123,15 @@ def grpo_trainer(spec: Dict[str, Any], out: Path, clock: IterationClock) -> Buil
 
 
 def ppo_trainer(spec: Dict[str, Any], out: Path, clock: IterationClock) -> Built:
-    """Experimental PPOTrainer: the rows are each prompt ``n`` times (it samples one response per row)."""
+    """Experimental PPOTrainer: the rows are each prompt ``n`` times (it samples one response per row).
+
+    Its rollout batch is ``per_device_train_batch_size × gradient_accumulation_steps`` rows, split into
+    ``num_mini_batches`` minibatches, and Accelerate steps the optimiser once every
+    ``gradient_accumulation_steps`` micro-batches, across minibatches. So that it samples ``prompts × n``
+    rows per update and steps once per minibatch of ``minibatch_size`` rows as our update does, the
+    whole batch is one "device batch" with no accumulation; each minibatch is then one forward of
+    ``minibatch_size`` rows (our micro-batches are smaller: the same work, other peak memory).
+    """
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
     tok = AutoTokenizer.from_pretrained(spec["actor"], padding_side="left")
@@ -133,7 +141,8 @@ def ppo_trainer(spec: Dict[str, Any], out: Path, clock: IterationClock) -> Built
     batch = spec["prompts_per_iteration"] * spec["n_samples"]
     rows = [p for p in spec["prompts"] for _ in range(spec["n_samples"])]
     args = PPOConfig(
-        **common_args(spec, out), num_mini_batches=batch // spec["minibatch_size"],
+        **{**common_args(spec, out), "per_device_train_batch_size": batch, "gradient_accumulation_steps": 1},
+        num_mini_batches=batch // spec["minibatch_size"],
         total_episodes=spec["iterations"] * batch, local_rollout_forward_batch_size=batch,
         response_length=spec["max_new_tokens"], stop_token="eos", num_ppo_epochs=spec["epochs"],
         whiten_rewards=False, kl_coef=spec["kl_coef"], kl_estimator=spec["kl_estimator"], cliprange=spec["clip_eps"],
@@ -160,6 +169,8 @@ def main(argv: List[str] | None = None) -> None:
     train_start = time.time()
     b.trainer.train()
     change = max((b.policy.state_dict()[k] - v).abs().max().item() for k, v in before.items())
+    optimizer = getattr(b.trainer.optimizer, "optimizer", b.trainer.optimizer)  # under Accelerate's wrapper
+    steps = max(int(st["step"]) for st in optimizer.state.values())  # AdamW's own count of its steps
     save_model(b.policy, b.tokenizer, out / "actor")
     history = b.trainer.state.log_history
     lengths = [h[b.length_key] for h in history if b.length_key in h]
@@ -170,7 +181,7 @@ def main(argv: List[str] | None = None) -> None:
         "rewards": [h[b.reward_key] for h in history if b.reward_key in h],  # logged once per generated batch
         "losses": [h[b.loss_key] for h in history if b.loss_key in h],
         "response_length_mean": sum(lengths) / len(lengths) if lengths else None,
-        "max_weight_change": change, "actor": str(out / "actor"),
+        "max_weight_change": change, "optimizer_steps": steps, "actor": str(out / "actor"),
     }
     Path(args.out).write_text(json.dumps(result, indent=2))
 
