@@ -285,6 +285,10 @@ class ActorConfig:
     """Carry AdamW's moments from one iteration's update to the next (committed beside each
     checkpoint as ``<checkpoint>-optimizer/``, ``models/optimizer_state.py``), as one long-running
     trainer would; false restarts AdamW every iteration."""
+    old_logprobs: str = "recompute"
+    """π_old: ``recompute`` (a forward of the training-side actor in ``score``) or ``sampler`` (the
+    engine's own log-probs, one forward less; only where the engine computes in the trainer's dtype,
+    float32, as TRL's PPOTrainer does with its generation logits)."""
     nnodes: int = 1
     """Nodes for the elastic job."""
     nproc_per_node: int = 2
@@ -307,6 +311,7 @@ class ActorConfig:
         _check_choice("actor.loss_agg", self.loss_agg,
                       ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
         _check(self.grad_clip > 0, "actor.grad_clip must be > 0")
+        _check_choice("actor.old_logprobs", self.old_logprobs, ["recompute", "sampler"])
         _check(self.nnodes >= 1 and self.nproc_per_node >= 1, "actor.nnodes and actor.nproc_per_node must be >= 1")
         _check(self.max_restarts >= 0, "actor.max_restarts must be >= 0")
 
@@ -466,6 +471,15 @@ class TrainConfig:
             _check(a.lora.rank <= VLLM_MAX_LORA_RANK,
                    f"actor.lora.rank={a.lora.rank}: vLLM serves adapters up to rank {VLLM_MAX_LORA_RANK}; "
                    f"use rollout.lora_mode=merged")
+        if a.old_logprobs == "sampler":
+            r = self.rollout
+            engine_dtype = r.vllm_dtype if r.engine == "vllm" else self.model.dtype
+            _check(not r.remote_url and engine_dtype == self.model.dtype == "float32",
+                   f"actor.old_logprobs=sampler takes π_old from the rollout engine, so the engine must compute "
+                   f"like the trainer: model.dtype and the engine's dtype float32 and no rollout.remote_url "
+                   f"(got model.dtype={self.model.dtype}, engine {r.engine} in {engine_dtype}"
+                   f"{', remote ' + r.remote_url if r.remote_url else ''}); bf16 samplers differ from an fp32 "
+                   f"trainer by up to 0.4 nats/token: use actor.old_logprobs=recompute")
         _check(self.resources.actor_gpu in (0, a.nproc_per_node),
                f"resources.actor_gpu={self.resources.actor_gpu} must be 0 (CPU) or actor.nproc_per_node="
                f"{a.nproc_per_node} (one GPU per process)")

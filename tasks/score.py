@@ -87,8 +87,10 @@ def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rollo
         tok = load_tokenizer(run.reference_url)
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         size = max(cfg.actor.micro_batch_size, 1) * 2
-        actor_lm = load_hf(state.actor_url, AutoModelForCausalLM, dtype)
-        actor = PolicyLogprobs(actor_lm).eval()
+        recompute = cfg.actor.old_logprobs == "recompute"
+        actor_lm = load_hf(state.actor_url, AutoModelForCausalLM, dtype) if recompute or cfg.actor.lora.enabled \
+            else None
+        actor = PolicyLogprobs(actor_lm).eval() if actor_lm is not None else None
         if cfg.actor.lora.enabled:  # π_ref = the same model with its adapter off; no second copy
             check_reference_base(state.actor_url, run.reference_url)
             ref = without_adapter(actor, actor_lm)
@@ -100,9 +102,12 @@ def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rollo
         lengths = batch.response_lengths()
         with timed(stats, "time/score_forward_s"):
             order = by_length(batch)
-            flat = score_microbatches(micro_batches(batch, size, pad, order), actor, ref, critic,
-                                      temperature=cfg.rollout.temperature)
+            flat = score_microbatches(micro_batches(batch, size, pad, order), actor if recompute else None, ref,
+                                      critic, temperature=cfg.rollout.temperature)
             flat = {k: ragged.unpermute_flat(v, lengths, order) for k, v in flat.items()}
+            if not recompute:  # π_old = the engine's own log-probs (config checks it computes like the trainer)
+                flat["old_logprobs"] = ragged.offsets_and_values(batch.column("sampler_logprobs"))[1] \
+                    .astype(np.float32)
             if cfg.uses_critic and cfg.critic.remote_url:
                 flat["values"] = remote_values(cfg, batch)
         with timed(stats, "time/reward_s"):
@@ -127,7 +132,8 @@ def rollout_stats(rewards: np.ndarray, lengths: np.ndarray, batch: RolloutBatch,
         "rollout/init_policy_kl": float(kl_seq.mean()),
         "rollout/response_length_mean": float(lengths.mean()),
         "rollout/fraction_ended": float(np.asarray(ended, dtype=np.float64).mean()),
-        "rollout/entropy": float(flat["entropy"].mean()) if flat["entropy"].size else 0.0,
+        **({"rollout/entropy": float(flat["entropy"].mean()) if flat["entropy"].size else 0.0}
+           if "entropy" in flat else {}),  # the actor's forward: not run with actor.old_logprobs=sampler
     }
 
 

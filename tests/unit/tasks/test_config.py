@@ -46,6 +46,12 @@ def test_frozen():
     (["rollout.remote_url=http://"], "rollout.remote_url='http://' must be an http:// or https:// URL with a host"),
     (["advantage.lam=1.5"], "advantage.lam must be in [0, 1]"),
     (["actor"], "must look like section.field=value"),
+    (["actor.old_logprobs=engine"], "actor.old_logprobs='engine' is not one of"),
+    (["actor.old_logprobs=sampler", "rollout.vllm_dtype=bfloat16"],
+     "engine vllm in bfloat16); bf16 samplers differ"),
+    (["actor.old_logprobs=sampler", "rollout.engine=hf", "model.dtype=bfloat16"],
+     "got model.dtype=bfloat16, engine hf in bfloat16"),
+    (["actor.old_logprobs=sampler", "rollout.remote_url=http://127.0.0.1:8125"], "remote http://127.0.0.1:8125"),
 ])
 def test_bad_values_are_named(overrides, fragment):
     with pytest.raises(ConfigError) as err:

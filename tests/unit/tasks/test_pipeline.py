@@ -166,3 +166,19 @@ def test_commit_writes_resume_point_and_metrics(run):
     again = setup_run("tiny_ppo", [f"run.storage_root={setup.run.storage_root}"] + OVERRIDES, "unit")
     assert (again.state.iteration, again.state.actor_url) == (1, actor.checkpoint_url)
     assert again.run.mlflow_run_id == setup.run.mlflow_run_id
+
+
+def test_score_can_take_pi_old_from_the_sampler(run):
+    """actor.old_logprobs=sampler: π_old is the engine's own log-probs (no actor forward), still within
+    1e-4 of an independent forward; π_ref and the reward are as with a recomputed π_old. (Last in the
+    module: it rewrites iteration 0's score batch.)"""
+    import dataclasses
+
+    setup, ro, sc, _ = run
+    cfg = dataclasses.replace(setup.cfg, actor=dataclasses.replace(setup.cfg.actor, old_logprobs="sampler"))
+    b = run_score(cfg, setup.run, setup.state, ro.batch).batch
+    assert b.column("old_logprobs").to_pylist() == b.column("sampler_logprobs").to_pylist()
+    for mine, theirs in zip(b.column("old_logprobs").to_pylist(), _hf_logprobs(setup.state.actor_url, b)):
+        np.testing.assert_allclose(mine, theirs, atol=1e-4)
+    assert b.column("ref_logprobs").to_pylist() == sc.batch.column("ref_logprobs").to_pylist()
+    np.testing.assert_array_equal(b.column("reward").to_numpy(), sc.batch.column("reward").to_numpy())
