@@ -1,7 +1,8 @@
 """Hugging Face checkpoint directories on any fsspec URL, committed by a final marker.
 
 A checkpoint at ``url`` is whole only if ``{url}/COMMITTED.json`` exists; the marker is
-written last and lists every file with its size and sha256. Writing goes
+written last and lists every file with its size and BLAKE3 digest (markers written before
+BLAKE3 list sha256, still checked). Writing goes
 
     local dir --upload--> {url}.tmp-{uuid}/ --move--> {url}/ --then--> {url}/COMMITTED.json
 
@@ -23,6 +24,8 @@ import tempfile
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, Mapping, Optional
+
+import blake3
 
 from models import storage
 from models.faults import pause_point
@@ -51,13 +54,22 @@ def check_file_allowed(rel_path: str, where: str) -> None:
                               f"file type {ALLOWED_SUFFIXES}")
 
 
-def file_digest(path: str) -> Dict[str, Any]:
-    """``{"size": bytes, "sha256": hex}`` of a local file (read in 8 MiB blocks)."""
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(8 << 20), b""):
-            sha.update(block)
-    return {"size": os.path.getsize(path), "sha256": sha.hexdigest()}
+def file_digest(path: str, algorithm: str = "blake3") -> Dict[str, Any]:
+    """``{"size": bytes, algorithm: hex}`` of a local file: BLAKE3 (memory-mapped, all cores: ~7x
+    sha256 on one core, which made hashing a visible share of every checkpoint save and load) or
+    ``sha256`` (read in 8 MiB blocks) for markers written before BLAKE3."""
+    if algorithm == "blake3":
+        h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        if os.path.getsize(path):  # an empty file cannot be mapped
+            h.update_mmap(path)
+    elif algorithm == "sha256":
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(8 << 20), b""):
+                h.update(block)
+    else:
+        raise CheckpointError(f"unknown checksum algorithm {algorithm!r} (blake3 or sha256)")
+    return {"size": os.path.getsize(path), algorithm: h.hexdigest()}
 
 
 def _local_files(local_dir: str) -> Dict[str, str]:
@@ -105,7 +117,7 @@ def save_checkpoint(local_dir: str, url: str, overwrite: bool = False,
         return digest
 
     try:  # a failed upload leaves any old checkpoint intact
-        with ThreadPoolExecutor(max_workers=workers) as pool:  # sha256 and file I/O release the GIL
+        with ThreadPoolExecutor(max_workers=workers) as pool:  # hashing and file I/O release the GIL
             manifest = dict(zip(files, pool.map(upload, files)))
         storage.remove(storage.join(url, MARKER))  # uncommit first: a crash now leaves no marker
         storage.remove(url, recursive=True)
@@ -186,17 +198,20 @@ def read_marker(url: str) -> Mapping[str, Any]:
 
 
 def verify_local(local_dir: str, marker: Mapping[str, Any], url: str) -> None:
-    """Check every file of ``marker`` in ``local_dir`` for size and sha256; errors name file and URL."""
+    """Check every file of ``marker`` in ``local_dir`` for size and checksum (BLAKE3, or sha256 in older
+    markers); errors name file and URL."""
     for rel, want in marker["files"].items():
         path = os.path.join(local_dir, *rel.split("/"))
         if not os.path.isfile(path):
             raise CheckpointError(f"checkpoint {url}: file '{rel}' listed in {MARKER} is missing")
-        got = file_digest(path)
-        if got["size"] != want["size"]:
-            raise CheckpointError(f"checkpoint {url}: file '{rel}' has {got['size']} bytes, "
-                                  f"{MARKER} says {want['size']}")
-        if got["sha256"] != want["sha256"]:
-            raise CheckpointError(f"checkpoint {url}: file '{rel}' fails its sha256 check "
+        algorithm = next((a for a in ("blake3", "sha256") if a in want), None)
+        if algorithm is None:
+            raise CheckpointError(f"checkpoint {url}: {MARKER} gives file '{rel}' no blake3 or sha256 checksum")
+        size = os.path.getsize(path)
+        if size != want["size"]:
+            raise CheckpointError(f"checkpoint {url}: file '{rel}' has {size} bytes, {MARKER} says {want['size']}")
+        if file_digest(path, algorithm)[algorithm] != want[algorithm]:
+            raise CheckpointError(f"checkpoint {url}: file '{rel}' fails its {algorithm} check "
                                   f"(corrupted or changed after commit)")
 
 

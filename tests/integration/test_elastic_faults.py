@@ -48,7 +48,7 @@ def inputs(tmp_path_factory):
 
 
 def _digest(url: str) -> str:
-    return read_marker(url)["files"]["model.safetensors"]["sha256"]
+    return read_marker(url)["files"]["model.safetensors"]["blake3"]
 
 
 def test_killed_rank_is_restarted_and_the_update_is_unchanged(inputs, monkeypatch):

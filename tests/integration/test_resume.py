@@ -124,7 +124,7 @@ def _run_id(runs: Runs, name: str) -> str:
 
 
 def _weights_digest(url: str) -> str:
-    return read_marker(url)["files"]["model.safetensors"]["sha256"]
+    return read_marker(url)["files"]["model.safetensors"]["blake3"]
 
 
 def test_resumed_run_completes_every_iteration_once(runs):

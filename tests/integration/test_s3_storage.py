@@ -67,7 +67,7 @@ def test_checkpoint_commit_and_verify_on_s3(s3_url, tmp_path):
     data = bytearray(storage.read_bytes(weights))
     data[100] ^= 0xFF
     storage.write_bytes(weights, bytes(data))
-    with pytest.raises(CheckpointError, match="'model.safetensors' fails its sha256 check"):
+    with pytest.raises(CheckpointError, match="'model.safetensors' fails its blake3 check"):
         download_checkpoint(url, str(tmp_path / "dl"))
     # an uncommitted prefix is refused, and state.json will not point at it
     storage.put_dir(hf_dir(tmp_path / "half"), layout.critic_url(1))

@@ -150,18 +150,18 @@ def test_truncated_or_corrupted_checkpoint_is_reported_with_its_url(proxy, s3_ur
     url = storage.join(s3_url, "iter-000004", "actor")
     save_model_checkpoint(*tiny_model_and_tokenizer(), url)
     # a byte flipped on the way (the stored object is fine): S3's response checksum catches it
-    # and the object is fetched again; the copy then passes the marker's sha256
+    # and the object is fetched again; the copy then passes the marker's checksum
     proxy.mode = "corrupt"
     proxy.match = lambda method, path: method == "GET" and path.endswith("/model.safetensors")
     proxy.fail_next(1)
     download_checkpoint(url, str(tmp_path / "a"))
     gets = [hit for method, path, hit in proxy.log if method == "GET" and path.endswith("/model.safetensors")]
     assert gets == [True, False]
-    # a byte flipped in the stored object: only the marker's sha256 can tell
+    # a byte flipped in the stored object: only the marker's checksum can tell
     weights = storage.join(url, "model.safetensors")
     data = storage.read_bytes(weights)
     storage.write_bytes(weights, data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
-    with pytest.raises(CheckpointError, match=f"checkpoint {url}: file 'model.safetensors' fails its sha256"):
+    with pytest.raises(CheckpointError, match=f"checkpoint {url}: file 'model.safetensors' fails its blake3"):
         download_checkpoint(url, str(tmp_path / "b"))
     storage.write_bytes(weights, data[:-10])
     with pytest.raises(CheckpointError, match=rf"checkpoint {url}: file 'model.safetensors' has {len(data) - 10} "

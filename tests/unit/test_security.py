@@ -100,7 +100,7 @@ def test_pickle_disguised_as_safetensors_does_not_run(tmp_path, exploit):
     data, sentinel = exploit
     url = committed(tmp_path)
     (Path(url) / "model.safetensors").write_bytes(data)
-    with pytest.raises(CheckpointError, match="'model.safetensors' has .* bytes|fails its sha256"):
+    with pytest.raises(CheckpointError, match="'model.safetensors' has .* bytes|fails its blake3"):
         download_checkpoint(url)
     forge_marker(url, "model.safetensors")  # checksum matches now: the safetensors parser refuses it
     from transformers import AutoModelForCausalLM

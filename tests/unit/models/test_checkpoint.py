@@ -55,13 +55,13 @@ def test_model_round_trip_through_a_committed_checkpoint(tmp_path, tiny):
 
 
 def test_marker_lists_sizes_and_checksums(tmp_path):
-    import hashlib
+    import blake3
 
     src = hf_dir(tmp_path / "src")
     save_checkpoint(src, str(tmp_path / "ckpt"))
     marker = json.loads((tmp_path / "ckpt" / MARKER).read_text())
     entry = marker["files"]["tokenizer/vocab.txt"]
-    assert entry == {"size": 4, "sha256": hashlib.sha256(b"a\nb\n").hexdigest()}
+    assert entry == {"size": 4, "blake3": blake3.blake3(b"a\nb\n").hexdigest()}
     assert "created_at" in marker
     assert download_checkpoint(str(tmp_path / "ckpt")) == str(tmp_path / "ckpt")  # local: in place
     copy = download_checkpoint(f"file://{tmp_path}/ckpt", str(tmp_path / "copy"))
@@ -102,9 +102,9 @@ def test_corrupted_file_is_detected_with_its_name(tmp_path):
     data = bytearray(weights.read_bytes())
     data[10] ^= 0x01  # flip one bit, same size
     weights.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"ckpt: file 'model.safetensors' fails its sha256 check"):
+    with pytest.raises(CheckpointError, match=r"ckpt: file 'model.safetensors' fails its blake3 check"):
         download_checkpoint(url)
-    with pytest.raises(CheckpointError, match="model.safetensors' fails its sha256"):
+    with pytest.raises(CheckpointError, match="model.safetensors' fails its blake3"):
         download_checkpoint(url, str(tmp_path / "elsewhere"))
     weights.write_bytes(bytes(data[:-1]))
     with pytest.raises(CheckpointError, match=r"'model.safetensors' has 63 bytes, COMMITTED.json says 64"):
@@ -148,7 +148,7 @@ def test_trust_remote_code_is_refused(tmp_path):
 
 
 def test_big_models_are_saved_in_shards_hashed_in_parallel(tmp_path, tiny):
-    import hashlib
+    import blake3
 
     from transformers import AutoModelForCausalLM
 
@@ -160,7 +160,7 @@ def test_big_models_are_saved_in_shards_hashed_in_parallel(tmp_path, tiny):
     assert len(shards) >= 3 and "model.safetensors.index.json" in marker["files"]
     for rel in shards:  # each digest belongs to its own file
         data = (tmp_path / "sharded" / rel).read_bytes()
-        assert marker["files"][rel] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert marker["files"][rel] == {"size": len(data), "blake3": blake3.blake3(data).hexdigest()}
     loaded = load_model(url, AutoModelForCausalLM)
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0)
@@ -184,3 +184,19 @@ def test_consumed_local_files_are_linked_not_copied(tmp_path):
     assert os.stat(tmp_path / "copied" / "model.safetensors").st_ino != inode
     assert os.stat(tmp_path / "linked" / "model.safetensors").st_ino == inode
     assert download_checkpoint(str(tmp_path / "linked")) == str(tmp_path / "linked")  # verifies checksums
+
+
+def test_markers_with_sha256_from_before_blake3_are_still_checked(tmp_path):
+    import hashlib
+
+    url = str(tmp_path / "old")
+    save_checkpoint(hf_dir(tmp_path / "src"), url)
+    marker = json.loads((tmp_path / "old" / MARKER).read_text())
+    for rel in marker["files"]:  # as a checkpoint committed by an earlier version wrote them
+        data = (tmp_path / "old" / rel).read_bytes()
+        marker["files"][rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (tmp_path / "old" / MARKER).write_text(json.dumps(marker))
+    assert download_checkpoint(url) == url
+    (tmp_path / "old" / "model.safetensors").write_bytes(b"\x01" + b"\x00" * 63)  # same size, other bytes
+    with pytest.raises(CheckpointError, match="file 'model.safetensors' fails its sha256 check"):
+        download_checkpoint(url)
