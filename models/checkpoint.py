@@ -15,6 +15,7 @@ write and on read (nothing loaded from storage may execute code).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import json
@@ -23,7 +24,7 @@ import shutil
 import tempfile
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Iterator, Mapping, Optional
 
 import blake3
 
@@ -154,6 +155,20 @@ def shard_bytes(state_dict: Mapping[str, Any], parts: Optional[int] = None) -> i
     return min(max(-(-total // parts), MIN_SHARD_BYTES), 5 * 10**9)
 
 
+@contextlib.contextmanager
+def staging_dir(url: str) -> Iterator[str]:
+    """A temporary folder to write the files of the checkpoint ``url`` into, removed on exit: next to
+    ``url`` when it is local (the same filesystem, so :func:`save_checkpoint` with ``consume=True``
+    hard-links the files into place instead of copying them), else in the system's temp folder."""
+    near = None
+    if storage.is_local(url):
+        near = os.path.dirname(os.path.abspath(storage.local_path(url).rstrip("/")))
+        os.makedirs(near, exist_ok=True)
+    name = os.path.basename(url.rstrip("/"))
+    with tempfile.TemporaryDirectory(prefix=f"{name}.tmp-save-", dir=near) as tmp:
+        yield tmp
+
+
 def save_model_checkpoint(model: Any, tokenizer: Any, url: str, overwrite: bool = False,
                           state_dict: Optional[Mapping[str, Any]] = None,
                           max_shard_size: Optional[int] = None, workers: Optional[int] = None) -> Mapping[str, Any]:
@@ -164,12 +179,7 @@ def save_model_checkpoint(model: Any, tokenizer: Any, url: str, overwrite: bool 
 
     ``state_dict``: the full weights when the model's own are sharded (FSDP2)."""
     weights = dict(state_dict) if state_dict is not None else model.state_dict()
-    near = None
-    if storage.is_local(url):  # same filesystem as url: hard links, no copy
-        near = os.path.dirname(os.path.abspath(storage.local_path(url).rstrip("/")))
-        os.makedirs(near, exist_ok=True)
-    name = os.path.basename(url.rstrip("/"))
-    with tempfile.TemporaryDirectory(prefix=f"{name}.tmp-save-", dir=near) as tmp:
+    with staging_dir(url) as tmp:
         kwargs = {"state_dict": weights} if state_dict is not None else {}
         model.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size or shard_bytes(weights),
                               **kwargs)
@@ -270,7 +280,16 @@ def load_model(url: str, auto_cls: Any, **kwargs: Any) -> Any:
     if kwargs.get("trust_remote_code"):
         raise CheckpointError(f"load_model({url}): trust_remote_code is not allowed")
     kwargs["use_safetensors"] = True
+    with verified_copy(url) as local:
+        return auto_cls.from_pretrained(local, **kwargs)
+
+
+@contextlib.contextmanager
+def verified_copy(url: str) -> Iterator[str]:
+    """The committed checkpoint at ``url`` as a verified local folder: in place when ``url`` is local,
+    else downloaded to a temporary folder that is removed on exit."""
     if storage.is_local(url):
-        return auto_cls.from_pretrained(download_checkpoint(url), **kwargs)
+        yield download_checkpoint(url)
+        return
     with tempfile.TemporaryDirectory(prefix="ckpt-") as tmp:
-        return auto_cls.from_pretrained(download_checkpoint(url, tmp), **kwargs)
+        yield download_checkpoint(url, tmp)

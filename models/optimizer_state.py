@@ -19,16 +19,13 @@ is reported and AdamW starts from zero.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 from typing import Dict, Optional
 
 import torch
 from torch import nn
 
-from models import storage
-from models.checkpoint import download_checkpoint, is_committed, save_checkpoint
+from models.checkpoint import is_committed, save_checkpoint, staging_dir, verified_copy
 from models.distributed import DistInfo, unwrap
 
 FILE = "optimizer.safetensors"
@@ -74,11 +71,7 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, url: str, info: Dis
     state = gather(model, optimizer)
     if not info.is_main:
         return
-    near = None
-    if storage.is_local(url):  # next to its target so the commit hard-links instead of copying
-        near = os.path.dirname(os.path.abspath(storage.local_path(url).rstrip("/")))
-        os.makedirs(near, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="optimizer.tmp-save-", dir=near) as tmp:
+    with staging_dir(url) as tmp:
         save_file(state, os.path.join(tmp, FILE), metadata={"format": FORMAT, "optimizer": type(optimizer).__name__})
         save_checkpoint(tmp, url, overwrite=True, consume=True, require_model=False)
 
@@ -93,9 +86,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, url: str) -> Option
     if not is_committed(url):
         return None
     params = _trainable(model)
-    with contextlib.ExitStack() as stack:
-        local = None if storage.is_local(url) else stack.enter_context(tempfile.TemporaryDirectory(prefix="optimizer-"))
-        f = stack.enter_context(safe_open(os.path.join(download_checkpoint(url, local), FILE), framework="pt"))
+    with verified_copy(url) as local, safe_open(os.path.join(local, FILE), framework="pt") as f:
         meta = f.metadata() or {}
         keys = set(f.keys())
         want = {f"{n}.{k}" for n in params for k in (*MOMENTS, "step")}
