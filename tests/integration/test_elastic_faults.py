@@ -13,11 +13,8 @@ from flytekit import task
 from flytekitplugins.kfpytorch import Elastic
 
 from models.checkpoint import is_committed, read_marker
-from tasks.advantages import run_advantages
-from tasks.rollout import run_rollout
-from tasks.score import run_score
-from tasks.setup import setup_run
 from tasks.updates import actor_update
+from tests.stages import tiny_run, to_advantages
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -36,15 +33,9 @@ def elastic_update(max_restarts: int):
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("elastic")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
-    mp.setenv("FLYTE_LOCAL_CACHE_ENABLED", "false")  # each call must really run
-    setup = setup_run("tiny_ppo", [f"run.storage_root={root}"] + OVERRIDES, "elastic")
-    ro = run_rollout(setup.cfg, setup.run, setup.state)
-    sc = run_score(setup.cfg, setup.run, setup.state, ro.batch)
-    ad = run_advantages(setup.cfg, setup.run, setup.state, sc.batch)
-    yield dict(cfg=setup.cfg, run=setup.run, state=setup.state, batch=ad.batch), root
-    mp.undo()
+    with tiny_run(root, "tiny_ppo", OVERRIDES, "elastic", local_cache=False) as setup:
+        _, _, ad = to_advantages(*setup)
+        yield dict(cfg=setup.cfg, run=setup.run, state=setup.state, batch=ad.batch), root
 
 
 def _digest(url: str) -> str:

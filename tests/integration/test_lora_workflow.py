@@ -59,32 +59,20 @@ def test_ppo_lora_two_iterations_through_pyflyte(tmp_path):
 @pytest.fixture(scope="module")
 def iteration_one(tmp_path_factory):
     """Iteration 0 in-process (HF engine, one process) so iteration 1 starts from an adapter."""
-    from tasks.advantages import run_advantages
     from tasks.iteration import run_commit
-    from tasks.rollout import run_rollout
-    from tasks.score import run_score
-    from tasks.setup import setup_run
     from tasks.updates import train_actor
     from models.distributed import DistInfo
+    from tests.stages import tiny_run, to_advantages
 
-    root = tmp_path_factory.mktemp("lora-elastic")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
-    mp.setenv("FLYTE_LOCAL_CACHE_ENABLED", "false")
-    overrides = [f"run.storage_root={root}", "rollout.engine=hf", "actor.nproc_per_node=1", "run.algorithm=grpo",
+    overrides = ["rollout.engine=hf", "actor.nproc_per_node=1", "run.algorithm=grpo",
                  "actor.minibatch_size=16", "actor.micro_batch_size=8", "rollout.prompts_per_iteration=8",
                  "data.num_demo_train_prompts=64", "data.num_demo_eval_prompts=8", "actor.lr=1e-2"]
-    cfg, run, s0 = setup_run("tiny_ppo_lora", overrides, "elastic")
-
-    def scored(state):
-        ro = run_rollout(cfg, run, state)
-        return run_advantages(cfg, run, state, run_score(cfg, run, state, ro.batch).batch).batch
-
-    batch0 = scored(s0)
-    actor = train_actor(cfg, run, s0, batch0, DistInfo(0, 1, 0, torch.device("cpu")))
-    s1 = run_commit(cfg, run, s0, [], batch0, actor.checkpoint_url, "")
-    yield cfg, run, s1, scored(s1)
-    mp.undo()
+    with tiny_run(tmp_path_factory.mktemp("lora-elastic"), "tiny_ppo_lora", overrides, "elastic",
+                  local_cache=False) as (cfg, run, s0):
+        batch0 = to_advantages(cfg, run, s0)[2].batch
+        actor = train_actor(cfg, run, s0, batch0, DistInfo(0, 1, 0, torch.device("cpu")))
+        s1 = run_commit(cfg, run, s0, [], batch0, actor.checkpoint_url, "")
+        yield cfg, run, s1, to_advantages(cfg, run, s1)[2].batch
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -18,13 +18,12 @@ from models.distributed import DistInfo
 from models.lora import CAUSAL_LM, canonical_url
 from models.policy import PolicyLogprobs
 from models.update import make_optimizer
-from tasks.advantages import run_advantages
 from tasks.iteration import run_commit
 from tasks.rollout import run_rollout
 from tasks.score import run_score
-from tasks.setup import setup_run
 from tasks.updates import load_trainable, train_actor, train_critic
 from tests.reference import token_logprobs
+from tests.stages import tiny_run, to_advantages
 
 OVERRIDES = ["rollout.engine=hf", "rollout.prompts_per_iteration=8", "rollout.n_samples_per_prompt=4",
              "actor.minibatch_size=16", "actor.micro_batch_size=8", "actor.nproc_per_node=1",
@@ -46,21 +45,14 @@ def _path(url: str) -> str:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("runs")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
-    setup = setup_run("tiny_ppo_lora", [f"run.storage_root={root}"] + OVERRIDES, "lora")
-    cfg, handle, s0 = setup
-    ro = run_rollout(cfg, handle, s0)
-    sc = run_score(cfg, handle, s0, ro.batch)
-    ad = run_advantages(cfg, handle, s0, sc.batch)
-    actor = train_actor(cfg, handle, s0, ad.batch, CPU)
-    critic = train_critic(cfg, handle, s0, ad.batch)
-    s1 = run_commit(cfg, handle, s0, [ro.stats, sc.stats, ad.stats, actor.stats, critic.stats], sc.batch,
-                    actor.checkpoint_url, critic.checkpoint_url)
-    ro1 = run_rollout(cfg, handle, s1)
-    yield dict(cfg=cfg, run=handle, s0=s0, s1=s1, ad0=ad, ro1=ro1)
-    mp.undo()
+    with tiny_run(tmp_path_factory.mktemp("runs"), "tiny_ppo_lora", OVERRIDES, "lora") as (cfg, handle, s0):
+        ro, sc, ad = to_advantages(cfg, handle, s0)
+        actor = train_actor(cfg, handle, s0, ad.batch, CPU)
+        critic = train_critic(cfg, handle, s0, ad.batch)
+        s1 = run_commit(cfg, handle, s0, [ro.stats, sc.stats, ad.stats, actor.stats, critic.stats], sc.batch,
+                        actor.checkpoint_url, critic.checkpoint_url)
+        ro1 = run_rollout(cfg, handle, s1)
+        yield dict(cfg=cfg, run=handle, s0=s0, s1=s1, ad0=ad, ro1=ro1)
 
 
 def test_actor_checkpoint_is_the_adapter_only(run):

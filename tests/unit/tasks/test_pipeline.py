@@ -10,13 +10,12 @@ import torch
 from kernels.gae import compute_gae_reference
 from models.distributed import DistInfo
 from models.task import reverse_reward
-from tasks.advantages import run_advantages
 from tasks.batch import ADVANTAGE_COLUMNS, ROLLOUT_COLUMNS, SCORE_COLUMNS, RolloutBatch
 from tasks.iteration import run_commit
-from tasks.rollout import run_rollout
 from tasks.score import run_score
 from tasks.setup import setup_run
 from tasks.updates import policy_loss_config, train_actor, train_critic, update_data
+from tests.stages import tiny_run, to_advantages
 
 OVERRIDES = ["rollout.engine=hf", "rollout.prompts_per_iteration=8", "rollout.n_samples_per_prompt=4",
              "actor.minibatch_size=16", "actor.micro_batch_size=8", "actor.nproc_per_node=1",
@@ -27,15 +26,8 @@ CPU = DistInfo(0, 1, 0, torch.device("cpu"))
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("runs")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
-    setup = setup_run("tiny_ppo", [f"run.storage_root={root}"] + OVERRIDES, "unit")
-    ro = run_rollout(setup.cfg, setup.run, setup.state)
-    sc = run_score(setup.cfg, setup.run, setup.state, ro.batch)
-    ad = run_advantages(setup.cfg, setup.run, setup.state, sc.batch)
-    yield setup, ro, sc, ad
-    mp.undo()
+    with tiny_run(tmp_path_factory.mktemp("runs"), "tiny_ppo", OVERRIDES, "unit") as setup:
+        yield (setup, *to_advantages(*setup))
 
 
 def _hf_logprobs(actor_dir, batch: RolloutBatch):
