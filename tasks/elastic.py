@@ -9,6 +9,8 @@ first gloo collective. A *forkserver* is both: one clean, single-threaded proces
 first launch with the heavy modules imported, forks every later worker (0.4 s per launch instead
 of 18 s, measured with the machine loaded). It lives as long as the run's process.
 
+A launch of one worker on one node is no launch at all: the task runs in the calling process.
+
 Registered tasks keep the plugin's ``spawn``: a task pod launches once, so there is nothing to
 amortise, and the cluster runs exactly the plugin's code.
 """
@@ -43,15 +45,31 @@ class ActorElasticTask(PytorchElasticFunctionTask):
     def _execute(self, **kwargs) -> Any:
         if self.task_config.start_method != FORKSERVER:
             return super()._execute(**kwargs)
+        if self.max_nodes == 1 and self.task_config.nproc_per_node == 1:
+            return self._run_in_process(kwargs)
         return self._launch_from_forkserver(kwargs)
+
+    def _run_in_process(self, kwargs) -> Any:
+        """One worker on one node: this process is the worker (no launch: 0.7 s less per iteration, and
+        no store, rendezvous or result file). It has no process group, as a single launched worker has
+        none; torch gets the threads a launched worker would get, and the caller's afterwards."""
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(worker_threads(1))
+        try:
+            return self._task_function(**kwargs)
+        finally:
+            torch.set_num_threads(before)
+            if torch.cuda.is_available():  # give the cached blocks back to a colocated engine
+                torch.cuda.empty_cache()
 
     def _launch_from_forkserver(self, kwargs) -> Any:
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
         c = self.task_config
-        if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does; set before the server imports torch
-            os.environ["OMP_NUM_THREADS"] = str(max((os.cpu_count() or 1) // c.nproc_per_node, 1))
+        os.environ["OMP_NUM_THREADS"] = str(worker_threads(c.nproc_per_node))  # before the server imports torch
         start_forkserver(PRELOAD)
         ctx = flytekit.current_context()
         config = LaunchConfig(run_id=ctx.execution_id.name, min_nodes=self.min_nodes, max_nodes=self.max_nodes,
@@ -74,6 +92,12 @@ class ActorElasticTask(PytorchElasticFunctionTask):
         if result.om:
             FlyteContextManager.current_context().output_metadata_tracker.add(result.return_value, result.om)
         return result.return_value
+
+
+def worker_threads(nproc_per_node: int) -> int:
+    """Torch threads of each local worker: ``OMP_NUM_THREADS`` when set, else the cores shared out
+    (as torchrun does)."""
+    return int(os.environ.get("OMP_NUM_THREADS") or max((os.cpu_count() or 1) // nproc_per_node, 1))
 
 
 def start_forkserver(preload: Sequence[str]) -> None:

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.integration
 
 class Seen(NamedTuple):
     world: int
+    pid: int
     parent_pid: int
     threads: int
     doubled: int
@@ -34,7 +35,7 @@ def _seen(x: int) -> Seen:
     if x < 0:
         raise ValueError(f"rank {info.rank} refuses x={x}")
     shutdown_distributed()
-    return Seen(info.world_size * 100 + int(t.item()), os.getppid(), torch.get_num_threads(), 2 * x)
+    return Seen(info.world_size * 100 + int(t.item()), os.getpid(), os.getppid(), torch.get_num_threads(), 2 * x)
 
 
 who = task(task_config=elastic_for(load_config("tiny_ppo", ["actor.nproc_per_node=2"]), local=True))(_seen)
@@ -50,10 +51,24 @@ def test_workers_come_from_one_forkserver_that_outlives_the_launch():
 
 
 def test_the_run_config_sets_the_local_worker_count():
+    """One worker runs in the calling process, with the threads a launched one gets, and the
+    caller's thread count is restored."""
+    import torch
+
     use_local_topology(who, load_config("tiny_ppo", ["actor.nproc_per_node=1"]))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        assert who(x=1).world == 1 * 100 + 1
+        one = who(x=1)
+        assert one.world == 1 * 100 + 1
+        assert one.pid == os.getpid()
+        assert one.threads == int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+        assert torch.get_num_threads() == 1
+        with pytest.raises(Exception, match="refuses x=-2"):
+            who(x=-2)
+        assert torch.get_num_threads() == 1
     finally:
+        torch.set_num_threads(before)
         use_local_topology(who, load_config("tiny_ppo", ["actor.nproc_per_node=2"]))
 
 
