@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import secrets
+import shutil
 import sys
 import tempfile
 import threading
@@ -140,7 +141,12 @@ def main() -> int:
     print(f"lost: {lost}  mixed: {mixed}")
     for err in sorted({e for o in outs for e in o["errors"]})[:5]:
         print(f"  error: {err}")
-    return 1 if lost or mixed or not ok else 0
+    failed = bool(lost or mixed or not ok)
+    if failed:
+        print(f"server log and models kept in {tmp}")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return int(failed)
 
 
 if __name__ == "__main__":
