@@ -10,12 +10,13 @@ hidden states go through the output projection, chunked (``kernels.logprobs``), 
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, Tuple
+from typing import Optional, Protocol, Tuple, TypeVar
 
 import torch
 from torch import nn
 
 from kernels.logprobs import token_logprobs_and_entropy, token_logprobs_and_entropy_from_hidden
+from models import packing
 
 
 class ModelInputs(Protocol):
@@ -33,8 +34,8 @@ def inputs_to(inputs, device):
 
 
 def _gather_positions(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``hidden [B, L, H]`` at ``index [B, T]`` → ``[B, T, H]``."""
-    return hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+    """``hidden [B, L, ...]`` at ``index [B, T]`` → ``[B, T, ...]``."""
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device)[:, None], index]
 
 
 FROM_HIDDEN_MIN_LOGITS = 1 << 26
@@ -44,18 +45,26 @@ path recomputes them in backward, ~1.5x the time of the plain path (benchmarks/b
 
 
 class PolicyLogprobs(nn.Module):
-    """Wraps a causal LM so one ``forward`` (the one DDP/FSDP hook into) gives log-probs and entropy."""
+    """Wraps a causal LM so one ``forward`` (the one DDP/FSDP hook into) gives log-probs and entropy.
 
-    def __init__(self, lm: nn.Module, chunked: bool = True):
+    ``packed``: rows go through the trunk packed end to end (:mod:`models.packing`) instead of
+    padded; give it :func:`packing_supported` (the trunk must keep packed rows apart)."""
+
+    def __init__(self, lm: nn.Module, chunked: bool = True, packed: bool = False):
         super().__init__()
         self.lm = lm
         self.chunked = chunked
+        self.packed = packed
+
+    @property
+    def trunk(self) -> nn.Module:
+        return self.lm.get_decoder() if hasattr(self.lm, "get_decoder") else self.lm.model
 
     def forward(self, inputs: ModelInputs, temperature: float = 1.0,
                 with_entropy: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        trunk = self.lm.get_decoder() if hasattr(self.lm, "get_decoder") else self.lm.model
-        hidden = trunk(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask).last_hidden_state
-        h = _gather_positions(hidden, inputs.response_positions - 1)  # [B, T, H]
+        trunk = self.trunk
+        h = _at_positions(lambda **kw: trunk(**kw).last_hidden_state, inputs, self.packed,
+                          self.lm)  # [B, T, H]: the states that predict each response token
         tokens = inputs.input_ids.gather(1, inputs.response_positions)  # [B, T]
         head = self.lm.get_output_embeddings()
         plain = isinstance(head, nn.Linear) and head.bias is None
@@ -71,16 +80,59 @@ class PolicyLogprobs(nn.Module):
 
 
 class CriticValues(nn.Module):
-    """Wraps a token-classification model with one label: the value of each response action."""
+    """Wraps a token-classification model with one label: the value of each response action.
+    ``packed`` as in :class:`PolicyLogprobs`."""
 
-    def __init__(self, critic: nn.Module):
+    def __init__(self, critic: nn.Module, packed: bool = False):
         super().__init__()
         self.critic = critic
+        self.packed = packed
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
-        out = self.critic(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask).logits  # [B, L, 1]
-        values = out.squeeze(-1).float().gather(1, inputs.response_positions - 1)  # [B, T]
+        out = _at_positions(lambda **kw: self.critic(**kw).logits, inputs, self.packed, self.critic)  # [B, T, 1]
+        values = out.squeeze(-1).float()  # [B, T]
         return values.masked_fill(~inputs.response_mask.bool(), 0.0)
+
+
+WrapperT = TypeVar("WrapperT", PolicyLogprobs, CriticValues)
+
+
+def _at_positions(forward, inputs: ModelInputs, packed: bool, model: nn.Module) -> torch.Tensor:
+    """``forward``'s output ``[B, L, ...]`` at ``response_positions - 1`` → ``[B, T, ...]``, from the
+    rows packed (when ``packed`` and the plan beats padding) or padded."""
+    members = None
+    if packed:
+        members = packing.plan(inputs.attention_mask.sum(1).tolist(), packing.hidden_size(model),
+                               packing.dense_attention(model))
+    if members is None:
+        out = forward(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask)
+        return _gather_positions(out, inputs.response_positions - 1)
+    pk = packing.pack(inputs.input_ids, inputs.attention_mask, members)
+    out = forward(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False)
+    return packing.read_back(out, pk, inputs.response_positions - 1)
+
+
+def packing_supported(wrapper: "PolicyLogprobs | CriticValues") -> bool:
+    """Whether a :class:`PolicyLogprobs` or :class:`CriticValues` may run packed (see
+    :func:`models.packing.packing_works`)."""
+    if isinstance(wrapper, PolicyLogprobs):
+        model, trunk = wrapper.lm, wrapper.trunk
+        fn = lambda **kw: trunk(**kw, use_cache=False).last_hidden_state  # noqa: E731
+    else:
+        model = wrapper.critic
+        fn = lambda **kw: model(**kw, use_cache=False).logits  # noqa: E731
+    return packing.packing_works(model, fn, int(getattr(model.config, "vocab_size", 2)))
+
+
+def with_packing(wrapper: WrapperT, wanted: bool) -> WrapperT:
+    """``wrapper`` set to run packed when ``wanted`` (``model.pack_sequences``) and its model keeps
+    packed rows apart; else padded, saying why when packing was wanted."""
+    wrapper.packed = bool(wanted) and packing_supported(wrapper)
+    if wanted and not wrapper.packed:
+        inner = wrapper.lm if isinstance(wrapper, PolicyLogprobs) else wrapper.critic
+        print(f"model.pack_sequences: {type(inner).__name__} does not keep packed rows apart (checked on three "
+              f"rows, packed against padded); its forwards pad rows instead", flush=True)
+    return wrapper
 
 
 @torch.no_grad()

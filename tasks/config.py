@@ -61,6 +61,11 @@ class ModelConfig:
     """Demo models only: supervised warm-start steps before RL (cached by content)."""
     dtype: str = "float32"
     """Training-side dtype: float32 or bfloat16."""
+    pack_sequences: bool = True
+    """Training and scoring forwards run each micro-batch's rows packed end to end into a few shared
+    rows instead of padded to the longest (models/packing.py): position ids restart at every row, so
+    attention stays within it. Checked once per loaded model against padding; a model whose
+    attention would mix packed rows pads instead, with a message."""
 
     def __post_init__(self) -> None:
         _check_choice("model.dtype", self.dtype, ["float32", "bfloat16"])

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 from flytekit import task
 
-from models.policy import CriticValues, PolicyLogprobs
+from models.policy import CriticValues, PolicyLogprobs, with_packing
 from models.reward_sources import FunctionReward, ModelReward, check_rewards
 from models.scoring import score_microbatches
 from models import ragged
@@ -90,14 +90,16 @@ def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rollo
         recompute = cfg.actor.old_logprobs == "recompute"
         actor_lm = load_hf(state.actor_url, AutoModelForCausalLM, dtype) if recompute or cfg.actor.lora.enabled \
             else None
-        actor = PolicyLogprobs(actor_lm).eval() if actor_lm is not None else None
+        pack = cfg.model.pack_sequences
+        actor = with_packing(PolicyLogprobs(actor_lm).eval(), pack) if actor_lm is not None else None
         if cfg.actor.lora.enabled:  # π_ref = the same model with its adapter off; no second copy
             check_reference_base(state.actor_url, run.reference_url)
             ref = without_adapter(actor, actor_lm)
         else:
-            ref = PolicyLogprobs(load_hf(run.reference_url, AutoModelForCausalLM, dtype)).eval()
+            ref = with_packing(PolicyLogprobs(load_hf(run.reference_url, AutoModelForCausalLM, dtype)).eval(), pack)
         local_critic = cfg.uses_critic and not cfg.critic.remote_url
-        critic = CriticValues(load_hf(state.critic_url, AutoModelForTokenClassification, dtype)).eval() \
+        critic = with_packing(CriticValues(load_hf(state.critic_url, AutoModelForTokenClassification, dtype)).eval(),
+                              pack) \
             if local_critic else None
         lengths = batch.response_lengths()
         with timed(stats, "time/score_forward_s"):

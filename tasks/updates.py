@@ -18,9 +18,9 @@ from models import optimizer_state
 from models.faults import pause_point
 from models.lora import CAUSAL_LM, TOKEN_CLS, add_adapter, is_peft, save_adapter_checkpoint
 from models.optimizer_state import optimizer_url
-from models.policy import CriticValues, PolicyLogprobs
-from models.update import (LoopSettings, UpdateData, actor_loss_fn, critic_loss_fn, make_optimizer, run_update,
-                           stat_keys)
+from models.policy import CriticValues, PolicyLogprobs, with_packing
+from models.update import (LoopSettings, UpdateData, actor_loss_fn, critic_loss_fn, disable_dropout, make_optimizer,
+                           run_update, stat_keys)
 from tasks.batch import RolloutBatch
 from tasks.common import CACHE_VERSION, base_checkpoint_url, load_hf, load_tokenizer, server_client, timed
 from tasks import secrets
@@ -57,7 +57,7 @@ def policy_loss_config(cfg: TrainConfig) -> PolicyLossConfig:
 def load_trainable(url: str, auto_cls, dtype: str, lora: LoraConfig, task_type: str):
     """The model to train from checkpoint ``url``: all its weights, or with ``lora`` its adapter
     (fresh, seeded by the caller's RNG, when ``url`` holds full weights: the first iteration)."""
-    model = load_hf(url, auto_cls, dtype, trainable=True)
+    model = disable_dropout(load_hf(url, auto_cls, dtype, trainable=True))
     return add_adapter(model, lora, task_type) if lora.enabled and not is_peft(model) else model
 
 
@@ -85,7 +85,7 @@ def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rol
     data = update_data(batch, tok.pad_token_id or 0, _ACTOR_COLS, (info.rank, info.world_size))
     a = cfg.actor
     lm = load_trainable(state.actor_url, AutoModelForCausalLM, cfg.model.dtype, a.lora, CAUSAL_LM)
-    model = wrap_for_training(PolicyLogprobs(lm), info)
+    model = wrap_for_training(with_packing(PolicyLogprobs(lm), cfg.model.pack_sequences), info)
     kl_beta = state.kl_coef if cfg.kl.placement == "loss" else 0.0
     times: Dict[str, float] = {}
     optimizer, prior_steps = carried_optimizer(model, a.lr, a.weight_decay, state.actor_url, a.keep_optimizer_state,
@@ -123,7 +123,7 @@ def train_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
     data = update_data(batch, tok.pad_token_id or 0, _CRITIC_COLS, None)
     c = cfg.critic
     critic = load_trainable(state.critic_url, AutoModelForTokenClassification, cfg.model.dtype, c.lora, TOKEN_CLS)
-    model = CriticValues(critic).to(info.device)
+    model = with_packing(CriticValues(critic), cfg.model.pack_sequences).to(info.device)
     times: Dict[str, float] = {}
     optimizer, prior_steps = carried_optimizer(model, c.lr, 0.0, state.critic_url, c.keep_optimizer_state, times,
                                                "critic")

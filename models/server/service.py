@@ -34,7 +34,7 @@ from models.distributed import DistInfo
 from models.policy import CriticValues, inputs_to, reward_model_scores
 from models.server.paths import check_save_url
 from models.server.schemas import InferResult, TrainSettings
-from models.update import LoopSettings, UpdateData, critic_loss_fn, make_optimizer, run_update
+from models.update import LoopSettings, UpdateData, critic_loss_fn, disable_dropout, make_optimizer, run_update
 from models.batch_tensors import ModelInputs, model_inputs, padded_tensors
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -131,7 +131,7 @@ class RewardCriticService:
             raise ValueError("RewardCriticService needs a critic, a reward model or both")
         self.config = config
         self.device = torch.device(config.device)
-        self.critic = CriticValues(critic).to(self.device).eval() if critic is not None else None
+        self.critic = CriticValues(disable_dropout(critic)).to(self.device).eval() if critic is not None else None
         self.reward_model = reward_model.to(self.device).eval() if reward_model is not None else None
         self.tokenizer = tokenizer
         models = [m for m in (critic, reward_model) if m is not None]

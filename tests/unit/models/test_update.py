@@ -1,5 +1,6 @@
 """The update loop (models/update.py): micro-batches cut from length-sorted rows give the gradient of
-the whole minibatch, with less padding than rows taken in their stored order."""
+the whole minibatch, with less padding than rows taken in their stored order; the fused AdamW;
+no dropout in updates."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from kernels.losses import PolicyLossConfig
 from models.distributed import DistInfo
 from models.policy import PolicyLogprobs
 from models.update import LoopSettings, UpdateData, actor_loss_fn, run_update
+from tests.unit.models.update_rows import padded_rows
 
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))
 LENGTHS = [(2, 1), (3, 6), (2, 2), (4, 4)]  # (prompt, response) tokens per row: 3, 9, 4, 8 in all
@@ -24,19 +26,7 @@ def tiny_policy() -> PolicyLogprobs:
 
 
 def rows() -> UpdateData:
-    """Right-padded rows of LENGTHS with random tokens, log-probs and advantages."""
-    g = torch.Generator().manual_seed(1)
-    n, L, T = len(LENGTHS), max(p + r for p, r in LENGTHS), max(r for _, r in LENGTHS)
-    ids, att = torch.zeros(n, L, dtype=torch.long), torch.zeros(n, L, dtype=torch.long)
-    pos, mask = torch.zeros(n, T, dtype=torch.long), torch.zeros(n, T, dtype=torch.bool)
-    for b, (p, r) in enumerate(LENGTHS):
-        ids[b, :p + r] = torch.randint(1, 16, (p + r,), generator=g)
-        att[b, :p + r] = 1
-        pos[b] = torch.clamp(p + torch.arange(T), max=L - 1)  # each response token's place (padding: clamped)
-        mask[b, :r] = True
-    old = -torch.rand(n, T, generator=g) * mask
-    adv = torch.randn(n, T, generator=g) * mask
-    return UpdateData(ids, att, pos, mask, old_logp=old, adv=adv)
+    return padded_rows(LENGTHS)
 
 
 def one_step(micro_batch_size: int, widths: list) -> PolicyLogprobs:
@@ -63,3 +53,59 @@ def test_micro_batches_give_the_whole_minibatch_gradient_with_less_padding():
         torch.testing.assert_close(m, w, rtol=1e-5, atol=1e-6, msg=name)
         moved = max(moved, float((w - start).detach().abs().max()))
     assert moved > 1e-3  # the step did something to compare
+
+
+def test_optimizer_is_fused_and_steps_as_torchs_adamw():
+    """make_optimizer takes the fused AdamW where the device has it; its steps equal the default
+    (multi-tensor) AdamW's up to rounding, with weight decay and over several steps."""
+    from models.update import make_optimizer
+
+    fused_model, ref_model = tiny_policy(), tiny_policy()
+    fused = make_optimizer(fused_model, 1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    assert fused.defaults["fused"] is True
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        for p, q in zip(fused_model.parameters(), ref_model.parameters()):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        fused.step()
+        ref.step()
+    moved = max(float((p - q).abs().max()) for p, q in zip(fused_model.parameters(), tiny_policy().parameters()))
+    assert moved > 1e-3  # the steps did move the weights
+    for p, q in zip(fused_model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_optimizer_falls_back_where_no_fused_kernel():
+    """Parameters on a device without the fused kernel (here ``meta``) get the default AdamW."""
+    from models.update import make_optimizer
+
+    model = torch.nn.Linear(4, 4, device="meta")
+    opt = make_optimizer(model, 1e-3)
+    assert not opt.defaults["fused"]
+    assert [p for g in opt.param_groups for p in g["params"]] == list(model.parameters())
+
+
+def test_updates_train_without_dropout_except_loras():
+    """HF's token-classification head drops 10% of the hidden state in training; an update's model has
+    no dropout (two training-mode forwards agree), while a LoRA adapter keeps its configured dropout."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForTokenClassification
+
+    from models.update import disable_dropout
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, num_labels=1)
+    critic = LlamaForTokenClassification(cfg).train()
+    ids = torch.randint(0, 16, (2, 5))
+    assert not torch.equal(critic(input_ids=ids).logits, critic(input_ids=ids).logits)  # dropout as loaded
+    disable_dropout(critic)
+    torch.testing.assert_close(critic(input_ids=ids).logits, critic(input_ids=ids).logits, rtol=0, atol=0)
+    peft = get_peft_model(LlamaForTokenClassification(cfg),
+                          LoraConfig(r=2, lora_dropout=0.3, target_modules=["q_proj"], task_type="TOKEN_CLS"))
+    disable_dropout(peft)
+    rates = {n: m.p for n, m in peft.named_modules() if isinstance(m, torch.nn.Dropout)}
+    assert rates and all(p == (0.3 if "lora_dropout" in n else 0.0) for n, p in rates.items())
+    assert any("lora_dropout" in n for n in rates)
