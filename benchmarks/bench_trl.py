@@ -125,9 +125,10 @@ class Case:
 
     def overrides(self, assets: Dict[str, str], storage_root: Path) -> List[str]:
         """Overrides of configs/bench_<algorithm>.yaml; minibatches shrink with small batches (at least
-        two per iteration, so the TRL mapping of minibatches is exercised at every size)."""
+        two per iteration, so the TRL mapping of minibatches is exercised at every size). Each minibatch
+        is one forward (micro-batch = minibatch) on both sides, as TRL's PPOTrainer runs it."""
         mini = max(1, min(64, self.prompts * self.samples // 2))
-        micro = min(32, mini)
+        micro = mini
         out = [f"run.num_iterations={self.iterations}", f"run.seed={self.seed}", f"run.storage_root={storage_root}",
                f"model.actor_path={assets['actor']}", f"data.train_prompts={assets['train_prompts']}",
                f"data.eval_prompts={assets['eval_prompts']}", f"rollout.engine={self.engine}",

@@ -130,7 +130,7 @@ def ppo_trainer(spec: Dict[str, Any], out: Path, clock: IterationClock) -> Built
     ``gradient_accumulation_steps`` micro-batches, across minibatches. So that it samples ``prompts × n``
     rows per update and steps once per minibatch of ``minibatch_size`` rows as our update does, the
     whole batch is one "device batch" with no accumulation; each minibatch is then one forward of
-    ``minibatch_size`` rows (our micro-batches are smaller: the same work, other peak memory).
+    ``minibatch_size`` rows (bench_trl.py gives our update the same: micro-batch = minibatch).
     """
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
