@@ -43,9 +43,10 @@ def _trainable(model: nn.Module) -> Dict[str, nn.Parameter]:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    """A whole CPU copy of ``t`` (all-gathers a DTensor shard: collective under FSDP2)."""
+    """``t`` whole on the CPU (all-gathers a DTensor shard: collective under FSDP2); a CPU tensor is
+    not copied (it is written before the optimizer steps again)."""
     full = t.full_tensor() if hasattr(t, "full_tensor") else t
-    return full.detach().to("cpu", copy=True).contiguous()
+    return full.detach().cpu().contiguous()
 
 
 def gather(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, torch.Tensor]:

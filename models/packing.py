@@ -69,9 +69,9 @@ def plan(lengths: Sequence[int], hidden_size: int, dense_attention: bool = True)
     return best
 
 
-def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, members: List[List[int]], pad_id: int = 0) -> Packed:
-    """Right-padded ``input_ids [B, L]`` packed as ``members`` says (from :func:`plan`)."""
-    lengths = attention_mask.sum(1).tolist()
+def pack(input_ids: torch.Tensor, lengths: Sequence[int], members: List[List[int]], pad_id: int = 0) -> Packed:
+    """Right-padded ``input_ids [B, L]``, row b ``lengths[b]`` tokens long, packed as ``members`` says
+    (from :func:`plan`)."""
     width = max(sum(lengths[r] for r in m) for m in members)
     starts = torch.zeros(len(lengths), dtype=torch.long)
     for p, rows in enumerate(members):
@@ -123,7 +123,7 @@ def packing_works(model: nn.Module, forward: Callable[..., torch.Tensor], vocab_
         ids[b, :n] = torch.randint(1, max(vocab_size, 2), (n,), generator=g)
         att[b, :n] = 1
     ids, att = ids.to(device), att.to(device)
-    packed = pack(ids, att, [[0, 1, 2]])
+    packed = pack(ids, lengths, [[0, 1, 2]])
     was_training = model.training
     model.eval()
     try:

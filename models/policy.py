@@ -100,14 +100,14 @@ WrapperT = TypeVar("WrapperT", PolicyLogprobs, CriticValues)
 def _at_positions(forward, inputs: ModelInputs, packed: bool, model: nn.Module) -> torch.Tensor:
     """``forward``'s output ``[B, L, ...]`` at ``response_positions - 1`` → ``[B, T, ...]``, from the
     rows packed (when ``packed`` and the plan beats padding) or padded."""
-    members = None
+    members = lengths = None
     if packed:
-        members = packing.plan(inputs.attention_mask.sum(1).tolist(), packing.hidden_size(model),
-                               packing.dense_attention(model))
+        lengths = inputs.attention_mask.sum(1).tolist()
+        members = packing.plan(lengths, packing.hidden_size(model), packing.dense_attention(model))
     if members is None:
         out = forward(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask)
         return _gather_positions(out, inputs.response_positions - 1)
-    pk = packing.pack(inputs.input_ids, inputs.attention_mask, members)
+    pk = packing.pack(inputs.input_ids, lengths, members)
     out = forward(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False)
     return packing.read_back(out, pk, inputs.response_positions - 1)
 

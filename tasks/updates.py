@@ -100,9 +100,7 @@ def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rol
     full = full_state_dict(model, info)
     if info.is_main:
         save_trained(unwrap(model).lm, tok, url, state.actor_url, full, prefix="lm.")
-    if a.keep_optimizer_state:
-        with timed(times, "time/actor_optimizer_state_s"):
-            optimizer_state.save(model, optimizer, optimizer_url(url), info)
+    commit_optimizer(model, optimizer, url, a.keep_optimizer_state, times, "actor", info)
     barrier()
     stats["optimizer_steps_total"] = prior_steps + stats["steps"]
     out = {**stat_keys("actor", stats), **times}
@@ -133,9 +131,7 @@ def train_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
                                         cfg.run.seed * 1000 + state.iteration + 1), info)
     url = run.layout.critic_url(state.iteration)
     save_trained(model.critic, tok, url, state.critic_url)
-    if c.keep_optimizer_state:
-        with timed(times, "time/critic_optimizer_state_s"):
-            optimizer_state.save(model, optimizer, optimizer_url(url), info)
+    commit_optimizer(model, optimizer, url, c.keep_optimizer_state, times, "critic", info)
     return UpdateOutput(url, {"critic/loss": stats["loss"], "critic/explained_variance": stats["explained_variance"],
                               "critic/grad_norm": stats["grad_norm"], "critic/value_clip_frac": stats["value_clip_frac"],
                               "critic/optimizer_steps_total": prior_steps + stats["steps"],
@@ -152,6 +148,15 @@ def carried_optimizer(model, lr: float, weight_decay: float, from_url: str, keep
         return optimizer, 0
     with timed(times, f"time/{role}_optimizer_state_s"):
         return optimizer, optimizer_state.load(model, optimizer, optimizer_url(from_url)) or 0
+
+
+def commit_optimizer(model, optimizer: torch.optim.Optimizer, checkpoint_url: str, keep: bool,
+                     times: Dict[str, float], role: str, info: DistInfo) -> None:
+    """With ``keep``, commit the optimizer's state beside the checkpoint it trained (every rank calls;
+    the counterpart of :func:`carried_optimizer`)."""
+    if keep:
+        with timed(times, f"time/{role}_optimizer_state_s"):
+            optimizer_state.save(model, optimizer, optimizer_url(checkpoint_url), info)
 
 
 def train_remote_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch,

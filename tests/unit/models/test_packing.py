@@ -67,8 +67,7 @@ def test_deal_gives_the_longest_rows_to_the_emptiest_pack():
 
 def test_pack_layout():
     ids = torch.tensor([[1, 2, 3, 0], [4, 5, 0, 0], [6, 7, 8, 9]])
-    att = (ids > 0).long()
-    pk = packing.pack(ids, att, [[2], [0, 1]])
+    pk = packing.pack(ids, [3, 2, 4], [[2], [0, 1]])
     assert pk.input_ids.tolist() == [[6, 7, 8, 9, 0], [1, 2, 3, 4, 5]]
     assert pk.position_ids.tolist() == [[0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
     assert pk.starts.tolist() == [5, 8, 0]
