@@ -1,7 +1,11 @@
 """Process-group set-up and model wrapping for the elastic update (torchrun / Flyte ``Elastic``).
 
-CPU: gloo + DDP. GPU: NCCL + FSDP2 (``fully_shard`` per decoder layer, then the root).
-Outside a launcher (plain calls, unit tests) everything degrades to a single process.
+Sharding (``actor.sharding``): FSDP2 (``fully_shard`` per decoder layer, then the root) or DDP;
+``auto`` picks FSDP2 on GPUs (NCCL) and DDP on CPU (gloo), where FSDP2 runs too. Lower-precision
+compute keeps float32 master weights: FSDP2 casts the gathered parameters to the compute dtype
+(``MixedPrecisionPolicy``, gradients reduced in float32); DDP and one process run the forward
+under ``torch.autocast``. Outside a launcher (plain calls, unit tests) everything degrades to a
+single process.
 """
 
 from __future__ import annotations
@@ -92,23 +96,58 @@ def all_reduce_mean_dict(stats: Dict[str, float]) -> Dict[str, float]:
     return {k: float(v) / world for k, v in zip(keys, vec)}
 
 
-def wrap_for_training(module: nn.Module, info: DistInfo) -> nn.Module:
-    """DDP on CPU / single-GPU-per-rank without sharding; FSDP2 on CUDA."""
+SHARDINGS = ("auto", "fsdp2", "ddp")
+
+
+def uses_fsdp2(sharding: str, info: DistInfo) -> bool:
+    """Whether ``sharding`` (one of :data:`SHARDINGS`) means FSDP2 for these ranks: ``fsdp2``, or
+    ``auto`` on CUDA, over two ranks or more; ``fsdp2`` also on one rank with a process group (the GPU
+    benchmark's single-GPU case), never in a plain process."""
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
+    if sharding == "fsdp2":
+        return info.world_size > 1 or dist.is_initialized()
+    return sharding == "auto" and info.device.type == "cuda" and info.world_size > 1
+
+
+def wrap_for_training(module: nn.Module, info: DistInfo, sharding: str = "auto",
+                      compute_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """``module`` (a training wrapper of :mod:`models.policy`, float32 where it trains) ready to train
+    on ``info.device``: FSDP2-sharded, in DDP, or itself for one process (see :data:`SHARDINGS`).
+
+    ``compute_dtype`` below float32: forwards compute in it, the trained weights, their gradients
+    and AdamW's state stay float32 (FSDP2's mixed precision, else the wrapper's autocast)."""
+    low = compute_dtype != torch.float32
+    if uses_fsdp2(sharding, info):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # fully_shard moves each unit's parameters to the mesh's device as it shards them: no rank
+        # ever holds the whole model on the accelerator.
+        mesh = init_device_mesh(info.device.type, (info.world_size,))
+        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if low else None
+        kw = {"mesh": mesh, **({"mp_policy": mp} if mp else {})}
+        inner = next((getattr(module, a) for a in ("lm", "critic") if hasattr(module, a)), module)  # peft or not
+        trunk = inner.get_decoder() if hasattr(inner, "get_decoder") else getattr(inner, "model", None)
+        for layer in getattr(trunk, "layers", []):
+            fully_shard(layer, **kw)  # frozen base and trainable adapters share a unit: FSDP2 allows mixed requires_grad
+        fully_shard(module, **kw)  # the rest: embeddings, final norm, head, and every buffer
+        return module
+    if low:
+        module.autocast_dtype = compute_dtype
     module = module.to(info.device)
     if info.world_size == 1:
-        return module
-    if info.device.type == "cuda":
-        from torch.distributed.fsdp import fully_shard
-
-        lm = getattr(module, "lm", module)  # a causal LM, or a peft model around one (LoRA)
-        trunk = lm.get_decoder() if hasattr(lm, "get_decoder") else getattr(lm, "model", None)
-        for layer in getattr(trunk, "layers", []):
-            fully_shard(layer)  # frozen base and trainable adapters share a unit: FSDP2 allows mixed requires_grad
-        fully_shard(module)
         return module
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     return DDP(module)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` is FSDP2-sharded (its parameters are DTensor shards)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
 
 
 @contextlib.contextmanager
@@ -140,9 +179,9 @@ def barrier() -> None:
         dist.barrier()
 
 
-def full_state_dict(module: nn.Module, info: DistInfo):
+def full_state_dict(module: nn.Module):
     """Unsharded weights on CPU for saving (collective under FSDP2; None means "use the module's own")."""
-    if info.world_size == 1 or info.device.type != "cuda":
+    if not is_sharded(module):
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -115,6 +115,21 @@ def load_pretrained(local_dir: str, auto_cls: Any, dtype: torch.dtype, fetch: Fe
     return PeftModel.from_pretrained(base, local_dir, is_trainable=trainable)
 
 
+def trainable_in_float32(model: nn.Module, local_dir: Optional[str] = None) -> nn.Module:
+    """``model`` with every parameter that trains in float32 (master weights; the frozen rest keeps
+    its dtype). Peft puts LoRA's matrices in float32 on a lower-precision base but copies a
+    ``TOKEN_CLS`` head in the base's dtype: an adapter loaded from ``local_dir`` (saved in float32)
+    is read again into the float32 parameters, so no update is lost to rounding."""
+    low = [p for p in model.parameters() if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32]
+    for p in low:
+        p.data = p.data.float()
+    if low and local_dir is not None and is_adapter(local_dir) and is_peft(model):
+        from peft.utils import load_peft_weights, set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_peft_weights(local_dir, device="cpu"))
+    return model
+
+
 class AdapterDisabled(nn.Module):
     """A policy/critic wrapper whose peft model runs with its adapter switched off: the base model.
     Shares every weight with the wrapped module (no second copy)."""

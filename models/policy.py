@@ -10,6 +10,7 @@ hidden states go through the output projection, chunked (``kernels.logprobs``), 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Protocol, Tuple, TypeVar
 
 import torch
@@ -44,11 +45,21 @@ vocabulary chunks, the logits never materialised. Below it the logits are made w
 path recomputes them in backward, ~1.5x the time of the plain path (benchmarks/bench_kernels.py)."""
 
 
+def _autocast(dtype: Optional[torch.dtype], device: torch.device):
+    """``torch.autocast`` to ``dtype`` on ``device``'s kind, or nothing for None."""
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
 class PolicyLogprobs(nn.Module):
     """Wraps a causal LM so one ``forward`` (the one DDP/FSDP hook into) gives log-probs and entropy.
 
     ``packed``: rows go through the trunk packed end to end (:mod:`models.packing`) instead of
-    padded; give it :func:`packing_supported` (the trunk must keep packed rows apart)."""
+    padded; give it :func:`packing_supported` (the trunk must keep packed rows apart).
+    ``autocast_dtype``: forwards compute in it under ``torch.autocast`` while the weights stay in
+    theirs (float32 master weights, :func:`models.distributed.wrap_for_training`); log-probs are
+    reduced in float32 either way."""
+
+    autocast_dtype: Optional[torch.dtype] = None
 
     def __init__(self, lm: nn.Module, chunked: bool = True, packed: bool = False):
         super().__init__()
@@ -63,16 +74,19 @@ class PolicyLogprobs(nn.Module):
     def forward(self, inputs: ModelInputs, temperature: float = 1.0,
                 with_entropy: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         trunk = self.trunk
-        h = _at_positions(lambda **kw: trunk(**kw).last_hidden_state, inputs, self.packed,
-                          self.lm)  # [B, T, H]: the states that predict each response token
-        tokens = inputs.input_ids.gather(1, inputs.response_positions)  # [B, T]
-        head = self.lm.get_output_embeddings()
-        plain = isinstance(head, nn.Linear) and head.bias is None
-        if self.chunked and plain and h.shape[0] * h.shape[1] * head.out_features >= FROM_HIDDEN_MIN_LOGITS:
-            logp, ent = token_logprobs_and_entropy_from_hidden(h, head.weight, tokens,
-                                                              temperature=temperature)
-        else:  # small logits, LoRA-adapted/sharded/biased heads: logits of the response positions only
-            logp, ent = token_logprobs_and_entropy(head(h), tokens, temperature=temperature)
+        with _autocast(self.autocast_dtype, inputs.input_ids.device):
+            h = _at_positions(lambda **kw: trunk(**kw).last_hidden_state, inputs, self.packed,
+                              self.lm)  # [B, T, H]: the states that predict each response token
+            tokens = inputs.input_ids.gather(1, inputs.response_positions)  # [B, T]
+            head = self.lm.get_output_embeddings()
+            plain = isinstance(head, nn.Linear) and head.bias is None
+            if self.chunked and plain and h.shape[0] * h.shape[1] * head.out_features >= FROM_HIDDEN_MIN_LOGITS:
+                if self.autocast_dtype is not None:  # the head's matmuls in the compute dtype, both ways
+                    h = h.to(self.autocast_dtype)
+                logp, ent = token_logprobs_and_entropy_from_hidden(h, head.weight.to(h.dtype), tokens,
+                                                                  temperature=temperature)
+            else:  # small logits, LoRA-adapted/sharded/biased heads: logits of the response positions only
+                logp, ent = token_logprobs_and_entropy(head(h), tokens, temperature=temperature)
         mask = inputs.response_mask.bool()
         logp = logp.masked_fill(~mask, 0.0)
         ent = ent.masked_fill(~mask, 0.0) if with_entropy else None
@@ -81,7 +95,9 @@ class PolicyLogprobs(nn.Module):
 
 class CriticValues(nn.Module):
     """Wraps a token-classification model with one label: the value of each response action.
-    ``packed`` as in :class:`PolicyLogprobs`."""
+    ``packed`` and ``autocast_dtype`` as in :class:`PolicyLogprobs`; values are float32."""
+
+    autocast_dtype: Optional[torch.dtype] = None
 
     def __init__(self, critic: nn.Module, packed: bool = False):
         super().__init__()
@@ -89,7 +105,8 @@ class CriticValues(nn.Module):
         self.packed = packed
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
-        out = _at_positions(lambda **kw: self.critic(**kw).logits, inputs, self.packed, self.critic)  # [B, T, 1]
+        with _autocast(self.autocast_dtype, inputs.input_ids.device):
+            out = _at_positions(lambda **kw: self.critic(**kw).logits, inputs, self.packed, self.critic)  # [B, T, 1]
         values = out.squeeze(-1).float()  # [B, T]
         return values.masked_fill(~inputs.response_mask.bool(), 0.0)
 

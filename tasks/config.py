@@ -60,7 +60,10 @@ class ModelConfig:
     warm_start_steps: int = 300
     """Demo models only: supervised warm-start steps before RL (cached by content)."""
     dtype: str = "float32"
-    """Training-side dtype: float32 or bfloat16."""
+    """Compute dtype of the training-side forwards (scoring and updates): float32 or bfloat16.
+    Updates keep the weights they train, their gradients and AdamW's state in float32 and commit
+    float32 checkpoints (master weights: an AdamW step of lr 1e-6 is below bfloat16's resolution
+    for most weights); with LoRA the frozen base stays in this dtype."""
     pack_sequences: bool = True
     """Training and scoring forwards run each micro-batch's rows packed end to end into a few shared
     rows instead of padded to the longest (models/packing.py): position ids restart at every row, so
@@ -297,7 +300,11 @@ class ActorConfig:
     nnodes: int = 1
     """Nodes for the elastic job."""
     nproc_per_node: int = 2
-    """Processes per node (gloo + DDP on CPU, NCCL + FSDP2 on GPU)."""
+    """Processes per node (gloo on CPU, NCCL on GPU)."""
+    sharding: str = "auto"
+    """How the actor's ranks hold the model: ``fsdp2`` (weights, gradients and AdamW's state sharded
+    over the ranks, ``fully_shard`` per decoder layer), ``ddp`` (a whole copy on every rank) or
+    ``auto``: FSDP2 on GPUs, DDP on CPU."""
     max_restarts: int = 1
     """Torch-elastic restarts of the worker group on failure."""
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -317,6 +324,7 @@ class ActorConfig:
                       ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
         _check(self.grad_clip > 0, "actor.grad_clip must be > 0")
         _check_choice("actor.old_logprobs", self.old_logprobs, ["recompute", "sampler"])
+        _check_choice("actor.sharding", self.sharding, ["auto", "fsdp2", "ddp"])
         _check(self.nnodes >= 1 and self.nproc_per_node >= 1, "actor.nnodes and actor.nproc_per_node must be >= 1")
         _check(self.max_restarts >= 0, "actor.max_restarts must be >= 0")
 

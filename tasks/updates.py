@@ -16,13 +16,14 @@ from models.distributed import (DistInfo, barrier, full_state_dict, init_distrib
                                 wrap_for_training)
 from models import optimizer_state
 from models.faults import pause_point
-from models.lora import CAUSAL_LM, TOKEN_CLS, add_adapter, is_peft, save_adapter_checkpoint
+from models.lora import CAUSAL_LM, TOKEN_CLS, add_adapter, is_peft, save_adapter_checkpoint, trainable_in_float32
 from models.optimizer_state import optimizer_url
 from models.policy import CriticValues, PolicyLogprobs, with_packing
 from models.update import (LoopSettings, UpdateData, actor_loss_fn, critic_loss_fn, disable_dropout, make_optimizer,
                            run_update, stat_keys)
 from tasks.batch import RolloutBatch
-from tasks.common import CACHE_VERSION, base_checkpoint_url, load_hf, load_tokenizer, server_client, timed
+from tasks.common import (CACHE_VERSION, base_checkpoint_url, load_hf, load_tokenizer, local_checkpoint, server_client,
+                          timed)
 from tasks import secrets
 from tasks.config import LoraConfig, TrainConfig
 from tasks.deploy import deployment_config, elastic_for, resources_for
@@ -56,9 +57,14 @@ def policy_loss_config(cfg: TrainConfig) -> PolicyLossConfig:
 
 def load_trainable(url: str, auto_cls, dtype: str, lora: LoraConfig, task_type: str):
     """The model to train from checkpoint ``url``: all its weights, or with ``lora`` its adapter
-    (fresh, seeded by the caller's RNG, when ``url`` holds full weights: the first iteration)."""
-    model = disable_dropout(load_hf(url, auto_cls, dtype, trainable=True))
-    return add_adapter(model, lora, task_type) if lora.enabled and not is_peft(model) else model
+    (fresh, seeded by the caller's RNG, when ``url`` holds full weights: the first iteration).
+
+    What trains is float32 whatever ``dtype`` (``model.dtype``, the compute dtype): master weights,
+    as the checkpoints it commits; a LoRA model's frozen base is loaded in ``dtype``."""
+    model = load_hf(url, auto_cls, dtype if lora.enabled else "float32", trainable=True)
+    if lora.enabled and not is_peft(model):
+        model = add_adapter(model, lora, task_type)
+    return disable_dropout(trainable_in_float32(model, local_checkpoint(url)))
 
 
 def save_trained(model, tokenizer, url: str, from_url: str, full_state=None, prefix: str = "") -> None:
@@ -85,7 +91,8 @@ def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rol
     data = update_data(batch, tok.pad_token_id or 0, _ACTOR_COLS, (info.rank, info.world_size))
     a = cfg.actor
     lm = load_trainable(state.actor_url, AutoModelForCausalLM, cfg.model.dtype, a.lora, CAUSAL_LM)
-    model = wrap_for_training(with_packing(PolicyLogprobs(lm), cfg.model.pack_sequences), info)
+    model = wrap_for_training(with_packing(PolicyLogprobs(lm), cfg.model.pack_sequences), info, a.sharding,
+                              getattr(torch, cfg.model.dtype))
     kl_beta = state.kl_coef if cfg.kl.placement == "loss" else 0.0
     times: Dict[str, float] = {}
     optimizer, prior_steps = carried_optimizer(model, a.lr, a.weight_decay, state.actor_url, a.keep_optimizer_state,
@@ -97,7 +104,7 @@ def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rol
                                         cfg.run.seed * 1000 + state.iteration), info)
     pause_point(f"actor_update/iter-{state.iteration:06d}")  # tests only: kill the run mid-update
     url = run.layout.actor_url(state.iteration)
-    full = full_state_dict(model, info)
+    full = full_state_dict(model)
     if info.is_main:
         save_trained(unwrap(model).lm, tok, url, state.actor_url, full, prefix="lm.")
     commit_optimizer(model, optimizer, url, a.keep_optimizer_state, times, "actor", info)
@@ -121,7 +128,8 @@ def train_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
     data = update_data(batch, tok.pad_token_id or 0, _CRITIC_COLS, None)
     c = cfg.critic
     critic = load_trainable(state.critic_url, AutoModelForTokenClassification, cfg.model.dtype, c.lora, TOKEN_CLS)
-    model = with_packing(CriticValues(critic), cfg.model.pack_sequences).to(info.device)
+    model = wrap_for_training(with_packing(CriticValues(critic), cfg.model.pack_sequences), info,
+                              compute_dtype=getattr(torch, cfg.model.dtype))
     times: Dict[str, float] = {}
     optimizer, prior_steps = carried_optimizer(model, c.lr, 0.0, state.critic_url, c.keep_optimizer_state, times,
                                                "critic")

@@ -55,7 +55,8 @@ def _common_args(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--max-body-bytes", type=int, default=16 << 20, help="largest request body")
     p.add_argument("--max-samples", type=int, default=1024, help="most samples per request")
     p.add_argument("--max-tokens", type=int, default=8192, help="most prompt+response tokens per sample")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype (a critic trains and saves float32 master weights)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
 

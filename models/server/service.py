@@ -84,7 +84,8 @@ class ServiceConfig:
     device: str = "cpu"
     """Torch device of both models."""
     dtype: str = "float32"
-    """Parameter dtype: float32, bfloat16 or float16."""
+    """Compute dtype: float32, bfloat16 or float16. The reward model is held in it; the critic trains
+    float32 master weights (and saves them) and computes in it under ``torch.autocast``."""
     infer_micro_batch_size: int = 64
     """Rows per forward during ``infer`` (a larger batch runs in slices)."""
 
@@ -132,6 +133,8 @@ class RewardCriticService:
         self.config = config
         self.device = torch.device(config.device)
         self.critic = CriticValues(disable_dropout(critic)).to(self.device).eval() if critic is not None else None
+        if self.critic is not None and config.dtype != "float32":
+            self.critic.autocast_dtype = getattr(torch, config.dtype)
         self.reward_model = reward_model.to(self.device).eval() if reward_model is not None else None
         self.tokenizer = tokenizer
         models = [m for m in (critic, reward_model) if m is not None]
@@ -155,7 +158,7 @@ class RewardCriticService:
             reward_model, tokenizer = load_part(config.reward_model_url, AutoModelForSequenceClassification,
                                                 config.dtype)
         if config.critic_url:  # the critic's tokenizer is the one saved with it
-            critic, tokenizer = load_part(config.critic_url, AutoModelForTokenClassification, config.dtype)
+            critic, tokenizer = load_part(config.critic_url, AutoModelForTokenClassification, "float32")
         return cls(config, critic, reward_model, tokenizer)
 
     @property

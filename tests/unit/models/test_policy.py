@@ -38,3 +38,23 @@ def test_from_hidden_path_equals_plain_logits(monkeypatch):
     for a, b in zip(plain, chunked):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert plain[0].abs().sum() > 0 and plain[2].abs().sum() > 0  # (not vacuous: real values and gradients)
+
+
+def test_autocast_runs_both_paths_in_bfloat16_on_float32_weights(monkeypatch):
+    """``autocast_dtype`` (bfloat16 compute on float32 master weights, as ``model.dtype=bfloat16``
+    trains without FSDP2): both paths give float32 log-probs and float32 gradients, within bfloat16's
+    error of the float32 forward and not equal to it (the compute was bfloat16)."""
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    model = policy.PolicyLogprobs(build_actor(TinyModelConfig(), tok).float())
+    inputs = _inputs(tok)
+    exact = _run(model, inputs)
+    model.autocast_dtype = torch.bfloat16
+    for threshold in (1 << 62, 0):  # whole logits, then vocabulary chunks from the hidden states
+        monkeypatch.setattr(policy, "FROM_HIDDEN_MIN_LOGITS", threshold)
+        got = _run(model, inputs)
+        assert [t.dtype for t in got] == [torch.float32] * 3
+        assert model.lm.lm_head.weight.dtype == torch.float32
+        for a, b in zip(got, exact):
+            torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
+        assert (got[0] - exact[0]).abs().max() > 1e-4

@@ -1,11 +1,13 @@
 """RewardCriticService against direct forwards of the same checkpoints (no HTTP)."""
 
+import os
 import threading
 import time
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
 from models.checkpoint import is_committed, load_model
@@ -124,6 +126,35 @@ def test_save_commits_a_checkpoint_that_loads_back_identical(urls, tmp_path):
     assert not (tmp_path / "escape").exists() and not (tmp_path / "elsewhere").exists()
     with pytest.raises(SaveRefused, match="without --storage-root"):
         _service(urls).save(str(tmp_path / "root" / "x"))
+
+
+def test_bfloat16_compute_trains_and_saves_float32_master_weights(urls, tmp_path):
+    """``dtype=bfloat16``: the reward model is held in bfloat16; the critic keeps float32 weights and
+    AdamW state, computes its values in bfloat16 (close to float32's, not equal), and an update of
+    lr 1e-5, below bfloat16's resolution for most weights, still moves them and is saved in float32."""
+    exact = _service(urls)
+    svc = _service(urls, root=tmp_path / "root", dtype="bfloat16", lr=1e-5)
+    assert {p.dtype for p in svc.reward_model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in svc.critic.parameters()} == {torch.float32}
+    prompts, responses = samples(4, seed=6)
+    got, want = svc.infer(prompts, responses), exact.infer(prompts, responses)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.values, w.values, atol=0.05)
+        assert g.reward == pytest.approx(w.reward, abs=0.05)
+    assert not all(np.array_equal(g.values, w.values) for g, w in zip(got, want))
+    before = {n: p.detach().clone() for n, p in svc.critic.named_parameters()}
+    svc.train(prompts, responses, [[1.0] * len(r) for r in responses], [g.values for g in got],
+              TrainSettings(minibatch_size=4, micro_batch_size=2, value_clip=0.0))
+    moved = [n for n, p in svc.critic.named_parameters() if not torch.equal(p, before[n])]
+    changed = sum(int((p != before[n]).sum()) for n, p in svc.critic.named_parameters())
+    assert len(moved) == len(before) and changed > 0.9 * sum(p.numel() for p in before.values())
+    assert {s["exp_avg"].dtype for s in svc.optimizer.state.values()} == {torch.float32}
+    url, _ = svc.save("critic")
+    saved = load_file(os.path.join(url, "model.safetensors"))
+    trained = dict(svc.critic.critic.named_parameters())
+    assert {t.dtype for t in saved.values()} == {torch.float32}
+    for n, t in saved.items():
+        assert torch.equal(t, trained[n]), n
 
 
 def test_train_save_and_infer_wait_for_the_model_lock(urls, tmp_path):

@@ -47,6 +47,7 @@ def test_frozen():
     (["advantage.lam=1.5"], "advantage.lam must be in [0, 1]"),
     (["actor"], "must look like section.field=value"),
     (["actor.old_logprobs=engine"], "actor.old_logprobs='engine' is not one of"),
+    (["actor.sharding=zero3"], "actor.sharding='zero3' is not one of"),
     (["actor.old_logprobs=sampler", "rollout.vllm_dtype=bfloat16"],
      "engine vllm in bfloat16); bf16 samplers differ"),
     (["actor.old_logprobs=sampler", "rollout.engine=hf", "model.dtype=bfloat16"],

@@ -157,3 +157,28 @@ def test_critic_adapter_keeps_the_value_head_trainable(run):
     assert config["base_model_name_or_path"] == canonical_url(run["s0"].critic_url)
     init = AutoModelForTokenClassification.from_pretrained(_path(run["s0"].critic_url))
     assert not torch.equal(tensors[head[0]], init.score.weight)  # the head trained
+
+
+def test_bfloat16_compute_loads_the_adapter_in_float32_on_a_bfloat16_base(run):
+    """``model.dtype=bfloat16``: the frozen base in bfloat16, every trainable tensor (LoRA's matrices
+    and the critic's head, which peft copies in the base's dtype) float32 and bit-equal to the
+    float32 adapter committed at iteration 1, so no update is lost to rounding between iterations."""
+    from transformers import AutoModelForTokenClassification
+
+    from models.lora import TOKEN_CLS
+
+    url = run["s1"].critic_url
+    saved = load_file(os.path.join(_path(url), "adapter_model.safetensors"))
+    assert {t.dtype for t in saved.values()} == {torch.float32}
+    critic = load_trainable(url, AutoModelForTokenClassification, "bfloat16", run["cfg"].critic.lora, TOKEN_CLS)
+    trained = {n: p for n, p in critic.named_parameters() if p.requires_grad}
+    assert {p.dtype for p in trained.values()} == {torch.float32}
+    assert {p.dtype for p in critic.parameters() if not p.requires_grad} == {torch.bfloat16}
+    head = next(p for n, p in trained.items() if ".score." in n and n.endswith("weight"))
+    saved_head = next(t for k, t in saved.items() if ".score." in k and k.endswith("weight"))
+    assert torch.equal(head.detach(), saved_head)
+    assert not torch.equal(saved_head.bfloat16().float(), saved_head)  # bfloat16 would have rounded it
+    lora_a = next(p for n, p in trained.items() if ".lora_A." in n)
+    saved_a = next(t for k, t in saved.items() if ".lora_A." in k and k.split(".lora_A")[0] in
+                   next(n for n in trained if ".lora_A." in n))
+    assert torch.equal(lora_a.detach(), saved_a)
