@@ -39,6 +39,7 @@ BENCHMARKS: Dict[str, str] = {
     "iteration": "bench_iteration.py",  # one PPO iteration per phase, Flyte overhead
     "trl": "bench_trl.py",  # against TRL
     "lora": "bench_lora.py",  # LoRA vs full fine-tuning
+    "gpu": "bench_gpu.py",  # actor update (FSDP2, bf16) and kernels on a GPU; a "skipped" row without one
 }
 """Section name -> script in this folder, in table order."""
 
