@@ -141,12 +141,16 @@ def packing_supported(wrapper: "PolicyLogprobs | CriticValues") -> bool:
     return packing.packing_works(model, fn, int(getattr(model.config, "vocab_size", 2)))
 
 
+_SAID_PADS: set = set()
+
+
 def with_packing(wrapper: WrapperT, wanted: bool) -> WrapperT:
     """``wrapper`` set to run packed when ``wanted`` (``model.pack_sequences``) and its model keeps
     packed rows apart; else padded, saying why when packing was wanted."""
     wrapper.packed = bool(wanted) and packing_supported(wrapper)
-    if wanted and not wrapper.packed:
-        inner = wrapper.lm if isinstance(wrapper, PolicyLogprobs) else wrapper.critic
+    inner = wrapper.lm if isinstance(wrapper, PolicyLogprobs) else wrapper.critic
+    if wanted and not wrapper.packed and type(inner).__name__ not in _SAID_PADS:
+        _SAID_PADS.add(type(inner).__name__)  # once per process and model class, not every task of every iteration
         print(f"model.pack_sequences: {type(inner).__name__} does not keep packed rows apart (checked on three "
               f"rows, packed against padded); its forwards pad rows instead", flush=True)
     return wrapper

@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--lr", type=float, default=5e-5, help="critic AdamW learning rate")
     s.add_argument("--weight-decay", type=float, default=0.0, help="critic AdamW weight decay")
     s.add_argument("--device", default="", help="torch device (default: cuda if available, else cpu)")
+    s.add_argument("--no-pack-sequences", action="store_true",
+                   help="critic forwards on padded rows (default: rows packed end to end where the model allows)")
 
     r = sub.add_parser("serve-rollout", help="start a generation engine and serve /generate, /health",
                        allow_abbrev=False)
@@ -115,7 +117,7 @@ def serve(args: argparse.Namespace) -> None:
     settings = _settings(args, max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     config = ServiceConfig(args.critic, args.reward_model, args.storage_root, args.lr, args.weight_decay,
-                           device, args.dtype)
+                           device, args.dtype, pack_sequences=not args.no_pack_sequences)
     service = RewardCriticService.load(config)
     sock, url = _bind(args.host, args.port)
 

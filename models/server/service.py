@@ -31,7 +31,7 @@ from torch import nn
 from models import storage
 from models.checkpoint import download_checkpoint, save_model_checkpoint
 from models.distributed import DistInfo
-from models.policy import CriticValues, inputs_to, reward_model_scores
+from models.policy import CriticValues, inputs_to, reward_model_scores, with_packing
 from models.server.paths import check_save_url
 from models.server.schemas import InferResult, TrainSettings
 from models.update import LoopSettings, UpdateData, critic_loss_fn, disable_dropout, make_optimizer, run_update
@@ -88,6 +88,9 @@ class ServiceConfig:
     float32 master weights (and saves them) and computes in it under ``torch.autocast``."""
     infer_micro_batch_size: int = 64
     """Rows per forward during ``infer`` (a larger batch runs in slices)."""
+    pack_sequences: bool = True
+    """The critic's forwards run rows packed end to end instead of padded (``model.pack_sequences``
+    of training, :mod:`models.packing`), when its model keeps packed rows apart."""
 
     def __post_init__(self) -> None:
         if not (self.critic_url or self.reward_model_url):
@@ -132,7 +135,8 @@ class RewardCriticService:
             raise ValueError("RewardCriticService needs a critic, a reward model or both")
         self.config = config
         self.device = torch.device(config.device)
-        self.critic = CriticValues(disable_dropout(critic)).to(self.device).eval() if critic is not None else None
+        self.critic = None if critic is None else with_packing(CriticValues(disable_dropout(critic)),
+                                                               config.pack_sequences).to(self.device).eval()
         if self.critic is not None and config.dtype != "float32":
             self.critic.autocast_dtype = getattr(torch, config.dtype)
         self.reward_model = reward_model.to(self.device).eval() if reward_model is not None else None

@@ -104,9 +104,12 @@ def test_packed_updates_equal_padded_updates():
         assert moved > 1e-3
 
 
-def test_a_model_whose_attention_mixes_packed_rows_is_refused(capsys):
+def test_a_model_whose_attention_mixes_packed_rows_is_refused(capsys, monkeypatch):
     """A trunk that drops the position ids (so one causal mask spans the packed row) fails the check;
-    with_packing then pads, and says so."""
+    with_packing then pads, and says so (once)."""
+    import models.policy
+
+    monkeypatch.setattr(models.policy, "_SAID_PADS", set())  # whatever earlier tests of this process said
     good = policy(False)
     assert packing_supported(good) and packing_supported(critic(False))
 
@@ -124,5 +127,7 @@ def test_a_model_whose_attention_mixes_packed_rows_is_refused(capsys):
     assert not packing_supported(bad)
     assert not with_packing(bad, True).packed
     assert "does not keep packed rows apart" in capsys.readouterr().out
+    assert not with_packing(bad, True).packed
+    assert capsys.readouterr().out == ""  # said once per process and model class, not at every task
     assert with_packing(good, True).packed and not with_packing(policy(False), False).packed
     assert bad.training  # the check left the training mode as it found it

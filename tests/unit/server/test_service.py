@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
 from models.checkpoint import is_committed, load_model
-from models.policy import CriticValues, reward_model_scores
+from models.policy import CriticValues, reward_model_scores, with_packing
 from models.server.paths import SaveRefused
 from models.server.schemas import TrainSettings
 from models.server.service import (AlreadyCommitted, InvalidRequest, NotLoaded, RewardCriticService, ServiceConfig,
@@ -31,6 +31,7 @@ def _service(urls, root="", **kw) -> RewardCriticService:
 
 def test_values_and_rewards_equal_direct_forwards(urls):
     svc = _service(urls, infer_micro_batch_size=3)  # 7 samples → slices of 3, 3, 1
+    assert svc.critic.packed and not _service(urls, pack_sequences=False).critic.packed  # packed rows, checked here
     prompts, responses = samples(7, seed=1)
     got = svc.infer(prompts, responses)
     critic = load_model(urls["critic"], AutoModelForTokenClassification).eval()
@@ -114,7 +115,7 @@ def test_save_commits_a_checkpoint_that_loads_back_identical(urls, tmp_path):
     assert not np.allclose(trained[0].values, old[0])  # the saved critic is the trained one
     back = load_model(url, AutoModelForTokenClassification).eval()
     with torch.no_grad():
-        ref = CriticValues(back)(model_inputs(token_table(prompts, responses)))
+        ref = with_packing(CriticValues(back), True)(model_inputs(token_table(prompts, responses)))  # as served
     for b, r in enumerate(responses):
         assert torch.equal(torch.tensor(trained[b].values), ref[b, :len(r)])
     with pytest.raises(AlreadyCommitted, match="overwrite=true"):
