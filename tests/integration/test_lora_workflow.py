@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 
@@ -75,11 +77,14 @@ def iteration_one(tmp_path_factory):
         yield cfg, run, s1, to_advantages(cfg, run, s1)[2].batch
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_elastic_update_trains_only_the_adapter(iteration_one, device):
+@pytest.mark.parametrize("device, sharding", [("cpu", "ddp"), ("cpu", "fsdp2"),
+                                              pytest.param("cuda", "auto", marks=pytest.mark.gpu)])
+def test_elastic_update_trains_only_the_adapter(iteration_one, device, sharding):
+    """From iteration 1's adapter, under DDP and FSDP2 (gloo on CPU; on GPUs ``auto`` is FSDP2)."""
     if device == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (FSDP2 across 2 processes)")
     cfg, run, state, batch = iteration_one
+    cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, sharding=sharding))
     before = _assert_adapter_only(state.actor_url, run.reference_url)
     out = elastic_update(max_restarts=0)(cfg=cfg, run=run, state=state, batch=batch)
     assert out.checkpoint_url == run.layout.actor_url(1)
