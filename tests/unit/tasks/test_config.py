@@ -22,6 +22,7 @@ def test_presets_load_and_overrides_apply():
     assert cfg.kl.adaptive is True
     gpu = load_config("llama8b_ppo_gpu")
     assert gpu.actor.world_size == 8 and gpu.model.dtype == "bfloat16"
+    assert gpu.critic.lora.enabled and not gpu.actor.lora.enabled  # a full 8B critic's AdamW would not fit one GPU
 
 
 def test_frozen():
