@@ -1,4 +1,4 @@
-"""A rank of the elastic actor update dies mid-update (``os._exit`` before its second optimiser
+"""A rank of the elastic actor update (DDP, and FSDP2) dies mid-update (``os._exit`` before its second optimiser
 step, injected by ``RLHF_FAULT_KILL_RANK``): torch elastic restarts the worker group
 (``max_restarts``), the update starts over from its inputs (the batch and the input
 checkpoint), and its checkpoint is bit-identical to an unbroken update's. Without restarts the
@@ -6,6 +6,7 @@ same fault fails the task."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -42,13 +43,16 @@ def _digest(url: str) -> str:
     return read_marker(url)["files"]["model.safetensors"]["blake3"]
 
 
-def test_killed_rank_is_restarted_and_the_update_is_unchanged(inputs, monkeypatch):
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
+def test_killed_rank_is_restarted_and_the_update_is_unchanged(inputs, monkeypatch, sharding):
     kwargs, root = inputs
+    cfg = kwargs["cfg"]
+    kwargs = {**kwargs, "cfg": dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, sharding=sharding))}
     unbroken = elastic_update(max_restarts=1)(**kwargs)
     reference = _digest(unbroken.checkpoint_url)
     assert unbroken.stats["actor/steps"] == 4  # 32 samples / minibatch 16 × 2 epochs
 
-    faults = root / "faults-restart"
+    faults = root / f"faults-restart-{sharding}"
     monkeypatch.setenv("RLHF_FAULT_KILL_RANK", "1@step=1")
     monkeypatch.setenv("RLHF_FAULT_DIR", str(faults))
     broken = elastic_update(max_restarts=1)(**kwargs)
