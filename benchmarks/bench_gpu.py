@@ -37,6 +37,7 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.bench_kernels import best_ms  # noqa: E402
 from benchmarks.rows import Row, print_rows, row, write_rows  # noqa: E402
 from kernels.gae import compute_gae, compute_gae_reference  # noqa: E402
 from kernels.logprobs import (token_logprobs_and_entropy, token_logprobs_and_entropy_from_hidden,  # noqa: E402
@@ -169,23 +170,16 @@ def bench_update(args, info: DistInfo, rows: List[Row]) -> None:
 
 def timed_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple:
     """Best time of ``repeats`` runs after a warm-up, and the peak extra memory of one (CUDA only)."""
-    fn()
-    sync(device)
+    run = lambda: (fn(), sync(device))  # noqa: E731 (a CUDA run ends when its kernels do)
+    best = best_ms(run, repeats)
     extra = None
     if device.type == "cuda":
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        sync(device)
+        run()
         extra = (torch.cuda.max_memory_allocated(device) - base) / 2**20
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3, extra
+    return best, extra
 
 
 def _both(section_figure: str, fast, ref, device: torch.device, repeats: int, rows: List[Row], what: str) -> None:

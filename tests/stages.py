@@ -4,11 +4,13 @@ shared by the test modules that score, train or commit from there."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import pytest
 
+from tasks.config_io import parse_override
 from tasks.setup import RunSetup, setup_run
 
 
@@ -37,3 +39,15 @@ def to_advantages(cfg, run, state):
     ro = run_rollout(cfg, run, state)
     sc = run_score(cfg, run, state, ro.batch)
     return ro, sc, run_advantages(cfg, run, state, sc.batch)
+
+
+def with_overrides(cfg, *overrides: str):
+    """``cfg`` with ``section.field=value`` overrides applied (as ``load_config`` takes them), each
+    section checked again."""
+    def replaced(node, path, value):
+        inner = value if len(path) == 1 else replaced(getattr(node, path[0]), path[1:], value)
+        return dataclasses.replace(node, **{path[0]: inner})
+
+    for text in overrides:
+        cfg = replaced(cfg, *parse_override(text))
+    return cfg

@@ -30,7 +30,7 @@ from torch import nn
 
 from models import storage
 from models.checkpoint import download_checkpoint, save_model_checkpoint
-from models.distributed import DistInfo
+from models.distributed import DistInfo, wrap_for_training
 from models.policy import CriticValues, inputs_to, reward_model_scores, with_packing
 from models.server.paths import check_save_url
 from models.server.schemas import InferResult, TrainSettings
@@ -135,10 +135,10 @@ class RewardCriticService:
             raise ValueError("RewardCriticService needs a critic, a reward model or both")
         self.config = config
         self.device = torch.device(config.device)
-        self.critic = None if critic is None else with_packing(CriticValues(disable_dropout(critic)),
-                                                               config.pack_sequences).to(self.device).eval()
-        if self.critic is not None and config.dtype != "float32":
-            self.critic.autocast_dtype = getattr(torch, config.dtype)
+        self._info = DistInfo(0, 1, 0, self.device)
+        self.critic = None if critic is None else wrap_for_training(  # on the device, computing in config.dtype
+            with_packing(CriticValues(disable_dropout(critic)), config.pack_sequences), self._info,
+            compute_dtype=getattr(torch, config.dtype)).eval()
         self.reward_model = reward_model.to(self.device).eval() if reward_model is not None else None
         self.tokenizer = tokenizer
         models = [m for m in (critic, reward_model) if m is not None]
@@ -150,7 +150,6 @@ class RewardCriticService:
         self.optimizer_steps = 0
         self.lock = threading.Lock()
         """Held by every use of the models: infer batches, train and save never overlap."""
-        self._info = DistInfo(0, 1, 0, self.device)
 
     @classmethod
     def load(cls, config: ServiceConfig) -> "RewardCriticService":

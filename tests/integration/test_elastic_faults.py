@@ -6,7 +6,6 @@ same fault fails the task."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import pytest
@@ -15,7 +14,7 @@ from flytekitplugins.kfpytorch import Elastic
 
 from models.checkpoint import is_committed, read_marker
 from tasks.updates import actor_update
-from tests.stages import tiny_run, to_advantages
+from tests.stages import tiny_run, to_advantages, with_overrides
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -46,8 +45,7 @@ def _digest(url: str) -> str:
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
 def test_killed_rank_is_restarted_and_the_update_is_unchanged(inputs, monkeypatch, sharding):
     kwargs, root = inputs
-    cfg = kwargs["cfg"]
-    kwargs = {**kwargs, "cfg": dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, sharding=sharding))}
+    kwargs = {**kwargs, "cfg": with_overrides(kwargs["cfg"], f"actor.sharding={sharding}")}
     unbroken = elastic_update(max_restarts=1)(**kwargs)
     reference = _digest(unbroken.checkpoint_url)
     assert unbroken.stats["actor/steps"] == 4  # 32 samples / minibatch 16 × 2 epochs

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import json
 import os
@@ -20,6 +19,7 @@ from tasks.run_layout import RunLayout
 from tests.integration.test_algorithms import SMALL, _pyflyte
 from tests.integration.test_elastic_faults import elastic_update
 from tests.reference import token_logprobs
+from tests.stages import with_overrides
 
 pytestmark = pytest.mark.integration
 
@@ -84,7 +84,7 @@ def test_elastic_update_trains_only_the_adapter(iteration_one, device, sharding)
     if device == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (FSDP2 across 2 processes)")
     cfg, run, state, batch = iteration_one
-    cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, sharding=sharding))
+    cfg = with_overrides(cfg, f"actor.sharding={sharding}")
     before = _assert_adapter_only(state.actor_url, run.reference_url)
     out = elastic_update(max_restarts=0)(cfg=cfg, run=run, state=state, batch=batch)
     assert out.checkpoint_url == run.layout.actor_url(1)

@@ -6,7 +6,6 @@ weights (FSDP2's mixed precision) and commits them in float32."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 
 import pytest
@@ -17,7 +16,7 @@ from safetensors.torch import load_file
 
 from models.optimizer_state import optimizer_url
 from tasks.updates import actor_update
-from tests.stages import tiny_run, to_advantages
+from tests.stages import tiny_run, to_advantages, with_overrides
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -48,9 +47,7 @@ def _local(url: str) -> str:
 
 def trained(inputs, sharding: str, dtype: str = "float32", weights_file: str = "model.safetensors"):
     """The committed weights and optimizer state of one elastic update, and its statistics."""
-    cfg = inputs["cfg"]
-    cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, sharding=sharding),
-                              model=dataclasses.replace(cfg.model, dtype=dtype))
+    cfg = with_overrides(inputs["cfg"], f"actor.sharding={sharding}", f"model.dtype={dtype}")
     out = update(**{**inputs, "cfg": cfg})
     weights = load_file(os.path.join(_local(out.checkpoint_url), weights_file))
     moments = load_file(os.path.join(_local(optimizer_url(out.checkpoint_url)), "optimizer.safetensors"))
