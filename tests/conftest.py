@@ -57,3 +57,21 @@ def s3_url(s3_env, request):
     """A fresh ``s3://rlhf-test/<test name>-<uuid>`` prefix on the moto server."""
     name = "".join(c if c.isalnum() else "-" for c in request.node.name)[:40]
     return f"s3://{BUCKET}/{name}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="session")
+def qwen2_chat_dir(tmp_path_factory):
+    """A Qwen2-shaped chat checkpoint as users download them (``models/hub_models.py``): tied
+    embeddings, byte-level BPE, ChatML template, two eos ids and sampling defaults in
+    ``generation_config.json``, LICENSE/README.md/.gitattributes. Read-only: copy it to change it."""
+    from models.hub_models import build_qwen2_chat
+
+    return build_qwen2_chat(tmp_path_factory.mktemp("hub") / "qwen2-chat")
+
+
+@pytest.fixture(scope="session")
+def llama_bpe_dir(tmp_path_factory):
+    """A Llama-shaped checkpoint with a byte-level BPE tokenizer that has no pad token (untied head)."""
+    from models.hub_models import HubModelConfig, build_llama_bpe
+
+    return build_llama_bpe(tmp_path_factory.mktemp("hub") / "llama-bpe", HubModelConfig(num_kv_heads=2))
