@@ -16,7 +16,7 @@ from tasks import tracking
 from tasks.config import ConfigError, TrainConfig
 from tasks.config_io import config_from_json_dict, flatten, load_config, to_dict
 from tasks.preflight import check_resume_point, check_sources, check_storage, check_vocab
-from tasks.prompts import PromptDataConfig, load_prompts
+from tasks.run_data import load_run_data, write_run_prompts
 from tasks.run_layout import RunInfo, RunLayout
 from tasks.types import PolicyState, RunHandle
 
@@ -75,10 +75,11 @@ def _demo_assets(cfg: TrainConfig, workdir: str) -> dict:
         num_train_prompts=cfg.data.num_demo_train_prompts, num_eval_prompts=cfg.data.num_demo_eval_prompts).items()}
 
 
-def _check_prompts(cfg: TrainConfig, url: str, tokenizer) -> List[str]:
-    d = cfg.data
-    return load_prompts(PromptDataConfig(url=url, prompt_column=d.prompt_column, max_prompt_chars=d.max_prompt_chars,
-                                         max_prompt_tokens=d.max_prompt_tokens), tokenizer).prompts
+def _checked_data(cfg: TrainConfig, tokenizer, train_url: str = "", eval_url: str = ""):
+    """The run's training and held-out prompts, validated, and the reward source tried on four of them."""
+    train, held_out = load_run_data(cfg.data, tokenizer, train_url, eval_url)
+    check_sources(cfg, train.take(range(min(4, len(train)))), len(tokenizer))
+    return train, held_out
 
 
 def _commit_copy(src: str, dst: str) -> str:
@@ -99,7 +100,6 @@ def new_run(cfg: TrainConfig, layout: RunLayout, preset: str) -> RunSetup:
     """Validate data, lay out the run's initial checkpoints and prompts, start MLflow."""
     work = tempfile.mkdtemp(prefix="run-setup-")
     data_dir = storage.join(layout.url, "data")
-    train_url, eval_url = cfg.data.train_prompts, cfg.data.eval_prompts
     demo = not cfg.model.actor_path
     if demo:
         from models.tokenizer import build_char_tokenizer
@@ -108,22 +108,18 @@ def new_run(cfg: TrainConfig, layout: RunLayout, preset: str) -> RunSetup:
     else:
         tokenizer = load_tokenizer_only(cfg.model.actor_path)
         _check_vocabularies(cfg, tokenizer)
-    if train_url:  # user data: every row is checked before any model is loaded
-        probe = _check_prompts(cfg, train_url, tokenizer)[:4]
-        if eval_url:
-            _check_prompts(cfg, eval_url, tokenizer)
-        check_sources(cfg, probe, len(tokenizer))
+    demo_data = cfg.data.source == "files" and not cfg.data.train_prompts
+    if not demo_data:  # user data: every row is checked before any model is loaded
+        train, held_out = _checked_data(cfg, tokenizer)
     assets = _demo_assets(cfg, work) if demo else {}
-    train_url = train_url or assets.get("train_prompts", "")
-    eval_url = eval_url or assets.get("eval_prompts", "") or train_url
-    if not train_url:
-        raise ValueError("data.train_prompts is empty and no demo prompts were built")
-    if demo and not cfg.data.train_prompts:  # the demo's own prompts, checked like user data
-        check_sources(cfg, _check_prompts(cfg, train_url, tokenizer)[:4], len(tokenizer))
+    if demo_data:  # the demo's own prompts, checked like user data
+        if not assets.get("train_prompts"):
+            raise ValueError("data.train_prompts is empty and no demo prompts were built")
+        train, held_out = _checked_data(cfg, tokenizer, assets["train_prompts"], assets.get("eval_prompts", ""))
     run_train = storage.join(data_dir, "train_prompts.jsonl")
     run_eval = storage.join(data_dir, "eval_prompts.jsonl")
-    _copy_data(train_url, run_train)
-    _copy_data(eval_url, run_eval)
+    write_run_prompts(train, run_train)
+    write_run_prompts(held_out, run_eval)
 
     ref = _commit_copy(assets.get("actor") or cfg.model.actor_path, layout.reference_url())
     critic_url = ""
@@ -153,25 +149,6 @@ def _check_vocabularies(cfg: TrainConfig, tokenizer) -> None:
         check_vocab(tokenizer, m.critic_path, "model.critic_path")
     if cfg.reward.source == "model":
         check_vocab(tokenizer, cfg.reward.model_path, "reward.model_path")
-
-
-def _copy_data(src: str, dst: str) -> None:
-    files = _data_files(src)
-    if len(files) == 1 and files[0].endswith(".jsonl"):
-        storage.write_bytes(dst, storage.read_bytes(files[0]))
-        return
-    # Parquet or several files: re-write as one JSONL of the validated rows.
-    import json
-
-    data = load_prompts(PromptDataConfig(url=src, max_prompt_chars=10**9))
-    lines = [json.dumps({"prompt": p, "prompt_id": int(i)}) for p, i in zip(data.prompts, data.prompt_ids)]
-    storage.write_bytes(dst, ("\n".join(lines) + "\n").encode())
-
-
-def _data_files(url: str) -> List[str]:
-    from tasks.prompts import resolve_files
-
-    return resolve_files(url)
 
 
 def _critic_from(actor_url: str, work: str) -> str:
@@ -214,7 +191,8 @@ def resume_run(layout: RunLayout, cfg_now: Optional[TrainConfig]) -> RunSetup:
         return RunSetup(cfg, handle, PolicyState(0, layout.reference_url(), critic, cfg.kl.coef))
     check_resume_point(layout.url, state.actor_url, state.critic_url or "")
     kl = float(state.extras.get("kl_coef", cfg.kl.coef))
-    return RunSetup(cfg, handle, PolicyState(state.iteration + 1, state.actor_url, state.critic_url or "", kl))
+    return RunSetup(cfg, handle, PolicyState(state.iteration + 1, state.actor_url, state.critic_url or "", kl,
+                                             dict(state.extras.get("reward_norm", {}))))
 
 
 def check_workflow(cfg: TrainConfig, workflow: str) -> None:

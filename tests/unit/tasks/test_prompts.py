@@ -30,7 +30,7 @@ def test_jsonl_good_keeps_other_columns_and_ids(tmp_path):
                                              {"prompt": "héllo ✓", "answer": "5", "prompt_id": 3}])
     data = load(url)
     assert data.prompts == ["2+2=", "héllo ✓"]
-    assert data.prompt_ids.tolist() == [10, 3]
+    assert data.row_ids.tolist() == [10, 3]
     assert data.columns == {"answer": ["4", "5"]}
     assert data.shard(1, 2).prompts == ["héllo ✓"]
 
@@ -40,7 +40,7 @@ def test_parquet_good_without_ids_uses_row_index(tmp_path):
     pq.write_table(pa.table({"question": ["a?", "b?", "c?"], "level": [1, 2, 3]}), path)
     data = load(str(path), prompt_column="question")
     assert data.prompts == ["a?", "b?", "c?"]
-    assert data.prompt_ids.tolist() == [0, 1, 2]
+    assert data.row_ids.tolist() == [0, 1, 2]
     assert data.columns["level"] == [1, 2, 3]
 
 
