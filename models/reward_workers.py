@@ -93,7 +93,8 @@ class RewardWorker:
             conn.close()
 
 
-_POOL: Dict[Tuple[str, Tuple[str, ...]], List[RewardWorker]] = {}
+_POOL: Dict[Tuple[str, str, Tuple[str, ...]], List[RewardWorker]] = {}
+"""Live workers by (spec, working directory, search path)."""
 
 
 def search_path(module_paths: Sequence[str] = ()) -> List[str]:
@@ -103,7 +104,7 @@ def search_path(module_paths: Sequence[str] = ()) -> List[str]:
 
 def workers_for(spec: str, count: int, path: Sequence[str]) -> List[RewardWorker]:
     """``count`` live workers of ``spec`` (dead ones replaced)."""
-    key = (spec, tuple(path))
+    key = (spec, os.getcwd(), tuple(path))
     pool = [w for w in _POOL.get(key, []) if w.alive()]
     while len(pool) < count:
         pool.append(RewardWorker(spec, path))

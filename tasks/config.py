@@ -90,7 +90,7 @@ class ReasoningGymConfig:
     size: int = 1000
     """Training prompts generated."""
     eval_size: int = 64
-    """Held-out prompts generated (with ``seed + 1``; questions that are also training ones are dropped)."""
+    """Held-out prompts generated (with seed ``seed + size``; questions that are also training ones are dropped)."""
     seed: int = 0
     """Seed of the training prompts."""
     options: List[str] = field(default_factory=list)

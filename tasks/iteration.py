@@ -54,8 +54,13 @@ def sample_table(batch: RolloutBatch, n: int) -> Dict[str, list]:
         table["row_id"] = t.column("row_id").to_pylist()
     if "data_columns" in t.column_names:
         for name, values in decode_data_columns(t.column("data_columns").to_pylist()).items():
-            table[f"data.{name}" if name in table else name] = values
+            table[f"data.{name}" if name in table else name] = [_cell(v) for v in values]
     return table
+
+
+def _cell(value):
+    """A table cell: scalars as they are, lists and objects as their JSON text."""
+    return value if value is None or isinstance(value, (str, int, float, bool)) else json.dumps(value, ensure_ascii=False)
 
 
 def prune_checkpoints(cfg: TrainConfig, run: RunHandle, iteration: int) -> None:

@@ -165,9 +165,16 @@ def hf_records(path: str, name: str, split: str, errors) -> List[Record]:
     return [(f"{path} split {split} row {i}", row) for i, row in enumerate(ds.to_list())]
 
 
+def eval_seed(cfg) -> int:
+    """Seed of reasoning-gym's held-out rows (see :func:`reasoning_gym_records`)."""
+    return cfg.seed + cfg.size
+
+
 def reasoning_gym_records(cfg, split: str, errors) -> List[Record]:
     """Rows of ``cfg`` (a :class:`tasks.config.ReasoningGymConfig`): ``train`` drawn with ``cfg.seed``,
-    ``eval`` with ``cfg.seed + 1`` minus any question the training rows have."""
+    ``eval`` with ``cfg.seed + cfg.size`` minus any question the training rows have. (reasoning-gym
+    makes entry i of seed s from ``Random(s + i)``: seed + 1 would repeat the training entries shifted
+    by one; seed + size shares no generator with them.)"""
     from models.reasoning_gym_tasks import generate_rows
 
     options = cfg.option_values()
@@ -175,10 +182,10 @@ def reasoning_gym_records(cfg, split: str, errors) -> List[Record]:
         rows = train = generate_rows(cfg.task, cfg.size, cfg.seed, options)
         if split == "eval":
             seen = {r["question"] for r in train}
-            rows = [r for r in generate_rows(cfg.task, cfg.eval_size, cfg.seed + 1, options)
+            rows = [r for r in generate_rows(cfg.task, cfg.eval_size, eval_seed(cfg), options)
                     if r["question"] not in seen]
     except ValueError as err:
         errors.add(f"data.reasoning_gym: {err}")
         return []
-    where = f"reasoning-gym {cfg.task} (seed {cfg.seed + (split == 'eval')})"
+    where = f"reasoning-gym {cfg.task} (seed {eval_seed(cfg) if split == 'eval' else cfg.seed})"
     return [(f"{where} row {i}", row) for i, row in enumerate(rows)]

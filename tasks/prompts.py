@@ -186,6 +186,8 @@ def load_prompts(config: PromptDataConfig, tokenizer: Any = None) -> PromptDatas
 
     errors = ErrorList(config.max_errors)
     records = _check_rows(read_records(config, errors), config, errors)
+    if not records and not errors.total:
+        errors.add(f"{config.url or config.source}: no rows")
     wheres = [w for w, _ in records]
     if config.prompt_template or config.uses_chat_template:
         texts, conversations = render_prompts(records, config, tokenizer, errors)
