@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -66,6 +66,9 @@ class PromptDataConfig:
     """``hf``: the split to read; ``reasoning_gym``: ``train`` or ``eval``."""
     reasoning_gym: Any = None
     """``reasoning_gym``: a :class:`tasks.config.ReasoningGymConfig`."""
+    context_room: Optional[Tuple[int, int]] = None
+    """(tokens a prompt may take in the model's context, the longest response ``rollout.max_new_tokens``
+    that leaves them): prompts longer than the first are errors (checked with a tokenizer)."""
 
     def __post_init__(self) -> None:
         if not self.url and self.source != "reasoning_gym":
@@ -150,11 +153,17 @@ def _check_chars(wheres: Sequence[str], texts: Sequence[Optional[str]], limit: i
             errors.add(f"{where}: prompt has {len(text)} characters > max_prompt_chars={limit}")
 
 
-def _check_tokens(wheres: Sequence[str], encoded: Sequence[Sequence[int]], limit: int, errors: ErrorList) -> None:
-    """Token lengths (with the special tokens the model sees) against ``max_prompt_tokens``."""
+def _check_tokens(wheres: Sequence[str], encoded: Sequence[Sequence[int]], config: PromptDataConfig,
+                  errors: ErrorList) -> None:
+    """Token lengths (with the special tokens the model sees) against ``max_prompt_tokens`` and the
+    room the model's context leaves."""
+    room, new = config.context_room or (None, 0)
     for where, ids in zip(wheres, encoded):
-        if len(ids) > limit:
-            errors.add(f"{where}: prompt has {len(ids)} tokens > max_prompt_tokens={limit}")
+        if config.max_prompt_tokens is not None and len(ids) > config.max_prompt_tokens:
+            errors.add(f"{where}: prompt has {len(ids)} tokens > max_prompt_tokens={config.max_prompt_tokens}")
+        elif room is not None and len(ids) > room:
+            errors.add(f"{where}: prompt has {len(ids)} tokens, but the model's context of {room + new} tokens "
+                       f"(max_position_embeddings) leaves {room} beside rollout.max_new_tokens={new}")
 
 
 def _prompt_ids(records: List[Record], id_column: str, errors: ErrorList) -> np.ndarray:
@@ -199,8 +208,7 @@ def load_prompts(config: PromptDataConfig, tokenizer: Any = None) -> PromptDatas
     hint = ""
     if tokenizer is not None:
         encoded = encode_prompts(tokenizer, texts, add_special_tokens=not config.uses_chat_template)
-        if config.max_prompt_tokens is not None:
-            _check_tokens(wheres, encoded, config.max_prompt_tokens, errors)
+        _check_tokens(wheres, encoded, config, errors)
         if report_unknown_chars(wheres, texts, encoded, tokenizer, config.allow_unknown_chars, errors):
             hint = "(set data.allow_unknown_chars=true to train on them as they are)"
     prompt_ids = _prompt_ids(records, config.id_column, errors)

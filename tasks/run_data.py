@@ -15,31 +15,36 @@ from tasks.config import DataConfig
 from tasks.prompts import PromptDataConfig, PromptDataset, load_prompts
 
 
-def prompt_data_config(d: DataConfig, url: str, split: str = "") -> PromptDataConfig:
-    """How to read and render ``url`` (or the generated rows of ``split``) as the run's config says."""
+def prompt_data_config(d: DataConfig, url: str, split: str = "",
+                       context: Optional[Tuple[int, int]] = None) -> PromptDataConfig:
+    """How to read and render ``url`` (or the generated rows of ``split``) as the run's config says;
+    ``context``: (tokens a prompt may take, ``rollout.max_new_tokens``) in the actor's context."""
     rg = d.source == "reasoning_gym"
     return PromptDataConfig(url=url, source=d.source, prompt_column="question" if rg else d.prompt_column,
                             messages_column=d.messages_column, id_column=d.id_column,
                             prompt_template=d.prompt_template, apply_chat_template=d.apply_chat_template,
                             system_prompt=d.system_prompt, allow_unknown_chars=d.allow_unknown_chars,
                             max_prompt_chars=d.max_prompt_chars, max_prompt_tokens=d.max_prompt_tokens,
-                            hf_name=d.hf_name, split=split or d.train_split, reasoning_gym=d.reasoning_gym)
+                            hf_name=d.hf_name, split=split or d.train_split, reasoning_gym=d.reasoning_gym,
+                            context_room=context)
 
 
-def load_run_data(d: DataConfig, tokenizer, train_url: str = "", eval_url: str = "") \
-        -> Tuple[PromptDataset, PromptDataset]:
+def load_run_data(d: DataConfig, tokenizer, train_url: str = "", eval_url: str = "",
+                  context: Optional[Tuple[int, int]] = None) -> Tuple[PromptDataset, PromptDataset]:
     """Training and held-out prompts, every row validated and rendered with ``tokenizer``.
     ``train_url`` / ``eval_url`` (the demo's files) stand in for ``data.train_prompts`` / ``eval_prompts``.
     Held-out prompts default to: reasoning-gym's eval rows, the ``eval_split`` (``hf``), else the
-    training prompts."""
+    training prompts. ``context``: see :func:`prompt_data_config`."""
+    def load(url: str, split: str = ""):
+        return load_prompts(prompt_data_config(d, url, split, context), tokenizer)
+
     if d.source == "reasoning_gym":
-        return (load_prompts(prompt_data_config(d, "", "train"), tokenizer),
-                load_prompts(prompt_data_config(d, "", "eval"), tokenizer))
+        return load("", "train"), load("", "eval")
     train_url, eval_url = train_url or d.train_prompts, eval_url or d.eval_prompts
-    train = load_prompts(prompt_data_config(d, train_url), tokenizer)
+    train = load(train_url)
     if d.source == "hf" and d.eval_split:
-        return train, load_prompts(prompt_data_config(d, eval_url or train_url, d.eval_split), tokenizer)
-    return train, load_prompts(prompt_data_config(d, eval_url), tokenizer) if eval_url else train
+        return train, load(eval_url or train_url, d.eval_split)
+    return train, load(eval_url) if eval_url else train
 
 
 RUN_COPY_ID = "row_id"

@@ -15,7 +15,7 @@ from models.checkpoint import download_checkpoint, is_committed, save_checkpoint
 from tasks import tracking
 from tasks.config import ConfigError, TrainConfig
 from tasks.config_io import config_from_json_dict, flatten, load_config, to_dict
-from tasks.preflight import check_resume_point, check_sources, check_storage, check_vocab
+from tasks.preflight import check_resume_point, check_sources, check_storage, check_vocab, model_context
 from tasks.run_data import load_run_data, write_run_prompts
 from tasks.run_layout import RunInfo, RunLayout
 from tasks.types import PolicyState, RunHandle
@@ -62,22 +62,41 @@ def load_tokenizer_only(url: str):
     return AutoTokenizer.from_pretrained(tmp)
 
 
-def _demo_assets(cfg: TrainConfig, workdir: str) -> dict:
+def _demo_model_config(cfg: TrainConfig):
     from models.tiny import TinyModelConfig
-    from models.warm_start import WarmStartConfig, build_demo_models
 
     m = cfg.model
-    tiny = TinyModelConfig(hidden_size=m.tiny_hidden_size, num_layers=m.tiny_num_layers,
-                           num_heads=m.tiny_num_heads, num_kv_heads=m.tiny_num_heads,
-                           intermediate_size=4 * m.tiny_hidden_size)
+    return TinyModelConfig(hidden_size=m.tiny_hidden_size, num_layers=m.tiny_num_layers, num_heads=m.tiny_num_heads,
+                           num_kv_heads=m.tiny_num_heads, intermediate_size=4 * m.tiny_hidden_size)
+
+
+def _demo_assets(cfg: TrainConfig, workdir: str) -> dict:
+    from models.warm_start import WarmStartConfig, build_demo_models
+
     return {k: str(v) for k, v in build_demo_models(
-        workdir, os.path.join(cache_dir(), "warm_start"), tiny, cfg=WarmStartConfig(steps=m.warm_start_steps),
+        workdir, os.path.join(cache_dir(), "warm_start"), _demo_model_config(cfg),
+        cfg=WarmStartConfig(steps=cfg.model.warm_start_steps),
         num_train_prompts=cfg.data.num_demo_train_prompts, num_eval_prompts=cfg.data.num_demo_eval_prompts).items()}
+
+
+def _prompt_room(cfg: TrainConfig) -> Optional[int]:
+    """Tokens a prompt may take: the actor's context (``max_position_embeddings``) less
+    ``rollout.max_new_tokens``; None when the checkpoint does not say."""
+    context = model_context(cfg.model.actor_path) if cfg.model.actor_path else \
+        _demo_model_config(cfg).max_position_embeddings
+    if context is None:
+        return None
+    if context <= cfg.rollout.max_new_tokens:
+        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
+                          f"actor's context of {context} tokens (max_position_embeddings)")
+    return context - cfg.rollout.max_new_tokens
 
 
 def _checked_data(cfg: TrainConfig, tokenizer, train_url: str = "", eval_url: str = ""):
     """The run's training and held-out prompts, validated, and the reward source tried on four of them."""
-    train, held_out = load_run_data(cfg.data, tokenizer, train_url, eval_url)
+    room = _prompt_room(cfg)
+    train, held_out = load_run_data(cfg.data, tokenizer, train_url, eval_url,
+                                    context=(room, cfg.rollout.max_new_tokens) if room else None)
     check_sources(cfg, train.take(range(min(4, len(train)))), len(tokenizer))
     return train, held_out
 

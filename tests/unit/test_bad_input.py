@@ -148,6 +148,10 @@ CASES = [
      PromptDataError, r"line 3 \(row 2\): prompt has 5 characters > max_prompt_chars=4"),
     ("prompt over the token limit", lambda w, a, r, m: base(w, a) + ["data.max_prompt_tokens=2"], "ppo",
      PromptDataError, r"line 3 \(row 2\): prompt has 3 tokens > max_prompt_tokens=2"),
+    ("prompt longer than the model's context", lambda w, a, r, m: base(w, a, write_lines(w / "long.jsonl", [
+        '{"prompt": "a b"}', '{"prompt": "a b a b a b a b a b"}'])), "ppo", PromptDataError,
+     r"long\.jsonl line 2 \(row 1\): prompt has 10 tokens, but the model's context of 16 tokens "
+     r"\(max_position_embeddings\) leaves 8 beside rollout\.max_new_tokens=8"),
     ("eval prompts not JSON", lambda w, a, r, m: base(w, a) + [
         f"data.eval_prompts={write_lines(w / 'eval.jsonl', ['{not json'])}"], "ppo", PromptDataError,
      r"eval\.jsonl line 1 \(row 0\): invalid JSON"),
