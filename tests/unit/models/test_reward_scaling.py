@@ -43,3 +43,20 @@ def test_out_of_range_warning_names_the_numbers_and_the_settings():
     msg = out_of_range([0.5, 1e6, -20.0, 1.0], (-10.0, 10.0))
     assert msg.startswith("2 of 4 raw rewards are outside reward.expected_range [-10, 10] (min -20, max 1e+06)")
     assert "reward.scale" in msg and "reward.clip" in msg and "reward.normalize" in msg
+
+
+def test_score_warns_and_logs_when_raw_rewards_leave_the_expected_range(capsys):
+    """Rewards up to 1e6 were trained on silently; now the score task says so and logs the share."""
+    from models.reward_sources import as_scores
+    from tasks.config import TrainConfig
+    from tasks.score import shaped_rewards
+    from tasks.types import PolicyState
+    from tests.stages import with_overrides
+
+    cfg = with_overrides(TrainConfig(), "reward.clip=5.0")
+    shaped, stats = shaped_rewards(cfg, PolicyState(3, "a"), as_scores([0.5, 1e6, 2.0, -40.0], "judge"))
+    assert "WARNING iteration 3: 2 of 4 raw rewards are outside reward.expected_range [-10, 10]" in capsys.readouterr().out
+    assert stats["reward/raw_out_of_range_frac"] == 0.5 and stats["reward/judge_mean"] == pytest.approx(249990.625)
+    assert shaped.rewards.tolist() == [0.5, 5.0, 2.0, -5.0] and stats["reward/shaped_mean"] == 0.625
+    _, quiet = shaped_rewards(TrainConfig(), PolicyState(0, "a"), as_scores([0.0, 1.0], "judge"))
+    assert capsys.readouterr().out == "" and quiet["reward/raw_out_of_range_frac"] == 0.0
