@@ -43,3 +43,10 @@ def answer_length(prompts, responses, answer):
 
 def wants_missing_column(prompts, responses, solution):
     return [0.0] * len(prompts)
+
+
+def hang_unless_empty(prompts, responses):
+    """Passes the set-up check (empty responses), never returns on real ones."""
+    while any(responses):
+        time.sleep(1)
+    return [0.0] * len(prompts)

@@ -97,3 +97,16 @@ def test_a_reasoning_gym_task_trains_with_its_own_verifier(tmp_path):
     client, run_id = mlflow_run(tmp_path, layout)
     metrics = client.get_run(run_id).data.metrics
     assert {"reward/reasoning_gym_reward_mean", "eval/reward_mean", "actor/loss"} <= set(metrics)
+
+
+def test_hf_datasets_reads_a_file_on_s3(s3_url, tmp_path, monkeypatch):
+    """``data.source=hf`` with a data file on an fsspec URL (the moto S3 server)."""
+    from models import storage
+    from tasks.prompts import PromptDataConfig, load_prompts
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    url = storage.join(s3_url, "gsm", "train.jsonl")
+    storage.write_bytes(url, b"".join(json.dumps({"question": q, "answer": a}).encode() + b"\n"
+                                      for q, a in [("1+1?", "2"), ("2+2?", "4")]))
+    data = load_prompts(PromptDataConfig(url=url, source="hf", prompt_column="question"))
+    assert data.prompts == ["1+1?", "2+2?"] and data.columns == {"answer": ["2", "4"]}

@@ -95,6 +95,25 @@ def test_sample_table_and_evaluation_show_the_columns(run):
     assert metrics["eval/answer_length_mean"] == pytest.approx(6.0)  # held-out = training prompts here
 
 
+def test_a_reward_that_hangs_in_score_fails_the_task_naming_it(run):
+    """It used to hang the run forever; now the score task fails after reward.timeout_s, naming the
+    function and the samples of the first worker that did not answer."""
+    import time
+
+    from models.reward_workers import RewardTimeout
+    from tasks.score import run_score
+    from tests.stages import with_overrides
+
+    setup, ro, _, _ = run
+    cfg = with_overrides(setup.cfg, "reward.weights=[]", "reward.functions=[tests.reward_fns:hang_unless_empty]",
+                         "reward.timeout_s=3", "reward.num_workers=2")
+    t0 = time.monotonic()
+    with pytest.raises(RewardTimeout, match=r"reward 'tests\.reward_fns:hang_unless_empty' did not return within 3 s "
+                                            r"on samples 0-7 of a batch of 16"):
+        run_score(cfg, setup.run, setup.state, ro.batch)
+    assert time.monotonic() - t0 < 120
+
+
 def test_running_normalisation_survives_commit_and_resume(tmp_path, chat_actor):
     """Iteration 1 of a resumed run normalises with the moments of iterations 0 and 1's raw rewards."""
     from tasks.rollout import run_rollout
