@@ -1,10 +1,12 @@
-"""Verifiable rewards a user would otherwise write by hand, as reward functions (``reward.functions``):
+"""Verifiable rewards a user would otherwise write by hand, as reward functions (``reward.functions``),
+each 1.0 or 0.0 per sample:
 
-| spec | reward per sample |
-|---|---|
-| ``models.verifiers:math_reward`` | 1.0 if the response's final answer equals the ``answer`` column symbolically (``math-verify``), else 0.0 |
-| ``models.verifiers:exact_match_reward`` | 1.0 if the final answer equals ``answer`` after :func:`normalize_text`, else 0.0 |
-| ``models.verifiers:format_reward`` | 1.0 if the whole response matches ``reward.format_pattern`` (``re.fullmatch``, DOTALL), else 0.0 |
+- ``models.verifiers:math_reward``: the response's final answer equals the ``answer`` column as
+  mathematics (``math-verify``);
+- ``models.verifiers:exact_match_reward``: the final answer equals ``answer`` after
+  :func:`normalize_text`;
+- ``models.verifiers:format_reward``: the whole response matches ``reward.format_pattern``
+  (``re.fullmatch``, DOTALL).
 
 The final answer of a response (and of an ``answer`` cell, which may hold a whole GSM8K solution)
 is, by :func:`extract_final_answer`: the content of the last ``\\boxed{...}``, else of the last

@@ -60,7 +60,8 @@ def sample_table(batch: RolloutBatch, n: int) -> Dict[str, list]:
 
 def _cell(value):
     """A table cell: scalars as they are, lists and objects as their JSON text."""
-    return value if value is None or isinstance(value, (str, int, float, bool)) else json.dumps(value, ensure_ascii=False)
+    scalar = value is None or isinstance(value, (str, int, float, bool))
+    return value if scalar else json.dumps(value, ensure_ascii=False)
 
 
 def prune_checkpoints(cfg: TrainConfig, run: RunHandle, iteration: int) -> None:

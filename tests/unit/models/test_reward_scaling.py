@@ -55,7 +55,8 @@ def test_score_warns_and_logs_when_raw_rewards_leave_the_expected_range(capsys):
 
     cfg = with_overrides(TrainConfig(), "reward.clip=5.0")
     shaped, stats = shaped_rewards(cfg, PolicyState(3, "a"), as_scores([0.5, 1e6, 2.0, -40.0], "judge"))
-    assert "WARNING iteration 3: 2 of 4 raw rewards are outside reward.expected_range [-10, 10]" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "WARNING iteration 3: 2 of 4 raw rewards are outside reward.expected_range [-10, 10]" in out
     assert stats["reward/raw_out_of_range_frac"] == 0.5 and stats["reward/judge_mean"] == pytest.approx(249990.625)
     assert shaped.rewards.tolist() == [0.5, 5.0, 2.0, -5.0] and stats["reward/shaped_mean"] == 0.625
     _, quiet = shaped_rewards(TrainConfig(), PolicyState(0, "a"), as_scores([0.0, 1.0], "judge"))

@@ -158,7 +158,8 @@ def test_text_column_with_template_system_prompt_and_chatml(tmp_path, qwen_tok):
     """The hand-written ChatML of a system and a user turn, and the tokens the tokenizer's own
     ``apply_chat_template(tokenize=True)`` gives (no token added in front)."""
     url = write_jsonl(tmp_path / "gsm.jsonl", GSM_ROWS)
-    data = load(url, qwen_tok, prompt_column="question", prompt_template="{question}\nGive the final answer after ####.",
+    data = load(url, qwen_tok, prompt_column="question",
+                prompt_template="{question}\nGive the final answer after ####.",
                 apply_chat_template=True, system_prompt="You are careful.", max_prompt_tokens=512)
     assert data.prompts[0] == ("<|im_start|>system\nYou are careful.<|im_end|>\n<|im_start|>user\nAva has 3 apples and "
                                "buys 4 more. How many now?\nGive the final answer after ####.<|im_end|>\n"
@@ -181,7 +182,8 @@ def test_messages_column_on_llama_writes_one_bos(tmp_path, llama_tok):
             {"messages": [{"role": "user", "content": "2 + 2?"}], "answer": "4"}]
     data = load(write_jsonl(tmp_path / "chat.jsonl", rows), llama_tok, messages_column="messages",
                 system_prompt="Default system.")
-    assert data.prompts[1] == ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nDefault system.<|eot_id|>"
+    assert data.prompts[1] == ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+                               "Default system.<|eot_id|>"
                                "<|start_header_id|>user<|end_header_id|>\n\n2 + 2?<|eot_id|>"
                                "<|start_header_id|>assistant<|end_header_id|>\n\n")
     assert data.messages[0][0]["content"] == "Be brief."  # a conversation's own system turn stays
@@ -209,7 +211,8 @@ def test_char_tokenizer_unknown_characters_refused_or_allowed(tmp_path, capsys):
     from models.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
-    rows = [{"prompt": "abc="}, {"prompt": "café="}, {"prompt": "😀="}, {"prompt": "<unk> literal="}, {"prompt": "中文="}]
+    rows = [{"prompt": "abc="}, {"prompt": "café="}, {"prompt": "😀="}, {"prompt": "<unk> literal="},
+            {"prompt": "中文="}]
     url = write_jsonl(tmp_path / "p.jsonl", rows)
     with pytest.raises(PromptDataError) as info:
         load(url, tok, max_errors=2)
