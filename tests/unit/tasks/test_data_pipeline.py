@@ -1,7 +1,8 @@
 """A user's GSM8K-like data on the realistic chat checkpoint, through the real task functions (HF
-engine, one process): chat-rendered prompts as the model sees them, every drawn prompt its own
-group, the ``answer`` column in the batch, the reward functions, the evaluation and MLflow's sample
-table; the running reward normalisation across a commit and a resume."""
+engine, one process): a non-default prompt column and a raw U+2028 set up and roll out (a file that
+validates trains), chat-rendered prompts as the model sees them, every drawn prompt its own group,
+the ``answer`` column in the batch, the reward functions, a reward that hangs, the evaluation and
+MLflow's sample table; the running reward normalisation across a commit and a resume."""
 
 from __future__ import annotations
 
@@ -18,13 +19,16 @@ from tests.stages import tiny_run, to_advantages
 
 ROWS = [{"question": "Ava has 3 apples and buys 4 more. How many apples?", "answer": "#### 7", "level": 1},
         {"question": "Ben had 12 coins and lost 5. How many coins are left?", "answer": "#### 7", "level": 2},
-        {"question": "Chen reads 2 books a day for 3 days. How many books?", "answer": "#### 6", "level": 1}]
+        {"question": "Chen reads 2 books a day\u2028for 3 days. How many books?", "answer": "#### 6", "level": 1}]
+"""GSM8K-like rows under a non-default prompt column; the last holds a raw U+2028 in its JSONL line
+(validation and training once split such lines differently)."""
 SYSTEM = "Answer with a number after ####."
 
 
 def overrides(root, actor_dir, extra=()):
     train = root / "gsm.jsonl"
-    train.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    train.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in ROWS), encoding="utf-8")
+    assert "\u2028" in train.read_text(encoding="utf-8")
     return [f"model.actor_path={actor_dir}", f"data.train_prompts={train}", "data.prompt_column=question",
             "data.apply_chat_template=true", f"data.system_prompt='{SYSTEM}'", "run.algorithm=grpo",
             "reward.functions=[tests.reward_fns:answer_length, models.verifiers:math_reward]",
