@@ -1,29 +1,69 @@
-"""Reward sources chosen by config, all called as ``source(prompts, responses, inputs)``.
+"""Reward sources chosen by config, all called as ``source(prompts, responses, micro_batches, columns)``
+and all answering :class:`RewardScores` (the weighted total and each part, per sample):
 
-- ``function``: a user ``module:function`` on texts (validated by :func:`models.rewards.compute_rewards`);
+- ``function``: one or more user ``module:function`` rewards on texts, weighted, each in worker
+  processes under a time limit (:mod:`models.reward_workers`; validated by
+  :func:`models.rewards.compute_rewards`);
 - ``model``: a reward-model checkpoint (sequence-classification head) scored on the batch's tokens.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, List, Sequence
+from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 
 from models.policy import inputs_to, reward_model_scores
-from models.rewards import RewardError, compute_rewards, resolve_reward_fn
+from models.reward_workers import score_function
+from models.rewards import RewardError
 
 
-class FunctionReward:
-    """A ``module:function`` reward on (prompt, response) texts."""
+class RewardScores(NamedTuple):
+    """Rewards of a batch before any scaling."""
 
-    def __init__(self, spec: str):
-        self.spec = spec
-        self.fn = resolve_reward_fn(spec)
+    total: np.ndarray
+    """``[B]`` float64: Σ_k w_k · r_k over the parts."""
+    parts: Dict[str, np.ndarray]
+    """``{name: [B]}`` each part's own reward (a function's, or the model's)."""
 
-    def __call__(self, prompts: Sequence[str], responses: Sequence[str], micro_batches: Iterable = ()) -> List[float]:
-        return compute_rewards(self.fn, prompts, responses, spec=self.spec)
+
+def function_names(specs: Sequence[str]) -> List[str]:
+    """Metric names of reward functions: the function's name (``math_reward``), numbered when two
+    specs share one (``score``, ``score_2``)."""
+    names: List[str] = []
+    for spec in specs:
+        base = spec.split(":")[-1].split(".")[-1].strip() or "reward"
+        name, k = base, 2
+        while name in names:
+            name, k = f"{base}_{k}", k + 1
+        names.append(name)
+    return names
+
+
+class FunctionRewards:
+    """Weighted reward functions on (prompt, response) texts and the rows' data columns."""
+
+    def __init__(self, specs: Sequence[str], weights: Sequence[float] = (), timeout_s: float = 300.0,
+                 num_workers: int = 1, module_paths: Sequence[str] = (), options: Optional[Mapping[str, Any]] = None):
+        self.specs, self.names = list(specs), function_names(specs)
+        self.weights = list(weights) or [1.0] * len(self.specs)
+        self.timeout_s, self.num_workers = timeout_s, num_workers
+        self.module_paths, self.options = list(module_paths), dict(options or {})
+
+    @classmethod
+    def from_config(cls, r) -> "FunctionRewards":
+        """The functions of a ``reward`` config section (:class:`tasks.config.RewardConfig`)."""
+        return cls(r.specs, r.weights, r.timeout_s, r.num_workers, r.module_paths, r.options)
+
+    def __call__(self, prompts: Sequence[str], responses: Sequence[str], micro_batches: Iterable = (),
+                 columns: Optional[Mapping[str, Sequence[Any]]] = None) -> RewardScores:
+        parts = {name: np.asarray(score_function(spec, prompts, responses, columns, timeout_s=self.timeout_s,
+                                                 num_workers=self.num_workers, module_paths=self.module_paths,
+                                                 options=self.options), dtype=np.float64)
+                 for spec, name in zip(self.specs, self.names)}
+        total = sum(w * parts[n] for w, n in zip(self.weights, self.names))
+        return RewardScores(np.asarray(total, dtype=np.float64).reshape(len(prompts)), parts)
 
 
 class ModelReward:
@@ -33,7 +73,8 @@ class ModelReward:
         self.model, self.name, self.device = model.eval(), name, device
 
     @torch.no_grad()
-    def __call__(self, prompts: Sequence[str], responses: Sequence[str], micro_batches: Iterable = ()) -> List[float]:
+    def __call__(self, prompts: Sequence[str], responses: Sequence[str], micro_batches: Iterable = (),
+                 columns: Optional[Mapping[str, Sequence[Any]]] = None) -> RewardScores:
         scores = [reward_model_scores(self.model, inputs_to(m, self.device)).cpu().numpy() for m in micro_batches]
         values = np.concatenate(scores) if scores else np.zeros(0, np.float32)
         if values.shape[0] != len(prompts):
@@ -41,7 +82,24 @@ class ModelReward:
         bad = np.flatnonzero(~np.isfinite(values))
         if bad.size:
             raise RewardError(f"reward model {self.name}: sample {int(bad[0])} got {values[bad[0]]} (not finite)")
-        return values.astype(float).tolist()
+        return as_scores(values, "reward_model")
+
+
+class PlainSource:
+    """A source answering a list of floats (the reward server's client) as :class:`RewardScores`."""
+
+    def __init__(self, source, name: str):
+        self.source, self.name = source, name
+
+    def __call__(self, prompts: Sequence[str], responses: Sequence[str], micro_batches: Iterable = (),
+                 columns: Optional[Mapping[str, Sequence[Any]]] = None) -> RewardScores:
+        return as_scores(self.source(prompts, responses, micro_batches), self.name)
+
+
+def as_scores(values: Sequence[float], name: str) -> RewardScores:
+    """One source's rewards as :class:`RewardScores` with a single part."""
+    arr = np.asarray(values, dtype=np.float64)
+    return RewardScores(arr, {name: arr})
 
 
 def check_rewards(values: Sequence[float], name: str) -> np.ndarray:
@@ -51,5 +109,3 @@ def check_rewards(values: Sequence[float], name: str) -> np.ndarray:
     if bad.size:
         raise RewardError(f"reward {name}: sample {int(bad[0])} got {arr[bad[0]]} (not finite)")
     return arr.astype(np.float32)
-
-

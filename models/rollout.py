@@ -29,9 +29,11 @@ class RolloutColumns:
                                               "sampler_logprobs", "is_end", "prompt", "response")}
 
 
-def encode_prompts(tokenizer, prompts: Sequence[str]) -> List[List[int]]:
-    """Token ids as the policy sees them (the tokenizer's own special tokens, e.g. ``<bos>``)."""
-    return [list(ids) for ids in tokenizer(list(prompts), add_special_tokens=True)["input_ids"]]
+def encode_prompts(tokenizer, prompts: Sequence[str], add_special_tokens: bool = True) -> List[List[int]]:
+    """Token ids as the policy sees them: plain text with the tokenizer's own special tokens (e.g.
+    ``<bos>``); text a chat template rendered (``add_special_tokens=False``) as it is, since the
+    template wrote its special tokens itself (a second BOS would be a prompt the model never saw)."""
+    return [list(ids) for ids in tokenizer(list(prompts), add_special_tokens=add_special_tokens)["input_ids"]]
 
 
 def decode_responses(tokenizer, responses: Sequence[Sequence[int]]) -> List[str]:
@@ -40,10 +42,11 @@ def decode_responses(tokenizer, responses: Sequence[Sequence[int]]) -> List[str]
 
 
 def sample(engine: GenerationEngine, tokenizer, prompts: Sequence[str], prompt_ids: Sequence[int],
-           spec: SamplingSpec) -> RolloutColumns:
-    """``spec.n`` responses for each prompt, with the engine's log-probs and ``is_end``."""
+           spec: SamplingSpec, chat: bool = False) -> RolloutColumns:
+    """``spec.n`` responses for each prompt, with the engine's log-probs and ``is_end`` (``chat``: the
+    prompts were rendered by a chat template, see :func:`encode_prompts`)."""
     t0 = time.perf_counter()
-    ids = encode_prompts(tokenizer, prompts)
+    ids = encode_prompts(tokenizer, prompts, add_special_tokens=not chat)
     gens = engine.generate(ids, spec)
     n = spec.n
     flat = [g for per_prompt in gens for g in per_prompt]

@@ -3,6 +3,13 @@
 One Arrow row per sample; list columns are ragged (no padding on disk). See DESIGN.md,
 "Contracts". Index convention: position t of a response-aligned column is the action that
 produced response token t, so those columns have ``len(response_tokens)`` entries per row.
+
+What each sample was judged against travels with it: ``row_id`` is its prompt's row in the data
+and ``data_columns`` that row's other columns as one JSON object (``{"answer": "72", "level": 3}``),
+the same for the samples of one prompt. One JSON column rather than an Arrow column per field,
+because user columns may have any name (``reward`` and ``response`` included) and any JSON type,
+mixed from row to row; :func:`decode_data_columns` gives them back as the lists reward functions
+take. ``prompt_id`` names the group: every drawn prompt instance has its own (docs/data.md).
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 from dataclasses import dataclass, field, replace
-from typing import Dict, Iterable, Mapping, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -22,7 +29,8 @@ LIST_INT32 = pa.list_(pa.int32())
 LIST_FLOAT32 = pa.list_(pa.float32())
 
 COLUMN_TYPES: Mapping[str, pa.DataType] = {
-    "prompt_id": pa.int64(),            # rollout: same id for the samples of one prompt
+    "prompt_id": pa.int64(),            # rollout: same id for the samples of one drawn prompt (its group)
+    "row_id": pa.int64(),               # rollout: the prompt's row in the data (repeats across draws)
     "prompt_tokens": LIST_INT32,        # rollout
     "response_tokens": LIST_INT32,      # rollout
     "sampler_logprobs": LIST_FLOAT32,   # rollout: the engine's own log-probs
@@ -30,12 +38,14 @@ COLUMN_TYPES: Mapping[str, pa.DataType] = {
     "old_logprobs": LIST_FLOAT32,       # score: π_old recomputed by the training-side model
     "ref_logprobs": LIST_FLOAT32,       # score: π_ref
     "values": LIST_FLOAT32,             # score (PPO): critic V_t
-    "reward": pa.float32(),             # score: sequence-level reward
+    "reward": pa.float32(),             # score: sequence-level reward (after reward.normalize/scale/clip)
+    "reward_raw": pa.float32(),         # score: weighted sum of the reward functions, before any scaling
     "token_rewards": LIST_FLOAT32,      # advantages: KL-shaped per-token rewards
     "advantages": LIST_FLOAT32,         # advantages
     "returns": LIST_FLOAT32,            # advantages
-    "prompt": pa.string(),              # optional: prompt text, for people reviewing samples
-    "response": pa.string(),            # optional: response text
+    "prompt": pa.string(),              # rollout: the prompt text exactly as the model saw it
+    "response": pa.string(),            # rollout: response text (special tokens skipped), as rewards see it
+    "data_columns": pa.string(),        # rollout: the prompt row's other data columns, one JSON object
 }
 """Known columns and their exact Arrow types. Other (extra) columns are allowed, unchecked."""
 
@@ -48,6 +58,22 @@ ADVANTAGE_COLUMNS = SCORE_COLUMNS + ("token_rewards", "advantages", "returns")
 """Columns after ``advantages``: what the actor update reads."""
 
 FORMAT_VERSION = "1"
+
+REWARD_NORM_KEY = "reward_norm"
+"""Metadata extra of a scored batch: the running reward moments after it (JSON), with ``reward.normalize``."""
+
+
+def encode_data_columns(rows: Sequence[Mapping[str, Any]]) -> List[str]:
+    """Per sample, its prompt row's other columns as one JSON object (the ``data_columns`` column)."""
+    return [json.dumps(dict(row), ensure_ascii=False) for row in rows]
+
+
+def decode_data_columns(values: Sequence[Optional[str]]) -> Dict[str, list]:
+    """``data_columns`` back as ``{column: [B] values}`` (None where a row lacks the column), the
+    form reward functions take (TRL's convention)."""
+    rows = [json.loads(v) if v else {} for v in values]
+    names = list(dict.fromkeys(k for row in rows for k in row))
+    return {name: [row.get(name) for row in rows] for name in names}
 _META_KEYS = ("iteration", "policy_version", "algorithm", "created_at")
 
 

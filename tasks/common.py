@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import time
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, Optional
 
 import numpy as np
 
-from models import storage
 from models.checkpoint import download_checkpoint
 
-CACHE_VERSION = "1"
+CACHE_VERSION = "2"
 """Bump when a task's outputs change meaning for the same inputs."""
 
 
@@ -47,15 +45,20 @@ def load_tokenizer(url: str):
     return AutoTokenizer.from_pretrained(local_checkpoint(url))
 
 
-def read_prompts(url: str) -> Tuple[List[str], np.ndarray]:
-    """The run's validated prompt file (JSONL with ``prompt`` and ``prompt_id``)."""
-    rows = [json.loads(line) for line in storage.read_bytes(url).decode("utf-8").splitlines() if line.strip()]
-    ids = np.array([r.get("prompt_id", i) for i, r in enumerate(rows)], dtype=np.int64)
-    return [r["prompt"] for r in rows], ids
+def read_prompts(url: str):
+    """The run's validated prompts (its copy under ``data/``), read by the reader that validated
+    them: a :class:`tasks.prompts.PromptDataset` (texts as the model sees them, row ids, columns)."""
+    from tasks.run_data import read_run_prompts
+
+    return read_run_prompts(url)
 
 
 def iteration_indices(num_prompts: int, per_iteration: int, iteration: int, seed: int) -> np.ndarray:
-    """Rows for ``iteration``: consecutive slices of per-epoch seeded permutations (no repeats within an epoch)."""
+    """Rows for ``iteration``: consecutive slices of per-epoch seeded permutations (no repeats within an epoch).
+
+    Draw k of the run (iteration ``k // per_iteration``) is row ``permutation(seed, epoch)[k mod N]`` with
+    epoch ``k // N``: every row once per epoch, a fresh shuffle each epoch. When ``per_iteration > N`` an
+    iteration spans several epochs and takes a row more than once (:func:`draw_ids` keeps them apart)."""
     start = iteration * per_iteration
     out = []
     while len(out) < per_iteration:
@@ -63,6 +66,13 @@ def iteration_indices(num_prompts: int, per_iteration: int, iteration: int, seed
         perm = np.random.default_rng([seed, epoch]).permutation(num_prompts)
         out.extend(perm[offset:offset + per_iteration - len(out)].tolist())
     return np.asarray(out, dtype=np.int64)
+
+
+def draw_ids(per_iteration: int, iteration: int) -> np.ndarray:
+    """``[per_iteration]`` int64: the run-wide index of each prompt drawn in ``iteration``, its
+    ``prompt_id``. Every drawn instance is its own group (GRPO/RLOO baselines over exactly
+    ``n_samples_per_prompt`` samples), even when one row is drawn twice in an iteration."""
+    return np.arange(iteration * per_iteration, (iteration + 1) * per_iteration, dtype=np.int64)
 
 
 @contextlib.contextmanager

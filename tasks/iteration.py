@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 from dataclasses import dataclass
 from typing import Dict, List
 
@@ -18,11 +19,13 @@ from models.engines import close_engines
 from models.rollout import sample
 from tasks import registry, secrets, tracking
 from tasks.batch import BatchMetadata, RolloutBatch
+from tasks.batch_schema import REWARD_NORM_KEY, decode_data_columns
 from tasks.common import read_prompts, load_tokenizer
 from tasks.config import TrainConfig
 from tasks.deploy import deployment_config, resources_for
 from tasks.redact import redact
 from tasks.rollout import engine_for, sampling_spec
+from tasks.run_data import sample_columns
 from tasks.score import batch_rewards
 from tasks.run_layout import RunState
 from tasks.types import PolicyState, RunHandle
@@ -36,12 +39,29 @@ def next_kl_coef(cfg: TrainConfig, state: PolicyState, stats: Dict[str, float]) 
 
 
 def sample_table(batch: RolloutBatch, n: int) -> Dict[str, list]:
-    """The first ``n`` samples: prompt, response, reward, KL(π_old‖π_ref) summed over the response."""
+    """The first ``n`` samples: prompt (as the model saw it), response, reward, KL(π_old‖π_ref)
+    summed over the response, and what the sample was judged against: its data row (``row_id``)
+    and the row's other columns, one table column each (``answer``, ...; a column named like one of
+    the table's own gets a ``data.`` prefix)."""
     t = batch.table.slice(0, n)
     kl = [float(np.sum(np.asarray(o) - np.asarray(r))) for o, r in
           zip(t.column("old_logprobs").to_pylist(), t.column("ref_logprobs").to_pylist())]
-    return {"prompt": t.column("prompt").to_pylist(), "response": t.column("response").to_pylist(),
-            "reward": [float(x) for x in t.column("reward").to_pylist()], "kl": kl}
+    table = {"prompt": t.column("prompt").to_pylist(), "response": t.column("response").to_pylist(),
+             "reward": [float(x) for x in t.column("reward").to_pylist()], "kl": kl}
+    if "reward_raw" in t.column_names:
+        table["reward_raw"] = [float(x) for x in t.column("reward_raw").to_pylist()]
+    if "row_id" in t.column_names:
+        table["row_id"] = t.column("row_id").to_pylist()
+    if "data_columns" in t.column_names:
+        for name, values in decode_data_columns(t.column("data_columns").to_pylist()).items():
+            table[f"data.{name}" if name in table else name] = [_cell(v) for v in values]
+    return table
+
+
+def _cell(value):
+    """A table cell: scalars as they are, lists and objects as their JSON text."""
+    scalar = value is None or isinstance(value, (str, int, float, bool))
+    return value if scalar else json.dumps(value, ensure_ascii=False)
 
 
 def prune_checkpoints(cfg: TrainConfig, run: RunHandle, iteration: int) -> None:
@@ -77,11 +97,18 @@ def run_commit(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List
             if url:
                 registry.log_checkpoint(run.mlflow_run_id, f"iter-{i:06d}/{role}", url,
                                         cfg.run.checkpoint_artifact_max_mb)
+    reward_norm = next_reward_norm(state, batch)
     run.layout.write_state(RunState(iteration=i, actor_url=actor_url, critic_url=critic_url or None,
-                                    extras={"kl_coef": kl}))
+                                    extras={"kl_coef": kl, **({"reward_norm": reward_norm} if reward_norm else {})}))
     prune_checkpoints(cfg, run, i)
     print(progress_line(cfg, i, merged), flush=True)
-    return PolicyState(i + 1, actor_url, critic_url, kl)
+    return PolicyState(i + 1, actor_url, critic_url, kl, reward_norm)
+
+
+def next_reward_norm(state: PolicyState, batch: RolloutBatch) -> Dict[str, float]:
+    """The running reward moments after the scored ``batch`` (``reward.normalize``), else the state's."""
+    moments = batch.metadata.extras.get(REWARD_NORM_KEY)
+    return json.loads(moments) if moments else dict(state.reward_norm)
 
 
 def seconds_since(iso: str) -> float:
@@ -108,26 +135,34 @@ def commit_iteration(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats
     return run_commit(cfg, run, state, stats, batch, actor_url, critic_url)
 
 
-def eval_reward(cfg: TrainConfig, run: RunHandle, actor_url: str) -> float:
-    """Mean reward of the policy at ``actor_url`` on the run's held-out prompts (``eval_temperature``),
-    from the run's reward source (function, reward model or reward server)."""
-    prompts, ids = read_prompts(run.eval_prompts_url)
+def eval_rewards(cfg: TrainConfig, run: RunHandle, actor_url: str) -> Dict[str, float]:
+    """``eval/reward_mean`` (the raw reward: no normalisation, scale or clip) and ``eval/<part>_mean``
+    per reward function of the policy at ``actor_url`` on the run's held-out prompts
+    (``eval_temperature``), from the run's reward source, each prompt's data columns included."""
+    data = read_prompts(run.eval_prompts_url)
     tok = load_tokenizer(run.reference_url)
     spec = sampling_spec(cfg, tok, cfg.run.seed, 1, cfg.rollout.eval_temperature)
-    cols = sample(engine_for(cfg, actor_url), tok, prompts, ids, spec)
+    cols = sample(engine_for(cfg, actor_url), tok, data.prompts, np.arange(len(data)), spec, data.chat)
     batch = RolloutBatch.from_columns(BatchMetadata(iteration=0, policy_version=0, algorithm=cfg.run.algorithm),
-                                      **cols.as_dict())
+                                      **cols.as_dict(), **sample_columns(data, 1))
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    return float(np.mean(batch_rewards(cfg, run, batch, max(cfg.actor.micro_batch_size, 1), pad)))
+    scores = batch_rewards(cfg, run, batch, max(cfg.actor.micro_batch_size, 1), pad)
+    return {"eval/reward_mean": float(np.mean(scores.total)),
+            **{f"eval/{name}_mean": float(np.mean(v)) for name, v in scores.parts.items()}}
+
+
+def eval_reward(cfg: TrainConfig, run: RunHandle, actor_url: str) -> float:
+    """Mean raw reward of the policy at ``actor_url`` on the run's held-out prompts (see :func:`eval_rewards`)."""
+    return eval_rewards(cfg, run, actor_url)["eval/reward_mean"]
 
 
 def run_evaluate(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> float:
     done = dict(tracking.metric_history(run.mlflow_run_id, "eval/reward_mean"))
     if state.iteration - 1 in done:  # evaluated before a crash or at the end of the previous chunk
         return done[state.iteration - 1]
-    value = eval_reward(cfg, run, state.actor_url)
-    tracking.log_metrics(run.mlflow_run_id, {"eval/reward_mean": value}, step=state.iteration - 1)
-    return value
+    metrics = eval_rewards(cfg, run, state.actor_url)
+    tracking.log_metrics(run.mlflow_run_id, metrics, step=state.iteration - 1)
+    return metrics["eval/reward_mean"]
 
 
 @task(retries=2, secret_requests=secrets.requests(secrets.S3, secrets.MLFLOW, secrets.SERVER),

@@ -10,11 +10,10 @@ checked by :mod:`tasks.prompts` and :mod:`tasks.config`.
 from __future__ import annotations
 
 import uuid
-from typing import Sequence
 
 from models import storage
 from models.checkpoint import CheckpointError, is_committed
-from models.rewards import RewardError, compute_rewards, resolve_reward_fn
+from models.rewards import RewardError
 from tasks.config import ConfigError, TrainConfig
 
 
@@ -33,6 +32,13 @@ def model_vocab_size(model_url: str) -> int | None:
     return cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
 
 
+def model_context(model_url: str) -> int | None:
+    """``max_position_embeddings`` of the checkpoint's ``config.json`` (or of its ``text_config``): the
+    longest prompt + response it takes; None if absent."""
+    cfg = storage.read_json(storage.join(model_url, "config.json"))
+    return cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")
+
+
 def check_vocab(tokenizer, model_url: str, what: str) -> None:
     """The tokenizer's ids must index the model's embedding: ``len(tokenizer) <= vocab_size``
     (a larger embedding, padded for speed, is fine)."""
@@ -43,16 +49,19 @@ def check_vocab(tokenizer, model_url: str, what: str) -> None:
                           f"index past it — use the tokenizer the model was trained with")
 
 
-def check_reward_function(spec: str, prompts: Sequence[str]) -> None:
-    """Import ``module:function`` and call it once on ``prompts`` with empty responses (a policy
-    may stop at once, so every reward function must take them): a missing function, one that
-    raises, returns the wrong number of values, NaN or inf fails now with a ``RewardError``."""
-    fn = resolve_reward_fn(spec)
+def check_reward_functions(cfg: TrainConfig, probe) -> None:
+    """Import every reward function in its worker and call it once on the ``probe`` rows (a few
+    training prompts, with their data columns) with empty responses (a policy may stop at once, so
+    every reward function must take them): a missing function, one that hangs past
+    ``reward.timeout_s``, raises, takes a column the data lacks, returns the wrong number of values,
+    a string, NaN or inf fails now with a ``RewardError`` naming it."""
+    from models.reward_sources import FunctionRewards
+
     try:
-        compute_rewards(fn, list(prompts), [""] * len(prompts), spec=spec)
+        FunctionRewards.from_config(cfg.reward)(probe.prompts, [""] * len(probe), columns=probe.columns)
     except RewardError as err:
-        raise RewardError(f"{err} (set-up check: the function called on {len(prompts)} training prompts "
-                          f"with empty responses)") from err
+        raise type(err)(f"{err} (set-up check: the reward called on {len(probe)} training prompts with empty "
+                        f"responses)") from err
 
 
 def check_server(url: str, what: str, timeout_s: float, num_tokens: int) -> None:
@@ -71,12 +80,12 @@ def check_server(url: str, what: str, timeout_s: float, num_tokens: int) -> None
                           f"run's tokenizer {num_tokens}; token ids >= {health.vocab_size} would index past it")
 
 
-def check_sources(cfg: TrainConfig, prompts: Sequence[str], num_tokens: int) -> None:
-    """The reward source and the remote servers the config names (``num_tokens``: the size of
-    the run's tokenizer)."""
+def check_sources(cfg: TrainConfig, probe, num_tokens: int) -> None:
+    """The reward source and the remote servers the config names (``probe``: a few training rows,
+    a :class:`tasks.prompts.PromptDataset`; ``num_tokens``: the size of the run's tokenizer)."""
     r = cfg.reward
     if r.source == "function":
-        check_reward_function(r.function, prompts)
+        check_reward_functions(cfg, probe)
     elif r.source == "remote":
         check_server(r.remote_url, "reward", r.remote_timeout_s, num_tokens)
     if cfg.uses_critic and cfg.critic.remote_url:

@@ -1,64 +1,77 @@
-"""Prompt datasets: JSONL or Parquet on any fsspec URL, validated before any model loads.
+"""Prompt datasets, validated before any model loads: JSONL or Parquet on any fsspec URL, Hugging
+Face ``datasets``, or reasoning-gym (:mod:`tasks.prompt_sources`).
 
-``url`` may be one file (``.jsonl`` / ``.parquet``, chosen by extension), a folder/prefix
-(every such file in it, sorted), or a glob (``s3://bucket/prompts/part-*.parquet``).
-Every row is checked and all problems are reported together, by file and row, in one
-:class:`PromptDataError` (up to ``max_errors`` listed)::
+For files, ``url`` may be one file (``.jsonl`` / ``.parquet``, chosen by extension), a
+folder/prefix (every such file in it, sorted), or a glob (``s3://bucket/prompts/part-*.parquet``).
+Every row is checked, rendered into the text the model sees (prompt template, system prompt, chat
+template: :mod:`tasks.prompt_render`) and checked again (length in characters and tokens,
+characters the tokenizer cannot represent); all problems are reported together, by file and row,
+in one :class:`PromptDataError` (up to ``max_errors`` listed)::
 
     data = load_prompts(PromptDataConfig(url="s3://bucket/prompts/train.jsonl"), tokenizer)
-    data.prompts[0], data.prompt_ids[0], data.columns["answer"][0]
+    data.prompts[0], data.row_ids[0], data.columns["answer"][0]
 
 Row numbers are 0-based; JSONL errors also give the 1-based line number (blank lines are
-skipped). ``prompt_id`` comes from the ``id_column`` if the data has it (integers, unique),
-else it is the row's index over all files.
+skipped). A row's id comes from the ``id_column`` if the data has it (integers, unique), else it
+is the row's index over all files. The run reads its own copy of the data back through this same
+reader (:mod:`tasks.run_data`), so data that validates is data that trains.
 """
 
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
-from models import storage
 from models.ragged import shard_bounds
+from tasks.prompt_render import check_messages, render_prompts, report_unknown_chars
+from tasks.prompt_sources import ErrorList, PromptDataError, Record, read_records, resolve_files  # noqa: F401
 
-JSONL_SUFFIXES = (".jsonl",)
-PARQUET_SUFFIXES = (".parquet", ".pq")
-
-
-class PromptDataError(ValueError):
-    """The prompt data has problems; ``errors`` lists them (file, row, what is wrong)."""
-
-    def __init__(self, url: str, errors: Sequence[str], total: int) -> None:
-        self.errors = list(errors)
-        more = f"\n  ... and {total - len(errors)} more" if total > len(errors) else ""
-        super().__init__(f"{total} problem(s) in prompt data {url}:\n  " + "\n  ".join(errors) + more)
 
 
 @dataclass(frozen=True)
 class PromptDataConfig:
-    """Where the prompts are and what a valid prompt is."""
+    """Where the prompts are, how a row becomes the prompt the model sees, and what a valid prompt is."""
 
     url: str
-    """File, folder/prefix or glob of ``.jsonl`` / ``.parquet`` files, on any fsspec URL."""
+    """File, folder/prefix or glob of ``.jsonl`` / ``.parquet`` files on any fsspec URL (``files``), or the
+    dataset ``datasets.load_dataset`` takes (``hf``)."""
+    source: str = "files"
+    """``files``, ``hf`` or ``reasoning_gym`` (rows generated from ``reasoning_gym``)."""
     prompt_column: str = "prompt"
     """Column (JSON key) holding the prompt text."""
+    messages_column: str = ""
+    """Column of conversations (``[{"role", "content"}, ...]``) used instead of ``prompt_column``."""
     id_column: str = "prompt_id"
-    """Column with integer prompt ids, used if present; else ids are row indices."""
+    """Column with integer row ids, used if present; else ids are row indices."""
+    prompt_template: str = ""
+    """``str.format`` template over the row's columns giving the prompt text; empty: the prompt column."""
+    apply_chat_template: bool = False
+    """Render text prompts with the tokenizer's chat template (conversations always are)."""
+    system_prompt: str = ""
+    """System message put before conversations that have none (chat template only)."""
+    allow_unknown_chars: bool = False
+    """Accept prompts with characters the tokenizer cannot represent (else they are errors)."""
     max_prompt_chars: int = 8192
-    """Longest allowed prompt, in characters."""
+    """Longest allowed prompt as rendered, in characters."""
     max_prompt_tokens: Optional[int] = None
     """Longest allowed prompt in tokens (checked only when a tokenizer is given)."""
     max_errors: int = 20
     """How many problems to list in the error (all are counted)."""
+    hf_name: str = ""
+    """``hf``: the dataset's configuration name."""
+    split: str = "train"
+    """``hf``: the split to read; ``reasoning_gym``: ``train`` or ``eval``."""
+    reasoning_gym: Any = None
+    """``reasoning_gym``: a :class:`tasks.config.ReasoningGymConfig`."""
+    context_room: Optional[Tuple[int, int]] = None
+    """(tokens a prompt may take in the model's context, the longest response ``rollout.max_new_tokens``
+    that leaves them): prompts longer than the first are errors (checked with a tokenizer)."""
 
     def __post_init__(self) -> None:
-        if not self.url:
+        if not self.url and self.source != "reasoning_gym":
             raise ValueError("PromptDataConfig.url must not be empty")
         if not self.prompt_column:
             raise ValueError("PromptDataConfig.prompt_column must not be empty")
@@ -67,150 +80,93 @@ class PromptDataConfig:
         if self.max_errors < 1:
             raise ValueError("PromptDataConfig.max_errors must be >= 1")
 
+    @property
+    def uses_chat_template(self) -> bool:
+        return self.apply_chat_template or bool(self.messages_column)
+
+    @property
+    def key_column(self) -> str:
+        """The column a row's prompt comes from."""
+        return self.messages_column or self.prompt_column
+
 
 @dataclass(frozen=True)
 class PromptDataset:
-    """Validated prompts, in file order."""
+    """Validated prompts, in data order, as the model sees them."""
 
     prompts: List[str]
-    """Prompt texts, ``[N]``."""
-    prompt_ids: np.ndarray
-    """``[N]`` int64, unique."""
+    """Prompt texts as the model sees them (prompt template and chat template applied), ``[N]``."""
+    row_ids: np.ndarray
+    """``[N]`` int64, unique: the ``id_column``, else the row's index."""
     columns: Mapping[str, List[Any]] = field(default_factory=dict)
-    """Every other column, ``{name: [N] values}`` (None where a JSONL row lacks the key)."""
+    """Every other column, ``{name: [N] values}`` as JSON gives them back (None where a row lacks it)."""
+    messages: Optional[List[Optional[list]]] = None
+    """The conversation the chat template rendered, per row (None without a chat template)."""
+    chat: bool = False
+    """The prompts were rendered by a chat template, so they hold its special tokens (BOS included
+    where the template writes it): encode them without adding special tokens."""
 
     def __len__(self) -> int:
         return len(self.prompts)
 
     def take(self, indices: Sequence[int]) -> "PromptDataset":
-        """The rows at ``indices`` (in that order)."""
+        """The rows at ``indices`` (in that order; repeats allowed)."""
         idx = np.asarray(indices, dtype=np.int64)
-        return PromptDataset([self.prompts[i] for i in idx], self.prompt_ids[idx],
-                             {k: [v[i] for i in idx] for k, v in self.columns.items()})
+        return PromptDataset([self.prompts[i] for i in idx], self.row_ids[idx],
+                             {k: [v[i] for i in idx] for k, v in self.columns.items()},
+                             None if self.messages is None else [self.messages[i] for i in idx], self.chat)
 
     def shard(self, rank: int, world_size: int) -> "PromptDataset":
         """Contiguous balanced shard (``np.array_split`` split, see ``shard_bounds``)."""
         start, stop = shard_bounds(len(self), rank, world_size)
         return self.take(range(start, stop))
 
-
-class _Errors:
-    def __init__(self, limit: int) -> None:
-        self.limit, self.total, self.listed = limit, 0, []
-
-    def add(self, msg: str) -> None:
-        self.total += 1
-        if len(self.listed) < self.limit:
-            self.listed.append(msg)
+    def row_columns(self) -> List[Dict[str, Any]]:
+        """Per row, its other columns as one dict (what travels with its samples)."""
+        return [{k: v[i] for k, v in self.columns.items()} for i in range(len(self))]
 
 
-Record = Tuple[str, Dict[str, Any]]  # (where, row)
-
-
-def resolve_files(url: str) -> List[str]:
-    """The data files ``url`` names: itself, the files under it, or the glob's matches."""
-    fs, path = storage.fs_and_path(url)
-    keep_plain = storage.is_local(url) and not url.startswith("file://")
-
-    def as_url(p: str) -> str:
-        return p if keep_plain else fs.unstrip_protocol(p)
-
-    suffixes = JSONL_SUFFIXES + PARQUET_SUFFIXES
-    if any(ch in path for ch in "*?["):
-        found = sorted(storage.with_retry("glob", url, lambda: fs.glob(path)))
-        files = [as_url(p) for p in found if p.lower().endswith(suffixes)]
-        if not files:
-            raise PromptDataError(url, [f"no .jsonl or .parquet files match {url}"], 1)
-        return files
-    if storage.with_retry("isdir", url, lambda: fs.isdir(path)):
-        files = [storage.join(url, rel) for rel in storage.list_files(url) if rel.lower().endswith(suffixes)]
-        if not files:
-            raise PromptDataError(url, [f"no .jsonl or .parquet files under {url}"], 1)
-        return files
-    if not path.lower().endswith(suffixes):
-        raise PromptDataError(url, [f"{url}: unknown extension (want .jsonl or .parquet)"], 1)
-    return [url]
-
-
-def _read_jsonl(url: str, data: bytes, errors: _Errors) -> List[Record]:
-    records = []
-    for lineno, raw in enumerate(data.split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        where = f"{url} line {lineno} (row {len(records)})"
-        try:
-            row = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as err:
-            errors.add(f"{where}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1})")
-            row = None
-        except json.JSONDecodeError as err:
-            errors.add(f"{where}: invalid JSON: {err.msg} at column {err.colno}")
-            row = None
-        if row is not None and not isinstance(row, dict):
-            errors.add(f"{where}: expected a JSON object, got {type(row).__name__}")
-            row = None
-        records.append((where, row))
-    return records
-
-
-def _read_parquet(url: str, data: bytes, prompt_column: str, errors: _Errors) -> List[Record]:
-    try:
-        table = pq.read_table(io.BytesIO(data))
-    except (pa.ArrowInvalid, OSError) as err:
-        errors.add(f"{url}: not a readable Parquet file: {err}")
-        return []
-    if prompt_column not in table.column_names:
-        errors.add(f"{url}: missing column '{prompt_column}' (available columns: {table.column_names})")
-        return []
-    return [(f"{url} row {i}", row) for i, row in enumerate(table.to_pylist())]
-
-
-def _read_file(url: str, config: PromptDataConfig, errors: _Errors) -> List[Record]:
-    try:
-        data = storage.read_bytes(url)
-    except FileNotFoundError:
-        errors.add(f"{url}: file not found")
-        return []
-    if not data.strip():
-        errors.add(f"{url}: file is empty")
-        return []
-    if url.lower().endswith(JSONL_SUFFIXES):
-        records = _read_jsonl(url, data, errors)
-    else:
-        records = _read_parquet(url, data, config.prompt_column, errors)
-    if not records and not errors.total:
-        errors.add(f"{url}: file is empty (no rows)")
-    return records
-
-
-def _check_rows(records: List[Record], config: PromptDataConfig, errors: _Errors) -> None:
-    col, limit = config.prompt_column, config.max_prompt_chars
+def _check_rows(records: List[Record], config: PromptDataConfig, errors: ErrorList) -> List[Record]:
+    """The records with their row replaced by None where the prompt cell is missing or bad."""
+    col, good = config.key_column, []
     for where, row in records:
+        problem = None
         if row is None:
-            continue  # already reported
-        if col not in row:
-            errors.add(f"{where}: missing column '{col}' (available columns: {sorted(row)})")
-            continue
-        prompt = row[col]
-        if not isinstance(prompt, str):
-            errors.add(f"{where}: '{col}' is {type(prompt).__name__}, not a string")
-        elif not prompt.strip():
-            errors.add(f"{where}: empty prompt")
-        elif len(prompt) > limit:
-            errors.add(f"{where}: prompt has {len(prompt)} characters > max_prompt_chars={limit}")
+            pass  # already reported
+        elif col not in row:
+            problem = f"{where}: missing column '{col}' (available columns: {sorted(row)})"
+        elif config.messages_column:
+            problem = check_messages(where, row[col], col)
+        elif not isinstance(row[col], str):
+            problem = f"{where}: '{col}' is {type(row[col]).__name__}, not a string"
+        elif not row[col].strip():
+            problem = f"{where}: empty prompt"
+        if problem:
+            errors.add(problem)
+        good.append((where, row if problem is None else None))
+    return good
 
 
-def _check_tokens(records: List[Record], config: PromptDataConfig, tokenizer: Any, errors: _Errors) -> None:
-    """Token lengths (with the tokenizer's special tokens) against ``max_prompt_tokens``."""
-    wheres = [w for w, _ in records]
-    prompts = [r[config.prompt_column] for _, r in records]
-    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]]
-    for where, n in zip(wheres, lengths):
-        if n > config.max_prompt_tokens:
-            errors.add(f"{where}: prompt has {n} tokens > max_prompt_tokens={config.max_prompt_tokens}")
+def _check_chars(wheres: Sequence[str], texts: Sequence[Optional[str]], limit: int, errors: ErrorList) -> None:
+    for where, text in zip(wheres, texts):
+        if text is not None and len(text) > limit:
+            errors.add(f"{where}: prompt has {len(text)} characters > max_prompt_chars={limit}")
 
 
-def _prompt_ids(records: List[Record], id_column: str, errors: _Errors) -> np.ndarray:
+def _check_tokens(wheres: Sequence[str], encoded: Sequence[Sequence[int]], config: PromptDataConfig,
+                  errors: ErrorList) -> None:
+    """Token lengths (with the special tokens the model sees) against ``max_prompt_tokens`` and the
+    room the model's context leaves."""
+    room, new = config.context_room or (None, 0)
+    for where, ids in zip(wheres, encoded):
+        if config.max_prompt_tokens is not None and len(ids) > config.max_prompt_tokens:
+            errors.add(f"{where}: prompt has {len(ids)} tokens > max_prompt_tokens={config.max_prompt_tokens}")
+        elif room is not None and len(ids) > room:
+            errors.add(f"{where}: prompt has {len(ids)} tokens, but the model's context of {room + new} tokens "
+                       f"(max_position_embeddings) leaves {room} beside rollout.max_new_tokens={new}")
+
+
+def _prompt_ids(records: List[Record], id_column: str, errors: ErrorList) -> np.ndarray:
     if not any(id_column in row for _, row in records):
         return np.arange(len(records), dtype=np.int64)
     seen: Dict[int, str] = {}
@@ -226,23 +182,40 @@ def _prompt_ids(records: List[Record], id_column: str, errors: _Errors) -> np.nd
                      for _, row in records], dtype=np.int64)
 
 
+def _jsonable(value: Any) -> Any:
+    """``value`` as JSON gives it back (what the run's copy of the data and the batches hold)."""
+    return json.loads(json.dumps(value, default=str))
+
+
 def load_prompts(config: PromptDataConfig, tokenizer: Any = None) -> PromptDataset:
-    """Read and validate every row of ``config.url``; raise one :class:`PromptDataError`
-    listing all problems, or return the prompts. Call this before loading any model."""
-    errors = _Errors(config.max_errors)
-    records: List[Record] = []
-    for url in resolve_files(config.url):
-        records.extend(_read_file(url, config, errors))
-    _check_rows(records, config, errors)
+    """Read, render and validate every row of the configured source; raise one
+    :class:`PromptDataError` listing all problems, or return the prompts as the model sees them.
+    Call this before loading any model (it needs only the tokenizer)."""
+    from models.rollout import encode_prompts
+
+    errors = ErrorList(config.max_errors)
+    records = _check_rows(read_records(config, errors), config, errors)
+    if not records and not errors.total:
+        errors.add(f"{config.url or config.source}: no rows")
+    wheres = [w for w, _ in records]
+    if config.prompt_template or config.uses_chat_template:
+        texts, conversations = render_prompts(records, config, tokenizer, errors)
+    else:
+        texts, conversations = [row[config.prompt_column] if row else None for _, row in records], None
+    _check_chars(wheres, texts, config.max_prompt_chars, errors)
     if errors.total:
-        raise PromptDataError(config.url, errors.listed, errors.total)
-    if tokenizer is not None and config.max_prompt_tokens is not None:
-        _check_tokens(records, config, tokenizer, errors)
+        raise PromptDataError(config.url or config.source, errors.listed, errors.total)
+    hint = ""
+    if tokenizer is not None:
+        encoded = encode_prompts(tokenizer, texts, add_special_tokens=not config.uses_chat_template)
+        _check_tokens(wheres, encoded, config, errors)
+        if report_unknown_chars(wheres, texts, encoded, tokenizer, config.allow_unknown_chars, errors):
+            hint = "(set data.allow_unknown_chars=true to train on them as they are)"
     prompt_ids = _prompt_ids(records, config.id_column, errors)
     if errors.total:
-        raise PromptDataError(config.url, errors.listed, errors.total)
+        raise PromptDataError(config.url or config.source, errors.listed, errors.total, hint)
     names = list(dict.fromkeys(k for _, row in records for k in row))
-    others = [k for k in names if k not in (config.prompt_column, config.id_column)]
-    return PromptDataset(prompts=[row[config.prompt_column] for _, row in records],
-                         prompt_ids=prompt_ids,
-                         columns={k: [row.get(k) for _, row in records] for k in others})
+    others = [k for k in names if k not in (config.key_column, config.id_column)]
+    return PromptDataset(prompts=list(texts), row_ids=prompt_ids,
+                         columns={k: [_jsonable(row.get(k)) for _, row in records] for k in others},
+                         messages=conversations, chat=config.uses_chat_template)

@@ -14,8 +14,9 @@ from models.lora import base_url, is_adapter, merged_copy
 from models.rollout import sample
 from models.server.rollout_client import RemoteEngine, RolloutClient
 from tasks.batch import BatchMetadata, RolloutBatch
-from tasks.common import (CACHE_VERSION, base_checkpoint_url, iteration_indices, load_tokenizer, local_checkpoint,
-                          read_prompts, server_token, timed)
+from tasks.common import (CACHE_VERSION, base_checkpoint_url, draw_ids, iteration_indices, load_tokenizer,
+                          local_checkpoint, read_prompts, server_token, timed)
+from tasks.run_data import sample_columns
 from tasks import decks, secrets
 from tasks.config import TrainConfig
 from tasks.deploy import deployment_config, resources_for
@@ -76,18 +77,19 @@ def sampling_spec(cfg: TrainConfig, tokenizer, seed: int, n: int, temperature: f
 def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> RolloutOutput:
     stats: Dict[str, float] = {}
     with timed(stats, "time/rollout_s"):
-        prompts, ids = read_prompts(run.train_prompts_url)
-        idx = iteration_indices(len(prompts), cfg.rollout.prompts_per_iteration, state.iteration, cfg.run.seed)
+        data = read_prompts(run.train_prompts_url)
+        per_iteration = cfg.rollout.prompts_per_iteration
+        drawn = data.take(iteration_indices(len(data), per_iteration, state.iteration, cfg.run.seed))
         tokenizer = load_tokenizer(run.reference_url)
         with timed(stats, "time/engine_load_s"):
             engine = engine_for(cfg, state.actor_url)
         spec = sampling_spec(cfg, tokenizer, cfg.run.seed * 100_003 + state.iteration,
                              cfg.rollout.n_samples_per_prompt, cfg.rollout.temperature)
-        cols = sample(engine, tokenizer, [prompts[i] for i in idx], ids[idx], spec)
+        cols = sample(engine, tokenizer, drawn.prompts, draw_ids(per_iteration, state.iteration), spec, drawn.chat)
         pause_point(f"rollout/iter-{state.iteration:06d}")  # tests only: kill the run mid-rollout
         meta = BatchMetadata(iteration=state.iteration, policy_version=state.iteration,
                              algorithm=cfg.run.algorithm, extras={"run_name": run.run_name})
-        batch = RolloutBatch.from_columns(meta, **cols.as_dict())
+        batch = RolloutBatch.from_columns(meta, **cols.as_dict(), **sample_columns(drawn, spec.n))
         with timed(stats, "time/rollout_write_s"):
             batch = batch.write(run.layout.batch_url(state.iteration, "rollouts"))
     n_tokens = float(sum(len(r) for r in cols.response_tokens))

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Optional
+import json
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 import pyarrow as pa
 from flytekit import task
 
 from models.policy import CriticValues, PolicyLogprobs, with_packing
-from models.reward_sources import FunctionReward, ModelReward, check_rewards
+from models.reward_scaling import RunningMoments, ShapedRewards, out_of_range, shape_rewards
+from models.reward_sources import FunctionRewards, ModelReward, PlainSource, RewardScores, check_rewards
 from models.scoring import score_microbatches
 from models import ragged
 from models.batch_tensors import model_inputs
 from models.ragged import list_lengths
 from tasks.batch import RolloutBatch
+from tasks.batch_schema import REWARD_NORM_KEY, decode_data_columns
 from models.lora import canonical_url, without_adapter
 from tasks.common import CACHE_VERSION, base_checkpoint_url, load_hf, load_tokenizer, server_client, timed
 from tasks import decks, secrets
@@ -45,20 +48,44 @@ def reward_source(cfg: TrainConfig, run: RunHandle):
     from transformers import AutoModelForSequenceClassification
 
     if cfg.reward.source == "function":
-        return FunctionReward(cfg.reward.function)
+        return FunctionRewards.from_config(cfg.reward)
     if cfg.reward.source == "model":
         return ModelReward(load_hf(run.reward_model_url, AutoModelForSequenceClassification), run.reward_model_url)
     from models.server.client import RemoteReward
 
-    return RemoteReward(server_client(cfg.reward.remote_url, cfg.reward.remote_timeout_s))
+    return PlainSource(RemoteReward(server_client(cfg.reward.remote_url, cfg.reward.remote_timeout_s)), "reward_server")
 
 
-def batch_rewards(cfg: TrainConfig, run: RunHandle, batch: RolloutBatch, size: int, pad_id: int) -> np.ndarray:
-    """The configured reward source's reward per sample of ``batch``, all finite (else an error naming one)."""
-    source = reward_source(cfg, run)
+def batch_rewards(cfg: TrainConfig, run: RunHandle, batch: RolloutBatch, size: int, pad_id: int) -> RewardScores:
+    """The configured reward source's raw reward per sample of ``batch`` (functions given the samples'
+    data columns), all finite (else an error naming one)."""
     table = batch.table
-    return check_rewards(source(table.column("prompt").to_pylist(), table.column("response").to_pylist(),
-                                micro_batches(batch, size, pad_id)), cfg.reward.source)
+    columns = decode_data_columns(table.column("data_columns").to_pylist()) \
+        if "data_columns" in table.column_names else {}
+    scores = reward_source(cfg, run)(table.column("prompt").to_pylist(), table.column("response").to_pylist(),
+                                     micro_batches(batch, size, pad_id), columns=columns)
+    check_rewards(scores.total, cfg.reward.source)
+    return scores
+
+
+def shaped_rewards(cfg: TrainConfig, state: PolicyState,
+                   scores: RewardScores) -> Tuple[ShapedRewards, Dict[str, float]]:
+    """The reward the advantages use (``reward.normalize``, ``scale``, ``clip``) and the ``reward/*``
+    metrics; prints a warning when raw rewards leave ``reward.expected_range``."""
+    r = cfg.reward
+    shaped = shape_rewards(scores.total, r.scale, r.clip, r.normalize, RunningMoments.from_dict(state.reward_norm))
+    lo, hi = r.expected_range
+    stats = {f"reward/{name}_mean": float(v.mean()) for name, v in scores.parts.items()}
+    stats["reward/raw_out_of_range_frac"] = float(((scores.total < lo) | (scores.total > hi)).mean())
+    if r.normalize or r.scale != 1.0 or r.clip > 0:
+        stats.update({"reward/shaped_mean": float(shaped.rewards.mean()),
+                      "reward/shaped_std": float(shaped.rewards.std())})
+    if r.normalize:
+        stats.update({"reward/norm_mean": shaped.moments.mean, "reward/norm_std": shaped.moments.std})
+    warning = out_of_range(scores.total, (lo, hi))
+    if warning:
+        print(f"WARNING iteration {state.iteration}: {warning}", flush=True)
+    return shaped, stats
 
 
 def remote_values(cfg: TrainConfig, batch: RolloutBatch) -> np.ndarray:
@@ -113,17 +140,23 @@ def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rollo
             if cfg.uses_critic and cfg.critic.remote_url:
                 flat["values"] = remote_values(cfg, batch)
         with timed(stats, "time/reward_s"):
-            rewards = batch_rewards(cfg, run, batch, size, pad)
+            scores = batch_rewards(cfg, run, batch, size, pad)
+        shaped, reward_metrics = shaped_rewards(cfg, state, scores)
         cols = {k: ragged.list_from_flat(flat[k], lengths, pa.float32())
                 for k in ("old_logprobs", "ref_logprobs", "values") if k in flat}
-        scored = batch.with_columns(reward=rewards, **cols)
+        scored = batch.with_columns(reward=shaped.rewards, reward_raw=scores.total.astype(np.float32), **cols)
+        if cfg.reward.normalize:  # the moments after this batch, for commit_iteration to keep
+            scored = scored.with_metadata(extras={**scored.metadata.extras,
+                                                  REWARD_NORM_KEY: json.dumps(shaped.moments.to_dict())})
         scored = scored.write(run.layout.batch_url(state.iteration, "score"))
-    stats.update(rollout_stats(rewards, lengths, batch, flat))
+    stats.update(rollout_stats(scores.total, lengths, batch, flat))
+    stats.update(reward_metrics)
     return ScoreOutput(scored, stats)
 
 
 def rollout_stats(rewards: np.ndarray, lengths: np.ndarray, batch: RolloutBatch, flat: Dict[str, np.ndarray]):
-    """``rollout/*`` metrics of DESIGN.md that need only the scored batch."""
+    """``rollout/*`` metrics of DESIGN.md that need only the scored batch (``rewards``: the raw reward,
+    what the task's success reads as, whatever scaling the advantages get)."""
     seq = np.repeat(np.arange(len(lengths)), lengths)  # [N_tok] row of each token
     kl_tok = flat["old_logprobs"] - flat["ref_logprobs"]
     kl_seq = np.bincount(seq, weights=kl_tok, minlength=len(lengths))  # [B]

@@ -15,8 +15,8 @@ from models.checkpoint import download_checkpoint, is_committed, save_checkpoint
 from tasks import tracking
 from tasks.config import ConfigError, TrainConfig
 from tasks.config_io import config_from_json_dict, flatten, load_config, to_dict
-from tasks.preflight import check_resume_point, check_sources, check_storage, check_vocab
-from tasks.prompts import PromptDataConfig, load_prompts
+from tasks.preflight import check_resume_point, check_sources, check_storage, check_vocab, model_context
+from tasks.run_data import load_run_data, write_run_prompts
 from tasks.run_layout import RunInfo, RunLayout
 from tasks.types import PolicyState, RunHandle
 
@@ -62,23 +62,43 @@ def load_tokenizer_only(url: str):
     return AutoTokenizer.from_pretrained(tmp)
 
 
-def _demo_assets(cfg: TrainConfig, workdir: str) -> dict:
+def _demo_model_config(cfg: TrainConfig):
     from models.tiny import TinyModelConfig
-    from models.warm_start import WarmStartConfig, build_demo_models
 
     m = cfg.model
-    tiny = TinyModelConfig(hidden_size=m.tiny_hidden_size, num_layers=m.tiny_num_layers,
-                           num_heads=m.tiny_num_heads, num_kv_heads=m.tiny_num_heads,
-                           intermediate_size=4 * m.tiny_hidden_size)
+    return TinyModelConfig(hidden_size=m.tiny_hidden_size, num_layers=m.tiny_num_layers, num_heads=m.tiny_num_heads,
+                           num_kv_heads=m.tiny_num_heads, intermediate_size=4 * m.tiny_hidden_size)
+
+
+def _demo_assets(cfg: TrainConfig, workdir: str) -> dict:
+    from models.warm_start import WarmStartConfig, build_demo_models
+
     return {k: str(v) for k, v in build_demo_models(
-        workdir, os.path.join(cache_dir(), "warm_start"), tiny, cfg=WarmStartConfig(steps=m.warm_start_steps),
+        workdir, os.path.join(cache_dir(), "warm_start"), _demo_model_config(cfg),
+        cfg=WarmStartConfig(steps=cfg.model.warm_start_steps),
         num_train_prompts=cfg.data.num_demo_train_prompts, num_eval_prompts=cfg.data.num_demo_eval_prompts).items()}
 
 
-def _check_prompts(cfg: TrainConfig, url: str, tokenizer) -> List[str]:
-    d = cfg.data
-    return load_prompts(PromptDataConfig(url=url, prompt_column=d.prompt_column, max_prompt_chars=d.max_prompt_chars,
-                                         max_prompt_tokens=d.max_prompt_tokens), tokenizer).prompts
+def _prompt_room(cfg: TrainConfig) -> Optional[int]:
+    """Tokens a prompt may take: the actor's context (``max_position_embeddings``) less
+    ``rollout.max_new_tokens``; None when the checkpoint does not say."""
+    context = model_context(cfg.model.actor_path) if cfg.model.actor_path else \
+        _demo_model_config(cfg).max_position_embeddings
+    if context is None:
+        return None
+    if context <= cfg.rollout.max_new_tokens:
+        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
+                          f"actor's context of {context} tokens (max_position_embeddings)")
+    return context - cfg.rollout.max_new_tokens
+
+
+def _checked_data(cfg: TrainConfig, tokenizer, train_url: str = "", eval_url: str = ""):
+    """The run's training and held-out prompts, validated, and the reward source tried on four of them."""
+    room = _prompt_room(cfg)
+    train, held_out = load_run_data(cfg.data, tokenizer, train_url, eval_url,
+                                    context=(room, cfg.rollout.max_new_tokens) if room else None)
+    check_sources(cfg, train.take(range(min(4, len(train)))), len(tokenizer))
+    return train, held_out
 
 
 def _commit_copy(src: str, dst: str) -> str:
@@ -99,7 +119,6 @@ def new_run(cfg: TrainConfig, layout: RunLayout, preset: str) -> RunSetup:
     """Validate data, lay out the run's initial checkpoints and prompts, start MLflow."""
     work = tempfile.mkdtemp(prefix="run-setup-")
     data_dir = storage.join(layout.url, "data")
-    train_url, eval_url = cfg.data.train_prompts, cfg.data.eval_prompts
     demo = not cfg.model.actor_path
     if demo:
         from models.tokenizer import build_char_tokenizer
@@ -108,22 +127,18 @@ def new_run(cfg: TrainConfig, layout: RunLayout, preset: str) -> RunSetup:
     else:
         tokenizer = load_tokenizer_only(cfg.model.actor_path)
         _check_vocabularies(cfg, tokenizer)
-    if train_url:  # user data: every row is checked before any model is loaded
-        probe = _check_prompts(cfg, train_url, tokenizer)[:4]
-        if eval_url:
-            _check_prompts(cfg, eval_url, tokenizer)
-        check_sources(cfg, probe, len(tokenizer))
+    demo_data = cfg.data.source == "files" and not cfg.data.train_prompts
+    if not demo_data:  # user data: every row is checked before any model is loaded
+        train, held_out = _checked_data(cfg, tokenizer)
     assets = _demo_assets(cfg, work) if demo else {}
-    train_url = train_url or assets.get("train_prompts", "")
-    eval_url = eval_url or assets.get("eval_prompts", "") or train_url
-    if not train_url:
-        raise ValueError("data.train_prompts is empty and no demo prompts were built")
-    if demo and not cfg.data.train_prompts:  # the demo's own prompts, checked like user data
-        check_sources(cfg, _check_prompts(cfg, train_url, tokenizer)[:4], len(tokenizer))
+    if demo_data:  # the demo's own prompts, checked like user data
+        if not assets.get("train_prompts"):
+            raise ValueError("data.train_prompts is empty and no demo prompts were built")
+        train, held_out = _checked_data(cfg, tokenizer, assets["train_prompts"], assets.get("eval_prompts", ""))
     run_train = storage.join(data_dir, "train_prompts.jsonl")
     run_eval = storage.join(data_dir, "eval_prompts.jsonl")
-    _copy_data(train_url, run_train)
-    _copy_data(eval_url, run_eval)
+    write_run_prompts(train, run_train)
+    write_run_prompts(held_out, run_eval)
 
     ref = _commit_copy(assets.get("actor") or cfg.model.actor_path, layout.reference_url())
     critic_url = ""
@@ -153,25 +168,6 @@ def _check_vocabularies(cfg: TrainConfig, tokenizer) -> None:
         check_vocab(tokenizer, m.critic_path, "model.critic_path")
     if cfg.reward.source == "model":
         check_vocab(tokenizer, cfg.reward.model_path, "reward.model_path")
-
-
-def _copy_data(src: str, dst: str) -> None:
-    files = _data_files(src)
-    if len(files) == 1 and files[0].endswith(".jsonl"):
-        storage.write_bytes(dst, storage.read_bytes(files[0]))
-        return
-    # Parquet or several files: re-write as one JSONL of the validated rows.
-    import json
-
-    data = load_prompts(PromptDataConfig(url=src, max_prompt_chars=10**9))
-    lines = [json.dumps({"prompt": p, "prompt_id": int(i)}) for p, i in zip(data.prompts, data.prompt_ids)]
-    storage.write_bytes(dst, ("\n".join(lines) + "\n").encode())
-
-
-def _data_files(url: str) -> List[str]:
-    from tasks.prompts import resolve_files
-
-    return resolve_files(url)
 
 
 def _critic_from(actor_url: str, work: str) -> str:
@@ -214,7 +210,8 @@ def resume_run(layout: RunLayout, cfg_now: Optional[TrainConfig]) -> RunSetup:
         return RunSetup(cfg, handle, PolicyState(0, layout.reference_url(), critic, cfg.kl.coef))
     check_resume_point(layout.url, state.actor_url, state.critic_url or "")
     kl = float(state.extras.get("kl_coef", cfg.kl.coef))
-    return RunSetup(cfg, handle, PolicyState(state.iteration + 1, state.actor_url, state.critic_url or "", kl))
+    return RunSetup(cfg, handle, PolicyState(state.iteration + 1, state.actor_url, state.critic_url or "", kl,
+                                             dict(state.extras.get("reward_norm", {}))))
 
 
 def check_workflow(cfg: TrainConfig, workflow: str) -> None:

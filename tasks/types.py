@@ -44,6 +44,9 @@ class PolicyState:
     """Committed critic checkpoint (PPO), else empty."""
     kl_coef: float = 0.0
     """Current KL coefficient β (changes only with the adaptive controller)."""
+    reward_norm: Dict[str, float] = field(default_factory=dict)
+    """Running moments of the raw rewards so far (``count``, ``mean``, ``m2``; empty before the first
+    batch) for ``reward.normalize`` (:mod:`models.reward_scaling`); kept in ``state.json`` extras."""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ as that error instead of the expected one.
 from __future__ import annotations
 
 import json
-import math
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 
 from models import storage
 from models.checkpoint import CheckpointError
+from models.reward_workers import RewardTimeout
 from models.rewards import RewardError
 from models.server.client import ServerError
 from models.storage import StorageError
@@ -35,25 +35,8 @@ from tests.unit.models.test_checkpoint import tiny_model_and_tokenizer
 PROMPTS = ["a b", "b a", "a a b", "b"]
 
 
-# --- reward functions (named by spec in the cases) ----------------------------------------------
-def reward_zero(prompts, responses):
-    return [0.0] * len(prompts)
-
-
-def reward_raises(prompts, responses):
-    raise KeyError("answer")
-
-
-def reward_wrong_length(prompts, responses):
-    return [0.0]
-
-
-def reward_nan(prompts, responses):
-    return [math.nan] * len(prompts)
-
-
-def reward_inf(prompts, responses):
-    return [0.0] * (len(prompts) - 1) + [math.inf]
+REWARDS = "tests.reward_fns"
+"""The reward functions the cases name (a light module, as a user's own would be)."""
 
 
 class ModelWorkStarted(AssertionError):
@@ -165,6 +148,10 @@ CASES = [
      PromptDataError, r"line 3 \(row 2\): prompt has 5 characters > max_prompt_chars=4"),
     ("prompt over the token limit", lambda w, a, r, m: base(w, a) + ["data.max_prompt_tokens=2"], "ppo",
      PromptDataError, r"line 3 \(row 2\): prompt has 3 tokens > max_prompt_tokens=2"),
+    ("prompt longer than the model's context", lambda w, a, r, m: base(w, a, write_lines(w / "long.jsonl", [
+        '{"prompt": "a b"}', '{"prompt": "a b a b a b a b a b"}'])), "ppo", PromptDataError,
+     r"long\.jsonl line 2 \(row 1\): prompt has 10 tokens, but the model's context of 16 tokens "
+     r"\(max_position_embeddings\) leaves 8 beside rollout\.max_new_tokens=8"),
     ("eval prompts not JSON", lambda w, a, r, m: base(w, a) + [
         f"data.eval_prompts={write_lines(w / 'eval.jsonl', ['{not json'])}"], "ppo", PromptDataError,
      r"eval\.jsonl line 1 \(row 0\): invalid JSON"),
@@ -191,14 +178,14 @@ CASES = [
      RewardError, r"reward spec 'no_such_module:score': cannot import module 'no_such_module'"),
     ("reward function missing", lambda w, a, r, m: base(w, a) + ["reward.function=models.task:no_such_fn"], "ppo",
      RewardError, r"module 'models\.task' has no attribute 'no_such_fn'"),
-    ("reward function raises", lambda w, a, r, m: base(w, a) + [f"reward.function={__name__}:reward_raises"],
+    ("reward function raises", lambda w, a, r, m: base(w, a) + [f"reward.function={REWARDS}:reward_raises"],
      "ppo", RewardError, r"reward_raises' raised on a batch of 4 \(first failing sample: 0\): KeyError\('answer'\)"),
     ("reward of the wrong length", lambda w, a, r, m: base(w, a) + [
-        f"reward.function={__name__}:reward_wrong_length"], "ppo", RewardError,
+        f"reward.function={REWARDS}:reward_wrong_length"], "ppo", RewardError,
      r"reward_wrong_length' returned 1 values for 4 samples"),
-    ("reward NaN", lambda w, a, r, m: base(w, a) + [f"reward.function={__name__}:reward_nan"], "ppo", RewardError,
+    ("reward NaN", lambda w, a, r, m: base(w, a) + [f"reward.function={REWARDS}:reward_nan"], "ppo", RewardError,
      r"reward_nan': sample 0 got non-finite value nan"),
-    ("reward inf", lambda w, a, r, m: base(w, a) + [f"reward.function={__name__}:reward_inf"], "ppo", RewardError,
+    ("reward inf", lambda w, a, r, m: base(w, a) + [f"reward.function={REWARDS}:reward_inf"], "ppo", RewardError,
      r"reward_inf': sample 3 got non-finite value inf"),
     ("reward server unreachable", lambda w, a, r, m: base(w, a) + [
         "reward.source=remote", f"reward.remote_url=http://127.0.0.1:{free_port()}"], "ppo", ServerError,
@@ -216,7 +203,7 @@ CASES = [
         "reward.source=remote", f"reward.remote_url={stub(r, parts=('critic',))}"], "ppo", ConfigError,
      r"reward server http://127\.0\.0\.1:\d+ serves \['critic'\], not a reward_model"),
     ("critic server unreachable", lambda w, a, r, m: base(w, a) + [
-        f"reward.function={__name__}:reward_zero", f"critic.remote_url=http://127.0.0.1:{free_port()}"], "ppo",
+        f"reward.function={REWARDS}:reward_zero", f"critic.remote_url=http://127.0.0.1:{free_port()}"], "ppo",
      ServerError,
      r"reward server http://127\.0\.0\.1:\d+/health unreachable"),
     ("storage unreachable", lambda w, a, r, m: s3_endpoint(m, f"http://127.0.0.1:{free_port()}") + base(w, a) + [
@@ -225,9 +212,49 @@ CASES = [
     ("storage without permission", lambda w, a, r, m: s3_endpoint(m, denying_proxy(r)) + base(w, a) + [
         "run.storage_root=s3://rlhf-test/runs"], "ppo", PermissionError,
      r"permission denied for s3://rlhf-test/runs/case/\.write-check-\w+"),
+    ("reward hangs at set-up", lambda w, a, r, m: base(w, a) + [f"reward.function={REWARDS}:reward_hangs",
+                                                              "reward.timeout_s=3"], "ppo", RewardTimeout,
+     r"reward 'tests\.reward_fns:reward_hangs' did not return within 3 s on samples 0-3 of a batch of 4; its "
+     r"worker process was stopped"),
+    ("reward module hangs on import", lambda w, a, r, m: base(w, a) + [
+        f"reward.module_paths=[{hanging_module(w)}]", "reward.function=hangs_on_import:score", "reward.timeout_s=3"],
+     "ppo", RewardTimeout, r"reward 'hangs_on_import:score' did not return within 3 s while importing it"),
+    ("reward returns a string", lambda w, a, r, m: base(w, a) + [f"reward.function={REWARDS}:reward_string"],
+     "ppo", RewardError, r"reward_string' returned str '0\.5', expected a list of 4 floats \(one per sample\)"),
+    ("reward takes a column the data lacks", lambda w, a, r, m: base(w, a) + [
+        f"reward.function={REWARDS}:wants_missing_column"], "ppo", RewardError,
+     r"wants_missing_column' takes \['solution'\], which the prompt data does not have as column\(s\) "
+     r"\(its columns: \[\]\)"),
+    ("prompt template names a missing column", lambda w, a, r, m: base(w, a) + [
+        "data.prompt_template='{prompt} {hint}'"], "ppo", PromptDataError,
+     r"train\.jsonl line 1 \(row 0\): prompt_template names column 'hint', which this row lacks"),
+    ("chat template the tokenizer lacks", lambda w, a, r, m: base(w, a) + ["data.apply_chat_template=true"],
+     "ppo", PromptDataError, r"the tokenizer has no chat template, but data\.apply_chat_template"),
+    ("conversation column malformed", lambda w, a, r, m: base(w, a, write_lines(w / "m.jsonl", [
+        '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}',
+        '{"messages": [{"role": "robot", "content": "a"}]}', '{"messages": "a b"}'])) + [
+        "data.messages_column=messages"], "ppo", PromptDataError,
+     r"(?s)m\.jsonl line 1 \(row 0\): 'messages' ends with an assistant message.*line 2 \(row 1\): 'messages'\[0\] "
+     r"has role 'robot'.*line 3 \(row 2\): 'messages' is str, not a non-empty list"),
+    ("characters the tokenizer cannot represent", lambda w, a, r, m: base(w, a, write_lines(w / "x.jsonl", [
+        '{"prompt": "a b"}', '{"prompt": "a é"}', '{"prompt": "b \\ud83d\\ude00"}'])), "ppo", PromptDataError,
+     r"(?s)2 problem\(s\).*x\.jsonl line 2 \(row 1\): characters the tokenizer cannot represent \(they would "
+     r"become '\[UNK\]'\): 'é' U\+00E9.*line 3 \(row 2\): .*U\+1F600.*data\.allow_unknown_chars=true"),
+    ("reasoning-gym task unknown", lambda w, a, r, m: base(w, a, "") + [
+        "data.train_prompts=", "data.source=reasoning_gym", "data.reasoning_gym.task=chain_summ",
+        "reward.function=models.reasoning_gym_tasks:reasoning_gym_reward"], "ppo", PromptDataError,
+     r"reasoning-gym has no task 'chain_summ' \(did you mean \['chain_sum'"),
     ("resume point not committed", lambda w, a, r, m: uncommitted_resume_point(w, a), "ppo", CheckpointError,
      r"state\.json points at .*/runs/case/iter-000003/actor, which is not committed"),
 ]
+
+
+def hanging_module(ws: Path) -> Path:
+    """A folder holding a reward module whose import never returns."""
+    folder = ws / "user-rewards"
+    folder.mkdir(exist_ok=True)
+    (folder / "hangs_on_import.py").write_text("import time\nwhile True:\n    time.sleep(1)\n")
+    return folder
 
 
 def shrunk_vocab(actor: Path, ws: Path) -> Path:

@@ -1,6 +1,7 @@
 """Reward plug-ins: spec resolution and result validation, with errors that name the culprit."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -116,3 +117,53 @@ def test_raising_function_names_spec_and_first_failing_sample():
 def test_task_reward_on_malformed_prompt_is_a_reward_error():
     with pytest.raises(RewardError, match=r"'models.task:reverse_reward'.*first failing sample: 1"):
         compute_rewards(reverse_reward, ["ab=", "no separator"], ["ba", "x"], spec="models.task:reverse_reward")
+
+
+# --- data columns (TRL's convention) -------------------------------------------------------------------
+def with_answer(prompts, responses, answer):
+    return [float(r == a) for r, a in zip(responses, answer)]
+
+
+def with_kwargs(prompts, responses, **columns):
+    return [float(len(columns))] * len(prompts)
+
+
+def with_default(prompts, responses, answer, bonus=0.5, *, format_pattern="x"):
+    return [float(r == a) + bonus + len(format_pattern) for r, a in zip(responses, answer)]
+
+
+COLUMNS = {"answer": ["4", "5"], "level": [1, 2]}
+
+
+def test_columns_reach_the_function_that_names_them():
+    assert compute_rewards(with_answer, ["2+2", "2+3"], ["4", "6"], columns=COLUMNS) == [1.0, 0.0]
+    assert compute_rewards(with_kwargs, ["a", "b"], ["x", "y"], columns=COLUMNS) == [2.0, 2.0]  # all of them
+    assert compute_rewards(length_reward, ["a", "b"], ["xy", ""], columns=COLUMNS) == [2.0, 0.0]  # two-argument form
+    # a parameter with a default that is no column keeps its default; an option reaches it by name
+    assert compute_rewards(with_default, ["a", "b"], ["4", "x"], columns=COLUMNS) == [2.5, 1.5]
+    assert compute_rewards(with_default, ["a", "b"], ["4", "x"], columns=COLUMNS,
+                           options={"format_pattern": "abc"}) == [4.5, 3.5]
+
+
+def test_a_missing_column_names_the_parameter_and_the_columns():
+    with pytest.raises(RewardError, match=r"reward 'x:y' takes \['answer'\], which the prompt data does not have "
+                                          r"as column\(s\) \(its columns: \['level'\]\)"):
+        compute_rewards(with_answer, ["a"], ["b"], spec="x:y", columns={"level": [1]})
+
+
+def test_failing_sample_search_slices_the_columns():
+    def picky(prompts, responses, answer):
+        if "bad" in answer:
+            raise ValueError("cannot parse")
+        return [0.0] * len(prompts)
+
+    with pytest.raises(RewardError, match=r"first failing sample: 12\).*ValueError"):
+        compute_rewards(picky, ["p"] * 3, ["r"] * 3, columns={"answer": ["ok", "bad", "ok"]}, offset=11)
+
+
+@pytest.mark.parametrize("bad, what", [("0.5", "str '0.5'"), (b"1", "bytes b'1'"), ({"a": 1.0}, "dict {'a': 1.0}")])
+def test_a_string_or_mapping_result_is_named_as_such(bad, what):
+    """A string is iterable: it used to be read as one value per character ("returned 3 values for 4 samples")."""
+    with pytest.raises(RewardError, match=rf"reward 'x:y' returned {re.escape(what)}, expected a list of 4 floats "
+                                          r"\(one per sample\)"):
+        compute_rewards(lambda p, r: bad, ["a"] * 4, ["b"] * 4, spec="x:y")

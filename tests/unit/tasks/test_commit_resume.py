@@ -59,7 +59,7 @@ def test_a_crash_before_state_json_redoes_the_commit_without_duplicates(run, tmp
 def test_logged_evaluation_is_not_run_again(run, monkeypatch):
     handle, actor, _ = run
     tracking.log_metrics(handle.mlflow_run_id, {"eval/reward_mean": 0.75}, step=4)
-    monkeypatch.setattr(iteration, "eval_reward", lambda *a, **k: pytest.fail("evaluated twice"))
+    monkeypatch.setattr(iteration, "eval_rewards", lambda *a, **k: pytest.fail("evaluated twice"))
     assert run_evaluate(TrainConfig(), handle, PolicyState(5, actor, "", 0.01)) == 0.75
 
 

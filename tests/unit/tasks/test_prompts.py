@@ -30,7 +30,7 @@ def test_jsonl_good_keeps_other_columns_and_ids(tmp_path):
                                              {"prompt": "héllo ✓", "answer": "5", "prompt_id": 3}])
     data = load(url)
     assert data.prompts == ["2+2=", "héllo ✓"]
-    assert data.prompt_ids.tolist() == [10, 3]
+    assert data.row_ids.tolist() == [10, 3]
     assert data.columns == {"answer": ["4", "5"]}
     assert data.shard(1, 2).prompts == ["héllo ✓"]
 
@@ -40,7 +40,7 @@ def test_parquet_good_without_ids_uses_row_index(tmp_path):
     pq.write_table(pa.table({"question": ["a?", "b?", "c?"], "level": [1, 2, 3]}), path)
     data = load(str(path), prompt_column="question")
     assert data.prompts == ["a?", "b?", "c?"]
-    assert data.prompt_ids.tolist() == [0, 1, 2]
+    assert data.row_ids.tolist() == [0, 1, 2]
     assert data.columns["level"] == [1, 2, 3]
 
 
@@ -133,3 +133,177 @@ def test_error_list_is_capped_but_all_are_counted(tmp_path):
         load(url, max_errors=5)
     assert len(info.value.errors) == 5
     assert "30 problem(s)" in str(info.value) and "... and 25 more" in str(info.value)
+
+
+# --- rendering with the realistic checkpoints' tokenizers ---------------------------------------------
+@pytest.fixture(scope="module")
+def qwen_tok(qwen2_chat_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen2_chat_dir)
+
+
+@pytest.fixture(scope="module")
+def llama_tok(llama_bpe_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(llama_bpe_dir)
+
+
+GSM_ROWS = [{"question": "Ava has 3 apples and buys 4 more. How many now?", "answer": "7", "level": 1},
+            {"question": "Ben had 12 coins and lost 5. How many are left?", "answer": "7", "level": 2}]
+
+
+def test_text_column_with_template_system_prompt_and_chatml(tmp_path, qwen_tok):
+    """The hand-written ChatML of a system and a user turn, and the tokens the tokenizer's own
+    ``apply_chat_template(tokenize=True)`` gives (no token added in front)."""
+    url = write_jsonl(tmp_path / "gsm.jsonl", GSM_ROWS)
+    data = load(url, qwen_tok, prompt_column="question",
+                prompt_template="{question}\nGive the final answer after ####.",
+                apply_chat_template=True, system_prompt="You are careful.", max_prompt_tokens=512)
+    assert data.prompts[0] == ("<|im_start|>system\nYou are careful.<|im_end|>\n<|im_start|>user\nAva has 3 apples and "
+                               "buys 4 more. How many now?\nGive the final answer after ####.<|im_end|>\n"
+                               "<|im_start|>assistant\n")
+    assert data.chat and data.messages[1] == [{"role": "system", "content": "You are careful."},
+                                              {"role": "user", "content": GSM_ROWS[1]["question"] +
+                                               "\nGive the final answer after ####."}]
+    assert data.columns == {"answer": ["7", "7"], "level": [1, 2]}  # the prompt column is the prompt
+    from models.rollout import encode_prompts
+
+    ids = encode_prompts(qwen_tok, data.prompts, add_special_tokens=False)
+    assert ids[0] == list(qwen_tok.apply_chat_template(data.messages[0], tokenize=True, add_generation_prompt=True,
+                                                       return_dict=True)["input_ids"])
+
+
+def test_messages_column_on_llama_writes_one_bos(tmp_path, llama_tok):
+    """The Llama-3 template writes ``<|begin_of_text|>`` itself: the prompt holds exactly one."""
+    rows = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}],
+             "answer": "hello"},
+            {"messages": [{"role": "user", "content": "2 + 2?"}], "answer": "4"}]
+    data = load(write_jsonl(tmp_path / "chat.jsonl", rows), llama_tok, messages_column="messages",
+                system_prompt="Default system.")
+    assert data.prompts[1] == ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+                               "Default system.<|eot_id|>"
+                               "<|start_header_id|>user<|end_header_id|>\n\n2 + 2?<|eot_id|>"
+                               "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert data.messages[0][0]["content"] == "Be brief."  # a conversation's own system turn stays
+    from models.rollout import encode_prompts
+
+    bos = llama_tok.convert_tokens_to_ids("<|begin_of_text|>")
+    ids = encode_prompts(llama_tok, data.prompts, add_special_tokens=not data.chat)
+    assert [row.count(bos) for row in ids] == [1, 1] and all(row[0] == bos for row in ids)
+    assert encode_prompts(llama_tok, data.prompts)[0][:2] == [bos, bos]  # what adding special tokens would do
+
+
+def test_token_limit_counts_the_rendered_prompt(tmp_path, qwen_tok):
+    url = write_jsonl(tmp_path / "gsm.jsonl", GSM_ROWS[:1])
+    plain = len(qwen_tok(GSM_ROWS[0]["question"])["input_ids"])
+    with pytest.raises(PromptDataError, match=r"row 0\): prompt has \d+ tokens > max_prompt_tokens="):
+        load(url, qwen_tok, prompt_column="question", apply_chat_template=True, max_prompt_tokens=plain + 2)
+
+
+def test_byte_level_bpe_represents_every_character(tmp_path, qwen_tok):
+    url = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "café 😀 中文"}])
+    assert load(url, qwen_tok).prompts == ["café 😀 中文"]
+
+
+def test_char_tokenizer_unknown_characters_refused_or_allowed(tmp_path, capsys):
+    from models.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    rows = [{"prompt": "abc="}, {"prompt": "café="}, {"prompt": "😀="}, {"prompt": "<unk> literal="},
+            {"prompt": "中文="}]
+    url = write_jsonl(tmp_path / "p.jsonl", rows)
+    with pytest.raises(PromptDataError) as info:
+        load(url, tok, max_errors=2)
+    assert str(info.value).startswith("3 problem(s)")  # the literal "<unk>" text is not one
+    assert info.value.errors == [
+        f"{url} line 2 (row 1): characters the tokenizer cannot represent (they would become '<unk>'): 'é' U+00E9",
+        f"{url} line 3 (row 2): characters the tokenizer cannot represent (they would become '<unk>'): '😀' U+1F600"]
+    assert "data.allow_unknown_chars=true" in str(info.value)
+    assert len(load(url, tok, allow_unknown_chars=True)) == 5
+    assert "3 prompt(s) hold characters the tokenizer cannot represent" in capsys.readouterr().out
+
+
+def test_chat_template_missing_is_reported(tmp_path):
+    from models.tokenizer import build_char_tokenizer
+
+    with pytest.raises(PromptDataError, match="the tokenizer has no chat template"):
+        load(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}]), build_char_tokenizer(), apply_chat_template=True)
+
+
+# --- the run's copy: read back by the same reader -----------------------------------------------------
+def test_run_copy_round_trips_what_validated(tmp_path, qwen_tok):
+    """U+2028/U+2029 and other line separators inside a JSON string validate and come back intact
+    (``str.splitlines`` would have cut the line); ids and columns survive."""
+    from tasks.run_data import read_run_prompts, write_run_prompts
+
+    tricky = "line\u2028sep\u2029para\x85nel\x1c and \r in one"
+    path = tmp_path / "u.jsonl"
+    path.write_bytes((json.dumps({"prompt": tricky, "answer": [1, 2], "prompt_id": 7}, ensure_ascii=False)
+                      + "\n" + json.dumps({"prompt": "b", "prompt_id": 9}) + "\n").encode())
+    data = load(str(path))
+    write_run_prompts(data, str(tmp_path / "run" / "train_prompts.jsonl"))
+    back = read_run_prompts(str(tmp_path / "run" / "train_prompts.jsonl"))
+    assert back.prompts == [tricky, "b"] and back.row_ids.tolist() == [7, 9]
+    assert back.columns == {"answer": [[1, 2], None]} and not back.chat and back.messages is None
+    chat = load(write_jsonl(tmp_path / "gsm.jsonl", GSM_ROWS), qwen_tok, prompt_column="question",
+                apply_chat_template=True)
+    write_run_prompts(chat, str(tmp_path / "run" / "chat.jsonl"))
+    again = read_run_prompts(str(tmp_path / "run" / "chat.jsonl"))
+    assert again.prompts == chat.prompts and again.chat and again.messages == chat.messages
+    assert again.columns == chat.columns
+
+
+def test_parquet_with_a_non_default_column_keeps_it_through_the_copy(tmp_path):
+    from tasks.run_data import read_run_prompts, write_run_prompts
+
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"question": ["a?", "b?"], "answer": ["1", "2"]}), path)
+    data = load(str(path), prompt_column="question")
+    write_run_prompts(data, str(tmp_path / "copy.jsonl"))
+    back = read_run_prompts(str(tmp_path / "copy.jsonl"))
+    assert back.prompts == ["a?", "b?"] and back.columns == {"answer": ["1", "2"]}
+
+
+# --- Hugging Face datasets ----------------------------------------------------------------------------
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+def test_hf_datasets_from_files_and_save_to_disk(tmp_path, hf_cache):
+    import datasets
+
+    jsonl = write_jsonl(tmp_path / "gsm.jsonl", GSM_ROWS)
+    data = load(jsonl, source="hf", prompt_column="question")
+    assert data.prompts == [r["question"] for r in GSM_ROWS] and data.columns["answer"] == ["7", "7"]
+    pq.write_table(pa.table({"question": ["x?"], "answer": ["3"]}), tmp_path / "p.parquet")
+    assert load(str(tmp_path / "p.parquet"), source="hf", prompt_column="question").prompts == ["x?"]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(GSM_ROWS),
+                          "test": datasets.Dataset.from_list(GSM_ROWS[:1])}).save_to_disk(str(tmp_path / "saved"))
+    test = load(str(tmp_path / "saved"), source="hf", prompt_column="question", split="test")
+    assert test.prompts == [GSM_ROWS[0]["question"]] and test.columns["level"] == [1]
+
+
+def test_hf_dataset_problems_are_reported(tmp_path, hf_cache):
+    jsonl = write_jsonl(tmp_path / "gsm.jsonl", GSM_ROWS)
+    with pytest.raises(PromptDataError, match=r"gsm\.jsonl split train row 1: missing column 'prompt'"):
+        load(jsonl, source="hf")
+    with pytest.raises(PromptDataError, match=r"missing\.parquet: datasets\.load_dataset failed"):
+        load(str(tmp_path / "missing.parquet"), source="hf")
+
+
+def test_reasoning_gym_rows(tmp_path):
+    from tasks.config import ReasoningGymConfig
+
+    cfg = ReasoningGymConfig(task="chain_sum", size=20, eval_size=10, seed=5, options=["max_terms=2"])
+    train = load("", source="reasoning_gym", prompt_column="question", reasoning_gym=cfg)
+    held = load("", source="reasoning_gym", prompt_column="question", reasoning_gym=cfg, split="eval")
+    assert len(train) == 20 and 0 < len(held) <= 10 and not set(train.prompts) & set(held.prompts)
+    assert set(train.columns) == {"answer", "metadata", "reasoning_gym"}
+    assert train.columns["reasoning_gym"][3] == {"task": "chain_sum", "seed": 5, "size": 20, "index": 3,
+                                                 "options": {"max_terms": 2}}
+    expr = train.columns["metadata"][0]["expression"]  # the answer is the expression's value
+    assert str(eval(expr)) == train.columns["answer"][0]
