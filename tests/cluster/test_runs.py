@@ -25,7 +25,7 @@ from tests.processes import s3_client_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-DEPLOY = ("configs/tiny_ppo.yaml", "actor.nnodes=2 actor.nproc_per_node=2")
+DEPLOY = ("configs/tiny_ppo.yaml", "actor.nnodes=2 actor.nproc_per_node=2 actor.micro_batch_size=4")
 RUN = ["run.num_iterations=2", "run.iterations_per_chunk=1", "run.eval_interval=2", "run.save_interval=1",
        "rollout.prompts_per_iteration=8", "actor.minibatch_size=16", "actor.micro_batch_size=4",
        "critic.minibatch_size=16", "critic.micro_batch_size=16", "data.num_demo_eval_prompts=8"]

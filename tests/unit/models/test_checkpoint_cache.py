@@ -50,7 +50,8 @@ def test_ranks_of_a_node_share_one_download(tmp_path):
     (entry,) = paths
     assert os.path.basename(entry) == content_digest(read_marker(url))
     assert open(os.path.join(entry, "model.safetensors"), "rb").read() == b"\x01" * 4096
-    assert os.path.isfile(os.path.join(entry, MARKER)) and os.path.isfile(os.path.join(entry, READY))
+    assert os.path.isfile(os.path.join(entry, MARKER)) and os.path.isfile(entry + READY)
+    assert sorted(os.listdir(entry)) == [MARKER, "config.json", "model.safetensors"]  # a plain checkpoint copy
 
 
 def test_entries_are_keyed_by_content_and_bounded(tmp_path):

@@ -23,7 +23,8 @@ def test_a_local_path_in_a_remote_run_is_refused_naming_the_field(field):
 
 
 def test_object_storage_and_empty_fields_pass():
-    preflight.check_remote_paths(load_config("tiny_ppo", S3 + ["model.actor_path=s3://b/m", "data.train_prompts=s3://b/p"]))
+    preflight.check_remote_paths(load_config("tiny_ppo", S3 + ["model.actor_path=s3://b/m",
+                                                              "data.train_prompts=s3://b/p"]))
 
 
 @pytest.mark.parametrize("uri", ["", "sqlite:///mlflow.db", "file:///tmp/mlruns", "./mlruns"])
