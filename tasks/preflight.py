@@ -149,7 +149,10 @@ def check_tracking(uri: str, remote: bool, timeout_s: float = 10.0) -> None:
                           f"{secrets.GROUP}/mlflow-tracking-token, or {how}") from err
     finally:
         for name, value in saved.items():
-            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def check_s3_credentials(cfg: TrainConfig) -> None:

@@ -17,7 +17,7 @@ def check_before_setup(preset: str, overrides: List[str], run_name: str) -> None
     from models import storage
     from tasks import tracking
     from tasks.config_io import config_from_json_dict, load_config
-    from tasks.deploy import deployment_config, is_local_execution
+    from tasks.deploy import check_topology, deployment_config, is_local_execution
     from tasks.preflight import check_remote_run, check_tracking
     from tasks.run_layout import RunLayout
 
@@ -28,8 +28,8 @@ def check_before_setup(preset: str, overrides: List[str], run_name: str) -> None
     check_remote_run(cfg, deployment_config())
     name = run_name or cfg.run.name
     layout = RunLayout(cfg.run.storage_root, name) if name else None
-    if layout is not None and storage.exists(layout.run_info_url):  # a resume runs the stored config
-        check_remote_run(config_from_json_dict(layout.read_run_info().config), deployment_config())
+    if layout is not None and storage.exists(layout.run_info_url):  # a resume runs the stored topology
+        check_topology(config_from_json_dict(layout.read_run_info().config), deployment_config())
 
 
 @task(retries=1, requests=Resources(cpu="2", mem="8Gi"),

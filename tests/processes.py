@@ -77,15 +77,18 @@ def mlflow_server(folder, timeout_s: float = 180.0) -> Iterator[str]:
     proxied by the server into ``folder/artifacts`` (clients never write the artifact store
     themselves, as with a remote tracking server); stopped on exit."""
     import os
+    import signal
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "mlflow"), "server", "--host", "127.0.0.1",
                              "--port", str(port), "--backend-store-uri", f"sqlite:///{folder}/mlflow.db",
                              "--artifacts-destination", f"{folder}/artifacts", "--workers", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_http(f"{base}/health", proc, "mlflow server", timeout_s=timeout_s)
         yield base
-    finally:
+    finally:  # the server's job consumers (huey) outlive it unless its whole group goes
         stop(proc)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)

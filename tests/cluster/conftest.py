@@ -20,6 +20,11 @@ from tests.conftest import BUCKET
 from tests.processes import mlflow_server
 
 IMAGE = "registry.example.com/flyte-rlhf:harness"
+DEPLOY = ("configs/tiny_ppo.yaml", "actor.nnodes=2 actor.nproc_per_node=2 actor.micro_batch_size=4")
+"""The deployment every package of these tests is compiled with: the actor update a two-node PyTorchJob
+of 2 ranks per node."""
+TOPOLOGY = ["actor.nnodes=2", "actor.nproc_per_node=2", "actor.micro_batch_size=4"]
+"""Overrides that give a run the registered topology."""
 KEY = SECRET = "testing"
 """The moto server's (dummy) credentials: the cluster's Kubernetes secrets hold them."""
 

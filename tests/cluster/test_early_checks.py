@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster.conftest import cluster_secrets, registration_env
+from tests.cluster.conftest import DEPLOY, TOPOLOGY, cluster_secrets, registration_env
 from tests.conftest import BUCKET
 from tests.processes import free_port
 
 pytestmark = pytest.mark.integration
 
-DEPLOY = ("configs/tiny_ppo.yaml", "")
 S3_ONLY = {"AWS_DEFAULT_REGION": "us-east-1"}
 
 
-def run_prepare(cluster, root: str, extra=()):
+def run_prepare(cluster, root: str, extra=tuple(TOPOLOGY)):
     ex = cluster.execute("workflows.ppo.ppo_training",
                          {"preset": "configs/tiny_ppo.yaml", "overrides": [f"run.storage_root={root}", *extra],
                           "run_name": "early"})
@@ -71,8 +70,8 @@ def test_a_local_storage_root_is_refused_naming_the_field(full, make_cluster, tm
 
 def test_a_topology_other_than_the_registered_one_fails_first(full, make_cluster, tmp_path, mlflow_url):
     root = f"s3://{BUCKET}/early-{tmp_path.name}"
-    error = run_prepare(make_cluster(full), root, ["actor.nproc_per_node=1"])
-    assert "actor.nnodes × actor.nproc_per_node = 1 × 1, but the registered actor_update runs 1 × 2" in error
+    error = run_prepare(make_cluster(full), root, ["actor.nproc_per_node=1"])  # the preset's 1 node
+    assert "actor.nnodes × actor.nproc_per_node = 1 × 1, but the registered actor_update runs 2 × 2" in error
     assert nothing_created(make_cluster(full), root) and _no_mlflow_run(mlflow_url, root)
 
 
