@@ -100,6 +100,22 @@ class Cluster:
             ex.error = str(err)
         return ex
 
+    def run_task(self, task: str, inputs: literals_pb2.LiteralMap, name: str = "") -> Execution:
+        """One node of the package's ``task`` on ``inputs``; a dynamic task's ``DynamicJobSpec`` is read
+        back (within the control plane's download limit) but not executed."""
+        template = self.package.tasks[task]
+        ex = Execution(name or f"t{uuid.uuid4().hex[:10]}")
+        ctx = {"execution": ex.id, "workflow": task, "version": "harness"}
+        data = f"{self.metadata_prefix}/{ex.id}/n0/data"
+        a = Attempt("n0", task, 0, [], inputs_bytes=self.store.write(f"{data}/inputs.pb", inputs))
+        ex.attempts.append(a)
+        try:
+            ex.outputs = self._attempt(ex, ctx, a, template, f"{data}/inputs.pb", f"{data}/0")
+        except LiteralTooLarge as err:
+            ex.error = str(err)
+        ex.error = ex.error or a.error
+        return ex
+
     # --- the graph ----------------------------------------------------------------------------
     def _graph(self, ex: Execution, ctx, nodes, tasks: Mapping[str, tasks_pb2.TaskTemplate],
                inputs: literals_pb2.LiteralMap, outputs, path: str) -> literals_pb2.LiteralMap:
