@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import DEPLOY, TOPOLOGY, head_commit, registration_env
+from tests.cluster.conftest import DEPLOY, TOPOLOGY, registration_env
 from tests.cluster.harness import Fault
 from tests.conftest import BUCKET
 from tests.integration.flyte_runs import FlyteRun, isolated_env
@@ -93,7 +93,8 @@ def test_two_iterations_in_pods_match_a_local_run(algo, packages, make_cluster, 
                if pods_m.get(k) != local_m.get(k)]
     assert not differ, "\n".join(sorted(differ))  # every checkpoint file and metric, not the first that differs
     assert "eval/reward_mean" in pods_m and len(pods_m["rollout/reward_mean"]) == 2
-    assert runs["pods"].data.tags["git_commit"] == head_commit()  # the image's build argument
+    built = cluster.pods.image_env["RLHF_GIT_COMMIT"]  # the image's build argument: HEAD when the test began
+    assert runs["pods"].data.tags["git_commit"] == built and len(built) == 40
 
     # Each pod worked in its own folder; the two-node update ran as 2 pods, each sharing one download
     # of each checkpoint between its ranks (iteration 1 reads the reference and actor 0).
