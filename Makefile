@@ -21,6 +21,14 @@ IMAGE ?= ghcr.io/my-org/flyte-rlhf:0.1.0
 DEPLOY_PRESET ?= configs/llama8b_ppo_gpu.yaml
 DEPLOY_OVERRIDES ?=
 PACKAGE ?= dist/flyte-package.tgz
+# Carried to every task of a remote run (docs/cluster.md): the MLflow tracking server (required: a
+# remote run without a reachable, non-local one fails in prepare_run), the artifact location of a
+# new experiment (empty: the server's default) and an S3-compatible endpoint for run storage.
+MLFLOW_TRACKING_URI ?=
+RLHF_MLFLOW_ARTIFACT_LOCATION ?=
+AWS_ENDPOINT_URL ?=
+PACKAGE_ENV = --env "RLHF_DEPLOY_PRESET=$(DEPLOY_PRESET)" --env "RLHF_DEPLOY_OVERRIDES=$(DEPLOY_OVERRIDES)" \
+  $(foreach v,MLFLOW_TRACKING_URI RLHF_MLFLOW_ARTIFACT_LOCATION AWS_ENDPOINT_URL,$(if $($(v)),--env "$(v)=$($(v))"))
 
 .PHONY: install demo test test-unit bench bench-server clean browser package image
 
@@ -57,15 +65,17 @@ browser:
 	fi
 
 # Registrable Flyte package of every workflow, task and launch plan (offline: nothing is contacted).
+# Every task's container gets PACKAGE_ENV (`--env`, as `pyflyte register --env` and `pyflyte run --remote
+# --env` do): the deployment it was compiled with, the tracking server and the optional settings below.
 package: $(STAMP)
 	mkdir -p $(dir $(PACKAGE))
 	RLHF_DEPLOY_PRESET=$(DEPLOY_PRESET) RLHF_DEPLOY_OVERRIDES="$(DEPLOY_OVERRIDES)" \
-	$(VENV)/bin/pyflyte --pkgs workflows package --image $(IMAGE) --output $(PACKAGE) --force
+	$(VENV)/bin/pyflyte --pkgs workflows package --image $(IMAGE) --output $(PACKAGE) --force $(PACKAGE_ENV)
 
 # The task image (CUDA PyTorch + vLLM + this project); push it where the cluster can pull it.
 image:
 	docker build --build-arg DEPLOY_PRESET=$(DEPLOY_PRESET) --build-arg DEPLOY_OVERRIDES="$(DEPLOY_OVERRIDES)" \
-	  -t $(IMAGE) .
+	  --build-arg GIT_COMMIT=$$(git rev-parse HEAD 2>/dev/null || echo unknown) -t $(IMAGE) .
 
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

@@ -228,12 +228,12 @@ def verify_local(local_dir: str, marker: Mapping[str, Any], url: str) -> None:
 def download_checkpoint(url: str, local_dir: Optional[str] = None, verify: bool = True) -> str:
     """A local, verified copy of the committed checkpoint at ``url``; returns its path.
 
-    A local committed checkpoint is used in place (no copy) when ``local_dir`` is None.
-    Otherwise the marker's files are downloaded next to ``local_dir``, checked against the
-    marker, and renamed into ``local_dir`` (default: a new temporary folder the caller
-    owns) with a copy of the marker, so the copy is itself a committed checkpoint. A
-    ``local_dir`` that already holds this checkpoint is reused; any other non-empty one
-    is refused.
+    A local committed checkpoint is used in place (no copy) when ``local_dir`` is None, and a
+    remote one comes from the node's checkpoint cache (:func:`cached_checkpoint`: downloaded
+    once per node, bounded). Otherwise the marker's files are downloaded next to ``local_dir``,
+    checked against the marker, and renamed into ``local_dir`` with a copy of the marker, so
+    the copy is itself a committed checkpoint. A ``local_dir`` that already holds this
+    checkpoint is reused; any other non-empty one is refused.
     """
     marker = read_marker(url)
     if storage.is_local(url) and local_dir is None:
@@ -241,7 +241,9 @@ def download_checkpoint(url: str, local_dir: Optional[str] = None, verify: bool 
         if verify:
             verify_local(path, marker, url)
         return path
-    local_dir = os.path.abspath(local_dir or tempfile.mkdtemp(prefix="ckpt-"))
+    if local_dir is None:
+        return cached_checkpoint(url, marker=marker)
+    local_dir = os.path.abspath(local_dir)
     if _holds(local_dir, marker):
         if verify:
             verify_local(local_dir, marker, url)
@@ -293,3 +295,13 @@ def verified_copy(url: str) -> Iterator[str]:
         return
     with tempfile.TemporaryDirectory(prefix="ckpt-") as tmp:
         yield download_checkpoint(url, tmp)
+
+
+def cached_checkpoint(url: str, marker: Optional[Mapping[str, Any]] = None, root: Optional[str] = None,
+                      keep: Optional[int] = None) -> str:
+    """The committed remote checkpoint at ``url`` as a verified folder of the node's checkpoint cache
+    (``models/checkpoint_cache.py``): downloaded once per node and content, shared by its processes,
+    the least recently used removed beyond ``keep`` entries. Do not modify the folder."""
+    from models.checkpoint_cache import cached
+
+    return cached(url, marker or read_marker(url), lambda u, d: download_checkpoint(u, d), root, keep)

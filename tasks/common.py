@@ -3,22 +3,30 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from typing import Dict, Iterator, Optional
 
 import numpy as np
 
+from models import storage
 from models.checkpoint import download_checkpoint
 
 CACHE_VERSION = "2"
 """Bump when a task's outputs change meaning for the same inputs."""
 
 
-@functools.lru_cache(maxsize=16)
+_IN_PLACE: Dict[str, str] = {}
+
+
 def local_checkpoint(url: str) -> str:
-    """A verified local folder of the committed checkpoint at ``url`` (downloaded once per process)."""
-    return download_checkpoint(url)
+    """A verified local folder of the committed checkpoint at ``url``: a local one in place (verified
+    once per process), a remote one from the node's checkpoint cache (downloaded once per node and
+    shared by its ranks, keyed by content, bounded: ``models/checkpoint_cache.py``)."""
+    if not storage.is_local(url):
+        return download_checkpoint(url)
+    if url not in _IN_PLACE:
+        _IN_PLACE[url] = download_checkpoint(url)
+    return _IN_PLACE[url]
 
 
 def load_hf(url: str, auto_cls, dtype: str = "float32", trainable: bool = False):

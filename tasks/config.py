@@ -528,7 +528,10 @@ class RunConfig:
     save_interval: int = 5
     """Keep the checkpoints of every this-many-th iteration (the last is always kept)."""
     iterations_per_chunk: int = 8
-    """Iterations per sub-workflow, so long runs stay within Flyte's node limits."""
+    """Iterations per sub-workflow, so long runs stay within Flyte's node limits. Each iteration adds about
+    19 KB to the chunk's ``futures.pb`` (every node binds the whole config; 555 KB for 20 PPO iterations
+    with evaluations, ``tests/cluster/test_literal_sizes.py``), which propeller reads within
+    ``storage.limits.maxDownloadMBs`` (2 MB by default): keep it well below 100."""
     seed: int = 0
     """Seed for prompt order, sampling and updates."""
     algorithm: str = "ppo"
@@ -567,24 +570,41 @@ class ResourcesConfig:
     """Memory of ``rollout`` (Kubernetes quantity)."""
     rollout_gpu: int = 0
     """GPUs of ``rollout``."""
+    rollout_disk: str = "10Gi"
+    """Ephemeral storage (requested and limit) of ``rollout``: the actor checkpoint it samples from and the reference
+    (the tokenizer's home) in the node's checkpoint cache (``models/checkpoint_cache.py``); size it from the
+    checkpoint bytes, float32 = 4 bytes per parameter."""
     score_cpu: str = "2"
     """CPU cores of ``score``."""
     score_mem: str = "8Gi"
     """Memory of ``score``."""
     score_gpu: int = 0
     """GPUs of ``score``."""
+    score_disk: str = "10Gi"
+    """Ephemeral storage (requested and limit) of ``score``: up to four checkpoints in the node's checkpoint cache
+    (actor, reference, critic, reward model) (``models/checkpoint_cache.py``); size it from the checkpoint bytes,
+    float32 = 4 bytes per parameter."""
     actor_cpu: str = "2"
     """CPU cores of each node of ``actor_update``."""
     actor_mem: str = "8Gi"
     """Memory of each node of ``actor_update``."""
     actor_gpu: int = 0
     """GPUs of each node of ``actor_update``: 0, or ``actor.nproc_per_node`` (one per process)."""
+    actor_disk: str = "10Gi"
+    """Ephemeral storage (requested and limit) of ``actor``'s nodes: per node: the actor checkpoint and the reference
+    in the node's cache, the new checkpoint staged before upload and the optimizer state (two float32 moments per
+    parameter) (``models/checkpoint_cache.py``); size it from the checkpoint bytes, float32 = 4 bytes per
+    parameter."""
     critic_cpu: str = "2"
     """CPU cores of ``critic_update``."""
     critic_mem: str = "8Gi"
     """Memory of ``critic_update``."""
     critic_gpu: int = 0
     """GPUs of ``critic_update``."""
+    critic_disk: str = "10Gi"
+    """Ephemeral storage (requested and limit) of ``critic``: the critic checkpoint and the reference in the node's
+    cache, the new critic staged before upload and its optimizer state (``models/checkpoint_cache.py``); size it
+    from the checkpoint bytes, float32 = 4 bytes per parameter."""
     accelerator: str = ""
     """GPU type for tasks that ask for GPUs, as the cluster labels it (``nvidia-tesla-a100``,
     ``nvidia-h100``, ``nvidia-l4``, ...); empty: any GPU."""
@@ -592,7 +612,7 @@ class ResourcesConfig:
     def __post_init__(self) -> None:
         for task in TASKS_WITH_RESOURCES:
             _check(getattr(self, f"{task}_gpu") >= 0, f"resources.{task}_gpu must be >= 0")
-            for kind in ("cpu", "mem"):
+            for kind in ("cpu", "mem", "disk"):
                 _check(bool(str(getattr(self, f"{task}_{kind}")).strip()), f"resources.{task}_{kind} must not be empty")
 
 

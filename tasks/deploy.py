@@ -39,11 +39,21 @@ def deployment_config() -> TrainConfig:
     return load_config(os.environ.get(DEPLOY_PRESET_ENV, ""), os.environ.get(DEPLOY_OVERRIDES_ENV, "").split())
 
 
+def is_local_execution() -> bool:
+    """True under ``pyflyte run`` without ``--remote`` (and in tests): the execution's domain is
+    ``local``; a task pod of a cluster has its project's domain (``FLYTE_INTERNAL_EXECUTION_DOMAIN``)."""
+    from flytekit import current_context
+
+    return current_context().execution_id.domain == "local"
+
+
 def resources_for(cfg: TrainConfig, task: str) -> Dict[str, Any]:
-    """``requests``/``limits`` (equal) and ``accelerator`` for ``task`` in rollout, score, actor, critic."""
+    """``requests``/``limits`` (equal: CPU, memory, GPUs, ephemeral storage) and ``accelerator`` for
+    ``task`` in rollout, score, actor, critic."""
     r = cfg.resources
     gpu = getattr(r, f"{task}_gpu")
-    res = Resources(cpu=getattr(r, f"{task}_cpu"), mem=getattr(r, f"{task}_mem"), gpu=str(gpu) if gpu else None)
+    res = Resources(cpu=getattr(r, f"{task}_cpu"), mem=getattr(r, f"{task}_mem"), gpu=str(gpu) if gpu else None,
+                    ephemeral_storage=getattr(r, f"{task}_disk"))
     out: Dict[str, Any] = {"requests": res, "limits": res}
     if gpu and r.accelerator:
         out["accelerator"] = GPUAccelerator(r.accelerator)

@@ -1,7 +1,9 @@
 """Checks a run makes before it spends any accelerator time, each failing with an error that
 names what is wrong (the URL, the field, the numbers).
 
-``setup_run`` calls them in this order: storage reachable and writable, then (new runs) the
+``prepare_run`` first runs :func:`check_remote_run` in a remote execution (local paths, the actor
+topology, S3 credentials, the tracking server) and :func:`check_tracking` in any run. ``setup_run``
+then calls the rest in this order: storage reachable and writable, then (new runs) the
 prompts, the tokenizer against the model's vocabulary, the reward source and the servers;
 (resumed runs) the checkpoints ``state.json`` points at. Bad prompts and config values are
 checked by :mod:`tasks.prompts` and :mod:`tasks.config`.
@@ -9,12 +11,15 @@ checked by :mod:`tasks.prompts` and :mod:`tasks.config`.
 
 from __future__ import annotations
 
+import os
 import uuid
 
 from models import storage
 from models.checkpoint import CheckpointError, is_committed
 from models.rewards import RewardError
+from tasks import secrets
 from tasks.config import ConfigError, TrainConfig
+from tasks.redact import redact
 
 
 def check_storage(run_url: str) -> None:
@@ -98,3 +103,91 @@ def check_resume_point(run_url: str, actor_url: str, critic_url: str) -> None:
         if url and not is_committed(url):
             raise CheckpointError(f"run {run_url}: state.json points at {url}, which is not committed "
                                   f"(no COMMITTED.json); the run's storage was changed by hand or is damaged")
+
+
+# --- remote executions: what each pod must reach, checked before prepare_run creates anything ----
+
+LOCAL_PATH_FIELDS = ("run.storage_root", "model.actor_path", "model.critic_path", "reward.model_path",
+                     "data.train_prompts", "data.eval_prompts")
+"""Config fields that name storage every pod of a run must see (empty ones are not used)."""
+
+
+def _field(cfg: TrainConfig, dotted: str) -> str:
+    section, name = dotted.split(".")
+    return str(getattr(getattr(cfg, section), name) or "")
+
+
+def check_remote_paths(cfg: TrainConfig) -> None:
+    """A remote execution runs every task in its own pod: a path on the launching machine's (or one pod's)
+    disk is an empty folder everywhere else. Refuse each such field, naming it."""
+    bad = [f"{f}={_field(cfg, f)!r}" for f in LOCAL_PATH_FIELDS if _field(cfg, f) and storage.is_local(_field(cfg, f))]
+    if bad:
+        raise ConfigError(f"{', '.join(bad)}: a local path in a remote execution, where every task runs in its own "
+                          f"pod and sees its own empty folder; use object storage every pod reaches (s3://...)")
+
+
+def check_tracking(uri: str, remote: bool, timeout_s: float = 10.0) -> None:
+    """The MLflow tracking server answers (a search of one experiment, with the configured token), so no
+    run is created against a server the later tasks cannot reach. In a remote execution a local URI
+    (``sqlite:``, ``file:``, a path, or unset) is refused: each pod would track into its own database."""
+    from tasks import tracking
+
+    how = ("set MLFLOW_TRACKING_URI at registration: `make package MLFLOW_TRACKING_URI=https://mlflow.example.com`, "
+           "or `pyflyte register|run --remote --env MLFLOW_TRACKING_URI=...` (docs/cluster.md)")
+    if tracking.is_local_uri(uri):
+        if remote:
+            raise ConfigError(f"MLflow tracking URI {uri!r} is local to one pod in a remote execution (every task "
+                              f"would track into its own database and the run would be lost): {how}")
+        return
+    location = tracking.artifact_location()
+    if remote and location and tracking.is_local_uri(location):
+        raise ConfigError(f"{tracking.ARTIFACT_LOCATION_ENV}={location!r} is local to one pod in a remote "
+                          f"execution: use object storage (s3://...) or leave it empty (the server's default)")
+    from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT
+
+    saved = {v.name: os.environ.get(v.name) for v in (MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT)}
+    os.environ.update({MLFLOW_HTTP_REQUEST_MAX_RETRIES.name: "0",  # one try: answers now or never
+                       MLFLOW_HTTP_REQUEST_TIMEOUT.name: str(int(timeout_s))})
+    try:
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    except Exception as err:  # connection refused, DNS, 401/403, 5xx: all mean no run can be tracked
+        raise ConfigError(f"MLflow tracking server {redact(uri)} is not reachable from this pod "
+                          f"({type(err).__name__}: {redact(str(err))[:300]}); check the URI and the Flyte secret "
+                          f"{secrets.GROUP}/mlflow-tracking-token, or {how}") from err
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def check_s3_credentials(cfg: TrainConfig) -> None:
+    """Runs on S3 need credentials in every pod: the Flyte secrets (exported by ``secrets.load``) or the
+    pod's own (IAM role, environment)."""
+    urls = [_field(cfg, f) for f in LOCAL_PATH_FIELDS]
+    if not any(u.startswith(("s3://", "s3a://")) for u in urls):
+        return
+    import botocore.session
+
+    if botocore.session.get_session().get_credentials() is None:
+        keys = ", ".join(f"{secrets.GROUP}/{s.key}" for s in secrets.S3)
+        raise ConfigError(f"no S3 credentials in this pod for {cfg.run.storage_root}: create the Flyte secret keys "
+                          f"{keys} (kubectl create secret generic {secrets.GROUP} -n <project>-<domain> "
+                          f"--from-literal=aws-access-key-id=... --from-literal=aws-secret-access-key=...) or give "
+                          f"the pods an IAM role")
+
+
+def check_remote_run(cfg: TrainConfig, registered: TrainConfig) -> None:
+    """What a remote run needs from the cluster, in the order a user fixes them: no local paths, the
+    registered actor topology, S3 credentials, the tracking server (storage itself is probed next, by
+    ``setup_run``'s :func:`check_storage`, before it writes anything)."""
+    from tasks.deploy import check_topology
+    from tasks import tracking
+
+    check_remote_paths(cfg)
+    check_topology(cfg, registered)
+    check_s3_credentials(cfg)
+    check_tracking(tracking.tracking_uri(), remote=True)

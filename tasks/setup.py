@@ -40,7 +40,14 @@ def default_run_name(algorithm: str) -> str:
     return f"{algorithm}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
+GIT_COMMIT_ENV = "RLHF_GIT_COMMIT"
+"""The commit an image was built from (``make image`` passes ``git rev-parse HEAD``; an image has no ``.git``)."""
+
+
 def git_commit() -> str:
+    """The code's commit: :data:`GIT_COMMIT_ENV` if set (an image), else ``git rev-parse HEAD`` of this checkout."""
+    if os.environ.get(GIT_COMMIT_ENV, "unknown") != "unknown":
+        return os.environ[GIT_COMMIT_ENV]
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         return subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True,

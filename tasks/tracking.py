@@ -20,8 +20,30 @@ DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 _MAX_PARAM_LEN = 6000
 
 
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+ARTIFACT_LOCATION_ENV = "RLHF_MLFLOW_ARTIFACT_LOCATION"
+"""Where a new experiment keeps its artifacts (empty: the tracking server's default)."""
+LOCAL_SCHEMES = ("", "file", "sqlite")
+"""Tracking URIs that name this machine's disk: every pod of a remote run would get its own."""
+
+
 def tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_TRACKING_URI)
+    """``MLFLOW_TRACKING_URI`` (empty or unset: :data:`DEFAULT_TRACKING_URI`). A remote run gets it
+    from the registration (``make package MLFLOW_TRACKING_URI=...``, ``pyflyte register/run --remote
+    --env``), which puts it into every task's container."""
+    return os.environ.get(TRACKING_URI_ENV) or DEFAULT_TRACKING_URI
+
+
+def artifact_location() -> Optional[str]:
+    """Artifact location of experiments this project creates (:data:`ARTIFACT_LOCATION_ENV`), else None."""
+    return os.environ.get(ARTIFACT_LOCATION_ENV) or None
+
+
+def is_local_uri(uri: str) -> bool:
+    """True for a tracking URI or artifact location on this machine's disk (``sqlite:``, ``file:``, a path)."""
+    from urllib.parse import urlsplit
+
+    return urlsplit(uri).scheme.lower() in LOCAL_SCHEMES
 
 
 def client():
@@ -37,7 +59,8 @@ def start_run(experiment: str, run_name: str, params: Mapping[str, Any],
     """Create the run (experiment created if missing), log params, return the run id."""
     c = client()
     exp = c.get_experiment_by_name(experiment)
-    exp_id = exp.experiment_id if exp is not None else c.create_experiment(experiment)
+    exp_id = exp.experiment_id if exp is not None else c.create_experiment(
+        experiment, artifact_location=artifact_location())
     run = c.create_run(exp_id, run_name=run_name, tags={k: redact(str(v)) for k, v in (tags or {}).items()})
     log_params(run.info.run_id, params)
     return run.info.run_id

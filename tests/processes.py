@@ -69,3 +69,26 @@ def s3_client_env(endpoint: str) -> dict:
 
 S3_ENV_TO_UNSET = ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL_S3")
 """Variables that would override :func:`s3_client_env`'s endpoint or credentials."""
+
+
+@contextlib.contextmanager
+def mlflow_server(folder, timeout_s: float = 180.0) -> Iterator[str]:
+    """Base URL of ``mlflow server`` on 127.0.0.1 with its database in ``folder/mlflow.db`` and artifacts
+    proxied by the server into ``folder/artifacts`` (clients never write the artifact store
+    themselves, as with a remote tracking server); stopped on exit."""
+    import os
+    import signal
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "mlflow"), "server", "--host", "127.0.0.1",
+                             "--port", str(port), "--backend-store-uri", f"sqlite:///{folder}/mlflow.db",
+                             "--artifacts-destination", f"{folder}/artifacts", "--workers", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_http(f"{base}/health", proc, "mlflow server", timeout_s=timeout_s)
+        yield base
+    finally:  # the server's job consumers (huey) outlive it unless its whole group goes
+        stop(proc)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -4,33 +4,24 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from flytekit import current_context
-
 from tasks.advantages import advantages
 from tasks.config import TrainConfig
-from tasks.deploy import check_topology, deployment_config, resources_for, use_local_topology
+from tasks.deploy import is_local_execution, resources_for, use_local_topology
 from tasks.iteration import commit_iteration, evaluate
 from tasks.rollout import rollout
 from tasks.score import score
 from tasks.updates import actor_update, critic_update
 
 
-def is_local_execution() -> bool:
-    """True under ``pyflyte run`` without ``--remote`` (and in tests)."""
-    return current_context().execution_id.domain == "local"
-
-
 def wire_iteration(cfg, run, state, critic: bool, known: Optional[TrainConfig] = None):
     """rollout → score → advantages → actor_update (∥ critic_update) → commit_iteration.
 
     ``known``: the concrete config inside a dynamic workflow; its ``resources`` (and, in local
-    executions, the actor's elastic launch) override the registered task settings.
+    executions, the actor's elastic launch) override the registered task settings. On a cluster the
+    actor's topology is the registered one, checked by ``prepare_run`` before the run is created.
     """
-    if known is not None:
-        if is_local_execution():
-            use_local_topology(actor_update, known)
-        else:
-            check_topology(known, deployment_config())
+    if known is not None and is_local_execution():
+        use_local_topology(actor_update, known)
     ro = rollout(cfg=cfg, run=run, state=state)
     sc = score(cfg=cfg, run=run, state=state, batch=ro.batch)
     ad = advantages(cfg=cfg, run=run, state=state, batch=sc.batch)

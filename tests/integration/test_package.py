@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import glob
 import os
-import subprocess
 import tarfile
 
 import pytest
@@ -24,15 +23,15 @@ HEAVY = {"tasks.rollout.rollout": "rollout", "tasks.score.score": "score", "task
          "tasks.retrain.promote_if_better": "rollout"}
 
 
+TRACKING = "https://mlflow.example.com"
+
+
 @pytest.fixture(scope="module")
 def package(tmp_path_factory):
+    from tests.cluster.package import build_package
+
     out = tmp_path_factory.mktemp("pkg")
-    tgz = out / "flyte-package.tgz"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RLHF_DEPLOY")}
-    proc = subprocess.run(["make", "-s", "package", f"IMAGE={IMAGE}", f"PACKAGE={tgz}", f"DEPLOY_PRESET={PRESET}",
-                           "DEPLOY_OVERRIDES=actor.nnodes=2"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tgz = build_package(out, IMAGE, PRESET, "actor.nnodes=2", {"MLFLOW_TRACKING_URI": TRACKING})
     with tarfile.open(tgz) as tar:
         tar.extractall(out / "x")
     return out / "x"
@@ -69,8 +68,9 @@ def test_every_task_runs_the_image_with_the_presets_resources(package):
         assert image == IMAGE, name
         if name in HEAVY:
             key = HEAVY[name]
-            want = {"cpu": str(res[f"{key}_cpu"]), "mem": res[f"{key}_mem"], "gpu": str(res[f"{key}_gpu"])}
-            got = {k.replace("memory", "mem"): v for k, v in requests.items()}
+            want = {"cpu": str(res[f"{key}_cpu"]), "mem": res[f"{key}_mem"], "gpu": str(res[f"{key}_gpu"]),
+                    "ephemeral_storage": res[f"{key}_disk"]}
+            got = {k.replace("memory", "mem").replace("-", "_"): v for k, v in requests.items()}
             assert got == want, name
             assert template["extendedResources"]["gpuAccelerator"]["device"] == res["accelerator"], name
         elif name.startswith("tasks."):
@@ -113,3 +113,13 @@ def test_nightly_launch_plan_schedule_and_defaults(package):
     assert prim("min_improvement")["floatValue"] == pytest.approx(NIGHTLY_DEFAULTS["min_improvement"])
     overrides = [x["scalar"]["primitive"]["stringValue"] for x in params["overrides"]["default"]["collection"]["literals"]]
     assert overrides == NIGHTLY_DEFAULTS["overrides"]
+
+
+def test_every_task_carries_the_registration_settings(package):
+    """``make package MLFLOW_TRACKING_URI=...`` puts the tracking server and the deployment the tasks were
+    compiled with into every task's container (what ``pyflyte register|run --remote --env`` do too)."""
+    for name, template in _tasks(package).items():
+        c = template.get("container") or template["k8sPod"]["podSpec"]["containers"][0]
+        env = {kv["key"]: kv["value"] for kv in c.get("env", [])}
+        assert env["MLFLOW_TRACKING_URI"] == TRACKING, name
+        assert (env["RLHF_DEPLOY_PRESET"], env["RLHF_DEPLOY_OVERRIDES"]) == (PRESET, "actor.nnodes=2"), name

@@ -19,12 +19,12 @@ GPU = ["resources.rollout_gpu=1", "resources.rollout_mem=64Gi", "resources.accel
 def test_resources_from_config():
     cfg = load_config("tiny_ppo", GPU)
     r = deploy.resources_for(cfg, "rollout")
-    assert r["requests"] == r["limits"] == Resources(cpu="2", mem="64Gi", gpu="1")
+    assert r["requests"] == r["limits"] == Resources(cpu="2", mem="64Gi", gpu="1", ephemeral_storage="10Gi")
     assert r["accelerator"].to_flyte_idl().device == "nvidia-h100"
     actor = deploy.resources_for(cfg, "actor")
-    assert actor["requests"] == Resources(cpu="16", mem="8Gi", gpu="2")
+    assert actor["requests"] == Resources(cpu="16", mem="8Gi", gpu="2", ephemeral_storage="10Gi")
     critic = deploy.resources_for(cfg, "critic")  # no GPU asked: no accelerator either
-    assert critic["requests"] == Resources(cpu="2", mem="8Gi") and "accelerator" not in critic
+    assert critic["requests"] == Resources(cpu="2", mem="8Gi", ephemeral_storage="10Gi") and "accelerator" not in critic
 
 
 def test_gpus_per_actor_node_match_processes():

@@ -1,0 +1,95 @@
+"""Fixtures of the pod-level harness: a pretend cluster on the moto S3 server (metadata bucket, run
+storage), ``mlflow server`` on 127.0.0.1, packages compiled with ``make package``'s command for a
+given deployment, and the image environment from the ``Dockerfile``."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Dict, Mapping
+
+import pytest
+
+from tests.cluster.harness import Cluster
+from tests.cluster.literals import ObjectStore
+from tests.cluster.package import ROOT, build_package, image_env, load_package
+from tests.cluster.pods import PodSettings
+from tests.conftest import BUCKET
+from tests.processes import mlflow_server
+
+IMAGE = "registry.example.com/flyte-rlhf:harness"
+DEPLOY = ("configs/tiny_ppo.yaml", "actor.nnodes=2 actor.nproc_per_node=2 actor.micro_batch_size=4")
+"""The deployment every package of these tests is compiled with: the actor update a two-node PyTorchJob
+of 2 ranks per node."""
+TOPOLOGY = ["actor.nnodes=2", "actor.nproc_per_node=2", "actor.micro_batch_size=4"]
+"""Overrides that give a run the registered topology."""
+KEY = SECRET = "testing"
+"""The moto server's (dummy) credentials: the cluster's Kubernetes secrets hold them."""
+
+
+def head_commit() -> str:
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture(scope="session")
+def mlflow_url(tmp_path_factory):
+    """A tracking server every pod and local run of the session reports to."""
+    with mlflow_server(tmp_path_factory.mktemp("mlflow-server")) as url:
+        yield url
+
+
+def cluster_secrets(**extra: str) -> Dict[tuple, str]:
+    """The Kubernetes secret ``flyte-rlhf`` of the pretend cluster."""
+    from tasks import secrets
+
+    out = {(secrets.GROUP, "aws-access-key-id"): KEY, (secrets.GROUP, "aws-secret-access-key"): SECRET}
+    out.update({(secrets.GROUP, k.replace("_", "-")): v for k, v in extra.items()})
+    return out
+
+
+def registration_env(s3_endpoint: str, mlflow: str) -> Dict[str, str]:
+    """What ``make package`` is told for this cluster (``--env``): the tracking server, the
+    S3-compatible endpoint of the run storage."""
+    return {"MLFLOW_TRACKING_URI": mlflow, "AWS_ENDPOINT_URL": s3_endpoint, "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="session")
+def packages(tmp_path_factory):
+    """``packages(deploy_overrides, env)`` → the loaded package, built once per distinct arguments."""
+    @functools.lru_cache(maxsize=None)
+    def build(preset: str, overrides: str, env: tuple):
+        out = tmp_path_factory.mktemp("package")
+        return load_package(build_package(out, IMAGE, preset, overrides, dict(env)))
+
+    return lambda preset, overrides, env: build(preset, overrides, tuple(sorted(env.items())))
+
+
+@pytest.fixture
+def make_cluster(s3_server, tmp_path, tmp_path_factory):
+    """``make_cluster(package, secrets=..., cluster_env=...)`` → a :class:`Cluster` whose pods live under
+    this test's folder; metadata and raw outputs on the moto server."""
+    shared = tmp_path_factory.getbasetemp() / "image-baked"  # what the image would carry prebuilt
+
+    def make(package, secrets: Mapping = None, cluster_env: Mapping = (), **kw) -> Cluster:
+        from tasks.setup import cache_dir
+
+        env = image_env(ROOT / "Dockerfile", {"GIT_COMMIT": head_commit(), "DEPLOY_PRESET": "", "DEPLOY_OVERRIDES": ""})
+        # Content-keyed caches an image would carry prebuilt (the demo's warm-started models, matplotlib's
+        # fonts, the kernels vLLM's CPU backend compiles: 1-2 min per cold pod here); one torch thread
+        # per pod (each node limited to one core).
+        env.update(RLHF_CACHE_DIR=cache_dir(), MPLCONFIGDIR=str(shared / "matplotlib"), OMP_NUM_THREADS="1",
+                   TORCHINDUCTOR_CACHE_DIR=str(shared / "inductor"), VLLM_CACHE_ROOT=str(shared / "vllm"),
+                   TQDM_DISABLE="1", TRANSFORMERS_VERBOSITY="error", VLLM_LOGGING_LEVEL="WARNING")
+        store = ObjectStore(s3_server, KEY, SECRET)
+        prefix = f"s3://{BUCKET}/cluster-{uuid.uuid4().hex[:8]}"
+        # Propeller's default variables: its metadata bucket's endpoint and keys; no instance metadata
+        # service on this cluster (botocore would look for one outside the loopback network).
+        default = {"FLYTE_AWS_ENDPOINT": s3_server, "FLYTE_AWS_ACCESS_KEY_ID": KEY,
+                   "FLYTE_AWS_SECRET_ACCESS_KEY": SECRET, "AWS_EC2_METADATA_DISABLED": "true"}
+        pods = PodSettings(root=Path(tmp_path) / "pods", image_env=env, cluster_env={**default, **dict(cluster_env)},
+                           secrets=cluster_secrets() if secrets is None else secrets)
+        return Cluster(package, store, f"{prefix}/metadata", f"{prefix}/raw", pods, **kw)
+
+    return make

@@ -1,0 +1,110 @@
+"""Two iterations of PPO and of GRPO from the compiled package, every node a pod (``tests/cluster``),
+against the same seeds through a local ``pyflyte run``: the same checkpoints byte for byte, the same
+metrics, every run FINISHED in one ``mlflow server`` on 127.0.0.1.
+
+What differs on purpose: the pods' actor update is a two-node PyTorchJob (2 pods × 2 ranks, the
+operator's rendezvous environment on loopback), the local run's one node of 4 ranks (the same 4
+ranks, the same shards); the PPO run loses its second rollout pod mid-sampling and Flyte's retry
+redoes it. Both sides run one torch thread per process (each node limited to one core), as float
+sums depend on the thread count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.conftest import DEPLOY, TOPOLOGY, registration_env
+from tests.cluster.harness import Fault
+from tests.conftest import BUCKET
+from tests.integration.flyte_runs import FlyteRun, isolated_env
+from tests.processes import s3_client_env
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+RUN = ["run.num_iterations=2", "run.iterations_per_chunk=1", "run.eval_interval=2", "run.save_interval=1",
+       "rollout.prompts_per_iteration=8", "actor.minibatch_size=16",
+       "critic.minibatch_size=16", "critic.micro_batch_size=16", "data.num_demo_eval_prompts=8"]
+PODS_TOPOLOGY = TOPOLOGY
+LOCAL_TOPOLOGY = ["actor.nnodes=1", "actor.nproc_per_node=4", "actor.micro_batch_size=4"]
+CASES = {"ppo": ("workflows/ppo.py", "ppo_training", "configs/tiny_ppo.yaml"),
+         "grpo": ("workflows/reinforce.py", "reinforce_training", "configs/tiny_grpo.yaml")}
+NOT_COMPARED = ("time/", "throughput/")
+"""Wall-clock metrics: never equal between two runs."""
+
+
+def committed_files(store_fs, url: str) -> dict:
+    with store_fs.open(f"{url}/COMMITTED.json") as f:
+        return json.load(f)["files"]
+
+
+def metrics(client, run_id: str) -> dict:
+    keys = [k for k in client.get_run(run_id).data.metrics if not k.startswith(NOT_COMPARED)]
+    return {k: [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, k), key=lambda m: m.step)]
+            for k in keys}
+
+
+def local_run(algo: str, root: str, s3: str, mlflow: str, home: Path) -> str:
+    workflow, entry, preset = CASES[algo]
+    # HF_HUB_OFFLINE as the image sets it: transformers writes it into every saved tokenizer_config.json
+    # ("local_files_only"), so without it the checkpoints differ in that one file (weights equal).
+    env = isolated_env(home, {**s3_client_env(s3), "MLFLOW_TRACKING_URI": mlflow, "OMP_NUM_THREADS": "1",
+                              "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    run = FlyteRun(workflow, entry, preset, RUN + LOCAL_TOPOLOGY + [f"run.storage_root={root}"], "local", env,
+                   home / "pyflyte.log")
+    return run.wait(timeout_s=1800)
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_two_iterations_in_pods_match_a_local_run(algo, packages, make_cluster, s3_server, mlflow_url, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    package = packages(*DEPLOY, registration_env(s3_server, mlflow_url))
+    faults = [Fault("rollout", "rollout/iter-000001")] if algo == "ppo" else []
+    cluster = make_cluster(package, faults=faults)
+    root = f"s3://{BUCKET}/{algo}-{tmp_path.name}"
+    workflow, entry, preset = CASES[algo]
+    ex = cluster.execute(f"workflows.{Path(workflow).stem}.{entry}",
+                         {"preset": preset, "overrides": RUN + PODS_TOPOLOGY + [f"run.storage_root={root}"],
+                          "run_name": "pods"})
+    report = "\n".join(f"{a.node:18s} {a.task:36s} try {a.attempt} {a.outcome:8s} {a.seconds:6.1f} s {a.error[:200]}"
+                       for a in ex.attempts)
+    print(report)
+    assert not ex.error, f"{ex.error}\n{report}"
+    local_run(algo, root, s3_server, mlflow_url, tmp_path / "local")
+
+    fs = cluster.store.fs()
+    differ = []
+    for i in range(2):
+        for what in ["actor"] + (["critic"] if algo == "ppo" else []):
+            pods_files = committed_files(fs, f"{root}/pods/iter-{i:06d}/{what}")
+            local_files = committed_files(fs, f"{root}/local/iter-{i:06d}/{what}")
+            differ += [f"iter-{i:06d}/{what}/{f}" for f in set(pods_files) | set(local_files)
+                       if pods_files.get(f) != local_files.get(f)]
+    client = MlflowClient(mlflow_url)
+    runs = {r.info.run_name: r for r in client.search_runs(
+        [client.get_experiment_by_name("flyte-rlhf").experiment_id], f"tags.storage LIKE '{root}/%'")}
+    assert set(runs) == {"pods", "local"} and {r.info.status for r in runs.values()} == {"FINISHED"}
+    pods_m, local_m = metrics(client, runs["pods"].info.run_id), metrics(client, runs["local"].info.run_id)
+    differ += [f"{k}: pods {pods_m.get(k)} local {local_m.get(k)}" for k in set(pods_m) | set(local_m)
+               if pods_m.get(k) != local_m.get(k)]
+    assert not differ, "\n".join(sorted(differ))  # every checkpoint file and metric, not the first that differs
+    assert "eval/reward_mean" in pods_m and len(pods_m["rollout/reward_mean"]) == 2
+    built = cluster.pods.image_env["RLHF_GIT_COMMIT"]  # the image's build argument: HEAD when the test began
+    assert runs["pods"].data.tags["git_commit"] == built and len(built) == 40
+
+    # Each pod worked in its own folder; the two-node update ran as 2 pods, each sharing one download
+    # of each checkpoint between its ranks (iteration 1 reads the reference and actor 0).
+    updates = [a for a in ex.attempts if a.task.endswith("actor_update")]
+    assert [len(a.pods) for a in updates] == [2, 2]
+    for pod in updates[1].pods:
+        cache = pod.folder / "tmp" / "flyte-rlhf-checkpoints"
+        assert len([d for d in os.listdir(cache) if not d.startswith(".") and os.path.isdir(cache / d)]) == 2
+    folders = [p.folder for a in ex.attempts for p in a.pods]
+    assert len(set(folders)) == len(folders)
+    rollouts = [(a.node, a.outcome) for a in ex.attempts if a.task.endswith(".rollout")]
+    if algo == "ppo":  # the lost pod's node ran again and went on
+        assert [o for _, o in rollouts] == ["outputs", "lost", "outputs"] and rollouts[1][0] == rollouts[2][0]
