@@ -99,7 +99,10 @@ def test_packed_updates_equal_padded_updates():
         assert stats[0]["loss"] == pytest.approx(stats[1]["loss"], rel=1e-4)
         moved = 0.0
         for p, q, fresh in zip(models[0].parameters(), models[1].parameters(), make(False).parameters()):
-            torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5)
+            # AdamW divides by sqrt(v): rounding differences of the packed sums can move a weight whose
+            # gradient is near zero by a small fraction of lr (2e-5 = 0.2% of lr seen on an AMD EPYC);
+            # a wrong packing would differ by O(lr), and the update must move weights by more than 1e-3 below
+            torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-4)
             moved = max(moved, float((p.detach() - fresh.detach()).abs().max()))
         assert moved > 1e-3
 
