@@ -34,6 +34,7 @@ COLUMN_TYPES: Mapping[str, pa.DataType] = {
     "token_rewards": LIST_FLOAT32,      # advantages: KL-shaped per-token rewards
     "advantages": LIST_FLOAT32,         # advantages
     "returns": LIST_FLOAT32,            # advantages
+    "loss_mask": pa.list_(pa.bool_()),  # advantages: the response tokens the actor's loss learns from
     "prompt": pa.string(),              # optional: prompt text, for people reviewing samples
     "response": pa.string(),            # optional: response text
 }
@@ -44,8 +45,15 @@ ROLLOUT_COLUMNS = ("prompt_id", "prompt_tokens", "response_tokens", "sampler_log
 """Columns every batch has after ``rollout``."""
 SCORE_COLUMNS = ROLLOUT_COLUMNS + ("old_logprobs", "ref_logprobs", "reward")
 """Columns after ``score`` (PPO adds ``values``)."""
-ADVANTAGE_COLUMNS = SCORE_COLUMNS + ("token_rewards", "advantages", "returns")
-"""Columns after ``advantages``: what the actor update reads."""
+ADVANTAGE_COLUMNS = SCORE_COLUMNS + ("token_rewards", "advantages", "returns", "loss_mask")
+"""Columns after ``advantages``: what the actor update reads.
+
+``loss_mask`` (one bool per response token) is False where the actor's loss must not learn:
+rows left out by DAPO's dynamic sampling or overlong filtering (``advantage.dynamic_sampling``,
+``advantage.mask_truncated``; docs/rlvr/). The forward still sees every token; only the loss,
+its token and sequence counts and the KL and entropy terms skip them. A stage before
+``advantages`` may write its own ``loss_mask`` (e.g. tool-output tokens of a multi-turn
+episode); ``advantages`` then ANDs its row filters into it. The critic ignores it."""
 
 FORMAT_VERSION = "1"
 _META_KEYS = ("iteration", "policy_version", "algorithm", "created_at")

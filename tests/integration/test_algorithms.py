@@ -22,7 +22,8 @@ pytestmark = pytest.mark.integration
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["run.num_iterations=2", "run.eval_interval=2", "rollout.prompts_per_iteration=8",
          "actor.minibatch_size=32", "actor.micro_batch_size=16", "data.num_demo_train_prompts=64",
-         "data.num_demo_eval_prompts=8", "critic.minibatch_size=32", "critic.micro_batch_size=32"]
+         "data.num_demo_eval_prompts=8"]
+CRITIC_SMALL = ["critic.minibatch_size=32", "critic.micro_batch_size=32"]
 
 
 def _pyflyte(workflow: str, entry: str, preset: str, overrides, run_name: str, db) -> str:
@@ -73,7 +74,7 @@ def ppo_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("remote")
     mp = pytest.MonkeyPatch()
     mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
-    overrides = [f"run.storage_root={root}", "rollout.engine=hf", "actor.nproc_per_node=1"] + SMALL
+    overrides = [f"run.storage_root={root}", "rollout.engine=hf", "actor.nproc_per_node=1"] + SMALL + CRITIC_SMALL
     setup = setup_run("tiny_ppo", overrides, "remote")
     yield root, overrides, setup, run_rollout(setup.cfg, setup.run, setup.state)
     mp.undo()
@@ -143,7 +144,8 @@ def test_ppo_end_to_end_with_critic_server(ppo_run, tmp_path):
     with ServerProcess(["--critic", setup.state.critic_url, "--storage-root", str(tmp_path), "--threads", "1"],
                        log_path=tmp_path / "srv.log") as srv:
         out = _pyflyte("workflows/ppo.py", "ppo_training", "configs/tiny_ppo.yaml",
-                       [f"run.storage_root={tmp_path}", f"critic.remote_url={srv.url}"] + SMALL, "e2e-remote", tmp_path / "mlflow.db")
+                       [f"run.storage_root={tmp_path}", f"critic.remote_url={srv.url}"] + SMALL + CRITIC_SMALL,
+                       "e2e-remote", tmp_path / "mlflow.db")
     assert "[ppo] iter 2/2" in out
     layout = RunLayout(str(tmp_path), "e2e-remote")
     assert layout.read_state().critic_url == layout.critic_url(1)
