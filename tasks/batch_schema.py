@@ -76,7 +76,7 @@ class BatchMetadata:
     policy_version: int
     """Version of the actor checkpoint that generated the responses (k for iteration k)."""
     algorithm: str
-    """Algorithm name, e.g. ``"ppo"``, ``"grpo"`` (``tasks.config.Algorithm`` values)."""
+    """Algorithm name, e.g. ``"ppo"``, ``"grpo"`` (the names of ``tasks/algorithms/``)."""
     created_at: str = field(default_factory=_now_iso)
     """Creation time, ISO 8601 UTC."""
     extras: Mapping[str, str] = field(default_factory=dict)
