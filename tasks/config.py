@@ -227,7 +227,7 @@ class AdvantageConfig:
     """DAPO's dynamic sampling (Yu et al. 2025, §3.2; rloo, grpo, dr_grpo): the samples of a prompt
     whose rewards are all equal (advantage 0 under a group baseline) are left out of the loss
     (``loss_mask``); the batch keeps its rows and the update its minibatches, each normalised by the
-    tokens it keeps. Logs ``adv/dynamic_sampling_kept`` (share of groups kept). docs/rlvr/dynamic_sampling.md"""
+    tokens it keeps. Logs ``adv/dynamic_sampling_kept`` (share of samples kept). docs/rlvr/dynamic_sampling.md"""
     mask_truncated: bool = False
     """DAPO's overlong filtering (§3.4): responses cut at ``rollout.max_new_tokens`` (``is_end = False``)
     are left out of the loss (``loss_mask``); they still count in their group's baseline. docs/rlvr/overlong.md"""
