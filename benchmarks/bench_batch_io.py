@@ -55,7 +55,7 @@ def make_batch(rows: int, tokens: int, seed: int = 0) -> RolloutBatch:
         sampler_logprobs=floats(), is_end=rng.random(rows) < 0.5,
         old_logprobs=floats(), ref_logprobs=floats(), values=floats(),
         reward=rng.standard_normal(rows, dtype=np.float32),
-        token_rewards=floats(), advantages=floats(), returns=floats(),
+        token_rewards=floats(), advantages=floats(), returns=floats(), loss_mask=(full, full),
     )
     batch = RolloutBatch.from_columns(BatchMetadata(iteration=0, policy_version=0, algorithm="ppo"), **columns)
     return batch.validate(required=ADVANTAGE_COLUMNS)

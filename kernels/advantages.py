@@ -1,19 +1,19 @@
-"""Advantage estimators per algorithm, chosen through a registry (no if-chains elsewhere).
+"""Advantage estimators: pure tensor math, one function per estimator (no config here).
 
 Each estimator maps the scored batch (:class:`AdvantageInput`) to KL-shaped token rewards,
-advantages and returns (:class:`AdvantageOutput`), all ``[B, T]`` on response tokens.
+advantages and returns (:class:`AdvantageOutput`), all ``[B, T]`` on response tokens. Which
+algorithm uses which estimator, loss and options is declared in ``tasks/algorithms/``.
 
-- ``ppo``: ``r_t = −β·kl_t + 1[t = last]·R`` (KL in the reward, Ziegler et al. 2019), GAE
-  (Schulman et al. 2016) with the critic's values, advantages whitened over the batch.
-- ``reinforce``: sequence return ``R' = Σ_t r_t`` of the same shaped rewards, minus its batch
-  mean (Williams 1992 with a mean baseline), on every token.
-- ``rloo``: ``R'_i`` minus the mean of the other samples of its prompt (Ahmadian et al. 2024).
-- ``grpo``: ``(R_i − mean_g)/(std_g + ε)`` of the raw reward over the prompt's group (Shao et al.
-  2024); its KL is a loss term, so β in the reward is normally 0.
-- ``reinforce_pp``: token returns ``G_t`` of the shaped rewards, whitened over the batch (Hu 2025).
-
-Each algorithm also names its policy loss (``ppo`` clipped surrogate or plain ``reinforce``)
-and whether it trains a critic, in :data:`ALGORITHMS`.
+- :func:`ppo_advantages`: ``r_t = −β·kl_t + 1[t = last]·R`` (KL in the reward, Ziegler et al.
+  2019), GAE (Schulman et al. 2016) with the critic's values, whitened over the batch if asked.
+- :func:`reinforce_advantages`: sequence return ``R' = Σ_t r_t`` of the same shaped rewards,
+  minus its batch mean (Williams 1992 with a mean baseline), on every token.
+- :func:`rloo_estimator`: ``R'_i`` minus the mean of the other samples of its prompt (Ahmadian
+  et al. 2024).
+- :func:`grpo_estimator`: ``(R'_i − mean_g)/(std_g + ε)`` over the prompt's group (Shao et al. 2024);
+  :func:`dr_grpo_estimator`: ``R'_i − mean_g`` (Liu et al. 2025, no std division).
+- :func:`reinforce_pp_estimator`: token returns ``G_t`` of the shaped rewards, whitened over the
+  batch (Hu 2025).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from torch import Tensor
 from kernels.baselines import broadcast_to_tokens, grpo_advantages, reinforce_pp_advantages, rloo_advantages
 from kernels.gae import compute_gae
 from kernels.kl import KLShapedRewards, kl_shaped_rewards
-from kernels.losses import PolicyLossKind
 from kernels.masked import masked_mean, masked_whiten
 
 
@@ -41,7 +40,7 @@ class AdvantageInput(NamedTuple):
 
 @dataclass(frozen=True)
 class AdvantageParams:
-    """What the estimators read from the config."""
+    """The estimators' parameters (tasks/advantages.py fills them from the config)."""
 
     kl_coef: float = 0.01
     """β of the KL penalty in the reward (0 when KL is a loss term)."""
@@ -107,6 +106,13 @@ def grpo_estimator(x: AdvantageInput, p: AdvantageParams) -> AdvantageOutput:
     return _sequence_output(shaped, grpo_advantages(ret, x.prompt_id), x, p)
 
 
+def dr_grpo_estimator(x: AdvantageInput, p: AdvantageParams) -> AdvantageOutput:
+    """Group-centred sequence reward, not divided by the group's std (Dr. GRPO)."""
+    shaped = _shaped(x, p)
+    ret = (shaped.token_rewards * x.mask).sum(-1)  # [B]
+    return _sequence_output(shaped, grpo_advantages(ret, x.prompt_id, normalize_std=False), x, p)
+
+
 def reinforce_pp_estimator(x: AdvantageInput, p: AdvantageParams) -> AdvantageOutput:
     """Batch-whitened token returns of the KL-shaped rewards."""
     shaped = _shaped(x, p)
@@ -114,31 +120,8 @@ def reinforce_pp_estimator(x: AdvantageInput, p: AdvantageParams) -> AdvantageOu
     return AdvantageOutput(shaped.token_rewards, adv, returns, shaped.kl, returns)
 
 
-class AlgorithmSpec(NamedTuple):
-    estimator: Callable[[AdvantageInput, AdvantageParams], AdvantageOutput]
-    policy_loss: PolicyLossKind
-    uses_critic: bool
-    needs_groups: bool
-
-
-ALGORITHMS: Dict[str, AlgorithmSpec] = {
-    "ppo": AlgorithmSpec(ppo_advantages, PolicyLossKind.PPO, uses_critic=True, needs_groups=False),
-    "reinforce": AlgorithmSpec(reinforce_advantages, PolicyLossKind.REINFORCE, uses_critic=False,
-                               needs_groups=False),
-    "rloo": AlgorithmSpec(rloo_estimator, PolicyLossKind.PPO, uses_critic=False, needs_groups=True),
-    "grpo": AlgorithmSpec(grpo_estimator, PolicyLossKind.PPO, uses_critic=False, needs_groups=True),
-    "reinforce_pp": AlgorithmSpec(reinforce_pp_estimator, PolicyLossKind.PPO, uses_critic=False,
-                                  needs_groups=False),
-}
-
-
-def compute_advantages(algorithm: str, x: AdvantageInput, p: AdvantageParams) -> AdvantageOutput:
-    """Dispatch to the algorithm's estimator."""
-    try:
-        spec = ALGORITHMS[algorithm]
-    except KeyError:
-        raise ValueError(f"no advantage estimator for algorithm {algorithm!r}; known: {sorted(ALGORITHMS)}")
-    return spec.estimator(x, p)
+Estimator = Callable[[AdvantageInput, AdvantageParams], AdvantageOutput]
+"""What every estimator above is: the scored batch and the parameters → token rewards, advantages, returns."""
 
 
 def advantage_stats(x: AdvantageInput, out: AdvantageOutput) -> Dict[str, float]:

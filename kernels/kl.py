@@ -190,11 +190,14 @@ def kl_loss(
     agg: LossAgg | str = LossAgg.TOKEN_MEAN,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    horizon: float | None = None,
 ) -> KLLossOutput:
     """KL as a loss term, ``β·agg(kl_t)`` (GRPO, Shao et al. 2024, eq. 3-4 with k3).
 
+    k1 makes no KL loss: its gradient ``∇log π(y)`` has expectation 0 under ``y ~ π``
+    (on-policy), so it pulls nowhere on average; k3 (or k2) is the estimator for a loss.
     Shape: logp, ref_logp, mask ``[B, T]``; gradient flows through ``logp``.
     """
     kl = kl_penalty(logp, ref_logp, estimator)  # [B, T]
-    loss = beta * aggregate(kl, mask, agg, num_tokens, num_seqs)
+    loss = beta * aggregate(kl, mask, agg, num_tokens, num_seqs, horizon)
     return KLLossOutput(loss, masked_mean(kl.detach(), mask))

@@ -66,6 +66,8 @@ class PolicyLossConfig:
     """c > 1: for A < 0 the token loss is capped at c·|A|; None turns it off"""
     agg: LossAgg = LossAgg.TOKEN_MEAN
     """how the token losses become a scalar"""
+    horizon: float | None = None
+    """L of the ``seq_mean_token_sum_norm`` aggregation (the generation budget); unused by the others"""
     entropy_coef: float = 0.0
     """c_H of the entropy bonus −c_H·agg(H); needs the entropy in the input"""
     tis_cap: float | None = None
@@ -140,9 +142,10 @@ def entropy_bonus(
     agg: LossAgg | str = LossAgg.TOKEN_MEAN,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    horizon: float | None = None,
 ) -> EntropyBonus:
     """Entropy bonus as a loss term ``−c_H·agg(H)``. ``[B, T]`` → scalars."""
-    loss = -coef * aggregate(entropy, mask, agg, num_tokens, num_seqs)
+    loss = -coef * aggregate(entropy, mask, agg, num_tokens, num_seqs, horizon)
     return EntropyBonus(loss, masked_mean(entropy.detach(), mask))
 
 
@@ -180,11 +183,11 @@ def policy_loss(
             raise ValueError("tis_cap is set but the input has no sampler_logp")
         tis = truncated_is_weights(inp.old_logp, inp.sampler_logp, cfg.tis_cap)
         token_loss = token_loss * tis
-    pg_loss = aggregate(token_loss, m, cfg.agg, num_tokens, num_seqs)
+    pg_loss = aggregate(token_loss, m, cfg.agg, num_tokens, num_seqs, cfg.horizon)
     zero = pg_loss.new_zeros(())
     bonus = EntropyBonus(zero, zero)
     if inp.entropy is not None:
-        bonus = entropy_bonus(inp.entropy, m, cfg.entropy_coef, cfg.agg, num_tokens, num_seqs)
+        bonus = entropy_bonus(inp.entropy, m, cfg.entropy_coef, cfg.agg, num_tokens, num_seqs, cfg.horizon)
     with torch.no_grad():
         stats = dict(
             clip_frac=masked_mean(tok.clipped.to(ratio.dtype), m),

@@ -31,7 +31,7 @@ from models.ragged import list_lengths
 _TOKENS = ("prompt_tokens", "response_tokens")
 
 RESPONSE_ALIGNED = ("sampler_logprobs", "old_logprobs", "ref_logprobs", "values",
-                    "token_rewards", "advantages", "returns")
+                    "token_rewards", "advantages", "returns", "loss_mask")
 """List columns with one entry per response token (same length as ``response_tokens``)."""
 
 

@@ -34,6 +34,12 @@ class UpdateData(NamedTuple):
     ref_logp: Optional[torch.Tensor] = None  # [N, T]
     old_values: Optional[torch.Tensor] = None  # [N, T]
     returns: Optional[torch.Tensor] = None  # [N, T]
+    loss_mask: Optional[torch.Tensor] = None  # [N, T] bool, the tokens the loss learns from (None: all)
+
+    @property
+    def loss_tokens(self) -> torch.Tensor:
+        """``[N, T]`` bool: response tokens the loss sees (``response_mask``, and ``loss_mask`` if given)."""
+        return self.response_mask if self.loss_mask is None else self.response_mask & self.loss_mask
 
     def rows(self, idx: torch.Tensor, device) -> "UpdateData":
         """Rows ``idx``, trimmed to their longest sequence/response, on ``device``."""
@@ -83,8 +89,10 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, data: UpdateD
         for start in range(0, n_local, local_mb):
             maybe_kill_rank(info.rank, steps)  # tests only: a rank dies mid-update
             mb = perm[start:start + local_mb]
-            mb_tokens = float(all_reduce_sum(data.response_mask[mb].sum().double()))
-            mb_seqs = float(all_reduce_sum(data.response_mask[mb].any(-1).sum().double()))
+            mb_tokens = float(all_reduce_sum(data.loss_tokens[mb].sum().double()))
+            mb_seqs = float(all_reduce_sum(data.loss_tokens[mb].any(-1).sum().double()))
+            if mb_tokens == 0:  # every row masked from the loss (loss_mask): no step, AdamW's moments would move
+                continue
             optimizer.zero_grad(set_to_none=True)
             # The minibatch's gradient is the sum over its micro-batches whatever rows go together,
             # so they are cut from its rows sorted by length: each is trimmed to its longest row.
@@ -95,7 +103,7 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, data: UpdateD
                 with no_grad_sync(model, active=j < len(micros) - 1):
                     loss, stats = loss_fn(model, micro, mb_tokens, mb_seqs)
                     (loss * info.world_size).backward()
-                w = float(micro.response_mask.sum()) / max(mb_tokens / info.world_size, 1.0)
+                w = float(micro.loss_tokens.sum()) / max(mb_tokens / info.world_size, 1.0)
                 for k, v in stats.items():
                     step_stats[k] = step_stats.get(k, 0.0) + float(v) * w
                 step_stats["loss"] = step_stats.get("loss", 0.0) + float(loss.detach()) * info.world_size
@@ -113,17 +121,21 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, data: UpdateD
 
 def actor_loss_fn(cfg: PolicyLossConfig, temperature: float, kl_beta: float = 0.0,
                   kl_estimator: str = "k3") -> LossFn:
-    """Clipped-surrogate (or REINFORCE) loss, entropy bonus, optional KL-in-loss term."""
+    """Clipped-surrogate (or REINFORCE) loss, entropy bonus, optional KL-in-loss term, over the tokens
+    of ``loss_tokens`` (the ``loss_mask`` of the batch, when it has one)."""
 
     def fn(model: nn.Module, m: UpdateData, mb_tokens: float, mb_seqs: float):
         logp, ent = model(m, temperature=temperature, with_entropy=True)  # [b, T], [b, T]
-        out = policy_loss(PolicyLossInput(logp, m.old_logp, m.adv, m.response_mask, ent, m.sampler_logp),
+        mask = m.loss_tokens
+        out = policy_loss(PolicyLossInput(logp, m.old_logp, m.adv, mask, ent, m.sampler_logp),
                           cfg, num_tokens=mb_tokens, num_seqs=mb_seqs)
         loss = out.loss
         stats = {"pg_loss": out.pg_loss.detach(), "clip_frac": out.clip_frac, "approx_kl": out.approx_kl,
                  "entropy": out.entropy, "ratio_mean": out.ratio_mean}
+        if cfg.tis_cap is not None:
+            stats["tis_weight_mean"] = out.tis_weight_mean
         if kl_beta > 0 and m.ref_logp is not None:
-            kl = kl_loss(logp, m.ref_logp, m.response_mask, kl_beta, kl_estimator, cfg.agg, mb_tokens, mb_seqs)
+            kl = kl_loss(logp, m.ref_logp, mask, kl_beta, kl_estimator, cfg.agg, mb_tokens, mb_seqs, cfg.horizon)
             loss = loss + kl.loss
             stats["kl_loss"] = kl.loss.detach()
             stats["ref_kl"] = kl.kl

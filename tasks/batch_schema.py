@@ -43,6 +43,7 @@ COLUMN_TYPES: Mapping[str, pa.DataType] = {
     "token_rewards": LIST_FLOAT32,      # advantages: KL-shaped per-token rewards
     "advantages": LIST_FLOAT32,         # advantages
     "returns": LIST_FLOAT32,            # advantages
+    "loss_mask": pa.list_(pa.bool_()),  # advantages: the response tokens the actor's loss learns from
     "prompt": pa.string(),              # rollout: the prompt text exactly as the model saw it
     "response": pa.string(),            # rollout: response text (special tokens skipped), as rewards see it
     "data_columns": pa.string(),        # rollout: the prompt row's other data columns, one JSON object
@@ -54,8 +55,15 @@ ROLLOUT_COLUMNS = ("prompt_id", "prompt_tokens", "response_tokens", "sampler_log
 """Columns every batch has after ``rollout``."""
 SCORE_COLUMNS = ROLLOUT_COLUMNS + ("old_logprobs", "ref_logprobs", "reward")
 """Columns after ``score`` (PPO adds ``values``)."""
-ADVANTAGE_COLUMNS = SCORE_COLUMNS + ("token_rewards", "advantages", "returns")
-"""Columns after ``advantages``: what the actor update reads."""
+ADVANTAGE_COLUMNS = SCORE_COLUMNS + ("token_rewards", "advantages", "returns", "loss_mask")
+"""Columns after ``advantages``: what the actor update reads.
+
+``loss_mask`` (one bool per response token) is False where the actor's loss must not learn:
+rows left out by DAPO's dynamic sampling or overlong filtering (``advantage.dynamic_sampling``,
+``advantage.mask_truncated``; docs/rlvr/). The forward still sees every token; only the loss,
+its token and sequence counts and the KL and entropy terms skip them. A stage before
+``advantages`` may write its own ``loss_mask`` (e.g. tool-output tokens of a multi-turn
+episode); ``advantages`` then ANDs its row filters into it. The critic ignores it."""
 
 FORMAT_VERSION = "1"
 
@@ -74,6 +82,8 @@ def decode_data_columns(values: Sequence[Optional[str]]) -> Dict[str, list]:
     rows = [json.loads(v) if v else {} for v in values]
     names = list(dict.fromkeys(k for row in rows for k in row))
     return {name: [row.get(name) for row in rows] for name in names}
+
+
 _META_KEYS = ("iteration", "policy_version", "algorithm", "created_at")
 
 
@@ -94,7 +104,7 @@ class BatchMetadata:
     policy_version: int
     """Version of the actor checkpoint that generated the responses (k for iteration k)."""
     algorithm: str
-    """Algorithm name, e.g. ``"ppo"``, ``"grpo"`` (``tasks.config.Algorithm`` values)."""
+    """Algorithm name, e.g. ``"ppo"``, ``"grpo"`` (the names of ``tasks/algorithms/``)."""
     created_at: str = field(default_factory=_now_iso)
     """Creation time, ISO 8601 UTC."""
     extras: Mapping[str, str] = field(default_factory=dict)

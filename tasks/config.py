@@ -8,6 +8,7 @@ TRL): γ=1, λ=0.95, ε=0.2, value clip 0.2, fixed KL β=0.01.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import re
 import string
@@ -15,22 +16,16 @@ from dataclasses import dataclass, field
 from typing import List
 from urllib.parse import urlsplit
 
-from kernels.advantages import ALGORITHMS
+from kernels.aggregation import LossAgg
+from kernels.kl import KLEstimator
 from models.engines import VLLM_MAX_LORA_RANK
+from tasks import algorithms
+from tasks.algorithms import AlgorithmSpec
+from tasks.algorithms.checks import ignored_options
 
 
 class ConfigError(ValueError):
     """A configuration value is out of range or inconsistent with another one."""
-
-
-class Algorithm(str, enum.Enum):
-    """Which advantage estimator and loss family a run uses."""
-
-    PPO = "ppo"
-    REINFORCE = "reinforce"
-    RLOO = "rloo"
-    GRPO = "grpo"
-    REINFORCE_PP = "reinforce_pp"
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -337,10 +332,12 @@ class RewardConfig:
 class KLConfig:
     """KL regularisation towards the frozen reference policy."""
 
-    estimator: str = "k1"
-    """Per-token estimator: k1, abs, k2 or k3 (Schulman, 'Approximating KL divergence')."""
-    placement: str = "reward"
-    """``reward``: ``-β·kl_t`` added to every token's reward; ``loss``: a KL term in the actor loss."""
+    estimator: str = ""
+    """Per-token estimator: k1, abs, k2 or k3 (Schulman, 'Approximating KL divergence'). Empty: k1 in
+    the reward, k3 in the loss. k1 is refused in the loss: its gradient has expectation 0."""
+    placement: str = ""
+    """``reward``: ``-β·kl_t`` added to every token's reward; ``loss``: a KL term ``β·agg(kl_t)`` in the
+    actor loss. Empty: the algorithm's own (``loss`` for grpo and dr_grpo, else ``reward``)."""
     coef: float = 0.01
     """β, or its initial value when adaptive."""
     adaptive: bool = False
@@ -351,8 +348,8 @@ class KLConfig:
     """Adaptive controller horizon, in samples."""
 
     def __post_init__(self) -> None:
-        _check_choice("kl.estimator", self.estimator, ["k1", "abs", "k2", "k3"])
-        _check_choice("kl.placement", self.placement, ["reward", "loss"])
+        _check_choice("kl.estimator", self.estimator, [""] + list(KLEstimator))
+        _check_choice("kl.placement", self.placement, [""] + list(algorithms.KL_PLACEMENTS))
         _check(self.coef >= 0, "kl.coef must be >= 0")
         _check(self.target > 0, "kl.target must be > 0")
         _check(self.horizon > 0, "kl.horizon must be > 0")
@@ -360,18 +357,37 @@ class KLConfig:
 
 @dataclass(frozen=True)
 class AdvantageConfig:
-    """GAE and normalisation."""
+    """How rewards become advantages, and which samples the loss learns from (the ``advantages``
+    task). Options an algorithm does not use are refused when set (docs/algorithms.md)."""
 
     gamma: float = 1.0
-    """Discount γ."""
+    """Discount γ (ppo's GAE, reinforce_pp's token returns)."""
     lam: float = 0.95
-    """GAE λ."""
+    """GAE λ (ppo)."""
     whiten: bool = True
-    """Whiten advantages over the whole batch (masked)."""
+    """Whiten advantages over the whole batch, masked (ppo, reinforce, rloo)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (Yu et al. 2025, §3.2; rloo, grpo, dr_grpo): the samples of a prompt
+    whose rewards are all equal (advantage 0 under a group baseline) are left out of the loss
+    (``loss_mask``); the batch keeps its rows and the update its minibatches, each normalised by the
+    tokens it keeps. Logs ``adv/dynamic_sampling_kept`` (share of samples kept). docs/rlvr/dynamic_sampling.md"""
+    mask_truncated: bool = False
+    """DAPO's overlong filtering (§3.4): responses cut at ``rollout.max_new_tokens`` (``is_end = False``)
+    are left out of the loss (``loss_mask``); they still count in their group's baseline. docs/rlvr/overlong.md"""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment (§3.4): L_cache, the last tokens before ``rollout.max_new_tokens``
+    over which the reward gets a penalty growing linearly to ``overlong_penalty``; 0 = off."""
+    overlong_penalty: float = 1.0
+    """The largest length penalty, reached at ``rollout.max_new_tokens`` (with ``overlong_buffer``)."""
 
     def __post_init__(self) -> None:
         _check(0 <= self.gamma <= 1, "advantage.gamma must be in [0, 1]")
         _check(0 <= self.lam <= 1, "advantage.lam must be in [0, 1]")
+        _check(self.overlong_buffer >= 0, "advantage.overlong_buffer must be >= 0 (0 = off)")
+        _check(self.overlong_penalty > 0, "advantage.overlong_penalty must be > 0")
+        _check(self.overlong_buffer > 0 or self.overlong_penalty == 1.0,
+               f"advantage.overlong_penalty={self.overlong_penalty} needs advantage.overlong_buffer > 0 "
+               f"(the penalty is off without a buffer)")
 
 
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -429,7 +445,13 @@ class ActorConfig:
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
     loss_agg: str = "token_mean"
-    """token_mean, seq_mean_token_mean or seq_mean_token_sum."""
+    """token_mean, seq_mean_token_mean, seq_mean_token_sum or seq_mean_token_sum_norm (÷ the constant
+    ``rollout.max_new_tokens``); kernels/aggregation.py. Fixed by dr_grpo (refused there)."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+    Off-Policy RL Training"): each token's loss is weighted by ``min(π_old/π_sampler, C)``, C this cap,
+    correcting for a sampler that computes differently from the trainer (bf16 vLLM); 0 = off. Refused
+    with ``actor.old_logprobs=sampler`` (the weight is then 1). docs/rlvr/truncated_is.md"""
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
     keep_optimizer_state: bool = True
@@ -463,8 +485,8 @@ class ActorConfig:
         _check(0 < self.clip_eps < 1, "actor.clip_eps must be in (0, 1)")
         _check(self.clip_eps_high >= 0, "actor.clip_eps_high must be >= 0")
         _check(self.dual_clip == 0 or self.dual_clip > 1, "actor.dual_clip must be 0 (off) or > 1")
-        _check_choice("actor.loss_agg", self.loss_agg,
-                      ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+        _check_choice("actor.loss_agg", self.loss_agg, list(LossAgg))
+        _check(self.tis_cap >= 0, "actor.tis_cap must be >= 0 (0 = off)")
         _check(self.grad_clip > 0, "actor.grad_clip must be > 0")
         _check_choice("actor.old_logprobs", self.old_logprobs, ["recompute", "sampler"])
         _check_choice("actor.sharding", self.sharding, ["auto", "fsdp2", "ddp"])
@@ -535,7 +557,8 @@ class RunConfig:
     seed: int = 0
     """Seed for prompt order, sampling and updates."""
     algorithm: str = "ppo"
-    """ppo, reinforce, rloo, grpo or reinforce_pp."""
+    """ppo, reinforce, rloo, grpo, dr_grpo or reinforce_pp, each declared in ``tasks/algorithms/``
+    (docs/algorithms.md)."""
     mlflow_experiment: str = "flyte-rlhf"
     """MLflow experiment name (tracking URI from ``MLFLOW_TRACKING_URI``)."""
     num_logged_samples: int = 8
@@ -553,7 +576,7 @@ class RunConfig:
         _check(self.eval_interval >= 0, "run.eval_interval must be >= 0")
         _check(self.save_interval >= 1, "run.save_interval must be >= 1")
         _check(self.iterations_per_chunk >= 1, "run.iterations_per_chunk must be >= 1")
-        _check_choice("run.algorithm", self.algorithm, list(Algorithm))
+        _check_choice("run.algorithm", self.algorithm, list(algorithms.ALGORITHMS))
         _check("/" not in self.name and " " not in self.name,
                f"run.name={self.name!r} must not contain '/' or spaces")
         _check(self.checkpoint_artifact_max_mb >= 0, "run.checkpoint_artifact_max_mb must be >= 0")
@@ -640,11 +663,15 @@ class TrainConfig:
                or self.reward.specs != [DEFAULT_REWARD_FUNCTION],
                f"data.source=reasoning_gym: the demo reward {DEFAULT_REWARD_FUNCTION} cannot score its prompts; set "
                f"reward.function=models.reasoning_gym_tasks:reasoning_gym_reward (the task's own verifier)")
-        algo = Algorithm(self.run.algorithm)
+        spec = self.spec
         n = self.rollout.n_samples_per_prompt
-        if ALGORITHMS[algo.value].needs_groups:
-            _check(n >= 2, f"run.algorithm={algo.value} needs a group baseline: "
+        if spec.needs_groups:
+            _check(n >= 2, f"run.algorithm={spec.name} needs a group baseline: "
                            f"rollout.n_samples_per_prompt must be >= 2 (got {n})")
+        ignored = ignored_options(self)
+        _check(not ignored, ignored[0] if ignored else "")
+        self._resolve_kl(spec)
+        self._check_rlvr()
         batch = self.rollout.samples_per_iteration
         a = self.actor
         if a.lora.enabled and self.rollout.lora_mode == "adapter" and self.rollout.engine == "vllm":
@@ -677,10 +704,32 @@ class TrainConfig:
             _check(batch % c.minibatch_size == 0,
                    f"the batch ({batch} samples) must be divisible by critic.minibatch_size={c.minibatch_size}")
 
+    def _resolve_kl(self, spec: AlgorithmSpec) -> None:
+        """Empty ``kl.placement`` / ``kl.estimator`` become the algorithm's placement and that placement's
+        estimator (k1 in the reward, k3 in the loss), so a stored config names what the run did."""
+        placement = self.kl.placement or spec.kl_placement
+        estimator = self.kl.estimator or ("k3" if placement == "loss" else "k1")
+        _check(not (placement == "loss" and estimator == "k1"),
+               "kl.estimator=k1 with kl.placement=loss: the gradient of k1 = log π − log π_ref is ∇log π, whose "
+               "expectation under π is 0, so it would not pull towards the reference; use k3 (or k2) in the loss, "
+               "or kl.placement=reward")
+        object.__setattr__(self, "kl", dataclasses.replace(self.kl, placement=placement, estimator=estimator))
+
+    def _check_rlvr(self) -> None:
+        """The RLVR options against the rest of the config (docs/rlvr/)."""
+        a, budget = self.advantage, self.rollout.max_new_tokens
+        _check(a.overlong_buffer <= budget,
+               f"advantage.overlong_buffer={a.overlong_buffer} must be <= rollout.max_new_tokens={budget} "
+               f"(the buffer is the last tokens of the budget)")
+        _check(not (self.actor.tis_cap and self.actor.old_logprobs == "sampler"),
+               "actor.tis_cap with actor.old_logprobs=sampler: π_old is then the sampler's own log-probs, so the "
+               "truncated IS weight min(π_old/π_sampler, C) is always 1; use actor.old_logprobs=recompute")
+
     @property
-    def algorithm(self) -> Algorithm:
-        return Algorithm(self.run.algorithm)
+    def spec(self) -> AlgorithmSpec:
+        """The declaration of ``run.algorithm`` (``tasks/algorithms/``)."""
+        return algorithms.get(self.run.algorithm)
 
     @property
     def uses_critic(self) -> bool:
-        return ALGORITHMS[self.run.algorithm].uses_critic
+        return self.spec.uses_critic

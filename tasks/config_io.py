@@ -12,6 +12,7 @@ from typing import Any, Dict, Iterable, List, Mapping
 
 import yaml
 
+from tasks.algorithms.checks import ignored_options
 from tasks.config import ConfigError, TrainConfig
 
 PROJECT_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -74,6 +75,11 @@ def to_dict(cfg) -> Dict[str, Any]:
 
 def flatten(cfg) -> Dict[str, Any]:
     """``{"actor.lr": 1e-5, ...}`` — the whole config as flat key/value pairs (MLflow params)."""
+    return flat_items(to_dict(cfg))
+
+
+def flat_items(data: Mapping[str, Any]) -> Dict[str, Any]:
+    """Nested mappings as ``{"section.field": value}`` (leaves only)."""
     out: Dict[str, Any] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -83,7 +89,7 @@ def flatten(cfg) -> Dict[str, Any]:
         else:
             out[prefix] = value
 
-    walk("", to_dict(cfg))
+    walk("", data)
     return out
 
 
@@ -119,7 +125,8 @@ def resolve_preset(preset: str) -> pathlib.Path:
 
 
 def load_config(preset: str = "", overrides: Iterable[str] = ()) -> TrainConfig:
-    """Preset YAML (optional) + overrides → a checked :class:`TrainConfig`."""
+    """Preset YAML (optional) + overrides → a checked :class:`TrainConfig`; an option the algorithm
+    does not use is refused when written, even at its default (:mod:`tasks.algorithms.checks`)."""
     data: Dict[str, Any] = {}
     if preset:
         path = resolve_preset(preset)
@@ -130,7 +137,11 @@ def load_config(preset: str = "", overrides: Iterable[str] = ()) -> TrainConfig:
     for text in overrides:
         path, value = parse_override(text)
         _set_path(data, path, value, text)
-    return from_dict(TrainConfig, data)
+    cfg = from_dict(TrainConfig, data)
+    ignored = ignored_options(cfg, explicit=set(flat_items(data)))  # written, even at its default
+    if ignored:
+        raise ConfigError(ignored[0])
+    return cfg
 
 
 def config_from_json_dict(data: Mapping[str, Any]) -> TrainConfig:

@@ -36,7 +36,7 @@ class RunInfo:
     run_name: str
     """The run's folder name under ``storage_root``."""
     algorithm: str
-    """``ppo``, ``reinforce``, ``rloo``, ``grpo``, ... (``tasks.config.Algorithm`` values)."""
+    """``ppo``, ``reinforce``, ``rloo``, ``grpo``, ... (the names of ``tasks/algorithms/``)."""
     config: Mapping[str, Any] = field(default_factory=dict)
     """The full training config as a JSON-able dict."""
     mlflow_run_id: Optional[str] = None

@@ -13,6 +13,7 @@ from typing import List, NamedTuple, Optional
 from models import storage
 from models.checkpoint import download_checkpoint, is_committed, save_checkpoint
 from tasks import tracking
+from tasks.algorithms import WORKFLOWS
 from tasks.config import ConfigError, TrainConfig
 from tasks.config_io import config_from_json_dict, flatten, load_config, to_dict
 from tasks.preflight import check_resume_point, check_sources, check_storage, check_vocab, model_context
@@ -222,14 +223,14 @@ def resume_run(layout: RunLayout, cfg_now: Optional[TrainConfig]) -> RunSetup:
 
 
 def check_workflow(cfg: TrainConfig, workflow: str) -> None:
-    """The PPO workflow trains a critic; the critic-free one must not be given PPO."""
-    if workflow and workflow not in ("ppo", "reinforce"):
-        raise ConfigError(f"unknown workflow {workflow!r}: use 'ppo' or 'reinforce'")
-    if workflow == "ppo" and not cfg.uses_critic:
-        raise ConfigError(f"run.algorithm={cfg.run.algorithm} is critic-free: use workflows/reinforce.py "
-                          f"reinforce_training")
-    if workflow == "reinforce" and cfg.uses_critic:
-        raise ConfigError(f"run.algorithm={cfg.run.algorithm} trains a critic: use workflows/ppo.py ppo_training")
+    """``workflow`` must be the one ``run.algorithm`` declares (``tasks/algorithms/``): ``ppo`` trains
+    a critic, ``reinforce`` does not. Empty: no workflow to check (in-process callers)."""
+    if workflow and workflow not in WORKFLOWS:
+        raise ConfigError(f"unknown workflow {workflow!r}: use one of {list(WORKFLOWS)}")
+    want = cfg.spec.workflow
+    if workflow and workflow != want:
+        why = "trains a critic" if cfg.uses_critic else "is critic-free"
+        raise ConfigError(f"run.algorithm={cfg.run.algorithm} {why}: use workflows/{want}.py {want}_training")
 
 
 def setup_run(preset: str, overrides: List[str], run_name: str = "", workflow: str = "") -> RunSetup:

@@ -9,7 +9,6 @@ from typing import Dict, NamedTuple, Tuple
 import torch
 from flytekit import task
 
-from kernels.advantages import ALGORITHMS
 from kernels.losses import PolicyLossConfig
 from models.checkpoint import save_model_checkpoint
 from models.distributed import (DistInfo, barrier, full_state_dict, init_distributed, shutdown_distributed, unwrap,
@@ -35,7 +34,7 @@ class UpdateOutput(NamedTuple):
     stats: Dict[str, float]
 
 
-_ACTOR_COLS = ("old_logprobs", "advantages", "sampler_logprobs", "ref_logprobs")
+_ACTOR_COLS = ("old_logprobs", "advantages", "sampler_logprobs", "ref_logprobs", "loss_mask")
 _CRITIC_COLS = ("values", "returns")
 
 
@@ -46,13 +45,18 @@ def update_data(batch: RolloutBatch, pad_id: int, columns, shard) -> UpdateData:
     get = lambda name: t[name].float() if name in t else None  # noqa: E731
     return UpdateData(inputs.input_ids, inputs.attention_mask, inputs.response_positions, inputs.response_mask,
                       old_logp=get("old_logprobs"), adv=get("advantages"), sampler_logp=get("sampler_logprobs"),
-                      ref_logp=get("ref_logprobs"), old_values=get("values"), returns=get("returns"))
+                      ref_logp=get("ref_logprobs"), old_values=get("values"), returns=get("returns"),
+                      loss_mask=t["loss_mask"].bool() if "loss_mask" in t else None)
 
 
 def policy_loss_config(cfg: TrainConfig) -> PolicyLossConfig:
-    a = cfg.actor
-    return PolicyLossConfig(kind=ALGORITHMS[cfg.run.algorithm].policy_loss, clip_low=a.clip_eps, clip_high=a.clip_eps_high or a.clip_eps,
-                            dual_clip=a.dual_clip or None, agg=a.loss_agg, entropy_coef=a.entropy_coef)
+    """The actor loss ``run.algorithm`` declares (its loss kind and any aggregation it fixes), with the
+    ``actor.*`` settings it honours (the others are at their defaults: the config refuses them set)."""
+    a, spec = cfg.actor, cfg.spec
+    return PolicyLossConfig(kind=spec.policy_loss, clip_low=a.clip_eps, clip_high=a.clip_eps_high or a.clip_eps,
+                            dual_clip=a.dual_clip or None, agg=spec.loss_agg or a.loss_agg,
+                            horizon=cfg.rollout.max_new_tokens, entropy_coef=a.entropy_coef,
+                            tis_cap=a.tis_cap or None)
 
 
 def load_trainable(url: str, auto_cls, dtype: str, lora: LoraConfig, task_type: str):

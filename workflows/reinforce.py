@@ -1,4 +1,4 @@
-"""Critic-free RL as Flyte workflows — REINFORCE, RLOO, GRPO, REINFORCE++ (``run.algorithm``):
+"""Critic-free RL as Flyte workflows — REINFORCE, RLOO, GRPO, Dr. GRPO, REINFORCE++ (``run.algorithm``):
 ``reinforce_iteration`` and ``reinforce_training``. Same tasks as PPO, no critic.
 
     pyflyte run workflows/reinforce.py reinforce_training --preset configs/tiny_grpo.yaml
@@ -33,7 +33,7 @@ def reinforce_chunk(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Pol
 @workflow
 def reinforce_training(preset: str = "configs/tiny_grpo.yaml", overrides: List[str] = [], run_name: str = "") \
         -> TrainingSummary:
-    """Train with a critic-free algorithm (run.algorithm: reinforce, rloo, grpo or reinforce_pp).
+    """Train with a critic-free algorithm (run.algorithm: reinforce, rloo, grpo, dr_grpo or reinforce_pp).
 
     :param preset: YAML preset (a path, or a name under configs/), e.g. configs/tiny_grpo.yaml
     :param overrides: config overrides as section.field=value, e.g. ["run.algorithm=rloo"]

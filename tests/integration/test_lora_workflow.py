@@ -66,10 +66,12 @@ def iteration_one(tmp_path_factory):
     from models.distributed import DistInfo
     from tests.stages import tiny_run, to_advantages
 
-    overrides = ["rollout.engine=hf", "actor.nproc_per_node=1", "run.algorithm=grpo",
+    overrides = ["rollout.engine=hf", "actor.nproc_per_node=1", "actor.lora.rank=8", "actor.lora.alpha=16",
+                 "actor.lora.target_modules=[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head]",
+                 "kl.placement=reward", "kl.estimator=k1", "kl.coef=0.01",  # as tiny_ppo_lora's
                  "actor.minibatch_size=16", "actor.micro_batch_size=8", "rollout.prompts_per_iteration=8",
                  "data.num_demo_train_prompts=64", "data.num_demo_eval_prompts=8", "actor.lr=1e-2"]
-    with tiny_run(tmp_path_factory.mktemp("lora-elastic"), "tiny_ppo_lora", overrides, "elastic",
+    with tiny_run(tmp_path_factory.mktemp("lora-elastic"), "tiny_grpo", overrides, "elastic",
                   local_cache=False) as (cfg, run, s0):
         batch0 = to_advantages(cfg, run, s0)[2].batch
         actor = train_actor(cfg, run, s0, batch0, DistInfo(0, 1, 0, torch.device("cpu")))

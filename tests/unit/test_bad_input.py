@@ -172,8 +172,11 @@ CASES = [
      r"actor\.lr must be a number, got 'fast'"),
     ("unknown config key", lambda w, a, r, m: base(w, a) + ["actor.learning_rate=1e-4"], "ppo", ConfigError,
      r"unknown key\(s\) in actor: \['learning_rate'\]"),
-    ("algorithm and workflow disagree", lambda w, a, r, m: base(w, a) + ["run.algorithm=grpo"], "ppo", ConfigError,
-     r"run\.algorithm=grpo is critic-free: use workflows/reinforce\.py"),
+    ("algorithm and workflow disagree", lambda w, a, r, m: base(w, a), "reinforce", ConfigError,
+     r"run\.algorithm=ppo trains a critic: use workflows/ppo\.py ppo_training"),
+    ("option the algorithm does not use", lambda w, a, r, m: base(w, a) + ["run.algorithm=grpo"], "reinforce",
+     ConfigError, r"critic\.lr=0\.001 is set, but run\.algorithm=grpo does not use it: only an algorithm with a "
+                  r"critic trains one \(used by ppo\); leave it out"),
     ("reward module missing", lambda w, a, r, m: base(w, a) + ["reward.function=no_such_module:score"], "ppo",
      RewardError, r"reward spec 'no_such_module:score': cannot import module 'no_such_module'"),
     ("reward function missing", lambda w, a, r, m: base(w, a) + ["reward.function=models.task:no_such_fn"], "ppo",

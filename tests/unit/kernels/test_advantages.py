@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from kernels.advantages import ALGORITHMS, AdvantageInput, AdvantageParams, compute_advantages
+from kernels.advantages import (AdvantageInput, AdvantageParams, dr_grpo_estimator, grpo_estimator,
+                                 ppo_advantages, reinforce_advantages, reinforce_pp_estimator, rloo_estimator)
 
 R = torch.tensor([1.0, 0.0, 0.5, 0.5])
 PID = torch.tensor([0, 0, 1, 1])
@@ -17,9 +18,13 @@ def _x(old=ZERO, ref=ZERO, values=None):
     return AdvantageInput(R, old, ref, MASK, PID, values)
 
 
+ESTIMATORS = {"ppo": ppo_advantages, "reinforce": reinforce_advantages, "rloo": rloo_estimator,
+              "grpo": grpo_estimator, "dr_grpo": dr_grpo_estimator, "reinforce_pp": reinforce_pp_estimator}
+
+
 def _adv(algo, x, **kw):
     p = AdvantageParams(**{"kl_coef": 0.0, "whiten": False, **kw})
-    return compute_advantages(algo, x, p)
+    return ESTIMATORS[algo](x, p)
 
 
 def test_reinforce_batch_mean_baseline():
@@ -67,9 +72,20 @@ def test_ppo_needs_values_and_uses_gae():
     assert torch.allclose(out.advantages, R.unsqueeze(1).expand(4, 2))
 
 
-def test_registry_names_every_algorithm_once():
-    assert sorted(ALGORITHMS) == ["grpo", "ppo", "reinforce", "reinforce_pp", "rloo"]
-    assert [a for a, s in ALGORITHMS.items() if s.uses_critic] == ["ppo"]
-    assert sorted(a for a, s in ALGORITHMS.items() if s.needs_groups) == ["grpo", "rloo"]
-    with pytest.raises(ValueError, match="no advantage estimator for algorithm 'a2c'"):
-        _adv("a2c", _x())
+def test_dr_grpo_centres_without_dividing_by_the_std():
+    # group 0: R − mean = ±0.5 (GRPO gives ±0.7071); group 1: 0
+    out = _adv("dr_grpo", _x())
+    assert torch.allclose(out.advantages[:, 0], torch.tensor([0.5, -0.5, 0.0, 0.0]))
+    # the scale of the rewards passes through: rewards ×4 → advantages ×4 (GRPO's would not change)
+    big = AdvantageInput(4 * R, ZERO, ZERO, MASK, PID)
+    assert torch.allclose(_adv("dr_grpo", big).advantages[:, 0], torch.tensor([2.0, -2.0, 0.0, 0.0]))
+    assert torch.allclose(_adv("grpo", big).advantages, _adv("grpo", _x()).advantages, atol=1e-5)
+
+
+@pytest.mark.parametrize("algo", ["reinforce", "rloo"])
+def test_whiten_is_honoured_by_the_sequence_baselines(algo):
+    # whitened over the 8 tokens: rloo's [1,1],[-1,-1],[0,0],[0,0] → mean 0, unbiased std √(4/7)
+    out = _adv(algo, _x(), whiten=True)
+    raw = _adv(algo, _x()).advantages
+    z = (raw - raw.mean()) / raw.std()
+    assert torch.allclose(out.advantages, z, atol=1e-4)

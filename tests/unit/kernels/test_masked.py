@@ -60,10 +60,25 @@ LMASK = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
         (LossAgg.SEQ_MEAN_TOKEN_MEAN, 3.0),
         # row sums 6 and 4: (6 + 4) / 2
         (LossAgg.SEQ_MEAN_TOKEN_SUM, 5.0),
+        # the same over a constant L = 4 (Dr. GRPO): (6 + 4) / (2 · 4)
+        (LossAgg.SEQ_MEAN_TOKEN_SUM_NORM, 1.25),
     ],
 )
 def test_aggregation_by_hand(agg, expected):
-    assert aggregate(LOSS, LMASK, agg).item() == pytest.approx(expected)
+    assert aggregate(LOSS, LMASK, agg, horizon=4).item() == pytest.approx(expected)
+
+
+def test_token_sum_norm_weighs_every_token_alike_whatever_the_lengths():
+    # one token of loss 1 in a row of 1 token or of 3: the same contribution 1/(N_seq·L), unlike
+    # the per-sequence mean (1 vs 1/3)
+    loss = torch.tensor([[1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    short, long_ = torch.tensor([[1, 0, 0], [0, 0, 0]]), torch.tensor([[1, 1, 1], [0, 0, 0]])
+    norm = [aggregate(loss, m, "seq_mean_token_sum_norm", num_seqs=2, horizon=8).item() for m in (short, long_)]
+    assert norm == pytest.approx([1 / 16, 1 / 16])
+    means = [aggregate(loss, m, "seq_mean_token_mean", num_seqs=2).item() for m in (short, long_)]
+    assert means == pytest.approx([1 / 2, 1 / 6])
+    with pytest.raises(ValueError, match="needs a horizon L > 0"):
+        aggregate(loss, short, "seq_mean_token_sum_norm")
 
 
 def test_aggregation_global_denominators():
@@ -83,5 +98,5 @@ def test_minibatch_losses_sum_to_the_global_token_mean():
 
 @pytest.mark.parametrize("agg", list(LossAgg))
 def test_aggregation_of_empty_mask_is_zero_not_nan(agg):
-    out = aggregate(torch.ones(2, 3), torch.zeros(2, 3), agg)
+    out = aggregate(torch.ones(2, 3), torch.zeros(2, 3), agg, horizon=3)
     assert out.item() == 0.0 and not math.isnan(out.item())
