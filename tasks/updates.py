@@ -140,9 +140,7 @@ def train_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
     url = run.layout.critic_url(state.iteration)
     save_trained(model.critic, tok, url, state.critic_url)
     commit_optimizer(model, optimizer, url, c.keep_optimizer_state, times, "critic", info)
-    return UpdateOutput(url, {"critic/loss": stats["loss"], "critic/explained_variance": stats["explained_variance"],
-                              "critic/grad_norm": stats["grad_norm"], "critic/value_clip_frac": stats["value_clip_frac"],
-                              "critic/optimizer_steps_total": prior_steps + stats["steps"],
+    return UpdateOutput(url, {**critic_stats(stats), "critic/optimizer_steps_total": prior_steps + stats["steps"],
                               **times, "time/critic_update_s": time.perf_counter() - t0})
 
 
@@ -182,10 +180,16 @@ def train_remote_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, ba
                                      value_clip=c.value_clip, seed=cfg.run.seed * 1000 + state.iteration + 1))
     url = run.layout.critic_url(state.iteration)
     client.save(url, overwrite=True)
-    s = out.stats
-    return UpdateOutput(url, {"critic/loss": s["loss"], "critic/explained_variance": s["explained_variance"],
-                              "critic/grad_norm": s["grad_norm"], "critic/value_clip_frac": s["value_clip_frac"],
-                              "time/critic_update_s": time.perf_counter() - t0})
+    return UpdateOutput(url, {**critic_stats(out.stats), "time/critic_update_s": time.perf_counter() - t0})
+
+
+CRITIC_STATS = ("loss", "explained_variance", "grad_norm", "value_clip_frac", "nonfinite_steps")
+"""Statistics of the critic update logged as ``critic/<name>``."""
+
+
+def critic_stats(stats: Dict[str, float]) -> Dict[str, float]:
+    """``critic/<name>`` of :data:`CRITIC_STATS` (a server predating ``nonfinite_steps`` counts none)."""
+    return {f"critic/{k}": float(stats.get(k, 0.0)) if k == "nonfinite_steps" else stats[k] for k in CRITIC_STATS}
 
 
 @task(task_config=elastic_for(deployment_config()), cache=True, cache_version=CACHE_VERSION, retries=1,
