@@ -118,8 +118,9 @@ def resolve_preset(preset: str) -> pathlib.Path:
     raise ConfigError(f"preset {preset!r} not found (looked in the working directory and {PROJECT_ROOT / 'configs'})")
 
 
-def load_config(preset: str = "", overrides: Iterable[str] = ()) -> TrainConfig:
-    """Preset YAML (optional) + overrides → a checked :class:`TrainConfig`."""
+def given_values(preset: str = "", overrides: Iterable[str] = ()) -> Dict[str, Any]:
+    """What the user wrote: the preset's sections with the overrides applied, as nested dicts (no
+    defaults filled in, nothing checked)."""
     data: Dict[str, Any] = {}
     if preset:
         path = resolve_preset(preset)
@@ -130,7 +131,25 @@ def load_config(preset: str = "", overrides: Iterable[str] = ()) -> TrainConfig:
     for text in overrides:
         path, value = parse_override(text)
         _set_path(data, path, value, text)
-    return from_dict(TrainConfig, data)
+    return data
+
+
+def given_keys(preset: str = "", overrides: Iterable[str] = ()) -> List[str]:
+    """The flat keys (``actor.lr``, ``actor.lora.rank``) the preset and the overrides set, sorted."""
+    out: List[str] = []
+
+    def walk(prefix: str, node: Any) -> None:
+        for k, v in node.items():
+            key = f"{prefix}.{k}" if prefix else str(k)
+            walk(key, v) if isinstance(v, Mapping) else out.append(key)
+
+    walk("", given_values(preset, overrides))
+    return sorted(out)
+
+
+def load_config(preset: str = "", overrides: Iterable[str] = ()) -> TrainConfig:
+    """Preset YAML (optional) + overrides → a checked :class:`TrainConfig`."""
+    return from_dict(TrainConfig, given_values(preset, overrides))
 
 
 def config_from_json_dict(data: Mapping[str, Any]) -> TrainConfig:

@@ -29,6 +29,8 @@ from flytekit.extend import TaskPlugins
 from flytekitplugins.kfpytorch import Elastic
 from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask, is_recoverable_worker_error, spawn_helper
 
+from tasks import run_end
+
 FORKSERVER = "forkserver"
 
 PRELOAD = ("flytekitplugins.kfpytorch.task", "tasks.updates", "transformers.modeling_utils")
@@ -65,6 +67,7 @@ class ActorElasticTask(PytorchElasticFunctionTask):
                 torch.cuda.empty_cache()
 
     def _launch_from_forkserver(self, kwargs) -> Any:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -85,6 +88,11 @@ class ActorElasticTask(PytorchElasticFunctionTask):
             if is_recoverable_worker_error(first):
                 raise FlyteRecoverableException(e.format_msg(), timestamp=first.timestamp)
             raise FlyteUserRuntimeException(e, timestamp=first.timestamp)
+        except SignalException as e:  # Ctrl-C or SIGTERM while the workers ran: the run stops, KILLED
+            run_end.note_signal(e.sigval.name)
+            raise KeyboardInterrupt(e.sigval.name) from None
+        finally:
+            run_end.install_signal_handlers()  # the launcher took SIGINT/SIGTERM over for good
         result = out[0]  # a single node: rank 0 is here
         for deck in result.decks:
             if not isinstance(deck, flytekit.deck.deck.TimeLineDeck):

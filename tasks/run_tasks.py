@@ -6,7 +6,7 @@ from typing import List
 
 from flytekit import Resources, task
 
-from tasks import secrets
+from tasks import run_end, secrets
 from tasks.setup import RunSetup, setup_run
 
 
@@ -16,4 +16,6 @@ def prepare_run(preset: str, overrides: List[str], run_name: str, workflow: str)
     (reference policy, initial critic, prompts), start the MLflow run; or resume ``run_name``.
     ``workflow`` (``ppo`` or ``reinforce``) must suit ``run.algorithm``."""
     secrets.load(secrets.S3, secrets.MLFLOW)
-    return setup_run(preset, overrides, run_name, workflow)
+    setup = setup_run(preset, overrides, run_name, workflow)
+    run_end.hold_if_local(setup.run.storage_root, setup.run.run_name, setup.run.mlflow_run_id, setup.cfg.run.lock_ttl_s)
+    return setup

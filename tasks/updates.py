@@ -3,6 +3,7 @@ each writing the next committed checkpoint. They run in parallel in the iteratio
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Dict, NamedTuple, Tuple
 
@@ -24,7 +25,7 @@ from models.update import (LoopSettings, UpdateData, actor_loss_fn, critic_loss_
 from tasks.batch import RolloutBatch
 from tasks.common import (CACHE_VERSION, base_checkpoint_url, load_hf, load_tokenizer, local_checkpoint, server_client,
                           timed)
-from tasks import secrets
+from tasks import run_lock, secrets
 from tasks.config import LoraConfig, TrainConfig
 from tasks.deploy import deployment_config, elastic_for, resources_for
 from tasks.types import PolicyState, RunHandle
@@ -203,7 +204,8 @@ def actor_update(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
     secrets.load(secrets.S3)
     info = init_distributed()
     try:
-        out = train_actor(cfg, run, state, batch, info)
+        with run_lock.heartbeat(run.layout.lock_url) if info.is_main else contextlib.nullcontext():
+            out = train_actor(cfg, run, state, batch, info)
     except BaseException:
         shutdown_distributed(failed=True)  # no barrier: the other ranks may never reach it
         raise
@@ -216,4 +218,5 @@ def actor_update(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
 def critic_update(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> UpdateOutput:
     """Clipped value regression on the same batch; next critic checkpoint."""
     secrets.load(secrets.S3, secrets.SERVER)
-    return train_critic(cfg, run, state, batch)
+    with run_lock.heartbeat(run.layout.lock_url):
+        return train_critic(cfg, run, state, batch)
