@@ -139,9 +139,9 @@ def mark_failed(mlflow_experiment: str, message: str, execution=None) -> Optiona
     """The training workflows' failure handler: this process's live runs (local), else the RUNNING MLflow
     run tagged with this Flyte execution (``execution``: its id, default the current one; cluster),
     marked FAILED with ``message``; the line that says so, if any."""
+    why = f"failed: {root_cause(message)}"
     if _live:
-        return "\n".join(end(run, KILLED if interrupted_by() else FAILED, f"failed: {message[:300]}")
-                         for run in list(_live.values()))
+        return "\n".join(end(run, KILLED if interrupted_by() else FAILED, why) for run in list(_live.values()))
     try:
         import flytekit
 
@@ -150,7 +150,15 @@ def mark_failed(mlflow_experiment: str, message: str, execution=None) -> Optiona
     except Exception as err:  # noqa: BLE001 - never raise from a failure handler
         log.warning("failure handler: no run found for this execution: %s", err)
         return None
-    return None if run is None else end(run, FAILED, f"failed: {message[:300]}")
+    return None if run is None else end(run, FAILED, why)
+
+
+def root_cause(message: str, limit: int = 500) -> str:
+    """The innermost error of a Flyte error message: Flyte wraps a task's error once per enclosing
+    workflow (``USER:RuntimeError: error=Error encountered while executing '...': ...``)."""
+    inner = message.rsplit("error=", 1)[-1].strip()
+    first = next((line.strip() for line in inner.splitlines() if line.strip()), inner)
+    return first[:limit]
 
 
 def _run_of(experiment: str, ex) -> Optional[LiveRun]:

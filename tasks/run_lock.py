@@ -69,16 +69,24 @@ def execution_owner(ex) -> str:
     return f"flyte:{ex.project}/{ex.domain}/{ex.name}"
 
 
+_EXECUTION_ENV = ("FLYTE_INTERNAL_EXECUTION_PROJECT", "FLYTE_INTERNAL_EXECUTION_DOMAIN", "FLYTE_INTERNAL_EXECUTION_ID")
+"""What Flyte puts in a task pod's environment (``pyflyte-execute`` reads the execution id from it); the
+workers an elastic task starts inherit it, though their Flyte context names no execution."""
+
+
 def current_owner() -> str:
     """This execution's holder name: the Flyte execution on a cluster, else this process."""
     try:
         import flytekit
 
         ex = flytekit.current_context().execution_id
-        if ex.domain != "local":
+        if ex.name and ex.domain not in ("", "local"):
             return execution_owner(ex)
     except Exception:  # noqa: BLE001 - outside any Flyte context
         pass
+    project, domain, name = (os.environ.get(k, "") for k in _EXECUTION_ENV)
+    if name and domain not in ("", "local"):
+        return f"flyte:{project}/{domain}/{name}"
     return f"local:{socket.gethostname()}:{os.getpid()}:{_PROCESS_TOKEN}"
 
 

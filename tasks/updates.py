@@ -16,7 +16,7 @@ from models.checkpoint import save_model_checkpoint
 from models.distributed import (DistInfo, barrier, full_state_dict, init_distributed, shutdown_distributed, unwrap,
                                 wrap_for_training)
 from models import optimizer_state
-from models.faults import pause_point
+from models.faults import nan_advantages, pause_point
 from models.lora import CAUSAL_LM, TOKEN_CLS, add_adapter, is_peft, save_adapter_checkpoint, trainable_in_float32
 from models.optimizer_state import optimizer_url
 from models.policy import CriticValues, PolicyLogprobs, with_packing
@@ -90,6 +90,7 @@ def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rol
     torch.manual_seed(cfg.run.seed * 7919 + state.iteration)
     tok = load_tokenizer(run.reference_url)
     data = update_data(batch, tok.pad_token_id or 0, _ACTOR_COLS, (info.rank, info.world_size))
+    data = data._replace(adv=nan_advantages(data.adv, state.iteration, info.rank))  # tests only
     a = cfg.actor
     lm = load_trainable(state.actor_url, AutoModelForCausalLM, cfg.model.dtype, a.lora, CAUSAL_LM)
     model = wrap_for_training(with_packing(PolicyLogprobs(lm), cfg.model.pack_sequences), info, a.sharding,

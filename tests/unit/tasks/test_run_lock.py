@@ -119,3 +119,19 @@ def test_a_second_launch_is_refused_before_it_touches_the_run(tmp_path, monkeypa
     assert sorted(p.name for p in (tmp_path / "runs" / "r").iterdir()) == ["lock.json", "lock.json.guard"]
     assert storage.read_bytes(lock_url) == before
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_the_holder_is_the_execution_on_a_cluster_and_the_process_locally(monkeypatch):
+    """Every task pod of one execution (and the elastic workers they start, whose Flyte context names no
+    execution) holds the run as the same owner; a local process holds it as itself."""
+    import os
+    import socket
+
+    for key in ("FLYTE_INTERNAL_EXECUTION_PROJECT", "FLYTE_INTERNAL_EXECUTION_DOMAIN", "FLYTE_INTERNAL_EXECUTION_ID"):
+        monkeypatch.delenv(key, raising=False)
+    local = run_lock.current_owner()
+    assert local.startswith(f"local:{socket.gethostname()}:{os.getpid()}:")
+    monkeypatch.setenv("FLYTE_INTERNAL_EXECUTION_PROJECT", "proj")
+    monkeypatch.setenv("FLYTE_INTERNAL_EXECUTION_DOMAIN", "development")
+    monkeypatch.setenv("FLYTE_INTERNAL_EXECUTION_ID", "exec-a")
+    assert run_lock.current_owner() == A
