@@ -16,7 +16,8 @@ from models.checkpoint import download_checkpoint, is_committed, save_checkpoint
 from tasks import run_lock, tracking
 from tasks.config import ConfigError, TrainConfig
 from tasks.config_io import config_from_json_dict, flatten, given_keys, load_config, to_dict
-from tasks.preflight import check_resume_point, check_reward_function, check_sources, check_storage, check_vocab
+from tasks.preflight import (check_model_dirs, check_resume_point, check_reward_function, check_sources, check_storage,
+                             check_vocab)
 from tasks.prompts import PromptDataConfig, load_prompts
 from tasks.resume import ConfigChange, change_records, check_resume_workflow, plan_resume
 from tasks.run_layout import RunInfo, RunLayout
@@ -108,6 +109,7 @@ def new_run(cfg: TrainConfig, layout: RunLayout, preset: str) -> RunSetup:
 
         tokenizer = build_char_tokenizer()
     else:
+        check_model_dirs(cfg)
         tokenizer = load_tokenizer_only(cfg.model.actor_path)
         _check_vocabularies(cfg, tokenizer)
     if train_url:  # user data: every row is checked before any model is loaded

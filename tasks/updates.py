@@ -4,14 +4,19 @@ each writing the next committed checkpoint. They run in parallel in the iteratio
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
+import shutil
+import tempfile
 import time
-from typing import Dict, NamedTuple, Tuple
+from typing import Dict, Iterator, NamedTuple, Tuple
 
 import torch
 from flytekit import task
 
 from kernels.advantages import ALGORITHMS
 from kernels.losses import PolicyLossConfig
+from models import storage
 from models.checkpoint import save_model_checkpoint
 from models.distributed import (DistInfo, barrier, full_state_dict, init_distributed, shutdown_distributed, unwrap,
                                 wrap_for_training)
@@ -81,6 +86,48 @@ def save_trained(model, tokenizer, url: str, from_url: str, full_state=None, pre
         save_model_checkpoint(model, tokenizer, url, overwrite=True, state_dict=state)
 
 
+class DiskFull(RuntimeError):
+    """No space was left on the disk a checkpoint was being written to."""
+
+
+@contextlib.contextmanager
+def naming_a_full_disk(url: str, model) -> Iterator[None]:
+    """A full disk while committing ``model``'s checkpoint at ``url`` as a :class:`DiskFull` that names the
+    checkpoint, the folder written, its size and what the weights need (safetensors' error names no path)."""
+    try:
+        yield
+    except Exception as err:
+        if not _no_space_left(err):
+            raise
+        where = _existing_parent(storage.local_path(url)) if storage.is_local(url) else tempfile.gettempdir()
+        usage = shutil.disk_usage(where)
+        need = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        raise DiskFull(f"no space left on the disk while writing checkpoint {url}: its files go to a temporary folder "
+                       f"in {where} first, on a filesystem of {usage.total / 2**20:.1f} MiB ({usage.free / 2**20:.1f} "
+                       f"MiB free once the partial files were removed), and the trained weights alone take "
+                       f"{need / 2**20:.1f} MiB. Nothing of this iteration was committed: free space, or put "
+                       f"run.storage_root (remote storage: TMPDIR) on a larger disk, and rerun the same command to "
+                       f"resume") from err
+
+
+def _no_space_left(err: BaseException) -> bool:
+    for _ in range(8):  # the error and what caused it
+        if err is None:
+            return False
+        if (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or \
+                "No space left on device" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _existing_parent(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.isdir(path):
+        path = os.path.dirname(path)
+    return path
+
+
 def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch,
                 info: DistInfo) -> UpdateOutput:
     """The body every rank runs: its shard, DDP/FSDP2, the update, rank 0 commits the checkpoint."""
@@ -107,9 +154,10 @@ def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rol
     pause_point(f"actor_update/iter-{state.iteration:06d}")  # tests only: kill the run mid-update
     url = run.layout.actor_url(state.iteration)
     full = full_state_dict(model)
-    if info.is_main:
-        save_trained(unwrap(model).lm, tok, url, state.actor_url, full, prefix="lm.")
-    commit_optimizer(model, optimizer, url, a.keep_optimizer_state, times, "actor", info)
+    with naming_a_full_disk(url, model):
+        if info.is_main:
+            save_trained(unwrap(model).lm, tok, url, state.actor_url, full, prefix="lm.")
+        commit_optimizer(model, optimizer, url, a.keep_optimizer_state, times, "actor", info)
     barrier()
     stats["optimizer_steps_total"] = prior_steps + stats["steps"]
     out = {**stat_keys("actor", stats), **times}
@@ -140,8 +188,9 @@ def train_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
                            LoopSettings(c.epochs, c.minibatch_size, c.micro_batch_size, c.grad_clip,
                                         cfg.run.seed * 1000 + state.iteration + 1), info)
     url = run.layout.critic_url(state.iteration)
-    save_trained(model.critic, tok, url, state.critic_url)
-    commit_optimizer(model, optimizer, url, c.keep_optimizer_state, times, "critic", info)
+    with naming_a_full_disk(url, model):
+        save_trained(model.critic, tok, url, state.critic_url)
+        commit_optimizer(model, optimizer, url, c.keep_optimizer_state, times, "critic", info)
     return UpdateOutput(url, {**critic_stats(stats), "critic/optimizer_steps_total": prior_steps + stats["steps"],
                               **times, "time/critic_update_s": time.perf_counter() - t0})
 
