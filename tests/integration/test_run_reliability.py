@@ -5,7 +5,8 @@
   nothing registered, the MLflow run FAILED, the lock released;
 - a second launch of a live run is refused naming the holder, and leaves the live run alone;
 - Ctrl-C (SIGINT to the process group, during the elastic actor update) stops the run with one line,
-  marks it KILLED, releases its lock, and the same command resumes it to the end.
+  marks it KILLED, releases its lock, and the same command resumes it to the end;
+- extended after it finished, the run registers its new final policy and ``candidate`` follows it.
 """
 
 from __future__ import annotations
@@ -37,10 +38,16 @@ class Launches:
         self.env = isolated_env(tmp / "home", {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}",
                                                "COLUMNS": "1000"})  # messages on one line, not wrapped at 80
 
-    def start(self, name: str, attempt: str, extra_env: dict | None = None) -> FlyteRun:
+    def start(self, name: str, attempt: str, extra_env: dict | None = None, overrides=()) -> FlyteRun:
         return FlyteRun("workflows/reinforce.py", "reinforce_training", "configs/tiny_grpo.yaml",
-                        [f"run.storage_root={self.root}"] + OVERRIDES, name, dict(self.env, **(extra_env or {})),
-                        self.tmp / f"{name}-{attempt}.log")
+                        [f"run.storage_root={self.root}"] + OVERRIDES + list(overrides), name,
+                        dict(self.env, **(extra_env or {})), self.tmp / f"{name}-{attempt}.log")
+
+    def registered(self, name: str) -> list:
+        """``[(version, checkpoint URL)]`` of the run's registered policies, oldest first."""
+        client, run = self.mlflow_run(name)
+        found = client.search_model_versions(f"name = 'reliability' AND run_id = '{run.info.run_id}'")
+        return sorted((str(v.version), v.tags["checkpoint_url"]) for v in found)
 
     def layout(self, name: str) -> RunLayout:
         return RunLayout(self.root, name)
@@ -119,3 +126,13 @@ def test_a_second_launch_is_refused_and_ctrl_c_stops_a_run_that_resumes(launches
     assert "Run live finished: 3 iterations of grpo." in out and "[grpo] iter 1/3" not in out
     assert client.get_run(mlflow_run.info.run_id).info.status == "FINISHED"
     assert launches.lease("live")["released_at"]
+    assert launches.registered("live") == [("1", layout.actor_url(2))]
+
+    # extended after it finished: the registered model and `candidate` follow the new final policy
+    longer = launches.start("live", "4", overrides=["run.num_iterations=4"])
+    out = longer.wait(900)
+    assert "resuming live: run.num_iterations: 3 -> 4 from iter-000003" in out and "[grpo] iter 4/4" in out
+    assert launches.registered("live") == [("1", layout.actor_url(2)), ("2", layout.actor_url(3))]
+    assert str(client.get_model_version_by_alias("reliability", "candidate").version) == "2"
+    tags = client.get_run(mlflow_run.info.run_id).data.tags
+    assert tags["config_change.iter-000003.run.num_iterations"] == "3 -> 4"
