@@ -24,7 +24,7 @@ import shutil
 import tempfile
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, Iterator, Mapping, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 import blake3
 
@@ -89,7 +89,8 @@ def save_checkpoint(local_dir: str, url: str, overwrite: bool = False,
                     require_model: bool = True) -> Mapping[str, Any]:
     """Commit the HF directory ``local_dir`` to ``url``; returns the marker's content.
 
-    Refuses pickle files and unknown file types before uploading anything. An existing
+    Refuses pickle files and unknown file types before uploading anything, and weights holding
+    NaN or inf (:func:`check_finite`) before anything is moved into place. An existing
     committed checkpoint at ``url`` is replaced only with ``overwrite`` (after the upload
     to the temporary prefix succeeded; its marker is removed first); leftovers of a crashed
     write (no marker) are removed. Files are hashed and uploaded by ``workers`` threads
@@ -112,6 +113,8 @@ def save_checkpoint(local_dir: str, url: str, overwrite: bool = False,
     tmp = f"{url.rstrip('/')}.tmp-{uuid.uuid4().hex[:12]}"
 
     def upload(rel: str) -> Dict[str, Any]:
+        if rel.endswith(".safetensors"):
+            check_finite(files[rel], rel, url)
         digest, dst = file_digest(files[rel]), storage.join(tmp, rel)
         if not (consume and storage.is_local(dst) and _hard_link(files[rel], storage.local_path(dst))):
             storage.put_file(files[rel], dst)
@@ -130,6 +133,35 @@ def save_checkpoint(local_dir: str, url: str, overwrite: bool = False,
               "files": manifest}
     storage.write_json(storage.join(url, MARKER), marker)
     return marker
+
+
+def nonfinite_tensors(path: str) -> List[str]:
+    """Names of the floating-point tensors of the safetensors file ``path`` that hold NaN or ±inf
+    (read one tensor at a time from the memory-mapped file)."""
+    import torch
+    from safetensors import safe_open
+
+    bad = []
+    try:
+        f = safe_open(path, framework="pt")
+    except Exception:  # noqa: BLE001 - not a safetensors file: loading it fails on its own, with its error
+        return bad
+    with f:
+        for name in f.keys():
+            t = f.get_tensor(name)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad.append(name)
+    return bad
+
+
+def check_finite(path: str, rel: str, url: str) -> None:
+    """:class:`CheckpointError` if the safetensors file ``path`` (``rel`` in checkpoint ``url``) holds a
+    NaN or infinite weight: such a model would sample garbage, so it is never committed, served or
+    registered."""
+    bad = nonfinite_tensors(path)
+    if bad:
+        raise CheckpointError(f"checkpoint {url}: '{rel}' holds NaN or inf in {len(bad)} tensor(s) ({', '.join(bad[:3])}"
+                              f"{', ...' if len(bad) > 3 else ''}); weights that are not finite are never committed")
 
 
 def _hard_link(src: str, dst: str) -> bool:

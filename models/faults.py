@@ -1,6 +1,7 @@
 """Fault injection for the reliability tests: no-ops unless their environment variable is set.
 
-The tests kill a run at a chosen point and check it resumes as if nothing happened. Two hooks:
+The tests kill a run at a chosen point and check it resumes as if nothing happened, or spoil an
+update and check the run stops. Three hooks:
 
 - ``RLHF_FAULT_PAUSE="<point>:<seconds>"`` — :func:`pause_point` with a name containing
   ``<point>`` announces itself (``{RLHF_FAULT_DIR}/paused``, holding the point's name) and
@@ -11,6 +12,9 @@ The tests kill a run at a chosen point and check it resumes as if nothing happen
 - ``RLHF_FAULT_KILL_RANK="<rank>@step=<k>"`` — :func:`maybe_kill_rank`: that rank of the
   elastic update ``os._exit(1)``s before optimiser step ``k``, once per ``RLHF_FAULT_DIR``
   (a marker file is made first, so the restarted worker group runs through).
+- ``RLHF_FAULT_NAN_ADVANTAGES="<iteration>:<rows>[,<iteration>:<rows>...]"`` —
+  :func:`nan_advantages`: the actor update of that iteration sees NaN advantages, on the first
+  ``<rows>`` rows of rank 0 or, with ``all``, on every row of every rank.
 
 Nothing here runs in a normal run: every hook returns at once when its variable is unset.
 """
@@ -22,6 +26,7 @@ import time
 
 PAUSE_ENV = "RLHF_FAULT_PAUSE"
 KILL_RANK_ENV = "RLHF_FAULT_KILL_RANK"
+NAN_ADVANTAGES_ENV = "RLHF_FAULT_NAN_ADVANTAGES"
 DIR_ENV = "RLHF_FAULT_DIR"
 
 
@@ -55,3 +60,14 @@ def maybe_kill_rank(rank: int, step: int) -> None:
         return
     open(marker, "w").close()
     os._exit(1)  # no cleanup, no exception: as if the process were killed
+
+
+def nan_advantages(adv, iteration: int, rank: int):
+    """``adv`` [N, T] with NaN planted as ``RLHF_FAULT_NAN_ADVANTAGES`` asks for this iteration and rank."""
+    spec = dict(part.split(":", 1) for part in os.environ.get(NAN_ADVANTAGES_ENV, "").split(",") if ":" in part)
+    rows = spec.get(str(iteration))
+    if rows is None or (rows != "all" and rank != 0):
+        return adv
+    adv = adv.clone()
+    adv[: None if rows == "all" else int(rows)] = float("nan")
+    return adv

@@ -2,6 +2,11 @@
 gradient accumulation over micro-batches, global-token normalisation across ranks,
 gradient clipping (as in PPO, Schulman et al. 2017, and the anchors' trainers).
 
+Finite or skip: a step whose loss or gradient norm is NaN or infinite on any rank takes no
+optimiser step (weights and AdamW's moments stay as they were, as a dynamic loss scaler skips an
+overflowing step) and is counted in ``nonfinite_steps``; an update with no finite step at all
+raises :class:`NonFiniteUpdate` before its caller can commit anything.
+
 Losses are aggregated with the *global* token (or sequence) count of each minibatch, summed
 over every rank, and multiplied by the world size because DDP/FSDP average gradients: the
 gradient is then exactly that of the one-process minibatch loss, whatever the rank count.
@@ -9,6 +14,7 @@ gradient is then exactly that of the one-process minibatch loss, whatever the ra
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, NamedTuple, Optional
 
@@ -19,6 +25,10 @@ from kernels.kl import kl_loss
 from kernels.losses import PolicyLossConfig, PolicyLossInput, policy_loss, value_loss
 from models.distributed import DistInfo, all_reduce_mean_dict, all_reduce_sum, no_grad_sync
 from models.faults import maybe_kill_rank
+
+
+class NonFiniteUpdate(FloatingPointError):
+    """Every optimiser step of an update had a non-finite loss or gradient norm: nothing was trained."""
 
 
 class UpdateData(NamedTuple):
@@ -75,48 +85,81 @@ LossFn = Callable[[nn.Module, UpdateData, float, float], tuple]
 
 def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, data: UpdateData, loss_fn: LossFn,
                settings: LoopSettings, info: DistInfo) -> Dict[str, float]:
-    """Train ``model`` on this rank's ``data``; returns statistics averaged over steps and ranks."""
+    """Train ``model`` on this rank's ``data``; returns statistics averaged over the finite steps and
+    the ranks, with ``steps`` (optimiser steps taken) and ``nonfinite_steps`` (steps skipped)."""
     n_local = data.input_ids.shape[0]
     local_mb = max(settings.minibatch_size // info.world_size, 1)
     gen = torch.Generator().manual_seed(settings.seed * 1_000_003 + info.rank)
     sums: Dict[str, float] = {}
-    steps = 0
+    steps = skipped = 0
+    first_bad: Dict[str, float] = {}
     params = [p for p in model.parameters() if p.requires_grad]
     seq_len = data.attention_mask.sum(1)  # [N] micro-batches of similar lengths carry little padding
     model.train()
     for _ in range(settings.epochs):
         perm = torch.randperm(n_local, generator=gen)
         for start in range(0, n_local, local_mb):
-            maybe_kill_rank(info.rank, steps)  # tests only: a rank dies mid-update
-            mb = perm[start:start + local_mb]
-            mb_tokens = float(all_reduce_sum(data.loss_tokens[mb].sum().double()))
-            mb_seqs = float(all_reduce_sum(data.loss_tokens[mb].any(-1).sum().double()))
-            if mb_tokens == 0:  # every row masked from the loss (loss_mask): no step, AdamW's moments would move
+            maybe_kill_rank(info.rank, steps + skipped)  # tests only: a rank dies mid-update
+            step_stats = _accumulate(model, optimizer, data, perm[start:start + local_mb], loss_fn, settings,
+                                     info, seq_len)
+            if step_stats is None:  # all rows masked from the loss: no step (AdamW would still move weights)
                 continue
-            optimizer.zero_grad(set_to_none=True)
-            # The minibatch's gradient is the sum over its micro-batches whatever rows go together,
-            # so they are cut from its rows sorted by length: each is trimmed to its longest row.
-            micros = mb[torch.argsort(seq_len[mb], stable=True)].split(settings.micro_batch_size)
-            step_stats: Dict[str, float] = {}
-            for j, idx in enumerate(micros):
-                micro = data.rows(idx, info.device)
-                with no_grad_sync(model, active=j < len(micros) - 1):
-                    loss, stats = loss_fn(model, micro, mb_tokens, mb_seqs)
-                    (loss * info.world_size).backward()
-                w = float(micro.loss_tokens.sum()) / max(mb_tokens / info.world_size, 1.0)
-                for k, v in stats.items():
-                    step_stats[k] = step_stats.get(k, 0.0) + float(v) * w
-                step_stats["loss"] = step_stats.get("loss", 0.0) + float(loss.detach()) * info.world_size
             grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
-            optimizer.step()
             step_stats["grad_norm"] = float(grad_norm)
+            if not _finite_on_every_rank(step_stats["loss"], step_stats["grad_norm"]):
+                optimizer.zero_grad(set_to_none=True)  # no step: weights and moments stay as they were
+                first_bad = first_bad or {"loss": step_stats["loss"], "grad_norm": step_stats["grad_norm"],
+                                          "step": float(steps + skipped)}
+                skipped += 1
+                continue
+            optimizer.step()
             for k, v in step_stats.items():
                 sums[k] = sums.get(k, 0.0) + v
             steps += 1
+    if skipped and not steps:
+        raise NonFiniteUpdate(
+            f"all {skipped} optimiser steps of this update had a non-finite loss or gradient norm (first: step "
+            f"{int(first_bad['step'])}, loss {first_bad['loss']}, grad norm {first_bad['grad_norm']}); no step "
+            f"was taken and nothing is committed. Look for NaN/inf in the batch's advantages, log-probs and "
+            f"rewards, and at the learning rate")
     means = {k: v / max(steps, 1) for k, v in sums.items()}
     means["lr"] = float(optimizer.param_groups[0]["lr"])
     means["steps"] = float(steps)
+    means["nonfinite_steps"] = float(skipped)
     return all_reduce_mean_dict(means)
+
+
+def _accumulate(model: nn.Module, optimizer: torch.optim.Optimizer, data: UpdateData, mb: torch.Tensor,
+                loss_fn: LossFn, settings: LoopSettings, info: DistInfo,
+                seq_len: torch.Tensor) -> Optional[Dict[str, float]]:
+    """Gradients of minibatch ``mb`` (this rank's rows) summed over its micro-batches; its statistics, or
+    None when no rank has a token the loss learns from (every row masked by ``loss_mask``)."""
+    mb_tokens = float(all_reduce_sum(data.loss_tokens[mb].sum().double()))
+    mb_seqs = float(all_reduce_sum(data.loss_tokens[mb].any(-1).sum().double()))
+    if mb_tokens == 0:
+        return None
+    optimizer.zero_grad(set_to_none=True)
+    # The minibatch's gradient is the sum over its micro-batches whatever rows go together,
+    # so they are cut from its rows sorted by length: each is trimmed to its longest row.
+    micros = mb[torch.argsort(seq_len[mb], stable=True)].split(settings.micro_batch_size)
+    step_stats: Dict[str, float] = {}
+    for j, idx in enumerate(micros):
+        micro = data.rows(idx, info.device)
+        with no_grad_sync(model, active=j < len(micros) - 1):
+            loss, stats = loss_fn(model, micro, mb_tokens, mb_seqs)
+            (loss * info.world_size).backward()
+        w = float(micro.loss_tokens.sum()) / max(mb_tokens / info.world_size, 1.0)
+        for k, v in stats.items():
+            step_stats[k] = step_stats.get(k, 0.0) + float(v) * w
+        step_stats["loss"] = step_stats.get("loss", 0.0) + float(loss.detach()) * info.world_size
+    return step_stats
+
+
+def _finite_on_every_rank(loss: float, grad_norm: float) -> bool:
+    """Whether every rank's loss and gradient norm are finite: all ranks take the same decision, or
+    their replicas (DDP) or shards (FSDP2) would step apart."""
+    bad = 0.0 if math.isfinite(loss) and math.isfinite(grad_norm) else 1.0
+    return float(all_reduce_sum(torch.tensor(bad, dtype=torch.float64))) == 0.0
 
 
 def actor_loss_fn(cfg: PolicyLossConfig, temperature: float, kl_beta: float = 0.0,
@@ -190,5 +233,5 @@ def stat_keys(prefix: str, stats: Dict[str, float]) -> Dict[str, float]:
     return {f"{prefix}/{k}": v for k, v in stats.items()}
 
 
-__all__: List[str] = ["UpdateData", "LoopSettings", "run_update", "actor_loss_fn", "critic_loss_fn",
+__all__: List[str] = ["NonFiniteUpdate", "UpdateData", "LoopSettings", "run_update", "actor_loss_fn", "critic_loss_fn",
                       "make_optimizer", "disable_dropout", "stat_keys"]

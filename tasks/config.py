@@ -569,6 +569,12 @@ class RunConfig:
     checkpoint_artifact_max_mb: float = 512.0
     """Checkpoints kept at ``save_interval`` up to this size are copied into the MLflow run as
     artifacts; larger ones are recorded by reference (a ``checkpoint.*`` tag with their URL)."""
+    lock_ttl_s: float = 1800.0
+    """The run's lock (``{run}/lock.json``: one launch per run name) is stale this many seconds after
+    its holder's last heartbeat, and another launch may take it over. A local run renews it every
+    quarter of this, and its lock is taken over at once once its process is gone; on a cluster the
+    update, commit and evaluation tasks renew it, so it must exceed the longest rollout + score with
+    pod start-up."""
 
     def __post_init__(self) -> None:
         _check(bool(self.storage_root), "run.storage_root must not be empty")
@@ -580,6 +586,7 @@ class RunConfig:
         _check("/" not in self.name and " " not in self.name,
                f"run.name={self.name!r} must not contain '/' or spaces")
         _check(self.checkpoint_artifact_max_mb >= 0, "run.checkpoint_artifact_max_mb must be >= 0")
+        _check(self.lock_ttl_s > 0, "run.lock_ttl_s must be > 0")
 
 
 @dataclass(frozen=True)

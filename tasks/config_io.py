@@ -124,9 +124,9 @@ def resolve_preset(preset: str) -> pathlib.Path:
     raise ConfigError(f"preset {preset!r} not found (looked in the working directory and {PROJECT_ROOT / 'configs'})")
 
 
-def load_config(preset: str = "", overrides: Iterable[str] = ()) -> TrainConfig:
-    """Preset YAML (optional) + overrides → a checked :class:`TrainConfig`; an option the algorithm
-    does not use is refused when written, even at its default (:mod:`tasks.algorithms.checks`)."""
+def given_values(preset: str = "", overrides: Iterable[str] = ()) -> Dict[str, Any]:
+    """What the user wrote: the preset's sections with the overrides applied, as nested dicts (no
+    defaults filled in, nothing checked)."""
     data: Dict[str, Any] = {}
     if preset:
         path = resolve_preset(preset)
@@ -137,6 +137,18 @@ def load_config(preset: str = "", overrides: Iterable[str] = ()) -> TrainConfig:
     for text in overrides:
         path, value = parse_override(text)
         _set_path(data, path, value, text)
+    return data
+
+
+def given_keys(preset: str = "", overrides: Iterable[str] = ()) -> List[str]:
+    """The flat keys (``actor.lr``, ``actor.lora.rank``) the preset and the overrides set, sorted."""
+    return sorted(flat_items(given_values(preset, overrides)))
+
+
+def load_config(preset: str = "", overrides: Iterable[str] = ()) -> TrainConfig:
+    """Preset YAML (optional) + overrides → a checked :class:`TrainConfig`; an option the algorithm
+    does not use is refused when written, even at its default (:mod:`tasks.algorithms.checks`)."""
+    data = given_values(preset, overrides)
     cfg = from_dict(TrainConfig, data)
     ignored = ignored_options(cfg, explicit=set(flat_items(data)))  # written, even at its default
     if ignored:

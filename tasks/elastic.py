@@ -29,6 +29,8 @@ from flytekit.extend import TaskPlugins
 from flytekitplugins.kfpytorch import Elastic
 from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask, is_recoverable_worker_error, spawn_helper
 
+from tasks import run_end
+
 FORKSERVER = "forkserver"
 
 PRELOAD = ("flytekitplugins.kfpytorch.task", "tasks.updates", "transformers.modeling_utils")
@@ -65,6 +67,7 @@ class ActorElasticTask(PytorchElasticFunctionTask):
                 torch.cuda.empty_cache()
 
     def _launch_from_forkserver(self, kwargs) -> Any:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -84,7 +87,12 @@ class ActorElasticTask(PytorchElasticFunctionTask):
             _, first = e.get_first_failure()
             if is_recoverable_worker_error(first):
                 raise FlyteRecoverableException(e.format_msg(), timestamp=first.timestamp)
-            raise FlyteUserRuntimeException(e, timestamp=first.timestamp)
+            raise FlyteUserRuntimeException(RuntimeError(root_cause_first(e)), timestamp=first.timestamp)
+        except SignalException as e:  # Ctrl-C or SIGTERM while the workers ran: the run stops, KILLED
+            run_end.note_signal(e.sigval.name)
+            raise KeyboardInterrupt(e.sigval.name) from None
+        finally:
+            run_end.install_signal_handlers()  # the launcher took SIGINT/SIGTERM over for good
         result = out[0]  # a single node: rank 0 is here
         for deck in result.decks:
             if not isinstance(deck, flytekit.deck.deck.TimeLineDeck):
@@ -92,6 +100,14 @@ class ActorElasticTask(PytorchElasticFunctionTask):
         if result.om:
             FlyteContextManager.current_context().output_metadata_tracker.add(result.return_value, result.om)
         return result.return_value
+
+
+def root_cause_first(e) -> str:
+    """A ``ChildFailedError``'s report with the first failed rank's own error on its first line (the
+    report alone starts with the launcher's banner and buries it among the restarts' tracebacks)."""
+    rank, first = e.get_first_failure()
+    cause = first.message.get("message", "") if isinstance(first.message, dict) else str(first.message)
+    return f"the actor update failed on rank {rank}: {cause}\n{e.format_msg()}"
 
 
 def worker_threads(nproc_per_node: int) -> int:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import datetime as dt
 import json
 from dataclasses import dataclass
-from typing import Dict, List
+import sys
+from typing import Dict, List, Optional
 
 import numpy as np
 from flytekit import Resources, task
+from flytekit.types.error import FlyteError
 
 from kernels.kl import AdaptiveKLController
 from models import storage
@@ -17,17 +19,19 @@ from models.checkpoint import is_committed
 from models.optimizer_state import optimizer_url
 from models.engines import close_engines
 from models.rollout import sample
-from tasks import registry, secrets, tracking
+from tasks import registry, run_end, run_lock, secrets, tracking
 from tasks.batch import BatchMetadata, RolloutBatch
 from tasks.batch_schema import REWARD_NORM_KEY, decode_data_columns
 from tasks.common import read_prompts, load_tokenizer
-from tasks.config import TrainConfig
+from tasks.config import RunConfig, TrainConfig
+from tasks.config_io import load_config
 from tasks.deploy import deployment_config, resources_for
 from tasks.redact import redact
 from tasks.rollout import engine_for, sampling_spec
 from tasks.run_data import sample_columns
 from tasks.score import batch_rewards
 from tasks.run_layout import RunState
+from tasks.setup import DEFAULT_PRESETS
 from tasks.types import PolicyState, RunHandle
 
 
@@ -98,6 +102,7 @@ def run_commit(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List
                 registry.log_checkpoint(run.mlflow_run_id, f"iter-{i:06d}/{role}", url,
                                         cfg.run.checkpoint_artifact_max_mb)
     reward_norm = next_reward_norm(state, batch)
+    run_lock.renew(run.layout.lock_url)  # LostLock: another launch holds the run now, never write its state
     run.layout.write_state(RunState(iteration=i, actor_url=actor_url, critic_url=critic_url or None,
                                     extras={"kl_coef": kl, **({"reward_norm": reward_norm} if reward_norm else {})}))
     prune_checkpoints(cfg, run, i)
@@ -132,7 +137,8 @@ def commit_iteration(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats
                      batch: RolloutBatch, actor_url: str, critic_url: str) -> PolicyState:
     """Write ``state.json`` (the resume point), log the iteration's metrics and samples, prune checkpoints."""
     secrets.load(secrets.S3, secrets.MLFLOW)
-    return run_commit(cfg, run, state, stats, batch, actor_url, critic_url)
+    with run_lock.heartbeat(run.layout.lock_url):
+        return run_commit(cfg, run, state, stats, batch, actor_url, critic_url)
 
 
 def eval_rewards(cfg: TrainConfig, run: RunHandle, actor_url: str) -> Dict[str, float]:
@@ -170,7 +176,8 @@ def run_evaluate(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> float:
 def evaluate(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> float:
     """Mean reward on the held-out prompts of the policy in ``state`` (logged at the iteration that made it)."""
     secrets.load(secrets.S3, secrets.MLFLOW, secrets.SERVER)
-    return run_evaluate(cfg, run, state)
+    with run_lock.heartbeat(run.layout.lock_url):
+        return run_evaluate(cfg, run, state)
 
 
 @dataclass(frozen=True)
@@ -198,6 +205,8 @@ def run_finish(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Training
         raise RuntimeError(f"final actor checkpoint {state.actor_url} is not committed")
     policy = registry.log_policy(run.mlflow_run_id, state.actor_url, cfg.run.registered_model_name)
     tracking.end_run(run.mlflow_run_id)
+    run_lock.release(run.layout.lock_url)
+    run_end.finished(run.layout.url)
     summary = TrainingSummary(run.layout.url, run.mlflow_run_id, state.iteration, first, last, state.actor_url,
                               cfg.run.registered_model_name if policy.version else "", policy.version)
     curve = _write_curve(run)
@@ -242,4 +251,19 @@ def finish_run(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Training
     """Log and register the final policy (alias ``candidate``), close the MLflow run and summarise
     (first iteration's reward, mean of the last two)."""
     secrets.load(secrets.S3, secrets.MLFLOW)
-    return run_finish(cfg, run, state)
+    with run_lock.heartbeat(run.layout.lock_url):
+        return run_finish(cfg, run, state)
+
+
+@task(retries=1, secret_requests=secrets.requests(secrets.S3, secrets.MLFLOW))
+def training_failed(preset: str, overrides: List[str], run_name: str, err: Optional[FlyteError] = None) -> None:
+    """``on_failure`` of the training workflows: the run this execution trained is marked FAILED in MLflow
+    (the error as its ``end_reason`` tag) and its lock released (``tasks/run_end.py``)."""
+    secrets.load(secrets.S3, secrets.MLFLOW)
+    try:
+        experiment = load_config(preset or DEFAULT_PRESETS["ppo"], overrides).run.mlflow_experiment
+    except Exception:  # noqa: BLE001 - the config may be what failed
+        experiment = RunConfig().mlflow_experiment
+    line = run_end.mark_failed(experiment, err.message if err is not None else "unknown error")
+    if line:
+        print(line, file=sys.stderr, flush=True)

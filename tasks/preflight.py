@@ -3,9 +3,9 @@ names what is wrong (the URL, the field, the numbers).
 
 ``prepare_run`` first runs :func:`check_remote_run` in a remote execution (local paths, the actor
 topology, S3 credentials, the tracking server) and :func:`check_tracking` in any run. ``setup_run``
-then calls the rest in this order: storage reachable and writable, then (new runs) the
-prompts, the tokenizer against the model's vocabulary, the reward source and the servers;
-(resumed runs) the checkpoints ``state.json`` points at. Bad prompts and config values are
+then calls the rest in this order: storage reachable and writable, then (new runs) the model
+folders the config names, the prompts, the tokenizer against the model's vocabulary, the reward
+source and the servers; (resumed runs) the checkpoints ``state.json`` points at. Bad prompts and config values are
 checked by :mod:`tasks.prompts` and :mod:`tasks.config`.
 """
 
@@ -15,7 +15,7 @@ import os
 import uuid
 
 from models import storage
-from models.checkpoint import CheckpointError, is_committed
+from models.checkpoint import PICKLE_SUFFIXES, CheckpointError, is_committed
 from models.rewards import RewardError
 from tasks import secrets
 from tasks.config import ConfigError, TrainConfig
@@ -29,6 +29,53 @@ def check_storage(run_url: str) -> None:
     probe = storage.join(run_url, f".write-check-{uuid.uuid4().hex[:8]}")
     storage.write_bytes(probe, b"ok")
     storage.remove(probe)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+"""Files of which a checkpoint's tokenizer needs at least one."""
+_MODEL_CLASS = {"model.actor_path": "AutoModelForCausalLM", "model.critic_path": "AutoModelForTokenClassification",
+                "reward.model_path": "AutoModelForSequenceClassification"}
+
+
+def check_model_dir(url: str, field: str, needs_tokenizer: bool = False) -> None:
+    """The Hugging Face checkpoint folder ``url`` that config ``field`` names: it exists, has a
+    ``config.json``, safetensors weights (pickled ones are refused, with the conversion), and with
+    ``needs_tokenizer`` a tokenizer. Checked before anything reads it, so the error names the cause
+    instead of the Hub's repo-id rules or a tokenizer converter's hint."""
+    if not storage.exists(url):
+        raise ConfigError(f"{field}={url}: no such folder. Give a local folder or an fsspec URL (s3://...) holding a "
+                          f"Hugging Face checkpoint; Hub repo ids are not downloaded, so fetch one first, e.g. "
+                          f"`huggingface-cli download <repo> --local-dir <folder>`")
+    names = {rel for rel in storage.list_files(url) if "/" not in rel}
+    weights = sorted(n for n in names if n.endswith(".safetensors"))
+    pickled = sorted(n for n in names if n.lower().endswith(PICKLE_SUFFIXES))
+    if pickled and not weights:
+        cls = _MODEL_CLASS.get(field, "AutoModel")
+        raise ConfigError(f"{field}={url} holds pickled weights ({', '.join(pickled)}) and no .safetensors: pickle "
+                          f"files can run code when loaded, so they are refused. Convert them once, on a machine "
+                          f"where you trust the file: python -c \"from transformers import {cls}; {cls}."
+                          f"from_pretrained('{url}').save_pretrained('<out>', safe_serialization=True)\", copy the "
+                          f"tokenizer files into <out> and set {field}=<out>")
+    if "config.json" not in names:
+        raise ConfigError(f"{field}={url} is not a Hugging Face checkpoint: no config.json (it holds "
+                          f"{sorted(names) or 'no files'})")
+    if not weights:
+        raise ConfigError(f"{field}={url} holds no weights (*.safetensors)")
+    if needs_tokenizer and not names & set(TOKENIZER_FILES):
+        raise ConfigError(f"{field}={url} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the "
+                          f"tokenizer the model was trained with into it (tokenizer.save_pretrained)")
+
+
+def check_model_dirs(cfg: TrainConfig) -> None:
+    """Every user checkpoint folder the config names (the actor's with its tokenizer)."""
+    m = cfg.model
+    if m.actor_path:
+        check_model_dir(m.actor_path, "model.actor_path", needs_tokenizer=True)
+    if m.critic_path and cfg.uses_critic:
+        check_model_dir(m.critic_path, "model.critic_path")
+    if cfg.reward.source == "model":
+        check_model_dir(cfg.reward.model_path, "reward.model_path")
 
 
 def model_vocab_size(model_url: str) -> int | None:

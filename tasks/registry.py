@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from typing import NamedTuple, Optional
 
-from models.checkpoint import download_checkpoint, is_committed, read_marker, save_checkpoint
+from models.checkpoint import check_finite, download_checkpoint, is_committed, read_marker, save_checkpoint
 from models.lora import ADAPTER_CONFIG, is_adapter, merge_adapter
 from tasks import tracking
 from tasks.redact import redact
@@ -53,14 +53,20 @@ def log_checkpoint(run_id: str, name: str, url: str, max_mb: float) -> bool:
     return True
 
 
-def _logged_policy(run_id: str):
+def _logged_policy(run_id: str, actor_url: str):
+    """The run's logged ``policy`` made from the checkpoint ``actor_url`` (None: not logged yet). A run
+    extended after it finished logs a new one for its new final checkpoint."""
     import mlflow
 
     exp = tracking.client().get_run(run_id).info.experiment_id
     found = mlflow.search_logged_models(experiment_ids=[exp], output_format="list",
                                         filter_string=f"source_run_id = '{run_id}' AND name = '{POLICY_NAME}'")
-    ready = [m for m in found if str(m.status).endswith("READY")]
+    ready = [m for m in found if str(m.status).endswith("READY") and m.tags.get(CHECKPOINT_TAG) == redact(actor_url)]
     return ready[0] if ready else None
+
+
+CHECKPOINT_TAG = "checkpoint_url"
+"""Tag of a logged policy and of its model version: the committed checkpoint it was made from."""
 
 
 def _requirements() -> list:
@@ -77,33 +83,44 @@ def log_policy(run_id: str, actor_url: str, registered_name: str) -> PolicyVersi
     """Log the committed checkpoint ``actor_url`` as the run's ``policy`` (``transformers`` flavour);
     register it under ``registered_name`` (if not empty) with alias ``candidate``.
 
-    A LoRA adapter is logged as is under the artifacts ``policy-adapter/``, and the ``policy``
-    model is the adapter merged into its base: a full model that serves and registers like any."""
-    import mlflow
-
-    tracking.client()  # sets the tracking URI
-    model = _logged_policy(run_id)
-    if model is None:
-        local = download_checkpoint(actor_url)
-        with tempfile.TemporaryDirectory(prefix="policy-") as tmp, mlflow.start_run(run_id=run_id):
-            metadata = {"checkpoint_url": redact(actor_url)}
-            if is_adapter(local):
-                tracking.client().log_artifacts(run_id, local, ADAPTER_ARTIFACTS)
-                local = merge_adapter(local, tmp)
-                metadata["lora_adapter"] = f"runs:/{run_id}/{ADAPTER_ARTIFACTS}"
-            info = mlflow.transformers.log_model(local, name=POLICY_NAME, task="text-generation",
-                                                 pip_requirements=_requirements(), metadata=metadata)
-        model_uri = info.model_uri
-    else:
-        model_uri = model.model_uri
+    Idempotent per checkpoint: a retried call reuses what it logged and registered, while a run that
+    was extended and finished again logs and registers its new final policy. Weights that are not
+    finite are refused (:func:`models.checkpoint.check_finite`). A LoRA adapter is logged as is under
+    the artifacts ``policy-adapter/``, and the ``policy`` model is the adapter merged into its base: a
+    full model that serves and registers like any."""
+    model = _logged_policy(run_id, actor_url)
+    model_uri = model.model_uri if model is not None else _log_new_policy(run_id, actor_url)
     if not registered_name:
         return PolicyVersion(model_uri, "")
+    import mlflow
+
     c = tracking.client()
-    versions = c.search_model_versions(f"name = '{registered_name}' AND run_id = '{run_id}'")
-    version = str(versions[0].version) if versions else \
-        str(mlflow.register_model(model_uri, registered_name, tags={"checkpoint_url": redact(actor_url)}).version)
+    versions = [v for v in c.search_model_versions(f"name = '{registered_name}' AND run_id = '{run_id}'")
+                if model_uri in (v.source, f"models:/{v.model_id}")]
+    version = str(versions[0].version) if versions else str(mlflow.register_model(
+        model_uri, registered_name, tags={CHECKPOINT_TAG: redact(actor_url)}).version)
     c.set_registered_model_alias(registered_name, CANDIDATE, version)
     return PolicyVersion(model_uri, version)
+
+
+def _log_new_policy(run_id: str, actor_url: str) -> str:
+    """Log the checkpoint as a new ``policy`` of the run; its model URI."""
+    import mlflow
+
+    local = download_checkpoint(actor_url)
+    for rel in sorted(read_marker(actor_url)["files"]):
+        if rel.endswith(".safetensors"):
+            check_finite(os.path.join(local, rel), rel, actor_url)
+    with tempfile.TemporaryDirectory(prefix="policy-") as tmp, mlflow.start_run(run_id=run_id):
+        metadata = {"checkpoint_url": redact(actor_url)}
+        if is_adapter(local):
+            tracking.client().log_artifacts(run_id, local, ADAPTER_ARTIFACTS)
+            local = merge_adapter(local, tmp)
+            metadata["lora_adapter"] = f"runs:/{run_id}/{ADAPTER_ARTIFACTS}"
+        info = mlflow.transformers.log_model(local, name=POLICY_NAME, task="text-generation",
+                                             pip_requirements=_requirements(), metadata=metadata,
+                                             tags={CHECKPOINT_TAG: redact(actor_url)})
+    return info.model_uri
 
 
 def version_by_alias(name: str, alias: str) -> Optional[str]:

@@ -1,8 +1,9 @@
 """Where a run keeps its files (DESIGN.md, "Run layout on storage")::
 
     {storage_root}/{run_name}/
-      run.json                       RunInfo: config, MLflow run id, algorithm, start time
+      run.json                       RunInfo: config, MLflow run id, algorithm, start time, changes on resume
       state.json                     RunState: last completed iteration + checkpoints (resume point)
+      lock.json                      the lease of the launch that trains the run (tasks/run_lock.py)
       reference/                     frozen initial policy (HF directory)
       iter-000007/{stage}.arrow      the batch after each stage (rollouts, score, advantages)
       iter-000007/actor/             actor checkpoint written by iteration 7
@@ -17,7 +18,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, List, Mapping, Optional
 
 from models import storage
 from models.checkpoint import CheckpointError, is_committed
@@ -43,6 +44,9 @@ class RunInfo:
     """MLflow run that tracks this run (None before MLflow starts)."""
     started_at: str = field(default_factory=_now_iso)
     """Start time, ISO 8601 UTC."""
+    config_changes: List[Mapping[str, Any]] = field(default_factory=list)
+    """Changes made on resume, oldest first: ``{"key", "old", "new", "iteration"}`` (``tasks/resume.py``);
+    ``config`` holds the values in force now."""
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.run_name):
@@ -101,6 +105,11 @@ class RunLayout:
     @property
     def state_url(self) -> str:
         return storage.join(self.url, "state.json")
+
+    @property
+    def lock_url(self) -> str:
+        """The run's lease: one launch at a time (``tasks/run_lock.py``)."""
+        return storage.join(self.url, "lock.json")
 
     def reference_url(self) -> str:
         """The frozen initial policy (HF directory)."""

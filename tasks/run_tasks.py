@@ -6,11 +6,11 @@ from typing import List
 
 from flytekit import Resources, task
 
-from tasks import secrets
+from tasks import run_end, secrets
 from tasks.setup import RunSetup, setup_run
 
 
-def check_before_setup(preset: str, overrides: List[str], run_name: str) -> None:
+def check_before_setup(preset: str, overrides: List[str], run_name: str, workflow: str = "") -> None:
     """Every check that can fail the run and needs nothing created first: in a remote execution the
     cluster-facing ones of :func:`tasks.preflight.check_remote_run` (for a resumed run, against the
     config it was started with), in any run that the tracking server answers."""
@@ -21,7 +21,9 @@ def check_before_setup(preset: str, overrides: List[str], run_name: str) -> None
     from tasks.preflight import check_remote_run, check_tracking
     from tasks.run_layout import RunLayout
 
-    cfg = load_config(preset, list(overrides))
+    from tasks.setup import DEFAULT_PRESETS
+
+    cfg = load_config(preset or DEFAULT_PRESETS.get(workflow, DEFAULT_PRESETS["ppo"]), list(overrides))
     if is_local_execution():
         check_tracking(tracking.tracking_uri(), remote=False)
         return
@@ -40,5 +42,7 @@ def prepare_run(preset: str, overrides: List[str], run_name: str, workflow: str)
     the MLflow run; or resume ``run_name``. ``workflow`` (``ppo`` or ``reinforce``) must suit
     ``run.algorithm``."""
     secrets.load(secrets.S3, secrets.MLFLOW)
-    check_before_setup(preset, overrides, run_name)
-    return setup_run(preset, overrides, run_name, workflow)
+    check_before_setup(preset, overrides, run_name, workflow)
+    setup = setup_run(preset, overrides, run_name, workflow)
+    run_end.hold_if_local(setup.run.storage_root, setup.run.run_name, setup.run.mlflow_run_id, setup.cfg.run.lock_ttl_s)
+    return setup

@@ -3,21 +3,24 @@ checkpoints, the MLflow run, and the state an iteration starts from."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import os
 import subprocess
 import tempfile
-from typing import List, NamedTuple, Optional
+from typing import Iterable, List, NamedTuple, Optional
 
 from models import storage
 from models.checkpoint import download_checkpoint, is_committed, save_checkpoint
-from tasks import tracking
+from tasks import run_lock, tracking
 from tasks.algorithms import WORKFLOWS
 from tasks.config import ConfigError, TrainConfig
-from tasks.config_io import config_from_json_dict, flatten, load_config, to_dict
-from tasks.preflight import check_resume_point, check_sources, check_storage, check_vocab, model_context
-from tasks.run_data import load_run_data, write_run_prompts
+from tasks.config_io import config_from_json_dict, flatten, given_keys, load_config, to_dict
+from tasks.preflight import (check_model_dirs, check_resume_point, check_reward_functions, check_sources,
+                             check_storage, check_vocab, model_context)
+from tasks.resume import ConfigChange, change_records, check_resume_workflow, plan_resume
+from tasks.run_data import load_run_data, read_run_prompts, write_run_prompts
 from tasks.run_layout import RunInfo, RunLayout
 from tasks.types import PolicyState, RunHandle
 
@@ -133,6 +136,7 @@ def new_run(cfg: TrainConfig, layout: RunLayout, preset: str) -> RunSetup:
 
         tokenizer = build_char_tokenizer()
     else:
+        check_model_dirs(cfg)
         tokenizer = load_tokenizer_only(cfg.model.actor_path)
         _check_vocabularies(cfg, tokenizer)
     demo_data = cfg.data.source == "files" and not cfg.data.train_prompts
@@ -193,33 +197,51 @@ def _flyte_execution_id() -> str:
         return "local"
 
 
-def resume_run(layout: RunLayout, cfg_now: Optional[TrainConfig]) -> RunSetup:
-    """Continue a run from ``state.json``: its stored config (``num_iterations`` may grow).
+def resume_run(layout: RunLayout, cfg_now: TrainConfig, keys: Iterable[str] = (), workflow: str = "") -> RunSetup:
+    """Continue a run from ``state.json`` with its stored config, plus the changes among ``keys`` (the
+    fields the user's preset and overrides set) that may change on resume (:mod:`tasks.resume`).
 
-    The next iteration starts from the committed checkpoints ``state.json`` names (refused if
-    not committed). With fixed seeds on the same CPU machine the resumed run is bit-identical
-    to an uninterrupted one (every seed depends on ``run.seed`` and the iteration only;
+    Everything is checked before anything is touched: the workflow, the config changes, the resume
+    point's checkpoints, a changed reward function. The next iteration starts from the committed
+    checkpoints ``state.json`` names. With fixed seeds on the same CPU machine the resumed run is
+    bit-identical to an uninterrupted one (every seed depends on ``run.seed`` and the iteration only;
     ``tests/integration/test_resume.py``, README "Reliability")."""
     info = layout.read_run_info()
-    cfg = config_from_json_dict(info.config)
-    if cfg_now is not None and cfg_now.run.num_iterations != cfg.run.num_iterations:
-        data = to_dict(cfg)
-        data["run"]["num_iterations"] = cfg_now.run.num_iterations
-        cfg = config_from_json_dict(data)
+    stored = config_from_json_dict(info.config)
+    check_resume_workflow(stored, workflow, layout.url)
+    state = layout.read_state()
+    done = 0 if state is None else state.iteration + 1
+    cfg, changes = plan_resume(stored, cfg_now, keys, done, layout.url, layout.root)
+    if state is not None:
+        check_resume_point(layout.url, state.actor_url, state.critic_url or "")
     base = storage.join(layout.url, "data")
     rm = storage.join(layout.url, "reward-model") if cfg.reward.source == "model" else ""
     handle = RunHandle(layout.root, layout.run_name, info.mlflow_run_id or "", layout.reference_url(),
                        storage.join(base, "train_prompts.jsonl"), storage.join(base, "eval_prompts.jsonl"), rm)
+    if cfg.reward.source == "function" and any(c.key in ("reward.function", "reward.functions") for c in changes):
+        train = read_run_prompts(handle.train_prompts_url)
+        check_reward_functions(cfg, train.take(range(min(4, len(train)))))
+    _record_changes(layout, info, cfg, changes)
     if info.mlflow_run_id:  # the same MLflow run goes on (a finished run shows as running again)
         tracking.client().update_run(info.mlflow_run_id, status="RUNNING")
-    state = layout.read_state()
+        tracking.set_tags(info.mlflow_run_id, {"flyte_execution_id": _flyte_execution_id(),
+                                               **{c.tag: f"{c.old!r} -> {c.new!r}" for c in changes}})
     if state is None:
         critic = storage.join(layout.url, "critic-init") if cfg.uses_critic else ""
         return RunSetup(cfg, handle, PolicyState(0, layout.reference_url(), critic, cfg.kl.coef))
-    check_resume_point(layout.url, state.actor_url, state.critic_url or "")
     kl = float(state.extras.get("kl_coef", cfg.kl.coef))
     return RunSetup(cfg, handle, PolicyState(state.iteration + 1, state.actor_url, state.critic_url or "", kl,
                                              dict(state.extras.get("reward_norm", {}))))
+
+
+def _record_changes(layout: RunLayout, info: RunInfo, cfg: TrainConfig, changes: List[ConfigChange]) -> None:
+    """Keep the resumed run's config and its changes in ``run.json``, and say what changed."""
+    if not changes:
+        return
+    layout.write_run_info(dataclasses.replace(info, config=to_dict(cfg),
+                                              config_changes=change_records(info.config_changes, changes)))
+    for c in changes:
+        print(f"resuming {layout.run_name}: {c.describe()}", flush=True)
 
 
 def check_workflow(cfg: TrainConfig, workflow: str) -> None:
@@ -233,14 +255,26 @@ def check_workflow(cfg: TrainConfig, workflow: str) -> None:
         raise ConfigError(f"run.algorithm={cfg.run.algorithm} {why}: use workflows/{want}.py {want}_training")
 
 
+DEFAULT_PRESETS = {"ppo": "configs/tiny_ppo.yaml", "reinforce": "configs/tiny_grpo.yaml"}
+"""The preset of a new run launched without ``--preset`` (a resumed run keeps its stored config)."""
+
+
 def setup_run(preset: str, overrides: List[str], run_name: str = "", workflow: str = "") -> RunSetup:
-    """Entry point of a training workflow: a new run, or the resumption of ``run_name``."""
-    cfg = load_config(preset, list(overrides))
-    check_workflow(cfg, workflow)
+    """Entry point of a training workflow: a new run, or the resumption of ``run_name``, under the run's
+    lock (:mod:`tasks.run_lock`; released again if set-up fails)."""
+    overrides = list(overrides)
+    cfg = load_config(preset or DEFAULT_PRESETS.get(workflow, DEFAULT_PRESETS["ppo"]), overrides)
     name = run_name or cfg.run.name or default_run_name(cfg.run.algorithm)
     layout = RunLayout(cfg.run.storage_root, name)
     check_storage(layout.url)
-    if storage.exists(layout.run_info_url):
-        log.info("resuming run %s", layout.url)
-        return resume_run(layout, cfg)
-    return new_run(cfg, layout, preset)
+    if workflow not in ("", "ppo", "reinforce") or not storage.exists(layout.run_info_url):
+        check_workflow(cfg, workflow)  # a new run: its own config must suit the workflow
+    run_lock.acquire(layout.lock_url, cfg.run.lock_ttl_s)
+    try:
+        if storage.exists(layout.run_info_url):
+            log.info("resuming run %s", layout.url)
+            return resume_run(layout, cfg, given_keys(preset, overrides), workflow)
+        return new_run(cfg, layout, preset or DEFAULT_PRESETS.get(workflow, ""))
+    except BaseException:
+        run_lock.release(layout.lock_url)
+        raise

@@ -79,23 +79,35 @@ def logged_steps(run_id: str, key: str) -> set:
     return {m.step for m in client().get_metric_history(run_id, key)}
 
 
+NONFINITE_PREFIX = "nonfinite/"
+"""``nonfinite/<key>`` is 1 at every step where metric ``<key>`` was NaN or infinite."""
+
+
 def log_metrics(run_id: str, metrics: Mapping[str, float], step: int) -> int:
-    """Log finite metrics at ``step``; keys already logged at that step are skipped. Returns count logged."""
+    """Log ``metrics`` at ``step``; keys already logged at that step are skipped. Returns count logged.
+
+    A NaN or infinite value is logged as it is (MLflow keeps NaN and stores ±inf as ±1.8e308), with
+    the flag metric ``nonfinite/<key>`` = 1 at that step and the tag ``nonfinite.<key>`` naming the
+    value and step, so a chart never looks clean by omission."""
     import time
 
-    from mlflow.entities import Metric
+    from mlflow.entities import Metric, RunTag
 
     c = client()
     ts = int(time.time() * 1000)
-    todo = []
+    todo, tags = [], []
     for k, v in sorted(metrics.items()):
-        if v is None or not math.isfinite(float(v)):
-            continue
-        if step in {m.step for m in c.get_metric_history(run_id, k)}:
+        if v is None or step in {m.step for m in c.get_metric_history(run_id, k)}:
             continue
         todo.append(Metric(k, float(v), ts, step))
+        if not math.isfinite(float(v)):
+            log.warning("metric %s is %s at step %d", k, v, step)
+            todo.append(Metric(NONFINITE_PREFIX + k, 1.0, ts, step))
+            tags.append(RunTag(f"nonfinite.{k}", f"{float(v)} at step {step}"))
     for i in range(0, len(todo), 200):
         c.log_batch(run_id, metrics=todo[i:i + 200])
+    if tags:
+        c.log_batch(run_id, tags=tags)
     return len(todo)
 
 

@@ -3,18 +3,24 @@ each writing the next committed checkpoint. They run in parallel in the iteratio
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import shutil
+import tempfile
 import time
-from typing import Dict, NamedTuple, Tuple
+from typing import Dict, Iterator, NamedTuple, Tuple
 
 import torch
 from flytekit import task
 
 from kernels.losses import PolicyLossConfig
+from models import storage
 from models.checkpoint import save_model_checkpoint
 from models.distributed import (DistInfo, barrier, full_state_dict, init_distributed, shutdown_distributed, unwrap,
                                 wrap_for_training)
 from models import optimizer_state
-from models.faults import pause_point
+from models.faults import nan_advantages, pause_point
 from models.lora import CAUSAL_LM, TOKEN_CLS, add_adapter, is_peft, save_adapter_checkpoint, trainable_in_float32
 from models.optimizer_state import optimizer_url
 from models.policy import CriticValues, PolicyLogprobs, with_packing
@@ -23,7 +29,7 @@ from models.update import (LoopSettings, UpdateData, actor_loss_fn, critic_loss_
 from tasks.batch import RolloutBatch
 from tasks.common import (CACHE_VERSION, base_checkpoint_url, load_hf, load_tokenizer, local_checkpoint, server_client,
                           timed)
-from tasks import secrets
+from tasks import run_lock, secrets
 from tasks.config import LoraConfig, TrainConfig
 from tasks.deploy import deployment_config, elastic_for, resources_for
 from tasks.types import PolicyState, RunHandle
@@ -84,6 +90,48 @@ def save_trained(model, tokenizer, url: str, from_url: str, full_state=None, pre
         save_model_checkpoint(model, tokenizer, url, overwrite=True, state_dict=state)
 
 
+class DiskFull(RuntimeError):
+    """No space was left on the disk a checkpoint was being written to."""
+
+
+@contextlib.contextmanager
+def naming_a_full_disk(url: str, model) -> Iterator[None]:
+    """A full disk while committing ``model``'s checkpoint at ``url`` as a :class:`DiskFull` that names the
+    checkpoint, the folder written, its size and what the weights need (safetensors' error names no path)."""
+    try:
+        yield
+    except Exception as err:
+        if not _no_space_left(err):
+            raise
+        where = _existing_parent(storage.local_path(url)) if storage.is_local(url) else tempfile.gettempdir()
+        usage = shutil.disk_usage(where)
+        need = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        raise DiskFull(f"no space left on the disk while writing checkpoint {url}: its files go to a temporary folder "
+                       f"in {where} first, on a filesystem of {usage.total / 2**20:.1f} MiB ({usage.free / 2**20:.1f} "
+                       f"MiB free once the partial files were removed), and the trained weights alone take "
+                       f"{need / 2**20:.1f} MiB. Nothing of this iteration was committed: free space, or put "
+                       f"run.storage_root (remote storage: TMPDIR) on a larger disk, and rerun the same command to "
+                       f"resume") from err
+
+
+def _no_space_left(err: BaseException) -> bool:
+    for _ in range(8):  # the error and what caused it
+        if err is None:
+            return False
+        if (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or \
+                "No space left on device" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _existing_parent(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.isdir(path):
+        path = os.path.dirname(path)
+    return path
+
+
 def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch,
                 info: DistInfo) -> UpdateOutput:
     """The body every rank runs: its shard, DDP/FSDP2, the update, rank 0 commits the checkpoint."""
@@ -93,6 +141,7 @@ def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rol
     torch.manual_seed(cfg.run.seed * 7919 + state.iteration)
     tok = load_tokenizer(run.reference_url)
     data = update_data(batch, tok.pad_token_id or 0, _ACTOR_COLS, (info.rank, info.world_size))
+    data = data._replace(adv=nan_advantages(data.adv, state.iteration, info.rank))  # tests only
     a = cfg.actor
     lm = load_trainable(state.actor_url, AutoModelForCausalLM, cfg.model.dtype, a.lora, CAUSAL_LM)
     model = wrap_for_training(with_packing(PolicyLogprobs(lm), cfg.model.pack_sequences), info, a.sharding,
@@ -109,9 +158,10 @@ def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rol
     pause_point(f"actor_update/iter-{state.iteration:06d}")  # tests only: kill the run mid-update
     url = run.layout.actor_url(state.iteration)
     full = full_state_dict(model)
-    if info.is_main:
-        save_trained(unwrap(model).lm, tok, url, state.actor_url, full, prefix="lm.")
-    commit_optimizer(model, optimizer, url, a.keep_optimizer_state, times, "actor", info)
+    with naming_a_full_disk(url, model):
+        if info.is_main:
+            save_trained(unwrap(model).lm, tok, url, state.actor_url, full, prefix="lm.")
+        commit_optimizer(model, optimizer, url, a.keep_optimizer_state, times, "actor", info)
     barrier()
     stats["optimizer_steps_total"] = prior_steps + stats["steps"]
     out = {**stat_keys("actor", stats), **times}
@@ -142,11 +192,10 @@ def train_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
                            LoopSettings(c.epochs, c.minibatch_size, c.micro_batch_size, c.grad_clip,
                                         cfg.run.seed * 1000 + state.iteration + 1), info)
     url = run.layout.critic_url(state.iteration)
-    save_trained(model.critic, tok, url, state.critic_url)
-    commit_optimizer(model, optimizer, url, c.keep_optimizer_state, times, "critic", info)
-    return UpdateOutput(url, {"critic/loss": stats["loss"], "critic/explained_variance": stats["explained_variance"],
-                              "critic/grad_norm": stats["grad_norm"], "critic/value_clip_frac": stats["value_clip_frac"],
-                              "critic/optimizer_steps_total": prior_steps + stats["steps"],
+    with naming_a_full_disk(url, model):
+        save_trained(model.critic, tok, url, state.critic_url)
+        commit_optimizer(model, optimizer, url, c.keep_optimizer_state, times, "critic", info)
+    return UpdateOutput(url, {**critic_stats(stats), "critic/optimizer_steps_total": prior_steps + stats["steps"],
                               **times, "time/critic_update_s": time.perf_counter() - t0})
 
 
@@ -186,10 +235,16 @@ def train_remote_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, ba
                                      value_clip=c.value_clip, seed=cfg.run.seed * 1000 + state.iteration + 1))
     url = run.layout.critic_url(state.iteration)
     client.save(url, overwrite=True)
-    s = out.stats
-    return UpdateOutput(url, {"critic/loss": s["loss"], "critic/explained_variance": s["explained_variance"],
-                              "critic/grad_norm": s["grad_norm"], "critic/value_clip_frac": s["value_clip_frac"],
-                              "time/critic_update_s": time.perf_counter() - t0})
+    return UpdateOutput(url, {**critic_stats(out.stats), "time/critic_update_s": time.perf_counter() - t0})
+
+
+CRITIC_STATS = ("loss", "explained_variance", "grad_norm", "value_clip_frac", "nonfinite_steps")
+"""Statistics of the critic update logged as ``critic/<name>``."""
+
+
+def critic_stats(stats: Dict[str, float]) -> Dict[str, float]:
+    """``critic/<name>`` of :data:`CRITIC_STATS` (a server predating ``nonfinite_steps`` counts none)."""
+    return {f"critic/{k}": float(stats.get(k, 0.0)) if k == "nonfinite_steps" else stats[k] for k in CRITIC_STATS}
 
 
 @task(task_config=elastic_for(deployment_config()), cache=True, cache_version=CACHE_VERSION, retries=1,
@@ -203,7 +258,8 @@ def actor_update(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
     secrets.load(secrets.S3)
     info = init_distributed()
     try:
-        out = train_actor(cfg, run, state, batch, info)
+        with run_lock.heartbeat(run.layout.lock_url) if info.is_main else contextlib.nullcontext():
+            out = train_actor(cfg, run, state, batch, info)
     except BaseException:
         shutdown_distributed(failed=True)  # no barrier: the other ranks may never reach it
         raise
@@ -216,4 +272,5 @@ def actor_update(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
 def critic_update(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> UpdateOutput:
     """Clipped value regression on the same batch; next critic checkpoint."""
     secrets.load(secrets.S3, secrets.SERVER)
-    return train_critic(cfg, run, state, batch)
+    with run_lock.heartbeat(run.layout.lock_url):
+        return train_critic(cfg, run, state, batch)

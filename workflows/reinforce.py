@@ -11,7 +11,7 @@ from typing import List
 from flytekit import dynamic, workflow
 
 from tasks.config import TrainConfig
-from tasks.iteration import TrainingSummary, finish_run
+from tasks.iteration import TrainingSummary, finish_run, training_failed
 from tasks.run_tasks import prepare_run
 from tasks.types import PolicyState, RunHandle
 from workflows.common import chain_iterations, wire_iteration
@@ -30,14 +30,15 @@ def reinforce_chunk(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Pol
     return reinforce_chunk(cfg=cfg, run=run, state=state) if more else state
 
 
-@workflow
-def reinforce_training(preset: str = "configs/tiny_grpo.yaml", overrides: List[str] = [], run_name: str = "") \
+@workflow(on_failure=training_failed)
+def reinforce_training(preset: str = "", overrides: List[str] = [], run_name: str = "") \
         -> TrainingSummary:
     """Train with a critic-free algorithm (run.algorithm: reinforce, rloo, grpo, dr_grpo or reinforce_pp).
 
-    :param preset: YAML preset (a path, or a name under configs/), e.g. configs/tiny_grpo.yaml
+    :param preset: YAML preset (a path, or a name under configs/); empty: configs/tiny_grpo.yaml for a new run
+        (a resumed run keeps its stored config: docs/reliability.md)
     :param overrides: config overrides as section.field=value, e.g. ["run.algorithm=rloo"]
-    :param run_name: run folder under run.storage_root; an existing run is resumed from its state.json
+    :param run_name: run folder under run.storage_root; an existing run is resumed from its state.json (docs/reliability.md)
     """
     setup = prepare_run(preset=preset, overrides=overrides, run_name=run_name, workflow="reinforce")
     final = reinforce_chunk(cfg=setup.cfg, run=setup.run, state=setup.state)

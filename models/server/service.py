@@ -5,7 +5,9 @@ server: infer / train / save, with the reward model co-located).
   :class:`models.policy.CriticValues`) and the reward model's sequence score
   (:func:`models.policy.reward_model_scores`);
 - ``train``: one clipped value-regression update (:func:`models.update.run_update` with
-  :func:`models.update.critic_loss_fn`), AdamW state kept across calls;
+  :func:`models.update.critic_loss_fn`), AdamW state kept across calls; non-finite steps are
+  skipped and counted (``nonfinite_steps``), and an update with no finite step is refused (422)
+  with the critic and its optimiser unchanged;
 - ``save``: commit the critic (+ tokenizer) as a checkpoint inside the storage root.
 
 One lock serialises every use of the models, so a train or save never overlaps an infer
@@ -34,7 +36,8 @@ from models.distributed import DistInfo, wrap_for_training
 from models.policy import CriticValues, inputs_to, reward_model_scores, with_packing
 from models.server.paths import check_save_url
 from models.server.schemas import InferResult, TrainSettings
-from models.update import LoopSettings, UpdateData, critic_loss_fn, disable_dropout, make_optimizer, run_update
+from models.update import (LoopSettings, NonFiniteUpdate, UpdateData, critic_loss_fn, disable_dropout, make_optimizer,
+                           run_update)
 from models.batch_tensors import ModelInputs, model_inputs, padded_tensors
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -233,6 +236,8 @@ class RewardCriticService:
             try:
                 stats = run_update(self.critic, self.optimizer, data, critic_loss_fn(settings.value_clip or None),
                                    loop, self._info)
+            except NonFiniteUpdate as err:  # the critic and its optimiser are as before the call
+                raise InvalidRequest(f"train: {err}") from err
             finally:
                 self.critic.eval()
             self.train_calls += 1

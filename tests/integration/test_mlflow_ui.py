@@ -187,7 +187,10 @@ def test_samples_table_matches_the_logged_samples(server, browser, tmp_path_fact
     name = f"samples/iter-{ITERATIONS - 1:06d}.json"
     with open(artifacts / run_id / "artifacts" / name) as f:
         logged = json.load(f)  # pandas "split" layout: columns + data
-    assert logged["columns"] == ["prompt", "response", "reward", "kl"]
+    cols = logged["columns"]
+    assert cols[:4] == ["prompt", "response", "reward", "kl"]
+    assert {"reward_raw", "row_id"} <= set(cols)  # the reward before scaling, the sample's data row
+    assert all(isinstance(r[cols.index("row_id")], int) for r in logged["data"])
     _open(browser, f"{base}/#/experiments/{exp}/runs/{run_id}/artifacts/{name}",
           lambda d: "View as table" in _page_text(d) and d.find_elements(By.CSS_SELECTOR, "table, [role='table']"))
     headers = [h.text.strip() for h in browser.find_elements(By.CSS_SELECTOR, "th, [role='columnheader']")]

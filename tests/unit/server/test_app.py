@@ -13,7 +13,7 @@ from models.server.app import ServerSettings, create_app
 from models.server.client import RemoteReward, RewardCriticClient, ServerError, tokens_from_inputs
 from models.server.service import RewardCriticService, ServiceConfig, token_table
 from models.batch_tensors import model_inputs
-from tests.unit.server.tiny_checkpoints import commit_tiny_models, samples
+from tests.unit.server.tiny_checkpoints import commit_tiny_models, plant_nan_embedding, samples
 
 TOKEN = "s3cret-token"
 NAN_TOKEN = 42
@@ -21,13 +21,14 @@ NAN_TOKEN = 42
 
 @pytest.fixture(scope="module")
 def urls(tmp_path_factory):
-    return commit_tiny_models(tmp_path_factory.mktemp("app-models"), nan_token=NAN_TOKEN)
+    return commit_tiny_models(tmp_path_factory.mktemp("app-models"))
 
 
 @pytest.fixture(scope="module")
 def http(urls, tmp_path_factory):
     root = tmp_path_factory.mktemp("storage")
     service = RewardCriticService.load(ServiceConfig(urls["critic"], urls["reward_model"], str(root), lr=1e-3))
+    plant_nan_embedding(service.reward_model, NAN_TOKEN)
     settings = ServerSettings(max_batch_size=8, max_delay_ms=1, max_body_bytes=4000, max_samples_per_request=6,
                               max_tokens_per_sample=400, token=TOKEN)
     with TestClient(create_app(service, settings)) as tc:

@@ -14,23 +14,23 @@ from models.tokenizer import build_char_tokenizer
 CFG = TinyModelConfig(max_position_embeddings=128)
 
 
-def commit_tiny_models(root: Path, nan_token: int | None = None) -> Dict[str, str]:
-    """``{"critic": url, "reward_model": url}`` committed under ``root/checkpoints``.
-
-    ``nan_token``: make the reward model's embedding of that id NaN, so any sample holding
-    it (and only those) scores NaN.
-    """
+def commit_tiny_models(root: Path) -> Dict[str, str]:
+    """``{"critic": url, "reward_model": url}`` committed under ``root/checkpoints``."""
     tok = build_char_tokenizer()
     reward_model = build_reward_model(CFG, tok)
-    if nan_token is not None:
-        with torch.no_grad():
-            reward_model.get_input_embeddings().weight[nan_token] = float("nan")
     out = {}
     for name, model in (("critic", build_critic(CFG, tok)), ("reward_model", reward_model)):
         local = save_model(model, tok, root / "hf" / name)
         out[name] = str(root / "checkpoints" / name)
         save_checkpoint(str(local), out[name])
     return out
+
+
+def plant_nan_embedding(model, token: int) -> None:
+    """Make ``model``'s embedding of id ``token`` NaN, so any sample holding it (and only those) scores
+    NaN (in memory: a checkpoint with such weights is never committed)."""
+    with torch.no_grad():
+        model.get_input_embeddings().weight[token] = float("nan")
 
 
 def samples(n: int, seed: int = 0, vocab: int = 99, max_prompt: int = 12, max_response: int = 10):

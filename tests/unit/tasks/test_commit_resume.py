@@ -10,7 +10,7 @@ import json
 import pytest
 
 from models.checkpoint import save_checkpoint
-from tasks import iteration, tracking
+from tasks import iteration, run_lock, tracking
 from tasks.config import TrainConfig
 from tasks.iteration import run_commit, run_evaluate
 from tasks.types import PolicyState, RunHandle
@@ -23,6 +23,7 @@ def run(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     run_id = tracking.start_run("commit-test", "r", {}, {})
     handle = RunHandle(str(tmp_path / "runs"), "r", run_id, "", "", "")
+    run_lock.acquire(handle.layout.lock_url, ttl_s=60)  # as setup_run takes it: commits check they hold the run
     actor = handle.layout.actor_url(0)
     save_checkpoint(hf_dir(tmp_path / "src"), actor)
     batch = rollout_batch().with_columns(old_logprobs=LOGP, ref_logprobs=LOGP, reward=[0.0, 0.5, 1.0, 0.25])

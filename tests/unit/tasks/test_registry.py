@@ -87,3 +87,57 @@ def test_long_runs_keep_their_newest_tables_viewable(mlflow_run):
     assert listed[-1] == "samples/iter-000159.json" and len(listed) == len(set(listed)) > 100
     assert listed == [f"samples/iter-{i:06d}.json" for i in range(160 - len(listed), 160)]
     assert len(tracking.client().list_artifacts(mlflow_run, "samples")) == 160
+
+
+@pytest.fixture(scope="module")
+def later_actor_url(tmp_path_factory):
+    """Another committed policy: the final checkpoint after the run was extended."""
+    root = tmp_path_factory.mktemp("ckpt-later")
+    tok = build_char_tokenizer()
+    local = save_model(build_actor(TinyModelConfig(seed=1), tok), tok, root / "hf")
+    save_checkpoint(str(local), str(root / "actor"))
+    return str(root / "actor")
+
+
+def test_an_extended_run_registers_its_new_final_policy(mlflow_run, actor_url, later_actor_url):
+    """4 iterations, finished and registered; extended to 6 and finished again: the registered model
+    and ``candidate`` follow the new final checkpoint, and retries still log nothing twice."""
+    import mlflow
+
+    first = registry.log_policy(mlflow_run, actor_url, "extended-policy")
+    final = registry.log_policy(mlflow_run, later_actor_url, "extended-policy")
+    again = registry.log_policy(mlflow_run, later_actor_url, "extended-policy")  # a retried finish_run
+    assert (first.version, final.version) == ("1", "2") and again == final and final.model_uri != first.model_uri
+    assert registry.version_by_alias("extended-policy", registry.CANDIDATE) == "2"
+    version = tracking.client().get_model_version("extended-policy", "2")
+    assert version.tags[registry.CHECKPOINT_TAG] == later_actor_url
+    assert mlflow.models.get_model_info(final.model_uri).metadata["checkpoint_url"] == later_actor_url
+    exp = tracking.client().get_run(mlflow_run).info.experiment_id
+    logged = mlflow.search_logged_models(experiment_ids=[exp], output_format="list",
+                                         filter_string=f"source_run_id = '{mlflow_run}'")
+    assert len(logged) == 2
+    back = registry.checkpoint_from_registry("extended-policy", "2", later_actor_url + "-back")
+    assert file_digest(f"{back}/model.safetensors") == file_digest(f"{later_actor_url}/model.safetensors")
+
+
+def test_a_policy_with_nonfinite_weights_is_never_logged(mlflow_run, actor_url, tmp_path):
+    """A checkpoint committed before commits checked finiteness, NaN planted after the fact."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from models.checkpoint import CheckpointError
+
+    bad = tmp_path / "nan-actor"
+    shutil.copytree(actor_url, bad)
+    weights = load_file(bad / "model.safetensors")
+    name = sorted(weights)[0]
+    weights[name][0] = float("nan")
+    save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
+    marker = json.loads((bad / "COMMITTED.json").read_text())
+    marker["files"]["model.safetensors"] = file_digest(str(bad / "model.safetensors"))
+    (bad / "COMMITTED.json").write_text(json.dumps(marker))
+    with pytest.raises(CheckpointError, match=rf"'model\.safetensors' holds NaN or inf in 1 tensor\(s\) \({name}\)"):
+        registry.log_policy(mlflow_run, str(bad), "nan-policy")
+    assert registry.version_by_alias("nan-policy", registry.CANDIDATE) is None

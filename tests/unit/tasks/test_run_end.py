@@ -1,0 +1,67 @@
+"""A run that does not finish is marked in MLflow (KILLED after SIGINT/SIGTERM, FAILED after an error),
+its lock released, and one line says so (tasks/run_end.py): in the process of a local execution at exit,
+and by the workflows' failure handler for a cluster execution."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tasks import run_end, run_lock, tracking
+from tasks.run_layout import RunLayout
+
+ROOT = Path(__file__).resolve().parents[3]
+HOLDER = """
+import os, signal, sys, time
+from tasks import run_end, run_lock, tracking
+from tasks.run_layout import RunLayout
+root, how = sys.argv[1], sys.argv[2]
+layout = RunLayout(root, "r")
+run_id = tracking.start_run("flyte-rlhf", "r", {}, {"storage": layout.url})
+run_lock.acquire(layout.lock_url, ttl_s=3600)
+run_end.hold_if_local(root, "r", run_id, 3600)  # as prepare_run does in a local execution
+print(run_id, flush=True)
+if how == "error":
+    raise RuntimeError("boom in a task")
+os.kill(os.getpid(), getattr(signal, how))
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("how, status", [("SIGINT", "KILLED"), ("SIGTERM", "KILLED"), ("error", "FAILED")])
+def test_a_local_run_that_stops_is_marked_and_lets_go(tmp_path, monkeypatch, how, status):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    out = subprocess.run([sys.executable, "-c", HOLDER, str(tmp_path / "runs"), how], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    run_id = out.stdout.strip()
+    assert out.returncode != 0 and run_id, out.stderr
+    why = f"interrupted by {how}" if how != "error" else "failed (the error is above)"
+    line = (f"[flyte-rlhf] run r {why}: MLflow run {run_id} marked {status}, lock released, no iteration committed "
+            f"yet; rerun the same command to resume")
+    assert line in out.stderr.splitlines()
+    assert tracking.client().get_run(run_id).info.status == status
+    lease = json.loads((tmp_path / "runs" / "r" / "lock.json").read_text())
+    assert lease["released_at"]
+
+
+def test_the_failure_handler_finds_a_cluster_run_by_its_execution(tmp_path, monkeypatch):
+    from flytekit.models.core.identifier import WorkflowExecutionIdentifier
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    ex = WorkflowExecutionIdentifier("proj", "development", "exec-a")
+    layout = RunLayout(str(tmp_path / "runs"), "r")
+    run_id = tracking.start_run("flyte-rlhf", "r", {}, {"storage": layout.url, "flyte_execution_id": "exec-a"})
+    other = tracking.start_run("flyte-rlhf", "other", {}, {"storage": layout.url + "x", "flyte_execution_id": "b"})
+    run_lock.acquire(layout.lock_url, ttl_s=3600, owner=run_lock.execution_owner(ex))
+    line = run_end.mark_failed("flyte-rlhf", "NonFiniteUpdate: all 4 optimiser steps ...", execution=ex)
+    assert line.startswith(f"[flyte-rlhf] run r failed: NonFiniteUpdate: all 4 optimiser steps ...: MLflow run "
+                           f"{run_id} marked FAILED, lock released")
+    run = tracking.client().get_run(run_id)
+    assert run.info.status == "FAILED" and run.data.tags["end_reason"].startswith("failed: NonFiniteUpdate")
+    assert tracking.client().get_run(other).info.status == "RUNNING"  # another execution's run is left alone
+    assert json.loads(Path(layout.lock_url).read_text())["released_at"]
+    assert run_end.mark_failed("flyte-rlhf", "again", execution=ex) is None  # nothing RUNNING any more
