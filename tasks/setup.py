@@ -108,6 +108,9 @@ def new_run(cfg: TrainConfig, layout: RunLayout, preset: str) -> RunSetup:
     else:
         tokenizer = load_tokenizer_only(cfg.model.actor_path)
         _check_vocabularies(cfg, tokenizer)
+        from tasks.rollout import check_rollout_setup
+
+        check_rollout_setup(cfg, storage.read_json(storage.join(cfg.model.actor_path, "config.json")))
     if train_url:  # user data: every row is checked before any model is loaded
         probe = _check_prompts(cfg, train_url, tokenizer)[:4]
         if eval_url:
