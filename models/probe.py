@@ -31,6 +31,17 @@ log = logging.getLogger(__name__)
 
 PROBE_SEQUENCES = 4
 PROBE_LENGTH = 16
+LOW_PRECISION_PROBE_TOLERANCE = 0.5
+"""Smallest probe tolerance (nats) when the engine or the trainer computes in bfloat16/float16: rounding
+alone moved log-probs by 0.002-0.06 nats between vLLM in bfloat16 and a float32 forward on the test
+models (larger logits, larger gaps), and by up to 0.4 nats/token on real ones (README)."""
+
+
+def effective_tolerance(asked: float, engine_dtype: str, trainer_dtype: str) -> float:
+    """``asked``, raised to :data:`LOW_PRECISION_PROBE_TOLERANCE` unless engine and trainer both compute in
+    float32 (0 stays 0: the probe is off)."""
+    exact = engine_dtype == trainer_dtype == "float32"
+    return asked if exact or asked == 0 else max(asked, LOW_PRECISION_PROBE_TOLERANCE)
 
 
 class EngineMismatchError(RuntimeError):
@@ -73,31 +84,46 @@ Logprobs = Tuple[Tuple[float, ...], ...]
 
 
 @functools.lru_cache(maxsize=4)
-def trainer_logprobs(policy_dir: str, fetch: Callable[[str], str] = download_checkpoint
+def trainer_logprobs(policy_dir: str, fetch: Callable[[str], str] = download_checkpoint, dtype: str = "float32"
                      ) -> Tuple[Sequences, Logprobs]:
     """``(sequences, log-probs)``: the probe sequences of the policy in ``policy_dir`` (full weights
-    or a LoRA adapter, its base fetched with ``fetch``) and the trainer's float32 log-probs of
-    tokens 1.. of each, at temperature 1 (cached per process and folder)."""
-    return _trainer_logprobs(policy_dir, fetch)
+    or a LoRA adapter, its base fetched with ``fetch``) and the trainer's log-probs of tokens 1.. of
+    each, at temperature 1, with the weights loaded in ``dtype`` as ``score`` loads them (cached per
+    process, folder and dtype)."""
+    return _trainer_logprobs(policy_dir, fetch, dtype)
 
 
-def _trainer_logprobs(policy_dir: str, fetch: Callable[[str], str]) -> Tuple[Sequences, Logprobs]:
+def _device_for(policy_dir: str, dtype: str) -> str:
+    """A GPU when one has room for the weights (the engine holds its share), else the CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    files = [os.path.join(policy_dir, f) for f in os.listdir(policy_dir) if f.endswith(".safetensors")]
+    need = sum(os.path.getsize(f) for f in files) * (2 if dtype == "float32" else 1)  # stored float32 at most
+    return "cuda" if torch.cuda.mem_get_info()[0] > 1.5 * need else "cpu"
+
+
+def _trainer_logprobs(policy_dir: str, fetch: Callable[[str], str], dtype: str = "float32"
+                      ) -> Tuple[Sequences, Logprobs]:
     import pyarrow as pa
     import torch
     from transformers import AutoModelForCausalLM
 
     from models.batch_tensors import model_inputs
     from models.lora import base_url, is_adapter, load_pretrained
-    from models.policy import PolicyLogprobs
+    from models.policy import PolicyLogprobs, inputs_to
 
     tokenizer_dir = fetch(base_url(policy_dir)) if is_adapter(policy_dir) and not _has_tokenizer(policy_dir) \
         else policy_dir
     seqs = probe_sequences(_vocab_size(tokenizer_dir))
-    model = PolicyLogprobs(load_pretrained(policy_dir, AutoModelForCausalLM, torch.float32, fetch)).eval()
+    device = _device_for(tokenizer_dir if is_adapter(policy_dir) else policy_dir, dtype)
+    lm = load_pretrained(policy_dir, AutoModelForCausalLM, getattr(torch, dtype), fetch).to(device)
     table = pa.table({"prompt_tokens": [s[:1] for s in seqs], "response_tokens": [s[1:] for s in seqs]})
     with torch.no_grad():
-        logp, _ = model(model_inputs(table, 0), temperature=1.0, with_entropy=False)  # [B, L-1]
-    return tuple(map(tuple, seqs)), tuple(tuple(float(x) for x in row) for row in logp)
+        inputs = inputs_to(model_inputs(table, 0), device)
+        logp, _ = PolicyLogprobs(lm).eval()(inputs, temperature=1.0, with_entropy=False)  # [B, L-1]
+    return tuple(map(tuple, seqs)), tuple(tuple(float(x) for x in row) for row in logp.float().cpu())
 
 
 def _has_tokenizer(local_dir: str) -> bool:
@@ -119,10 +145,10 @@ def _gaps(sequences: Sequence[Sequence[int]], got: Sequence[Sequence[float]],
 
 
 def verify(engine, policy_dir: str, tolerance: float, restart: Callable[[], None],
-           fetch: Callable[[str], str] = download_checkpoint, what: str = "") -> ProbeResult:
-    """Check that ``engine`` serves the policy in ``policy_dir``; restart it once (``restart``) if not;
-    raise :class:`EngineMismatchError` if that did not help."""
-    sequences, reference = trainer_logprobs(policy_dir, fetch)
+           fetch: Callable[[str], str] = download_checkpoint, what: str = "", dtype: str = "float32") -> ProbeResult:
+    """Check that ``engine`` serves the policy in ``policy_dir`` (the trainer's forward in ``dtype``);
+    restart it once (``restart``) if not; raise :class:`EngineMismatchError` if that did not help."""
+    sequences, reference = trainer_logprobs(policy_dir, fetch, dtype)
     result = compare(engine, sequences, reference)
     if result.gap_max <= tolerance:
         return result
@@ -147,7 +173,8 @@ _VERIFIED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def ensure_serves(engine, key: tuple, policy_dir: str, tolerance: float, restart: Callable[[], None],
-                  fetch: Callable[[str], str] = download_checkpoint, what: str = "") -> Optional[ProbeResult]:
+                  fetch: Callable[[str], str] = download_checkpoint, what: str = "",
+                  dtype: str = "float32") -> Optional[ProbeResult]:
     """:func:`verify` once per engine and served weights ``key`` (None when ``tolerance`` is 0: off);
     the result's gap goes to ``engine.stats.extra["probe_gap_max"]``."""
     if tolerance <= 0:
@@ -155,7 +182,7 @@ def ensure_serves(engine, key: tuple, policy_dir: str, tolerance: float, restart
     done = _VERIFIED.get(engine)
     if done is not None and done[0] == key:
         return done[1]
-    result = verify(engine, policy_dir, tolerance, restart, fetch, what)
+    result = verify(engine, policy_dir, tolerance, restart, fetch, what, dtype)
     _VERIFIED[engine] = (key, result)
     engine.stats.extra["probe_gap_max"] = result.gap_max
     return result

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 from kernels.advantages import ALGORITHMS
 from models.engines import MIN_ENGINE_TEMPERATURE, VLLM_MAX_LORA_RANK
+from models.probe import effective_tolerance
 
 MIN_TRAIN_TEMPERATURE = 0.1
 """Lowest ``rollout.temperature``: at τ a logit change of 88.7·τ between two policies overflows a
@@ -140,8 +141,9 @@ class RolloutConfig:
     probe_tolerance: float = 1e-3
     """After every weight change the engine's and the trainer's log-probs of a few fixed sequences
     are compared (``models/probe.py``); above this many nats the engine is restarted from the
-    checkpoint, and if the gap persists the run stops naming it. Float32 engines agree within ~1e-5;
-    raise it for ``vllm_dtype`` bfloat16/float16; 0 turns the check off."""
+    checkpoint, and if the gap persists the run stops naming it. Float32 engines and trainers agree
+    within ~1e-6 on the test models; with bfloat16/float16 on either side the tolerance is at least
+    ``models.probe.LOW_PRECISION_PROBE_TOLERANCE`` (``TrainConfig.probe_tolerance``). 0 turns the check off."""
     vllm_kv_cache_gib: float = 1.0
     """KV-cache space for vLLM on CPU (``VLLM_CPU_KVCACHE_SPACE``)."""
     vllm_gpu_memory_utilization: float = 0.5
@@ -546,3 +548,11 @@ class TrainConfig:
     @property
     def uses_critic(self) -> bool:
         return ALGORITHMS[self.run.algorithm].uses_critic
+
+    @property
+    def probe_tolerance(self) -> float:
+        """``rollout.probe_tolerance``, raised to ``models.probe.LOW_PRECISION_PROBE_TOLERANCE`` unless the engine
+        and the trainer (``model.dtype``) both compute in float32; 0 stays 0 (off)."""
+        r = self.rollout
+        return effective_tolerance(r.probe_tolerance, r.vllm_dtype if r.engine == "vllm" else self.model.dtype,
+                                   self.model.dtype)

@@ -45,7 +45,7 @@ def remote_engine_for(cfg: TrainConfig, actor_url: str) -> RemoteEngine:
     """The rollout server at ``rollout.remote_url`` sampling from ``actor_url``: a LoRA adapter is
     sent as the adapter on its base checkpoint (the server loads both)."""
     engine = _remote_engine(cfg.rollout.remote_url, cfg.rollout.remote_timeout_s)
-    engine.probe_tolerance = cfg.rollout.probe_tolerance
+    engine.probe_tolerance, engine.trainer_dtype = cfg.probe_tolerance, cfg.model.dtype
     base = base_checkpoint_url(actor_url) if cfg.actor.lora.enabled else actor_url
     engine.load_weights(base)
     engine.set_adapter(actor_url if base != actor_url else None)
@@ -80,7 +80,8 @@ def engine_for(cfg: TrainConfig, actor_url: str):
         if served[1] is not None:
             engine.set_adapter(served[1])
 
-    ensure_serves(engine, served, local, r.probe_tolerance, restart, local_checkpoint, what=actor_url)
+    ensure_serves(engine, served, local, cfg.probe_tolerance, restart, local_checkpoint, what=actor_url,
+                  dtype=cfg.model.dtype)
     return engine
 
 

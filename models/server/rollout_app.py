@@ -49,7 +49,8 @@ def create_rollout_app(service: RolloutService, settings: ServerSettings = Serve
                      label="prompt {i} plus max_new_tokens")
         spec = SamplingSpec(**s.model_dump())
         served = await run_in_threadpool(
-            service.generate, req.prompts, spec, req.checkpoint_url, req.adapter_url, req.probe_tolerance)
+            service.generate, req.prompts, spec, req.checkpoint_url, req.adapter_url, req.probe_tolerance,
+            req.trainer_dtype)
         out = [[GenerationOut.model_validate(g, from_attributes=True) for g in per_prompt]
                for per_prompt in served.generations]
         return json_response(GenerateResponse(generations=out, load_s=served.load_s, generate_s=served.generate_s,

@@ -6,7 +6,7 @@ the wire unchanged; prompts are token ids, as the in-process engines take them.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Literal, Optional
 
 from pydantic import BaseModel, Field, StrictInt, model_validator
 
@@ -51,7 +51,9 @@ class GenerateRequest(BaseModel):
     probe_tolerance: float = Field(1e-3, ge=0)
     """After loading new weights the server checks its engine against the trainer's forward
     (``models/probe.py``): above this many nats it restarts the engine, and answers 409 if the gap
-    persists; 0: no check."""
+    persists; 0: no check. A server whose engine is not float32 raises it to at least 0.5."""
+    trainer_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype the trainer loads weights in (``model.dtype``): the probe's forward uses it."""
 
 
 class GenerationOut(BaseModel):

@@ -34,7 +34,7 @@ from models import storage
 from models.checkpoint import CheckpointError, download_checkpoint
 from models.engines import Generation, SamplingSpec, make_engine
 from models.lora import canonical_url
-from models.probe import ProbeResult, ensure_serves
+from models.probe import ProbeResult, effective_tolerance, ensure_serves
 from models.server.service import InvalidRequest, NotLoaded, check_token_ids
 
 
@@ -145,7 +145,8 @@ class RolloutService:
         self._dirs[role] = local
         return local
 
-    def _serve(self, checkpoint_url: str, adapter_url: Optional[str], probe_tolerance: float) -> Optional[float]:
+    def _serve(self, checkpoint_url: str, adapter_url: Optional[str], probe_tolerance: float,
+               trainer_dtype: str) -> Optional[float]:
         """Serve the named weights; the probe's gap when they changed (else None)."""
         if adapter_url is not None and not self.lora:
             raise NotLoaded("this rollout server serves no LoRA adapters: start it with --max-lora-rank R")
@@ -166,7 +167,7 @@ class RolloutService:
             return weights if canonical_url(url) == canonical_url(checkpoint_url) else _fetch(url)[0]
 
         done = ensure_serves(self.engine, (checkpoint_url, adapter_url), adapter or weights, probe_tolerance,
-                             restart, fetch, what=adapter_url or checkpoint_url)
+                             restart, fetch, what=adapter_url or checkpoint_url, dtype=trainer_dtype)
         if done is None or done is self._probed:
             return None
         self._probed = done
@@ -181,18 +182,21 @@ class RolloutService:
         self.engine.set_adapter(local_dir)
 
     def generate(self, prompts: List[List[int]], spec: SamplingSpec, checkpoint_url: str,
-                 adapter_url: Optional[str] = None, probe_tolerance: float = 1e-3) -> Served:
+                 adapter_url: Optional[str] = None, probe_tolerance: float = 1e-3,
+                 trainer_dtype: str = "float32") -> Served:
         """Generations per prompt from the policy at ``checkpoint_url`` (+ ``adapter_url``), with the
-        seconds spent loading and generating and the probe's gap if the weights changed;
-        :class:`InvalidRequest` for empty prompts or ids outside the vocabulary. Blocks until the
-        engine thread has served the requests before this one and this one."""
-        return self._thread.submit(self._generate, prompts, spec, checkpoint_url, adapter_url,
-                                   probe_tolerance).result()
+        seconds spent loading and generating and the probe's gap if the weights changed (against the
+        trainer's forward in ``trainer_dtype``); :class:`InvalidRequest` for empty prompts or ids
+        outside the vocabulary. Blocks until the engine thread has served the requests before this
+        one and this one."""
+        tolerance = effective_tolerance(probe_tolerance, self.config.dtype, trainer_dtype)
+        return self._thread.submit(self._generate, prompts, spec, checkpoint_url, adapter_url, tolerance,
+                                   trainer_dtype).result()
 
     def _generate(self, prompts: List[List[int]], spec: SamplingSpec, checkpoint_url: str,
-                  adapter_url: Optional[str], probe_tolerance: float) -> Served:
+                  adapter_url: Optional[str], probe_tolerance: float, trainer_dtype: str) -> Served:
         t0 = time.perf_counter()
-        gap = self._serve(checkpoint_url, adapter_url, probe_tolerance)
+        gap = self._serve(checkpoint_url, adapter_url, probe_tolerance, trainer_dtype)
         t1 = time.perf_counter()
         self._check(prompts, spec.stop_token_ids)
         generations = self.engine.generate(prompts, spec)

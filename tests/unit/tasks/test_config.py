@@ -95,3 +95,11 @@ def test_temperature_bounds_accept_what_both_engines_sample_exactly():
     assert load_config("tiny_grpo", ["rollout.eval_temperature=0"]).rollout.eval_temperature == 0  # greedy
     with pytest.raises(ValueError, match="temperature 0.005 is below 0.01, where vLLM samples another temperature"):
         SamplingSpec(temperature=0.005)  # the engines' own guard (the rollout server's requests too)
+
+
+def test_the_probe_tolerance_is_raised_where_bfloat16_rounding_alone_exceeds_it():
+    assert load_config("tiny_ppo").probe_tolerance == 1e-3  # float32 engine and trainer
+    assert load_config("tiny_ppo", ["rollout.vllm_dtype=bfloat16"]).probe_tolerance == 0.5
+    assert load_config("tiny_ppo", ["rollout.engine=hf", "model.dtype=bfloat16"]).probe_tolerance == 0.5
+    assert load_config("tiny_ppo", ["rollout.vllm_dtype=bfloat16", "rollout.probe_tolerance=2"]).probe_tolerance == 2
+    assert load_config("tiny_ppo", ["model.dtype=bfloat16", "rollout.probe_tolerance=0"]).probe_tolerance == 0  # off
