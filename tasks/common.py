@@ -13,7 +13,7 @@ import numpy as np
 from models import storage
 from models.checkpoint import download_checkpoint
 
-CACHE_VERSION = "1"
+CACHE_VERSION = "2"
 """Bump when a task's outputs change meaning for the same inputs."""
 
 

@@ -167,3 +167,25 @@ def test_top_p_and_top_k_log_probs_are_the_same_on_both_engines(vllm_engine_cls,
                 assert max(abs(a - b) for a, b in zip(g.logprobs, want.squeeze(-1).tolist())) < TOL
     finally:
         engine.close()
+
+
+def test_a_resumed_rollout_is_bit_identical_to_the_warm_one(vllm_engine_cls, qwen2_chat_dir, tmp_path):
+    """What ``test_resume.py`` relies on, on the tied model: iteration 1's batch sampled by the engine
+    kept warm (reloaded in place with iteration 0's actor) and by a fresh one (a resumed run's)."""
+    from models.engines import close_engines
+    from tasks.batch import RolloutBatch
+    from tasks.rollout import run_rollout
+    from tasks.types import PolicyState
+    from tests.hub_runs import hub_run, iterate
+
+    with hub_run(tmp_path, qwen2_chat_dir, "tiny_grpo", ["rollout.engine=vllm", "run.save_interval=1"],
+                 "resume") as (cfg, run, state):
+        iterate(cfg, run, state, 2)
+        url = run.layout.batch_url(1, "rollouts")
+        warm = RolloutBatch.read(url).table.replace_schema_metadata(None)
+        close_engines()
+        s1 = PolicyState(1, run.layout.actor_url(0), "", state.kl_coef)
+        fresh = run_rollout(cfg, run, s1).batch.table.replace_schema_metadata(None)
+        close_engines()
+    assert fresh.equals(warm)
+    assert len({tuple(r) for r in warm.column("response_tokens").to_pylist()}) > 1
