@@ -8,8 +8,11 @@ with transformers within 1e-3 nats (``test_models_vllm.py``)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from models.engines import SamplingSpec
 from tests.unit.models.hub_copies import hf_logprobs, load, trained_copy, with_eos
@@ -189,3 +192,36 @@ def test_a_resumed_rollout_is_bit_identical_to_the_warm_one(vllm_engine_cls, qwe
         close_engines()
     assert fresh.equals(warm)
     assert len({tuple(r) for r in warm.column("response_tokens").to_pylist()}) > 1
+
+
+def test_vllm_serves_an_lm_head_adapter_on_a_tied_llama(vllm_engine_cls, tmp_path):
+    """Llama 3.2-style (tied embeddings): vLLM's Llama adapts lm_head, on the logits only, as peft trains
+    it; Qwen2's does not (refused at set-up, ``test_lora.py``)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from models.checkpoint import save_checkpoint
+    from models.engines import close_engines
+    from models.hub_models import HubModelConfig, build_llama_bpe
+    from models.lora import load_pretrained
+    from tasks.config_io import load_config
+    from tasks.rollout import check_rollout_setup, engine_for
+    from tests.unit.models.hub_copies import adapter_checkpoint
+
+    hf = build_llama_bpe(tmp_path / "hf", HubModelConfig(num_kv_heads=2, tie_word_embeddings=True))
+    base, adapter = str(tmp_path / "base"), str(tmp_path / "adapter")
+    save_checkpoint(str(hf), base)
+    spec = SimpleNamespace(rank=8, alpha=16.0, dropout=0.0, target_modules=["q_proj", "v_proj", "lm_head"])
+    adapter_checkpoint(base, spec, AutoTokenizer.from_pretrained(base), adapter, std=0.3)
+    cfg = load_config("tiny_ppo_lora", ["rollout.lora_mode=adapter", "rollout.engine=vllm"])
+    check_rollout_setup(cfg, json.loads((tmp_path / "base" / "config.json").read_text()))  # Llama: not refused
+    try:
+        engine = engine_for(cfg, adapter)  # probed: the engine (base + adapter) against peft's forward
+        assert engine.stats.extra["probe_gap_max"] < TOL
+        trained = load_pretrained(adapter, AutoModelForCausalLM, torch.float32).eval()
+        prompt = _prompt(base, "Reverse: abc")
+        for g in engine.generate([prompt], SamplingSpec(n=4, max_new_tokens=8, seed=1))[0]:
+            assert max(abs(a - b) for a, b in zip(g.logprobs, hf_logprobs(trained, prompt, g.tokens))) < TOL
+    finally:
+        close_engines()

@@ -1,8 +1,10 @@
-"""Changed copies of the Hub-shaped test checkpoints, and an independent log-prob reference.
+"""Changed copies of the Hub-shaped test checkpoints, adapters on them, and an independent log-prob
+reference.
 
 ``trained_copy`` stands in for an update (every weight moved, a tied embedding through the tie);
-``with_eos`` rewrites ``generation_config.json``'s eos list; ``hf_logprobs`` is what a plain
-transformers forward gives the tokens a rollout sampled (full logits, log-softmax, gather)."""
+``adapter_checkpoint`` for a LoRA update; ``with_eos`` rewrites ``generation_config.json``'s eos list;
+``hf_logprobs`` is what a plain transformers forward gives the tokens a rollout sampled (full logits,
+log-softmax, gather)."""
 
 from __future__ import annotations
 
@@ -50,3 +52,18 @@ def hf_logprobs(model, prompt: Sequence[int], response: Sequence[int], temperatu
 
 def load(path: Path | str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def adapter_checkpoint(base: str, spec, tokenizer, url: str, std: float):
+    """A committed adapter on the committed checkpoint ``base`` whose B matrices are N(0, std²) (seed 0),
+    as after training; returns the peft model."""
+    from models.lora import CAUSAL_LM, add_adapter, save_adapter_checkpoint
+
+    model = add_adapter(AutoModelForCausalLM.from_pretrained(base), spec, CAUSAL_LM)
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(0)
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0.0, std)
+    save_adapter_checkpoint(model, tokenizer, url, base)
+    return model

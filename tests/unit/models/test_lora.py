@@ -18,6 +18,7 @@ from models.lora import (CAUSAL_LM, add_adapter, base_url, canonical_url, load_p
                          save_adapter_checkpoint, without_adapter)
 from models.tiny import TinyModelConfig, build_actor, save_model
 from models.tokenizer import build_char_tokenizer
+from tests.unit.models.hub_copies import adapter_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SPEC = SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
@@ -35,18 +36,6 @@ def ckpts(tmp_path_factory):
     model = adapter_checkpoint(base_url_, SPEC, tok, adapter, std=0.2)
     return SimpleNamespace(root=root, base=base_url_, adapter=adapter, model=model.eval())
 
-
-def adapter_checkpoint(base: str, spec, tokenizer, url: str, std: float):
-    """A committed adapter on ``base`` whose B matrices are N(0, std²) (seed 0), as after training;
-    returns the peft model."""
-    model = add_adapter(AutoModelForCausalLM.from_pretrained(base), spec, CAUSAL_LM)
-    with torch.no_grad(), torch.random.fork_rng():
-        torch.manual_seed(0)
-        for name, p in model.named_parameters():
-            if ".lora_B." in name:
-                p.normal_(0.0, std)
-    save_adapter_checkpoint(model, tokenizer, url, base)
-    return model
 
 
 def _logits(model) -> torch.Tensor:
