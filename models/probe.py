@@ -16,6 +16,7 @@ loading the trainer's model once per checkpoint (cached per process).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -166,7 +167,7 @@ def verify(engine, policy_dir: str, tolerance: float, restart: Callable[[], None
             f"at {again.where()}. The engine does not compute this model as the trainer does, so sampling from it "
             f"would not be on-policy: try rollout.engine=hf, or another rollout.vllm_dtype")
     print(f"rollout engine vs trainer on {name}: {again.gap_max:.3g} nats after the restart", flush=True)
-    return ProbeResult(**{**again.__dict__, "restarted": True})
+    return dataclasses.replace(again, restarted=True)
 
 
 _VERIFIED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -186,7 +187,6 @@ def ensure_serves(engine, key: tuple, policy_dir: str, tolerance: float, restart
     _VERIFIED[engine] = (key, result)
     engine.stats.extra["probe_gap_max"] = result.gap_max
     return result
-
 
 
 def compare_policies(policy_a: str, policy_b: str, fetch: Callable[[str], str] = download_checkpoint) -> ProbeResult:
