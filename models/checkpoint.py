@@ -9,8 +9,10 @@ BLAKE3 list sha256, still checked). Writing goes
 so a crash at any point leaves either no marker (refused on read) or a whole checkpoint.
 Reading verifies sizes and checksums against the marker.
 
-No pickle anywhere: only safetensors, JSON, text and tokenizer files are accepted, on
-write and on read (nothing loaded from storage may execute code).
+No pickle anywhere: only safetensors weights and the text and metadata files of a Hub snapshot
+(JSON, tokenizer files, chat templates, model cards, LICENSE, ``.gitattributes``) are accepted, on
+write and on read (nothing loaded from storage may execute code); pickled weights are refused with
+how to convert them.
 """
 
 from __future__ import annotations
@@ -32,27 +34,48 @@ from models import storage
 from models.faults import pause_point
 
 MARKER = "COMMITTED.json"
-ALLOWED_SUFFIXES = (".safetensors", ".json", ".txt", ".model", ".jinja", ".md")
-"""Files a checkpoint may hold: weights (safetensors), configs and tokenizer files
-(``tokenizer.json``, ``vocab.txt``, ``merges.txt``, sentencepiece ``*.model``, chat
-template ``*.jinja``), and a model card."""
+ALLOWED_SUFFIXES = (".safetensors", ".json", ".txt", ".model", ".tiktoken", ".jinja", ".md")
+"""Files a checkpoint may hold: weights (safetensors), configs and metadata (``config.json``,
+``generation_config.json``, ``tokenizer.json``, ``vocab.json``, ...), tokenizer files (``merges.txt``,
+``vocab.txt``, sentencepiece ``tokenizer.model``, ``*.tiktoken``), chat templates (``*.jinja``) and
+model cards (``README.md``, ``USE_POLICY.md``)."""
+ALLOWED_NAME_PREFIXES = ("license", "notice", "copying")
+"""Legal files of Hub snapshots without a suffix (``LICENSE``, ``NOTICE``, ``LICENSE-MODEL``); with one
+(``LICENSE.txt``, ``LICENSE.md``) they are text files of :data:`ALLOWED_SUFFIXES`."""
+ALLOWED_HIDDEN = (".gitattributes",)
+"""Hidden files a Hub snapshot carries that are copied with it; other hidden files and folders
+(``.cache/`` of ``huggingface-cli download --local-dir``, editor leftovers) are skipped."""
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib", ".npy", ".npz")
+SAFETENSORS_HINT = ("convert it with transformers: AutoModelForCausalLM.from_pretrained(dir)"
+                    ".save_pretrained(out, safe_serialization=True), or delete it when the folder also has "
+                    "*.safetensors weights (Hub snapshots often ship both, e.g. original/consolidated.00.pth)")
 
 
 class CheckpointError(ValueError):
     """A checkpoint is not committed, corrupted, or holds a file that is not allowed."""
 
 
+def is_allowed_file(rel_path: str) -> bool:
+    """Whether ``rel_path`` is a file type a checkpoint may hold (pickles never are)."""
+    name = rel_path.lower()
+    base = name.rsplit("/", 1)[-1]
+    if name.endswith(PICKLE_SUFFIXES):
+        return False
+    legal = base.startswith(ALLOWED_NAME_PREFIXES) and "." not in base
+    return name.endswith(ALLOWED_SUFFIXES) or legal or base in ALLOWED_HIDDEN
+
+
 def check_file_allowed(rel_path: str, where: str) -> None:
     """Raise :class:`CheckpointError` unless ``rel_path`` may be in a checkpoint."""
-    name = rel_path.lower()
-    if name.endswith(PICKLE_SUFFIXES):
+    if rel_path.lower().endswith(PICKLE_SUFFIXES):
         raise CheckpointError(
             f"checkpoint {where} contains '{rel_path}', a pickle-based file; only safetensors "
-            f"weights are allowed (save with safe_serialization=True) — pickle can execute code")
-    if not name.endswith(ALLOWED_SUFFIXES):
-        raise CheckpointError(f"checkpoint {where} contains '{rel_path}', which is not an allowed "
-                              f"file type {ALLOWED_SUFFIXES}")
+            f"weights are allowed — pickle can execute code. To use this checkpoint, {SAFETENSORS_HINT}")
+    if not is_allowed_file(rel_path):
+        raise CheckpointError(
+            f"checkpoint {where} contains '{rel_path}', which is not an allowed file type: safetensors weights, "
+            f"{', '.join(s for s in ALLOWED_SUFFIXES if s != '.safetensors')} files, LICENSE/NOTICE files and "
+            f".gitattributes are (no code, e.g. modeling_*.py: nothing loaded from storage may execute code)")
 
 
 def file_digest(path: str, algorithm: str = "blake3") -> Dict[str, Any]:
@@ -74,11 +97,12 @@ def file_digest(path: str, algorithm: str = "blake3") -> Dict[str, Any]:
 
 
 def _local_files(local_dir: str) -> Dict[str, str]:
-    """``{relative posix path: absolute path}``; hidden files/dirs (e.g. ``.cache``) skipped."""
+    """``{relative posix path: absolute path}``; hidden folders (e.g. ``.cache``) and hidden files other
+    than :data:`ALLOWED_HIDDEN` (``.gitattributes``) skipped."""
     files = {}
     for dirpath, dirnames, names in os.walk(local_dir):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in sorted(n for n in names if not n.startswith(".")):
+        for name in sorted(n for n in names if not n.startswith(".") or n in ALLOWED_HIDDEN):
             full = os.path.join(dirpath, name)
             files[os.path.relpath(full, local_dir).replace(os.sep, "/")] = full
     return files

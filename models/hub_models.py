@@ -8,7 +8,7 @@ without downloads:
 | builder | model | tokenizer | extras |
 |---|---|---|---|
 | :func:`build_qwen2_chat` | ``Qwen2ForCausalLM``, tied embeddings, GQA, q/k/v biases, vocabulary padded past the tokenizer | byte-level BPE (digits split one by one), ChatML chat template with tools, eos ``<|im_end|>``, pad ``<|endoftext|>``, no BOS | ``generation_config.json`` with two eos ids and sampling defaults (``repetition_penalty`` 1.05, temperature 0.7, top-p 0.8, top-k 20), ``LICENSE``, ``README.md``, ``.gitattributes``, ``vocab.json`` + ``merges.txt`` |
-| :func:`build_llama_bpe` | ``LlamaForCausalLM``, untied | byte-level BPE with ``<|begin_of_text|>`` prepended, no pad token, a Llama-3-style chat template | ``generation_config.json`` with two eos ids, ``LICENSE``, ``README.md`` |
+| :func:`build_llama_bpe` | ``LlamaForCausalLM``, untied (tied with ``HubModelConfig(tie_word_embeddings=True)``, as Llama 3.2 1B/3B) | byte-level BPE with ``<|begin_of_text|>`` prepended, no pad token, a Llama-3-style chat template | ``generation_config.json`` with two eos ids, ``LICENSE``, ``README.md`` |
 
 The tokenizer is trained with ``tokenizers`` on :func:`default_corpus` (English sentences,
 arithmetic word problems, conversations, tool calls, code, accented and non-Latin text): byte-level
@@ -123,6 +123,9 @@ class HubModelConfig:
     larger gives more peaked next-token distributions, for tests that need clearly different samples."""
     seed: int = 0
     """Seed of the corpus order and of the weights."""
+    tie_word_embeddings: Optional[bool] = None
+    """Share the input embedding with the output head; None: the builder's default (Qwen2 tied, as
+    its small checkpoints are; Llama untied, as 8B is; Llama 3.2 1B/3B are tied)."""
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
@@ -274,7 +277,8 @@ def build_qwen2_chat(out_dir: str | Path, cfg: HubModelConfig = HubModelConfig()
         vocab_size=padded_vocab(tok, cfg.vocab_multiple), hidden_size=cfg.hidden_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
         intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6, bos_token_id=eot,
+        tie_word_embeddings=cfg.tie_word_embeddings is not False, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        bos_token_id=eot,
         eos_token_id=im_end, pad_token_id=eot)
     model = _seeded(Qwen2ForCausalLM, config, cfg.seed, cfg.logit_scale)
     generation = GenerationConfig(bos_token_id=eot, eos_token_id=[im_end, eot], pad_token_id=eot, do_sample=True,
@@ -291,7 +295,8 @@ def build_llama_bpe(out_dir: str | Path, cfg: HubModelConfig = HubModelConfig(nu
         vocab_size=padded_vocab(tok, cfg.vocab_multiple), hidden_size=cfg.hidden_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
         intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=False, rope_theta=500_000.0, bos_token_id=bos, eos_token_id=[eos, eot])
+        tie_word_embeddings=bool(cfg.tie_word_embeddings), rope_theta=500_000.0, bos_token_id=bos,
+        eos_token_id=[eos, eot])
     model = _seeded(LlamaForCausalLM, config, cfg.seed, cfg.logit_scale)
     generation = GenerationConfig(bos_token_id=bos, eos_token_id=[eos, eot], do_sample=True, temperature=0.6,
                                   top_p=0.9)

@@ -170,16 +170,53 @@ def save_adapter_checkpoint(model: nn.Module, tokenizer: Any, url: str, base: st
         return save_checkpoint(tmp, url, overwrite=overwrite)
 
 
+MERGE_TOLERANCE = 1e-4
+"""Largest |merged − base + adapter| log-prob (nats, float32) a merge may leave on the probe sequences."""
+
+
+def untie_for_adapter(model: nn.Module, target_modules: Any) -> bool:
+    """Give a tied output embedding its own copy of the weight when the adapter targets either side
+    of the tie (``lm_head`` or the input embedding). Trained with peft, a LoRA on a tied ``lm_head``
+    changes the logits only, not the input embedding; merged into the shared tensor it would change
+    both. Returns whether the model was untied (``config.tie_word_embeddings`` is then false)."""
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    if out is None or inp is None or out.weight is not inp.weight:
+        return False
+    targets = [target_modules] if isinstance(target_modules, str) else list(target_modules or [])
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if module is out or module is inp}
+    if not names & set(targets):
+        return False
+    out.weight = nn.Parameter(inp.weight.detach().clone(), requires_grad=inp.weight.requires_grad)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.tie_word_embeddings = False
+    return True
+
+
 def merge_adapter(adapter_dir: str, out_dir: str, fetch: Fetch = download_checkpoint,
-                  dtype: torch.dtype = torch.float32) -> str:
+                  dtype: torch.dtype = torch.float32, tolerance: float = MERGE_TOLERANCE) -> str:
     """Write ``W + (alpha/r)·B·A`` for every adapted layer (and the trained head) as a full HF
-    directory ``out_dir`` with the adapter's tokenizer; returns ``out_dir``."""
+    directory ``out_dir`` with the adapter's tokenizer; returns ``out_dir``.
+
+    A tied output embedding among the targets is untied first (:func:`untie_for_adapter`), so the
+    merged model computes what base + adapter computes; that is checked on the probe sequences
+    (:mod:`models.probe`, float32): a gap above ``tolerance`` nats raises ``ValueError``."""
+    from peft import PeftModel
     from transformers import AutoTokenizer
 
-    auto_cls = _auto_class(adapter_config(adapter_dir).get("task_type") or CAUSAL_LM)
-    model = load_pretrained(adapter_dir, auto_cls, dtype, fetch).merge_and_unload()
+    config = adapter_config(adapter_dir)
+    auto_cls = _auto_class(config.get("task_type") or CAUSAL_LM)
+    base = auto_cls.from_pretrained(fetch(base_url(adapter_dir)), dtype=dtype, use_safetensors=True)
+    untie_for_adapter(base, config.get("target_modules"))
+    model = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     model.save_pretrained(out_dir, safe_serialization=True)
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out_dir)
+    if auto_cls.__name__ == "AutoModelForCausalLM" and tolerance > 0:
+        from models.probe import compare_policies
+
+        gap = compare_policies(adapter_dir, out_dir, fetch)
+        if gap.gap_max > tolerance:
+            raise ValueError(f"merging adapter {adapter_dir} changed the model: merged vs base + adapter differ by "
+                             f"{gap.gap_max:.3g} nats (tolerance {tolerance:g}) at {gap.where()}")
     return out_dir
 
 

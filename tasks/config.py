@@ -18,10 +18,18 @@ from urllib.parse import urlsplit
 
 from kernels.aggregation import LossAgg
 from kernels.kl import KLEstimator
-from models.engines import VLLM_MAX_LORA_RANK
+from models.engines import MIN_ENGINE_TEMPERATURE, VLLM_MAX_LORA_RANK
+from models.probe import effective_tolerance
 from tasks import algorithms
 from tasks.algorithms import AlgorithmSpec
 from tasks.algorithms.checks import ignored_options
+
+MIN_TRAIN_TEMPERATURE = 0.1
+"""Lowest ``rollout.temperature``: at τ a logit change of 88.7·τ between two policies overflows a
+float32 ratio exp(log π_θ − log π_old) (or the k3 KL term); at 0.1 that takes 8.9 logits. Measured on
+the tiny task (GRPO, actor.lr 1e-3, 3 iterations, HF engine): the first iteration's loss was finite at
+0.1 (2.5e26, as large as a clipped surrogate without dual clip gets) and inf at 0.05, whose next
+rollout failed on NaN probabilities; 0.3 at 1.0. vLLM clamps below 0.01 (``MIN_ENGINE_TEMPERATURE``)."""
 
 
 class ConfigError(ValueError):
@@ -191,15 +199,28 @@ class RolloutConfig:
     n_samples_per_prompt: int = 4
     """Responses per prompt (group size for RLOO/GRPO)."""
     temperature: float = 1.0
-    """Sampling temperature; log-probs are of the temperature-scaled distribution."""
+    """Sampling temperature τ; the engine samples from softmax(logits/τ) and the trainer scores π_old,
+    π_ref and π_θ at the same τ. At least 0.1 (:data:`MIN_TRAIN_TEMPERATURE`)."""
     top_p: float = 1.0
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass; below 1 the sampler draws from the top-p-truncated distribution (its
+    log-probs are of that one), while the trainer scores the whole one: an off-policy choice, shown in
+    ``rollout/logprob_gap_*`` and recorded in every batch's metadata."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only (0 = all); off-policy as ``top_p``."""
     max_new_tokens: int = 16
     """Longest response; responses cut here have ``is_end = False``."""
     stop_strings: List[str] = field(default_factory=list)
-    """Extra stop strings besides the tokenizer's EOS."""
+    """Extra stop strings besides every eos id of the checkpoint (its tokenizer's and those of its
+    ``generation_config.json``)."""
     eval_temperature: float = 0.0
-    """Temperature for evaluation on held-out prompts (0 = greedy)."""
+    """Temperature for evaluation on held-out prompts: 0 (greedy) or at least 0.01 (vLLM samples
+    lower temperatures at 0.01, so the two engines would differ)."""
+    probe_tolerance: float = 1e-3
+    """After every weight change the engine's and the trainer's log-probs of a few fixed sequences
+    are compared (``models/probe.py``); above this many nats the engine is restarted from the
+    checkpoint, and if the gap persists the run stops naming it. Float32 engines and trainers agree
+    within ~1e-6 on the test models; with bfloat16/float16 on either side the tolerance is at least
+    ``models.probe.LOW_PRECISION_PROBE_TOLERANCE`` (``TrainConfig.probe_tolerance``). 0 turns the check off."""
     vllm_kv_cache_gib: float = 1.0
     """KV-cache space for vLLM on CPU (``VLLM_CPU_KVCACHE_SPACE``)."""
     vllm_gpu_memory_utilization: float = 0.5
@@ -223,10 +244,20 @@ class RolloutConfig:
         _check_choice("rollout.engine", self.engine, ["vllm", "hf"])
         _check(self.prompts_per_iteration >= 1, "rollout.prompts_per_iteration must be >= 1")
         _check(self.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt must be >= 1")
-        _check(self.temperature > 0, "rollout.temperature must be > 0 for training rollouts")
+        _check(self.temperature >= MIN_TRAIN_TEMPERATURE,
+               f"rollout.temperature={self.temperature} is below {MIN_TRAIN_TEMPERATURE}: log-probs at temperature "
+               f"τ are logits/τ, so a logit change of Δ between π_old and π_θ (or π_ref) moves a log-ratio by Δ/τ, "
+               f"and exp() of it overflows float32 past 88.7 (at τ=0.01 a change of 0.9 logits does; GRPO's losses "
+               f"turn NaN); below {MIN_ENGINE_TEMPERATURE} vLLM also samples another temperature than the trainer "
+               f"scores")
         _check(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
+        _check(self.top_k >= 0, "rollout.top_k must be >= 0 (0 = all tokens)")
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
-        _check(self.eval_temperature >= 0, "rollout.eval_temperature must be >= 0")
+        _check(self.eval_temperature == 0 or self.eval_temperature >= MIN_ENGINE_TEMPERATURE,
+               f"rollout.eval_temperature={self.eval_temperature} must be 0 (greedy) or >= {MIN_ENGINE_TEMPERATURE}: "
+               f"vLLM samples any temperature below {MIN_ENGINE_TEMPERATURE} at {MIN_ENGINE_TEMPERATURE} (and below "
+               f"1e-5 greedily), the HF engine at the one asked")
+        _check(self.probe_tolerance >= 0, "rollout.probe_tolerance must be >= 0 (0 = no probe)")
         _check_choice("rollout.vllm_dtype", self.vllm_dtype, ["float32", "bfloat16", "float16"])
         _check_choice("rollout.lora_mode", self.lora_mode, ["adapter", "merged"])
         remote = urlsplit(self.remote_url)
@@ -740,3 +771,11 @@ class TrainConfig:
     @property
     def uses_critic(self) -> bool:
         return self.spec.uses_critic
+
+    @property
+    def probe_tolerance(self) -> float:
+        """``rollout.probe_tolerance``, raised to ``models.probe.LOW_PRECISION_PROBE_TOLERANCE`` unless the engine
+        and the trainer (``model.dtype``) both compute in float32; 0 stays 0 (off)."""
+        r = self.rollout
+        return effective_tolerance(r.probe_tolerance, r.vllm_dtype if r.engine == "vllm" else self.model.dtype,
+                                   self.model.dtype)

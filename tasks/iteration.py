@@ -129,7 +129,15 @@ def progress_line(cfg: TrainConfig, i: int, m: Dict[str, float]) -> str:
             f"kl {m.get('rollout/init_policy_kl', float('nan')):.3f}  "
             f"len {m.get('rollout/response_length_mean', float('nan')):.1f}  "
             f"actor_loss {m.get('actor/loss', float('nan')):+.3f}  "
-            f"clip {m.get('actor/clip_frac', float('nan')):.2f}  ({wall}{phases:.1f} s in tasks)")
+            f"clip {m.get('actor/clip_frac', float('nan')):.2f}  {_gap(m)}({wall}{phases:.1f} s in tasks)")
+
+
+def _gap(m: Dict[str, float]) -> str:
+    """Sampler vs trainer: the batch's largest log-prob gap (π_old recomputed), else the probe's."""
+    for key, label in (("rollout/logprob_gap_max", "gap"), ("rollout/probe_gap_max", "probe gap")):
+        if key in m:
+            return f"{label} {m[key]:.1e}  "
+    return ""
 
 
 @task(retries=2, requests=Resources(cpu="1", mem="2Gi"), secret_requests=secrets.requests(secrets.S3, secrets.MLFLOW))
@@ -147,7 +155,7 @@ def eval_rewards(cfg: TrainConfig, run: RunHandle, actor_url: str) -> Dict[str, 
     (``eval_temperature``), from the run's reward source, each prompt's data columns included."""
     data = read_prompts(run.eval_prompts_url)
     tok = load_tokenizer(run.reference_url)
-    spec = sampling_spec(cfg, tok, cfg.run.seed, 1, cfg.rollout.eval_temperature)
+    spec = sampling_spec(cfg, run, cfg.run.seed, 1, cfg.rollout.eval_temperature)
     cols = sample(engine_for(cfg, actor_url), tok, data.prompts, np.arange(len(data)), spec, data.chat)
     batch = RolloutBatch.from_columns(BatchMetadata(iteration=0, policy_version=0, algorithm=cfg.run.algorithm),
                                       **cols.as_dict(), **sample_columns(data, 1))

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import functools
+import json
 from typing import Dict, NamedTuple
 
 import torch
 from flytekit import task
 
-from models.engines import SamplingSpec, get_engine
+from models.engines import SamplingSpec, eos_token_ids, get_engine, stream_seed
 from models.faults import pause_point
 from models.lora import base_url, is_adapter, merged_copy
+from models.probe import ensure_serves
+from models.vllm_engine import unsupported_lora_targets
 from models.rollout import sample
 from models.server.rollout_client import RemoteEngine, RolloutClient
 from tasks.batch import BatchMetadata, RolloutBatch
@@ -18,9 +21,13 @@ from tasks.common import (CACHE_VERSION, base_checkpoint_url, draw_ids, iteratio
                           local_checkpoint, read_prompts, server_token, timed)
 from tasks.run_data import sample_columns
 from tasks import decks, secrets
-from tasks.config import TrainConfig
+from tasks.config import ConfigError, TrainConfig
 from tasks.deploy import deployment_config, resources_for
 from tasks.types import PolicyState, RunHandle
+
+
+SAMPLING_KEY = "sampling"
+"""Batch metadata ``extras`` key of :func:`sampling_record` (what the engine sampled with)."""
 
 
 class RolloutOutput(NamedTuple):
@@ -39,6 +46,7 @@ def remote_engine_for(cfg: TrainConfig, actor_url: str) -> RemoteEngine:
     """The rollout server at ``rollout.remote_url`` sampling from ``actor_url``: a LoRA adapter is
     sent as the adapter on its base checkpoint (the server loads both)."""
     engine = _remote_engine(cfg.rollout.remote_url, cfg.rollout.remote_timeout_s)
+    engine.probe_tolerance, engine.trainer_dtype = cfg.probe_tolerance, cfg.model.dtype
     base = base_checkpoint_url(actor_url) if cfg.actor.lora.enabled else actor_url
     engine.load_weights(base)
     engine.set_adapter(actor_url if base != actor_url else None)
@@ -48,7 +56,10 @@ def remote_engine_for(cfg: TrainConfig, actor_url: str) -> RemoteEngine:
 def engine_for(cfg: TrainConfig, actor_url: str):
     """An engine serving the policy at ``actor_url``: the rollout server if ``rollout.remote_url`` is
     set, else one in this process. With ``actor.lora``: its base weights plus the adapter
-    (``rollout.lora_mode=adapter``), or the adapter merged into the base (``merged``)."""
+    (``rollout.lora_mode=adapter``), or the adapter merged into the base (``merged``).
+
+    After every weight change the engine is probed against the trainer's forward
+    (:func:`models.probe.ensure_serves`; the rollout server probes its own)."""
     r = cfg.rollout
     if r.remote_url:
         return remote_engine_for(cfg, actor_url)
@@ -57,21 +68,58 @@ def engine_for(cfg: TrainConfig, actor_url: str):
         if r.engine == "vllm" else dict(dtype=cfg.model.dtype)
     local = local_checkpoint(actor_url)
     adapter = local if is_adapter(local) else None  # None before the first LoRA update: the base itself
-    if not cfg.actor.lora.enabled:
-        return get_engine(r.engine, local, **kwargs)
-    if r.lora_mode == "merged":
+    if not cfg.actor.lora.enabled or r.lora_mode == "merged":
         weights = merged_copy(adapter, local_checkpoint, getattr(torch, cfg.model.dtype)) if adapter else local
-        return get_engine(r.engine, weights, **kwargs)
-    base = local_checkpoint(base_url(adapter)) if adapter else local
-    engine = get_engine(r.engine, base, max_lora_rank=cfg.actor.lora.rank, **kwargs)
-    engine.set_adapter(adapter)
+        engine, served = get_engine(r.engine, weights, **kwargs), (weights, None)
+    else:
+        base = local_checkpoint(base_url(adapter)) if adapter else local
+        engine, served = get_engine(r.engine, base, max_lora_rank=cfg.actor.lora.rank, **kwargs), (base, adapter)
+        engine.set_adapter(adapter)
+
+    def restart() -> None:
+        engine.restart(served[0])
+        if served[1] is not None:
+            engine.set_adapter(served[1])
+
+    ensure_serves(engine, served, local, cfg.probe_tolerance, restart, local_checkpoint, what=actor_url,
+                  dtype=cfg.model.dtype)
     return engine
 
 
-def sampling_spec(cfg: TrainConfig, tokenizer, seed: int, n: int, temperature: float) -> SamplingSpec:
+def check_rollout_setup(cfg: TrainConfig, actor_config: Dict) -> None:
+    """Set-up check (before any model loads) of the rollout settings against the actor checkpoint's
+    ``config.json``: a LoRA target vLLM cannot serve as an adapter is refused with what to do."""
+    r, lora = cfg.rollout, cfg.actor.lora
+    if not (lora.enabled and r.engine == "vllm" and r.lora_mode == "adapter" and not r.remote_url):
+        return
+    bad = unsupported_lora_targets(actor_config, lora.target_modules)
+    if bad:
+        tied = " (its embeddings are tied: the merge unties lm_head, so the merged model is the trained one)" \
+            if actor_config.get("tie_word_embeddings") else ""
+        raise ConfigError(
+            f"actor.lora.target_modules has {bad}, which vLLM cannot serve as a LoRA adapter for "
+            f"{actor_config.get('architectures')}: use rollout.lora_mode=merged{tied}, or rollout.engine=hf, "
+            f"or drop {bad} from actor.lora.target_modules")
+
+
+def sampling_spec(cfg: TrainConfig, run: RunHandle, seed: int, n: int, temperature: float) -> SamplingSpec:
+    """How the rollout samples: the config's settings, and every eos id of the run's checkpoint
+    (its tokenizer's and ``generation_config.json``'s) as stop tokens."""
     r = cfg.rollout
-    return SamplingSpec(n=n, temperature=temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                        seed=seed, stop_token_ids=(tokenizer.eos_token_id,), stop_strings=tuple(r.stop_strings))
+    return SamplingSpec(n=n, temperature=temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                        seed=seed, stop_token_ids=eos_token_ids(local_checkpoint(run.reference_url)),
+                        stop_strings=tuple(r.stop_strings))
+
+
+def sampling_record(cfg: TrainConfig, spec: SamplingSpec) -> str:
+    """What the batch was sampled with, as its metadata records it (JSON)."""
+    r = cfg.rollout
+    dtype = r.vllm_dtype if r.engine == "vllm" else cfg.model.dtype
+    engine = f"remote {r.remote_url}" if r.remote_url else f"{r.engine} ({dtype})"
+    return json.dumps({"engine": engine, "temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k,
+                       "max_new_tokens": spec.max_new_tokens, "seed": spec.seed,
+                       "stop_token_ids": list(spec.stop_token_ids), "stop_strings": list(spec.stop_strings)},
+                      sort_keys=True)
 
 
 def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> RolloutOutput:
@@ -83,18 +131,21 @@ def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Rollout
         tokenizer = load_tokenizer(run.reference_url)
         with timed(stats, "time/engine_load_s"):
             engine = engine_for(cfg, state.actor_url)
-        spec = sampling_spec(cfg, tokenizer, cfg.run.seed * 100_003 + state.iteration,
-                             cfg.rollout.n_samples_per_prompt, cfg.rollout.temperature)
+        spec = sampling_spec(cfg, run, stream_seed(cfg.run.seed, state.iteration), cfg.rollout.n_samples_per_prompt,
+                             cfg.rollout.temperature)
         cols = sample(engine, tokenizer, drawn.prompts, draw_ids(per_iteration, state.iteration), spec, drawn.chat)
         pause_point(f"rollout/iter-{state.iteration:06d}")  # tests only: kill the run mid-rollout
         meta = BatchMetadata(iteration=state.iteration, policy_version=state.iteration,
-                             algorithm=cfg.run.algorithm, extras={"run_name": run.run_name})
+                             algorithm=cfg.run.algorithm,
+                             extras={"run_name": run.run_name, SAMPLING_KEY: sampling_record(cfg, spec)})
         batch = RolloutBatch.from_columns(meta, **cols.as_dict(), **sample_columns(drawn, spec.n))
         with timed(stats, "time/rollout_write_s"):
             batch = batch.write(run.layout.batch_url(state.iteration, "rollouts"))
     n_tokens = float(sum(len(r) for r in cols.response_tokens))
     stats["time/generate_s"] = cols.generate_s
     stats["throughput/rollout_tokens_per_s"] = n_tokens / max(cols.generate_s, 1e-9)
+    if "probe_gap_max" in engine.stats.extra:  # engine vs trainer on the probe after this weight change
+        stats["rollout/probe_gap_max"] = float(engine.stats.extra["probe_gap_max"])
     return RolloutOutput(batch, stats)
 
 

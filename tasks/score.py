@@ -110,6 +110,7 @@ def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rollo
 
     stats: Dict[str, float] = {}
     dtype = cfg.model.dtype
+    check_sampling_temperature(batch, cfg.rollout.temperature)
     with timed(stats, "time/score_s"):
         tok = load_tokenizer(run.reference_url)
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -151,7 +152,27 @@ def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rollo
         scored = scored.write(run.layout.batch_url(state.iteration, "score"))
     stats.update(rollout_stats(scores.total, lengths, batch, flat))
     stats.update(reward_metrics)
+    if recompute:
+        stats.update(logprob_gap(batch, flat["old_logprobs"]))
     return ScoreOutput(scored, stats)
+
+
+def logprob_gap(batch: RolloutBatch, old_logprobs: np.ndarray) -> Dict[str, float]:
+    """``rollout/logprob_gap_{max,mean}``: |sampler − π_old| log-prob over every response token, the
+    sampler's distribution against the one the trainer scores (0 up to float error when on-policy;
+    top-p/top-k sampling adds the log of the kept mass)."""
+    sampler = ragged.offsets_and_values(batch.column("sampler_logprobs"))[1].astype(np.float64)
+    gap = np.abs(sampler - old_logprobs.astype(np.float64))  # [N_tok]
+    return {"rollout/logprob_gap_max": float(gap.max()) if gap.size else 0.0,
+            "rollout/logprob_gap_mean": float(gap.mean()) if gap.size else 0.0}
+
+
+def check_sampling_temperature(batch: RolloutBatch, temperature: float) -> None:
+    """The batch must have been sampled at the temperature it is scored at (its metadata says)."""
+    record = json.loads(batch.metadata.extras.get("sampling", "{}"))
+    if "temperature" in record and record["temperature"] != temperature:
+        raise ValueError(f"batch {batch.uri or ''} was sampled at temperature {record['temperature']} but is scored "
+                         f"at rollout.temperature={temperature}: its log-probs would be of another distribution")
 
 
 def rollout_stats(rewards: np.ndarray, lengths: np.ndarray, batch: RolloutBatch, flat: Dict[str, np.ndarray]):

@@ -139,6 +139,9 @@ def new_run(cfg: TrainConfig, layout: RunLayout, preset: str) -> RunSetup:
         check_model_dirs(cfg)
         tokenizer = load_tokenizer_only(cfg.model.actor_path)
         _check_vocabularies(cfg, tokenizer)
+        from tasks.rollout import check_rollout_setup
+
+        check_rollout_setup(cfg, storage.read_json(storage.join(cfg.model.actor_path, "config.json")))
     demo_data = cfg.data.source == "files" and not cfg.data.train_prompts
     if not demo_data:  # user data: every row is checked before any model is loaded
         train, held_out = _checked_data(cfg, tokenizer)

@@ -75,3 +75,12 @@ def llama_bpe_dir(tmp_path_factory):
     from models.hub_models import HubModelConfig, build_llama_bpe
 
     return build_llama_bpe(tmp_path_factory.mktemp("hub") / "llama-bpe", HubModelConfig(num_kv_heads=2))
+
+
+@pytest.fixture(scope="session")
+def qwen2_sharp_dir(tmp_path_factory):
+    """The Qwen2-shaped chat checkpoint with its head scaled ×10 (``HubModelConfig.logit_scale``): peaked
+    next-token distributions, so sampling settings and stale weights make clear differences."""
+    from models.hub_models import HubModelConfig, build_qwen2_chat
+
+    return build_qwen2_chat(tmp_path_factory.mktemp("hub") / "qwen2-sharp", HubModelConfig(logit_scale=10.0))

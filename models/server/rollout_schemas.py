@@ -6,10 +6,11 @@ the wire unchanged; prompts are token ids, as the in-process engines take them.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Literal, Optional
 
 from pydantic import BaseModel, Field, StrictInt, model_validator
 
+from models.engine_base import MIN_ENGINE_TEMPERATURE
 from models.server.schemas import _REQUEST, _RESPONSE
 
 
@@ -25,11 +26,15 @@ class Sampling(BaseModel):
     seed: int = 0
     stop_token_ids: List[StrictInt] = []
     stop_strings: List[str] = []
+    top_k: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _min_within_max(self) -> "Sampling":
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens={self.min_new_tokens} exceeds max_new_tokens={self.max_new_tokens}")
+        if 0 < self.temperature < MIN_ENGINE_TEMPERATURE:
+            raise ValueError(f"temperature={self.temperature} is below {MIN_ENGINE_TEMPERATURE}, where vLLM samples "
+                             f"another temperature than the one asked; use 0 for greedy")
         return self
 
 
@@ -43,6 +48,12 @@ class GenerateRequest(BaseModel):
     """Committed checkpoint to sample from; loaded in place when it is not the one served."""
     adapter_url: Optional[str] = Field(None, min_length=1)
     """Committed LoRA adapter on top of ``checkpoint_url``; None: the base weights alone."""
+    probe_tolerance: float = Field(1e-3, ge=0)
+    """After loading new weights the server checks its engine against the trainer's forward
+    (``models/probe.py``): above this many nats it restarts the engine, and answers 409 if the gap
+    persists; 0: no check. A server whose engine is not float32 raises it to at least 0.5."""
+    trainer_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype the trainer loads weights in (``model.dtype``): the probe's forward uses it."""
 
 
 class GenerationOut(BaseModel):
@@ -62,6 +73,9 @@ class GenerateResponse(BaseModel):
     load_s: float
     """Seconds spent fetching and loading new weights (0 when the policy was already served)."""
     generate_s: float
+    probe_gap_max: Optional[float] = None
+    """Largest |engine − trainer| log-prob of the probe run for this request's weight change (None: the
+    weights were served already, or no probe)."""
 
 
 class RolloutHealth(BaseModel):

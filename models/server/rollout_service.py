@@ -6,6 +6,11 @@ in place (:meth:`models.engines.GenerationEngine.load_weights`: vLLM ``reload_we
 ``reset_prefix_cache``, or a restart from the checkpoint where that cannot work), so on a
 cluster the engine start-up is paid once per run instead of once per rollout pod.
 
+After every weight change the engine is checked against the trainer's forward on a few fixed
+sequences (:func:`models.probe.ensure_serves`, as the rollout task does for an engine in its own
+process): above the request's ``probe_tolerance`` the engine restarts from the checkpoint, and a
+gap that persists fails the request (:class:`models.probe.EngineMismatchError`, 409).
+
 Every engine call (start, loads, generation, close) runs on one dedicated thread: that
 serialises requests (one engine, and a request must be sampled from the weights it named), and
 keeps thread-local state the engine depends on fixed — vLLM's CPU attention checks that each
@@ -21,13 +26,15 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from models import storage
 from models.checkpoint import CheckpointError, download_checkpoint
 from models.engines import Generation, SamplingSpec, make_engine
+from models.lora import canonical_url
+from models.probe import ProbeResult, effective_tolerance, ensure_serves
 from models.server.service import InvalidRequest, NotLoaded, check_token_ids
 
 
@@ -81,6 +88,15 @@ def _vocab_size(checkpoint_dir: str) -> int:
         return int(json.load(f)["vocab_size"])
 
 
+class Served(NamedTuple):
+    """One request's answer: generations per prompt, where its time went, the probe's gap (or None)."""
+
+    generations: List[List[Generation]]
+    load_s: float
+    generate_s: float
+    probe_gap_max: Optional[float]
+
+
 class RolloutService:
     """One engine; ``generate`` loads the named weights when they change, then samples."""
 
@@ -88,6 +104,7 @@ class RolloutService:
         self.config = config
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._owned: Dict[str, Optional[str]] = {}  # "weights"/"adapter" -> downloaded folder in use
+        self._dirs: Dict[str, Optional[str]] = {}  # "weights"/"adapter" -> local folder being served
         try:
             self._thread.submit(self._start).result()
         except BaseException:
@@ -97,12 +114,14 @@ class RolloutService:
         self.checkpoint_url: Optional[str] = config.checkpoint_url
         self.adapter_url: Optional[str] = None
         self.requests = self.prompts = 0
+        self._probed: Optional[ProbeResult] = None
 
     def _start(self) -> None:
         config = self.config
         if config.threads > 0:
             torch.set_num_threads(config.threads)
         local, self._owned["weights"] = _fetch(config.checkpoint_url)
+        self._dirs = {"weights": local, "adapter": None}
         kwargs = dict(dtype=config.dtype) if config.engine == "hf" else dict(
             dtype=config.dtype, kv_cache_gib=config.kv_cache_gib, seed=config.seed,
             gpu_memory_utilization=config.gpu_memory_utilization, max_model_len=config.max_model_len or None,
@@ -123,9 +142,12 @@ class RolloutService:
         old, self._owned[role] = self._owned.get(role), owned
         if old and old != owned:
             shutil.rmtree(old, ignore_errors=True)
+        self._dirs[role] = local
         return local
 
-    def _serve(self, checkpoint_url: str, adapter_url: Optional[str]) -> None:
+    def _serve(self, checkpoint_url: str, adapter_url: Optional[str], probe_tolerance: float,
+               trainer_dtype: str) -> Optional[float]:
+        """Serve the named weights; the probe's gap when they changed (else None)."""
         if adapter_url is not None and not self.lora:
             raise NotLoaded("this rollout server serves no LoRA adapters: start it with --max-lora-rank R")
         if checkpoint_url != self.checkpoint_url:
@@ -134,6 +156,22 @@ class RolloutService:
         if adapter_url != self.adapter_url:
             self._swap("adapter", adapter_url, self._load_adapter)
             self.adapter_url = adapter_url
+        weights, adapter = self._dirs["weights"], self._dirs.get("adapter")
+
+        def restart() -> None:
+            self.engine.restart(weights)
+            if adapter is not None:
+                self.engine.set_adapter(adapter)
+
+        def fetch(url: str) -> str:  # an adapter's base is usually the checkpoint served already
+            return weights if canonical_url(url) == canonical_url(checkpoint_url) else _fetch(url)[0]
+
+        done = ensure_serves(self.engine, (checkpoint_url, adapter_url), adapter or weights, probe_tolerance,
+                             restart, fetch, what=adapter_url or checkpoint_url, dtype=trainer_dtype)
+        if done is None or done is self._probed:
+            return None
+        self._probed = done
+        return done.gap_max
 
     def _load_weights(self, local_dir: str) -> None:
         self.checkpoint_url = self.adapter_url = None  # unknown until the load succeeded; it drops the adapter
@@ -144,22 +182,27 @@ class RolloutService:
         self.engine.set_adapter(local_dir)
 
     def generate(self, prompts: List[List[int]], spec: SamplingSpec, checkpoint_url: str,
-                 adapter_url: Optional[str] = None) -> Tuple[List[List[Generation]], float, float]:
-        """``(generations per prompt, load_s, generate_s)`` from the policy at ``checkpoint_url``
-        (+ ``adapter_url``); :class:`InvalidRequest` for empty prompts or ids outside the vocabulary.
-        Blocks until the engine thread has served the requests before this one and this one."""
-        return self._thread.submit(self._generate, prompts, spec, checkpoint_url, adapter_url).result()
+                 adapter_url: Optional[str] = None, probe_tolerance: float = 1e-3,
+                 trainer_dtype: str = "float32") -> Served:
+        """Generations per prompt from the policy at ``checkpoint_url`` (+ ``adapter_url``), with the
+        seconds spent loading and generating and the probe's gap if the weights changed (against the
+        trainer's forward in ``trainer_dtype``); :class:`InvalidRequest` for empty prompts or ids
+        outside the vocabulary. Blocks until the engine thread has served the requests before this
+        one and this one."""
+        tolerance = effective_tolerance(probe_tolerance, self.config.dtype, trainer_dtype)
+        return self._thread.submit(self._generate, prompts, spec, checkpoint_url, adapter_url, tolerance,
+                                   trainer_dtype).result()
 
     def _generate(self, prompts: List[List[int]], spec: SamplingSpec, checkpoint_url: str,
-                  adapter_url: Optional[str]) -> Tuple[List[List[Generation]], float, float]:
+                  adapter_url: Optional[str], probe_tolerance: float, trainer_dtype: str) -> Served:
         t0 = time.perf_counter()
-        self._serve(checkpoint_url, adapter_url)
+        gap = self._serve(checkpoint_url, adapter_url, probe_tolerance, trainer_dtype)
         t1 = time.perf_counter()
         self._check(prompts, spec.stop_token_ids)
         generations = self.engine.generate(prompts, spec)
         self.requests += 1
         self.prompts += len(prompts)
-        return generations, t1 - t0, time.perf_counter() - t1
+        return Served(generations, t1 - t0, time.perf_counter() - t1, gap)
 
     def _check(self, prompts: Sequence[Sequence[int]], stop_token_ids: Sequence[int]) -> None:
         empty = next((i for i, p in enumerate(prompts) if not p), None)

@@ -200,3 +200,42 @@ def test_markers_with_sha256_from_before_blake3_are_still_checked(tmp_path):
     (tmp_path / "old" / "model.safetensors").write_bytes(b"\x01" + b"\x00" * 63)  # same size, other bytes
     with pytest.raises(CheckpointError, match="file 'model.safetensors' fails its sha256 check"):
         download_checkpoint(url)
+
+
+def test_a_hub_snapshot_commits_as_it_is(qwen2_chat_dir, tmp_path):
+    """LICENSE, README.md, .gitattributes, merges/vocab, the chat template and generation_config.json
+    are committed and copied with the weights; the hidden .cache/ of a ``--local-dir`` download is not."""
+    import shutil
+
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(qwen2_chat_dir, snapshot)
+    (snapshot / ".cache" / "huggingface").mkdir(parents=True)
+    (snapshot / ".cache" / "huggingface" / "model.safetensors.lock").write_text("")
+    (snapshot / "LICENSE-MODEL").write_text("terms")
+    (snapshot / "NOTICE").write_text("notice")
+    url = str(tmp_path / "committed")
+    save_checkpoint(str(snapshot), url)
+    listed = set(read_marker(url)["files"])
+    want = {p.name for p in snapshot.iterdir() if p.is_file()}
+    assert listed == want and {"LICENSE", "README.md", ".gitattributes", "merges.txt", "vocab.json",
+                               "chat_template.jinja", "generation_config.json"} <= listed
+    copy = download_checkpoint(url, str(tmp_path / "copy"))
+    assert (tmp_path / "copy" / "LICENSE").read_text() == (snapshot / "LICENSE").read_text()
+    assert (tmp_path / "copy" / ".gitattributes").read_bytes() == (snapshot / ".gitattributes").read_bytes()
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(copy).chat_template == AutoTokenizer.from_pretrained(snapshot).chat_template
+
+
+@pytest.mark.parametrize("rel", ["original/consolidated.00.pth", "pytorch_model.bin", "training_args.bin"])
+def test_a_hub_snapshot_with_pickled_weights_is_refused_with_the_conversion_hint(qwen2_chat_dir, tmp_path, rel):
+    import shutil
+
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(qwen2_chat_dir, snapshot)
+    (snapshot / rel).parent.mkdir(parents=True, exist_ok=True)
+    (snapshot / rel).write_bytes(b"pickle")
+    with pytest.raises(CheckpointError, match=rf"'{rel}', a pickle-based file; only safetensors weights are allowed"
+                                              rf".*save_pretrained\(out, safe_serialization=True\)"):
+        save_checkpoint(str(snapshot), str(tmp_path / "c"))
+    assert not os.path.exists(tmp_path / "c")

@@ -95,3 +95,113 @@ def test_get_engine_drops_an_engine_that_cannot_serve_the_new_checkpoint(ckpts, 
         _assert_serves(get_engine("hf", ckpts["a"]), ckpts["a"])  # a fresh engine
     finally:
         close_engines()
+
+
+# --- the Hub-shaped checkpoints (models/hub_models.py): one sampling rule, eos ids, streams, the probe ---
+
+def _chat_prompt(path, text: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                                   return_dict=False)
+
+
+def test_hf_engine_samples_what_the_trainer_scores_not_the_checkpoint_defaults(qwen2_sharp_dir):
+    """generation_config.json asks for repetition_penalty 1.05, temperature 0.7, top-k 20, top-p 0.8:
+    none of it may reach the sampler, whose log-probs must be the plain forward's at the spec's τ."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from tests.unit.models.hub_copies import hf_logprobs, load
+
+    prompts = [_chat_prompt(qwen2_sharp_dir, "7 7 7 7 7 7 7 7"), _chat_prompt(qwen2_sharp_dir, "abc abc abc abc")]
+    spec = SamplingSpec(n=4, temperature=1.0, max_new_tokens=12, seed=3)
+    gens = HFEngine(str(qwen2_sharp_dir)).generate(prompts, spec)
+    model = load(qwen2_sharp_dir)
+    worst, penalised = 0.0, 0.0
+    penalty = RepetitionPenaltyLogitsProcessor(1.05)
+    for prompt, per_prompt in zip(prompts, gens):
+        for g in per_prompt:
+            worst = max(worst, max(abs(a - b) for a, b in zip(g.logprobs, hf_logprobs(model, prompt, g.tokens))))
+            for t, tok in enumerate(g.tokens):  # what a sampler applying the checkpoint's penalty would report
+                ids = torch.tensor([prompt + g.tokens[:t]])
+                with torch.no_grad():
+                    logits = model(input_ids=ids).logits[:, -1].float()
+                lp = torch.log_softmax(penalty(ids, logits.clone()), -1)[0, tok]
+                penalised = max(penalised, abs(float(lp) - g.logprobs[t]))
+    assert worst < 1e-5
+    assert penalised > 1e-2  # the check can fail: the penalty alone moves the log-probs this much
+
+
+def test_hf_engine_stops_on_every_eos_id_of_generation_config(qwen2_chat_dir, tmp_path):
+    from models.engines import eos_token_ids
+    from models.hub_models import ENDOFTEXT, IM_END
+    from tests.unit.models.hub_copies import with_eos
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen2_chat_dir)
+    im_end, endoftext = tok.convert_tokens_to_ids([IM_END, ENDOFTEXT])
+    assert eos_token_ids(str(qwen2_chat_dir)) == tuple(sorted((im_end, endoftext)))
+    prompt = _chat_prompt(qwen2_chat_dir, "Reverse: abc")
+    greedy = SamplingSpec(temperature=0.0, max_new_tokens=6)
+    free = HFEngine(str(qwen2_chat_dir)).generate([prompt], greedy)[0][0]
+    first = free.tokens[0]
+    assert first not in (im_end, endoftext) and len(free.tokens) > 1  # it does not stop there on its own
+    stopping = with_eos(qwen2_chat_dir, tmp_path / "eos", [im_end, first])  # the second eos id: `first`
+    (gen,), = HFEngine(str(stopping)).generate([prompt], greedy)
+    assert (gen.tokens, gen.is_end) == ([first], True)
+
+
+def test_sample_streams_are_per_prompt_and_sample_and_survive_a_restart(qwen2_chat_dir):
+    engine = HFEngine(str(qwen2_chat_dir))
+    same = _chat_prompt(qwen2_chat_dir, "Reverse: abc")
+    spec = SamplingSpec(n=4, temperature=1.0, max_new_tokens=6, seed=11)
+    out = [[tuple(g.tokens) for g in p] for p in engine.generate([same] * 8, spec)]
+    shifted = sum(out[i][j] == out[i + 1][j - 1] for i in range(7) for j in range(1, 4))  # seed + i + j collides
+    distinct = len({r for p in out for r in p})
+    assert shifted == 0 and distinct == 32  # a near-uniform random model: equal responses only from equal streams
+    assert [[tuple(g.tokens) for g in p] for p in engine.generate([same] * 8, spec)] == out  # reproducible
+    engine.restart(str(qwen2_chat_dir))
+    again = engine.generate([same] * 8, spec)
+    assert [[tuple(g.tokens) for g in p] for p in again] == out  # a restarted engine: the same samples
+    other = engine.generate([same] * 8, SamplingSpec(n=4, temperature=1.0, max_new_tokens=6, seed=12))
+    assert not {tuple(g.tokens) for p in other for g in p} & {r for p in out for r in p}  # another iteration
+
+
+def test_probe_detects_a_stale_lm_head_and_restarts_the_engine(qwen2_chat_dir, tmp_path, capsys):
+    from models.probe import ensure_serves, verify
+    from tests.unit.models.hub_copies import trained_copy
+
+    trained = str(trained_copy(qwen2_chat_dir, tmp_path / "trained", seed=1))
+    engine = HFEngine(str(qwen2_chat_dir))
+    engine.load_weights(trained)  # tied: the head follows the embedding in place
+    first = ensure_serves(engine, ("trained",), trained, 1e-3, lambda: engine.restart(trained))
+    assert first.gap_max < 1e-5 and not first.restarted and engine.stats.restarts == 0
+    stale = HFEngine(str(qwen2_chat_dir)).model.lm_head.weight.detach().clone()
+    engine.model.lm_head.weight = torch.nn.Parameter(stale)  # what vLLM's CPU reload left: the old head
+    result = verify(engine, trained, 1e-3, lambda: engine.restart(trained))
+    assert result.restarted and result.gap_max < 1e-5 and engine.stats.restarts == 1
+    said = capsys.readouterr().out
+    assert "log-probs differ by up to" in said and "restarting the engine from the checkpoint" in said
+
+
+def test_probe_stops_the_run_when_a_restart_does_not_help(qwen2_chat_dir, tmp_path, monkeypatch):
+    from models.probe import EngineMismatchError, verify
+    from tests.unit.models.hub_copies import trained_copy
+
+    trained = str(trained_copy(qwen2_chat_dir, tmp_path / "trained", seed=1))
+    engine = HFEngine(trained)
+    start = HFEngine._start
+
+    def start_wrong(self, checkpoint_dir):  # an engine that computes this model differently, every time
+        start(self, checkpoint_dir)
+        with torch.no_grad():
+            self.model.lm_head.weight = torch.nn.Parameter(self.model.lm_head.weight * 1.5)
+
+    monkeypatch.setattr(HFEngine, "_start", start_wrong)
+    engine.restart(trained)
+    with pytest.raises(EngineMismatchError, match=r"still differ after restarting the engine from the checkpoint: "
+                                                  r"largest gap \d\.\d+ nats \(tolerance 0\.001, rollout\.probe_tol"
+                                                  r"erance\) at sequence \d, position \d+ \(token id \d+\): engine "):
+        verify(engine, trained, 1e-3, lambda: engine.restart(trained))

@@ -114,3 +114,17 @@ def test_logit_scale_sharpens_the_distribution(tmp_path):
 def test_padded_vocab_adds_rows():
     tok = qwen2_tokenizer()
     assert padded_vocab(tok, 64) % 64 == 0 and padded_vocab(tok, 64) > len(tok)
+
+
+def test_tie_word_embeddings_overrides_the_builders_default(tmp_path):
+    from models.hub_models import llama_tokenizer
+
+    def shares(path):
+        model = AutoModelForCausalLM.from_pretrained(path)
+        return model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+
+    tok = llama_tokenizer(HubModelConfig(num_kv_heads=2))
+    tied = build_llama_bpe(tmp_path / "llama", HubModelConfig(num_kv_heads=2, tie_word_embeddings=True), tok)
+    assert shares(tied) and json.loads((tied / "config.json").read_text())["tie_word_embeddings"] is True
+    untied = build_qwen2_chat(tmp_path / "qwen2", HubModelConfig(tie_word_embeddings=False), qwen2_tokenizer())
+    assert not shares(untied)

@@ -18,6 +18,7 @@ from models.lora import (CAUSAL_LM, add_adapter, base_url, canonical_url, load_p
                          save_adapter_checkpoint, without_adapter)
 from models.tiny import TinyModelConfig, build_actor, save_model
 from models.tokenizer import build_char_tokenizer
+from tests.unit.models.hub_copies import adapter_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SPEC = SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
@@ -31,15 +32,10 @@ def ckpts(tmp_path_factory):
     tok = build_char_tokenizer()
     base_url_ = str(root / "base")
     save_checkpoint(str(save_model(build_actor(TinyModelConfig(), tok), tok, root / "hf")), base_url_)
-    model = add_adapter(AutoModelForCausalLM.from_pretrained(base_url_), SPEC, CAUSAL_LM)
-    with torch.no_grad(), torch.random.fork_rng():
-        torch.manual_seed(0)
-        for name, p in model.named_parameters():
-            if ".lora_B." in name:
-                p.normal_(0.0, 0.2)
     adapter = str(root / "adapter")
-    save_adapter_checkpoint(model, tok, adapter, base_url_)
+    model = adapter_checkpoint(base_url_, SPEC, tok, adapter, std=0.2)
     return SimpleNamespace(root=root, base=base_url_, adapter=adapter, model=model.eval())
+
 
 
 def _logits(model) -> torch.Tensor:
@@ -131,3 +127,76 @@ def test_policy_logprobs_use_an_adapted_output_head(ckpts):
     full = torch.log_softmax(_logits(model), -1)  # [B, L, V]
     expected = full[:, 2:-1].gather(-1, IDS[:, 3:].unsqueeze(-1)).squeeze(-1)  # token at p predicted at p - 1
     torch.testing.assert_close(logp, expected, rtol=0, atol=1e-5)
+
+
+# --- a tied model (Qwen2-shaped, models/hub_models.py) with lm_head among the targets ---
+
+TIED_SPEC = SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj", "lm_head"])
+
+
+@pytest.fixture(scope="module")
+def tied(qwen2_chat_dir, tmp_path_factory):
+    """The committed Qwen2-shaped base (tied embeddings) and a trained-looking adapter with lm_head."""
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("tied-lora")
+    base = str(root / "base")
+    save_checkpoint(str(qwen2_chat_dir), base)
+    adapter = str(root / "adapter")
+    adapter_checkpoint(base, TIED_SPEC, AutoTokenizer.from_pretrained(base), adapter, std=0.5)
+    return SimpleNamespace(root=root, base=base, adapter=adapter)
+
+
+def test_merging_a_tied_head_unties_it_and_gives_the_trained_model(tied):
+    from peft import PeftModel
+
+    from models.lora import merge_adapter
+    from models.probe import compare_policies
+
+    merged = merge_adapter(tied.adapter, str(tied.root / "merged"))
+    gap = compare_policies(tied.adapter, merged)  # the trainer's forward on both, float32
+    assert gap.gap_max < 1e-5, gap.where()
+    model, base = (AutoModelForCausalLM.from_pretrained(p) for p in (merged, tied.base))
+    assert model.config.tie_word_embeddings is False
+    assert torch.equal(model.get_input_embeddings().weight, base.get_input_embeddings().weight)  # input unchanged
+    naive = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tied.base), tied.adapter).merge_and_unload()
+    naive.save_pretrained(tied.root / "naive")  # the delta written into the shared tensor: both sides move
+    assert compare_policies(tied.adapter, str(tied.root / "naive")).gap_max > 1e-2  # what the check catches
+
+
+def test_a_merge_that_changes_the_model_is_refused(tied, monkeypatch):
+    import models.lora as lora
+
+    monkeypatch.setattr(lora, "untie_for_adapter", lambda model, targets: False)
+    with pytest.raises(ValueError, match=r"merging adapter .*adapter changed the model: merged vs base \+ adapter "
+                                         r"differ by .* nats \(tolerance 0.0001\) at sequence"):
+        lora.merge_adapter(tied.adapter, str(tied.root / "refused"))
+
+
+def test_the_registered_policy_of_a_tied_adapter_is_the_trained_model(tied, tmp_path, monkeypatch):
+    from models.probe import compare_policies
+    from tasks import registry, tracking
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    exp = tracking.client().create_experiment("tied", artifact_location=str(tmp_path / "artifacts"))
+    run_id = tracking.client().create_run(exp, run_name="r").info.run_id
+    assert registry.log_policy(run_id, tied.adapter, "tied-policy").version == "1"
+    back = registry.checkpoint_from_registry("tied-policy", "1", str(tmp_path / "from-registry"))
+    assert compare_policies(tied.adapter, back).gap_max < 1e-5
+
+
+def test_vllm_adapter_mode_with_an_unsupported_head_target_is_refused_at_set_up(tied):
+    pytest.importorskip("vllm")
+    from tasks.config import ConfigError
+    from tasks.config_io import load_config
+    from tasks.rollout import check_rollout_setup
+
+    config = json.load(open(os.path.join(tied.base, "config.json")))
+    cfg = load_config("tiny_ppo_lora")  # lm_head among the targets, vLLM serving the adapter
+    with pytest.raises(ConfigError, match=r"actor.lora.target_modules has \['lm_head'\], which vLLM cannot serve as a "
+                                          r"LoRA adapter for \['Qwen2ForCausalLM'\]: use rollout.lora_mode=merged \(its "
+                                          r"embeddings are tied: the merge unties lm_head"):
+        check_rollout_setup(cfg, config)
+    for fine in (["rollout.lora_mode=merged"], ["rollout.engine=hf"]):
+        check_rollout_setup(load_config("tiny_ppo_lora", fine), config)
+    check_rollout_setup(cfg, {**config, "architectures": ["LlamaForCausalLM"]})  # vLLM's Llama adapts lm_head

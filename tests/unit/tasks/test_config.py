@@ -54,6 +54,12 @@ def test_frozen():
     (["actor.old_logprobs=sampler", "rollout.engine=hf", "model.dtype=bfloat16"],
      "got model.dtype=bfloat16, engine hf in bfloat16"),
     (["actor.old_logprobs=sampler", "rollout.remote_url=http://127.0.0.1:8125"], "remote http://127.0.0.1:8125"),
+    (["rollout.temperature=0.01"], "rollout.temperature=0.01 is below 0.1: log-probs at temperature τ are logits/τ"),
+    (["rollout.temperature=1e-4"], "below 0.01 vLLM also samples another temperature than the trainer scores"),
+    (["rollout.temperature=0"], "rollout.temperature=0.0 is below 0.1"),
+    (["rollout.eval_temperature=0.005"], "rollout.eval_temperature=0.005 must be 0 (greedy) or >= 0.01"),
+    (["rollout.top_k=-1"], "rollout.top_k must be >= 0"),
+    (["rollout.probe_tolerance=-1"], "rollout.probe_tolerance must be >= 0"),
 ])
 def test_bad_values_are_named(overrides, fragment):
     with pytest.raises(ConfigError) as err:
@@ -79,3 +85,21 @@ def test_round_trip_and_flatten():
 
     assert len(flat) == leaves(cfg)
     assert flat["actor.lora.rank"] == 0
+
+
+def test_temperature_bounds_accept_what_both_engines_sample_exactly():
+    from models.engines import SamplingSpec
+
+    cfg = load_config("tiny_grpo", ["rollout.temperature=0.1", "rollout.eval_temperature=0.01", "rollout.top_k=20"])
+    assert (cfg.rollout.temperature, cfg.rollout.eval_temperature, cfg.rollout.top_k) == (0.1, 0.01, 20)
+    assert load_config("tiny_grpo", ["rollout.eval_temperature=0"]).rollout.eval_temperature == 0  # greedy
+    with pytest.raises(ValueError, match="temperature 0.005 is below 0.01, where vLLM samples another temperature"):
+        SamplingSpec(temperature=0.005)  # the engines' own guard (the rollout server's requests too)
+
+
+def test_the_probe_tolerance_is_raised_where_bfloat16_rounding_alone_exceeds_it():
+    assert load_config("tiny_ppo").probe_tolerance == 1e-3  # float32 engine and trainer
+    assert load_config("tiny_ppo", ["rollout.vllm_dtype=bfloat16"]).probe_tolerance == 0.5
+    assert load_config("tiny_ppo", ["rollout.engine=hf", "model.dtype=bfloat16"]).probe_tolerance == 0.5
+    assert load_config("tiny_ppo", ["rollout.vllm_dtype=bfloat16", "rollout.probe_tolerance=2"]).probe_tolerance == 2
+    assert load_config("tiny_ppo", ["model.dtype=bfloat16", "rollout.probe_tolerance=0"]).probe_tolerance == 0  # off

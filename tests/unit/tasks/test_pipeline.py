@@ -20,7 +20,9 @@ from tests.stages import tiny_run, to_advantages
 OVERRIDES = ["rollout.engine=hf", "rollout.prompts_per_iteration=8", "rollout.n_samples_per_prompt=4",
              "actor.minibatch_size=16", "actor.micro_batch_size=8", "actor.nproc_per_node=1",
              "critic.minibatch_size=16", "critic.micro_batch_size=8", "run.num_iterations=3",
-             "data.num_demo_train_prompts=64", "data.num_demo_eval_prompts=8", "actor.lr=1e-3"]
+             "data.num_demo_train_prompts=64", "data.num_demo_eval_prompts=8",
+             # 1e-3 overshoots: two AdamW steps raised the surrogate on 3 of 4 seeds' batches (1e-4: 0 of 3)
+             "actor.lr=1e-4"]
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))
 
 

@@ -1,0 +1,51 @@
+"""What a rollout records of how it sampled: the batch's metadata (checked by ``score``), the gap
+metrics, and the demo's progress line showing the sampler-vs-trainer gap of the iteration."""
+
+import json
+
+import numpy as np
+import pytest
+
+from models.engines import SamplingSpec
+from tasks.batch import BatchMetadata, RolloutBatch
+from tasks.config import TrainConfig
+from tasks.config_io import load_config
+from tasks.iteration import progress_line
+from tasks.rollout import SAMPLING_KEY, sampling_record
+from tasks.score import check_sampling_temperature, logprob_gap
+
+BASE = {"rollout/reward_mean": 0.5, "rollout/init_policy_kl": 0.01, "rollout/response_length_mean": 4.0,
+        "actor/loss": 0.1, "actor/clip_frac": 0.0}
+
+
+def test_the_batch_gap_is_shown_else_the_probe_gap():
+    cfg = TrainConfig()
+    both = progress_line(cfg, 0, {**BASE, "rollout/logprob_gap_max": 4.8e-7, "rollout/probe_gap_max": 2e-6})
+    assert "gap 4.8e-07  (" in both and "probe gap" not in both  # π_old recomputed: the whole batch's gap
+    assert "probe gap 2.0e-06  (" in progress_line(cfg, 0, {**BASE, "rollout/probe_gap_max": 2e-6})  # sampler π_old
+    assert "gap" not in progress_line(cfg, 0, BASE)
+
+
+def _batch(extras) -> RolloutBatch:
+    return RolloutBatch.from_columns(
+        BatchMetadata(iteration=0, policy_version=0, algorithm="grpo", extras=extras),
+        prompt_id=[0, 0], prompt_tokens=[[1, 2], [1, 2]], response_tokens=[[3, 4], [5]],
+        sampler_logprobs=[[-0.5, -1.0], [-2.0]], is_end=[True, False], prompt=["p", "p"], response=["a", "b"])
+
+
+def test_the_batch_records_the_sampling_and_score_refuses_another_temperature():
+    cfg = load_config("tiny_grpo", ["rollout.top_k=20", "rollout.top_p=0.9"])
+    spec = SamplingSpec(n=4, temperature=1.0, top_p=0.9, top_k=20, seed=7, stop_token_ids=(2, 5))
+    record = json.loads(sampling_record(cfg, spec))
+    assert record == {"engine": "vllm (float32)", "temperature": 1.0, "top_p": 0.9, "top_k": 20, "seed": 7,
+                      "max_new_tokens": 16, "stop_token_ids": [2, 5], "stop_strings": []}
+    batch = _batch({SAMPLING_KEY: sampling_record(cfg, spec)})
+    check_sampling_temperature(batch, 1.0)
+    with pytest.raises(ValueError, match="was sampled at temperature 1.0 but is scored at rollout.temperature=0.7"):
+        check_sampling_temperature(batch, 0.7)
+    check_sampling_temperature(_batch({}), 0.7)  # a batch without the record (written before it existed)
+
+
+def test_the_gap_is_over_every_response_token():
+    gap = logprob_gap(_batch({}), np.array([-0.5, -0.75, -2.5], np.float32))
+    assert gap == {"rollout/logprob_gap_max": 0.5, "rollout/logprob_gap_mean": pytest.approx(0.75 / 3)}
