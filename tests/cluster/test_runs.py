@@ -25,9 +25,10 @@ from tests.processes import s3_client_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-RUN = ["run.num_iterations=2", "run.iterations_per_chunk=1", "run.eval_interval=2", "run.save_interval=1",
-       "rollout.prompts_per_iteration=8", "actor.minibatch_size=16",
-       "critic.minibatch_size=16", "critic.micro_batch_size=16", "data.num_demo_eval_prompts=8"]
+COMMON = ["run.num_iterations=2", "run.iterations_per_chunk=1", "run.eval_interval=2", "run.save_interval=1",
+          "rollout.prompts_per_iteration=8", "actor.minibatch_size=16", "data.num_demo_eval_prompts=8"]
+RUN = {"ppo": COMMON + ["critic.minibatch_size=16", "critic.micro_batch_size=16"], "grpo": COMMON}
+"""The critic's options only where there is a critic (an option the algorithm ignores is refused)."""
 PODS_TOPOLOGY = TOPOLOGY
 LOCAL_TOPOLOGY = ["actor.nnodes=1", "actor.nproc_per_node=4", "actor.micro_batch_size=4"]
 CASES = {"ppo": ("workflows/ppo.py", "ppo_training", "configs/tiny_ppo.yaml"),
@@ -53,7 +54,7 @@ def local_run(algo: str, root: str, s3: str, mlflow: str, home: Path) -> str:
     # ("local_files_only"), so without it the checkpoints differ in that one file (weights equal).
     env = isolated_env(home, {**s3_client_env(s3), "MLFLOW_TRACKING_URI": mlflow, "OMP_NUM_THREADS": "1",
                               "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
-    run = FlyteRun(workflow, entry, preset, RUN + LOCAL_TOPOLOGY + [f"run.storage_root={root}"], "local", env,
+    run = FlyteRun(workflow, entry, preset, RUN[algo] + LOCAL_TOPOLOGY + [f"run.storage_root={root}"], "local", env,
                    home / "pyflyte.log")
     return run.wait(timeout_s=1800)
 
@@ -68,7 +69,7 @@ def test_two_iterations_in_pods_match_a_local_run(algo, packages, make_cluster, 
     root = f"s3://{BUCKET}/{algo}-{tmp_path.name}"
     workflow, entry, preset = CASES[algo]
     ex = cluster.execute(f"workflows.{Path(workflow).stem}.{entry}",
-                         {"preset": preset, "overrides": RUN + PODS_TOPOLOGY + [f"run.storage_root={root}"],
+                         {"preset": preset, "overrides": RUN[algo] + PODS_TOPOLOGY + [f"run.storage_root={root}"],
                           "run_name": "pods"})
     report = "\n".join(f"{a.node:18s} {a.task:36s} try {a.attempt} {a.outcome:8s} {a.seconds:6.1f} s {a.error[:200]}"
                        for a in ex.attempts)
