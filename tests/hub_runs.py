@@ -17,9 +17,10 @@ from tests.stages import tiny_run, to_advantages
 
 SMALL = ["run.num_iterations=3", "rollout.prompts_per_iteration=4", "rollout.n_samples_per_prompt=4",
          "rollout.max_new_tokens=6", "actor.minibatch_size=8", "actor.micro_batch_size=4", "actor.nproc_per_node=1",
-         "actor.ppo_epochs=1", "critic.minibatch_size=8", "critic.micro_batch_size=8", "critic.epochs=1",
-         "actor.lr=1e-3", "data.max_prompt_tokens=64"]
+         "actor.ppo_epochs=1", "actor.lr=1e-3", "data.max_prompt_tokens=64"]
 """Three iterations of 4 prompts × 4 samples at lr 1e-3, one update process."""
+CRITIC_SMALL = ["critic.minibatch_size=8", "critic.micro_batch_size=8", "critic.epochs=1"]
+"""The critic's share of :data:`SMALL`, for algorithms with a critic (others refuse critic options)."""
 
 
 def prompt_files(root: Path, n_train: int = 32, n_eval: int = 4) -> List[str]:
@@ -33,7 +34,10 @@ def prompt_files(root: Path, n_train: int = 32, n_eval: int = 4) -> List[str]:
 @contextlib.contextmanager
 def hub_run(root: Path, model_dir: Path | str, preset: str, overrides: Sequence[str], name: str) -> Iterator:
     """``tiny_run`` of ``preset`` on the checkpoint ``model_dir`` with prompt files under ``root``."""
-    extra = [f"model.actor_path={model_dir}", *prompt_files(root), *SMALL, *overrides]
+    from tasks.config_io import load_config
+
+    critic = CRITIC_SMALL if load_config(preset).uses_critic else []
+    extra = [f"model.actor_path={model_dir}", *prompt_files(root), *SMALL, *critic, *overrides]
     with tiny_run(root, preset, extra, name, local_cache=False) as setup:
         yield setup
 
