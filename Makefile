@@ -54,7 +54,7 @@ demo: $(STAMP)
 # Unit and integration tests (integration ones start real servers on 127.0.0.1, headless
 # Chromium for the MLflow UI test, and TRL from the bench extra for the TRL benchmark's test).
 test: $(BENCH_STAMP) browser
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests --durations=40 $(PYTEST_ARGS)
 
 # Debian's Chromium and its WebDriver for tests/integration/test_mlflow_ui.py (as root, or via sudo).
 browser:
