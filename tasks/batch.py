@@ -2,7 +2,7 @@
 
 Stages add columns and never rewrite existing ones (:meth:`RolloutBatch.with_columns`
 refuses). Files are Arrow IPC (file format, ``.arrow``) on any fsspec URL, readable with
-plain ``pyarrow`` by the column names of DESIGN.md's contract::
+plain ``pyarrow`` by the column names of docs/concepts/rollout_batch.md::
 
     import pyarrow as pa
     with open("runs/r1/iter-000007/score.arrow", "rb") as f:
@@ -106,7 +106,7 @@ class RolloutBatch:
         torch tensors (see :meth:`with_columns` for the accepted forms)."""
         if not columns:
             raise BatchSchemaError("from_columns: no columns given")
-        # Canonical column order (DESIGN's table, then extras as given); response_tokens is
+        # Canonical column order (COLUMN_TYPES' order, then extras as given); response_tokens is
         # converted first because padded response-aligned columns need its row lengths.
         ordered = [k for k in COLUMN_TYPES if k in columns] + [k for k in columns if k not in COLUMN_TYPES]
         table = None

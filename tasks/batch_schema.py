@@ -1,7 +1,7 @@
 """The RolloutBatch Arrow schema: column types, stage column sets, metadata, validation.
 
-One Arrow row per sample; list columns are ragged (no padding on disk). See DESIGN.md,
-"Contracts". Index convention: position t of a response-aligned column is the action that
+One Arrow row per sample; list columns are ragged (no padding on disk). See docs/concepts/rollout_batch.md.
+Index convention: position t of a response-aligned column is the action that
 produced response token t, so those columns have ``len(response_tokens)`` entries per row.
 
 What each sample was judged against travels with it: ``row_id`` is its prompt's row in the data

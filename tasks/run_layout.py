@@ -1,4 +1,4 @@
-"""Where a run keeps its files (DESIGN.md, "Run layout on storage")::
+"""Where a run keeps its files (docs/concepts/run_layout.md)::
 
     {storage_root}/{run_name}/
       run.json                       RunInfo: config, MLflow run id, algorithm, start time, changes on resume

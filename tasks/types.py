@@ -51,6 +51,6 @@ class PolicyState:
 
 @dataclass(frozen=True)
 class StageStats:
-    """Scalar statistics of one stage, keyed as in DESIGN.md's metric table (``rollout/...``)."""
+    """Scalar statistics of one stage, keyed as in docs/concepts/metrics.md (``rollout/...``)."""
 
     values: Dict[str, float] = field(default_factory=dict)
