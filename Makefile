@@ -46,9 +46,9 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # PPO on the tiny reversal task through `pyflyte run` (local execution, 2-process elastic update,
-# vLLM rollouts, runs/ for storage, sqlite:///mlflow.db for MLflow).
+# vLLM rollouts, runs/ for storage, sqlite:///mlflow.db for MLflow). The libraries' console chatter is
+# off (models/console.py, called by the code itself); RLHF_VERBOSE=1 make demo shows it.
 demo: $(STAMP)
-	TRANSFORMERS_VERBOSITY=error VLLM_LOGGING_LEVEL=WARNING TQDM_DISABLE=1 \
 	$(VENV)/bin/pyflyte run workflows/$(ALGO_WORKFLOW).py $(ALGO_WORKFLOW)_training --preset configs/tiny_$(ALGO).yaml
 
 # Unit and integration tests (integration ones start real servers on 127.0.0.1, headless
@@ -77,8 +77,10 @@ image:
 	docker build --build-arg DEPLOY_PRESET=$(DEPLOY_PRESET) --build-arg DEPLOY_OVERRIDES="$(DEPLOY_OVERRIDES)" \
 	  --build-arg GIT_COMMIT=$$(git rev-parse HEAD 2>/dev/null || echo unknown) -t $(IMAGE) .
 
+# The fast tier: unit tests that start no processes, servers or engines (those are marked slow and
+# run by make test); about two minutes (docs/development.md).
 test-unit: $(STAMP)
-	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit -m "not slow" $(PYTEST_ARGS)
 
 # The documentation site (mkdocs.yml): the configuration reference regenerated from tasks/config.py's
 # field docstrings, then `mkdocs build --strict` into site/ (a broken link or page fails).
