@@ -1,6 +1,4 @@
-"""Flyte workflows (wiring only). Importing them quiets the libraries' console chatter first
-(``models/console.py``; ``RLHF_VERBOSE=1`` keeps it)."""
+"""Flyte workflows (wiring only). Importing them imports :mod:`tasks` first, which quiets the
+libraries' console chatter (``models/console.py``; ``RLHF_VERBOSE=1`` keeps it)."""
 
-from models.console import quiet_libraries
-
-quiet_libraries()
+import tasks  # noqa: F401
