@@ -37,6 +37,7 @@ def site_copy(tmp_path) -> pathlib.Path:
     return root
 
 
+@pytest.mark.slow
 def test_the_site_builds_strict(tmp_path):
     proc = mkdocs_build(ROOT, tmp_path / "site")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -49,6 +50,7 @@ def test_the_site_builds_strict(tmp_path):
     ("[gone](no_such_page.md)", "no_such_page.md"),
     ("[code](../tasks/no_such_module.py)", "../tasks/no_such_module.py"),
 ])
+@pytest.mark.slow
 def test_a_broken_link_fails_the_build(site_copy, tmp_path, line, expected):
     page = site_copy / "docs" / "design.md"
     page.write_text(page.read_text() + f"\n{line}\n")
@@ -57,6 +59,7 @@ def test_a_broken_link_fails_the_build(site_copy, tmp_path, line, expected):
     assert expected in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_a_page_outside_the_nav_fails_the_build(site_copy, tmp_path):
     (site_copy / "docs" / "orphan.md").write_text("# Nobody links here\n")
     proc = mkdocs_build(site_copy, tmp_path / "site")
