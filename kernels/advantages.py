@@ -125,7 +125,7 @@ Estimator = Callable[[AdvantageInput, AdvantageParams], AdvantageOutput]
 
 
 def advantage_stats(x: AdvantageInput, out: AdvantageOutput) -> Dict[str, float]:
-    """``adv/*`` metrics of DESIGN.md (before whitening) and the KL-shaped reward."""
+    """``adv/*`` metrics of docs/concepts/metrics.md (before whitening) and the KL-shaped reward."""
     m = x.mask
     stats = {
         "adv/advantages_mean": float(masked_mean(out.raw_advantages, m)),

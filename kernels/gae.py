@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.masked import as_bool_mask
+from kernels.masked import as_bool_mask, compute_dtype
 
 __all__ = ["GAEResult", "compute_gae", "compute_gae_reference", "discounted_cumsum"]
 
@@ -64,10 +64,6 @@ def _check(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: flo
         raise ValueError(f"gamma and lam must lie in [0, 1], got gamma={gamma}, lam={lam}")
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def compute_gae_reference(
     rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
 ) -> GAEResult:
@@ -77,7 +73,7 @@ def compute_gae_reference(
     of ``rewards`` (computed in float32, or float64 for float64 inputs).
     """
     _check(rewards, values, mask, gamma, lam)
-    dtype = _compute_dtype(rewards.dtype)
+    dtype = compute_dtype(rewards.dtype)
     r, v, m = rewards.to(dtype), values.to(dtype), as_bool_mask(mask)
     B, T = r.shape
     adv = torch.zeros_like(r)  # [B, T]
@@ -286,7 +282,7 @@ def compute_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam
     Shape: rewards, values, mask ``[B, T]`` (mask bool or 0/1); returns two ``[B, T]``.
     """
     _check(rewards, values, mask, gamma, lam)
-    dtype = _compute_dtype(rewards.dtype)
+    dtype = compute_dtype(rewards.dtype)
     r, v, m = rewards.to(dtype), values.to(dtype), as_bool_mask(mask)
     if r.numel() == 0:
         return GAEResult(torch.zeros_like(rewards), torch.zeros_like(rewards))

@@ -10,17 +10,17 @@ with low variance. Chosen by :class:`KLEstimator` through the ``KL_ESTIMATORS`` 
 
 The KL enters either the reward (:func:`kl_shaped_rewards`, the default: ``−β·kl_t`` on
 every response token, the sequence reward added at each row's last response token) or
-the loss (:func:`kl_loss`, ``β·agg(kl_t)``, as in GRPO). β comes from a controller:
-:class:`FixedKLController` or :class:`AdaptiveKLController` (Ziegler et al. 2019,
-"Fine-Tuning Language Models from Human Preferences", §2.2). Controllers are frozen;
-``update`` returns the next controller, so their state travels between tasks as data.
+the loss (:func:`kl_loss`, ``β·agg(kl_t)``, as in GRPO). β is ``kl.coef``, fixed, or steered by
+:class:`AdaptiveKLController` (Ziegler et al. 2019, "Fine-Tuning Language Models from Human
+Preferences", §2.2) with ``kl.adaptive``. The controller is frozen; ``update`` returns the next one,
+so β travels between iterations as data (``PolicyState.kl_coef``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Callable, NamedTuple, Protocol
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -32,12 +32,7 @@ __all__ = [
     "KLEstimator",
     "KL_ESTIMATORS",
     "kl_penalty",
-    "KLController",
-    "FixedKLController",
     "AdaptiveKLController",
-    "KLControl",
-    "KLControllerConfig",
-    "make_kl_controller",
     "KLShapedRewards",
     "kl_shaped_rewards",
     "KLLossOutput",
@@ -69,23 +64,6 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: KLEstimator | str = KL
     return KL_ESTIMATORS[KLEstimator(estimator)](logp.to(dtype) - ref_logp.to(dtype))
 
 
-class KLController(Protocol):
-    value: float
-
-    def update(self, current_kl: float, n_steps: int) -> "KLController": ...
-
-
-@dataclass(frozen=True)
-class FixedKLController:
-    """β that never changes."""
-
-    value: float
-    """the KL coefficient β"""
-
-    def update(self, current_kl: float, n_steps: int) -> "FixedKLController":
-        return self
-
-
 @dataclass(frozen=True)
 class AdaptiveKLController:
     """β steered towards a target KL (Ziegler et al. 2019, §2.2):
@@ -107,40 +85,6 @@ class AdaptiveKLController:
     def update(self, current_kl: float, n_steps: int) -> "AdaptiveKLController":
         proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         return replace(self, value=self.value * (1.0 + proportional_error * n_steps / self.horizon))
-
-
-class KLControl(str, Enum):
-    FIXED = "fixed"
-    ADAPTIVE = "adaptive"
-
-
-@dataclass(frozen=True)
-class KLControllerConfig:
-    """Settings of the KL coefficient."""
-
-    kind: KLControl = KLControl.FIXED
-    """fixed or adaptive β"""
-    init_beta: float = 0.05
-    """β at the first iteration"""
-    target: float = 6.0
-    """adaptive only: target KL per sequence"""
-    horizon: float = 10000.0
-    """adaptive only: samples over which the error is corrected"""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", KLControl(self.kind))
-        if self.init_beta < 0 or self.target <= 0 or self.horizon <= 0:
-            raise ValueError(f"need init_beta >= 0, target > 0, horizon > 0, got {self}")
-
-
-KL_CONTROLLERS: dict[KLControl, Callable[[KLControllerConfig], KLController]] = {
-    KLControl.FIXED: lambda c: FixedKLController(c.init_beta),
-    KLControl.ADAPTIVE: lambda c: AdaptiveKLController(c.init_beta, c.target, c.horizon),
-}
-
-
-def make_kl_controller(config: KLControllerConfig) -> KLController:
-    return KL_CONTROLLERS[config.kind](config)
 
 
 class KLShapedRewards(NamedTuple):

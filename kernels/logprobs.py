@@ -30,9 +30,9 @@ from kernels.logprobs_chunked import (
     LOGITS_BLOCK_ELEMS_CUDA,
     LOGITS_MAX_CHUNK_VOCAB,
     LogitsFn,
-    compute_dtype,
 )
 from kernels.logprobs_hidden import HIDDEN_BLOCK_ELEMS, HIDDEN_BLOCK_ELEMS_CUDA, HIDDEN_CHUNK_VOCAB, HiddenFn
+from kernels.masked import compute_dtype
 
 __all__ = [
     "LogprobBackend",
@@ -43,7 +43,6 @@ __all__ = [
     "token_logprobs_and_entropy_from_hidden",
     "token_logprobs_reference",
     "token_logprobs_and_entropy_reference",
-    "token_logprobs_from_hidden_reference",
     "token_logprobs_and_entropy_from_hidden_reference",
 ]
 
@@ -203,9 +202,3 @@ def token_logprobs_and_entropy_from_hidden_reference(
     """Naive reference: build ``hidden @ weightᵀ`` ``[B, T, V]`` in the model dtype, then as above."""
     return token_logprobs_and_entropy_reference(hidden @ weight.T, token_ids, temperature)
 
-
-def token_logprobs_from_hidden_reference(
-    hidden: Tensor, weight: Tensor, token_ids: Tensor, temperature: float = 1.0
-) -> Tensor:
-    """Naive reference log-probs from hidden states. ``[B, T, D]``, ``[V, D]`` → ``[B, T]``."""
-    return token_logprobs_reference(hidden @ weight.T, token_ids, temperature)

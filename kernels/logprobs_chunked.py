@@ -23,6 +23,8 @@ from typing import Callable, Iterator, NamedTuple
 import torch
 from torch import Tensor
 
+from kernels.masked import compute_dtype
+
 __all__ = ["LogitsFn", "forward_stats", "block_grad", "backward_state", "state_block", "row_ranges", "col_ranges"]
 
 LOGITS_BLOCK_ELEMS = 1 << 18  # 1 MiB of float32 per temporary (CPU)
@@ -30,10 +32,6 @@ LOGITS_BLOCK_ELEMS_CUDA = 1 << 23  # 32 MiB: fewer, larger kernels on a GPU
 LOGITS_MAX_CHUNK_VOCAB = 1 << 17  # whole rows up to this V: one fused log_softmax per row
 
 Ranges = list[tuple[int, int]]
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def scaled(block: Tensor, temperature: float, dtype: torch.dtype) -> Tensor:

@@ -23,12 +23,12 @@ from kernels.logprobs_chunked import (
     block_grad,
     blocks,
     col_ranges,
-    compute_dtype,
     forward_stats,
     row_ranges,
     scaled,
     state_block,
 )
+from kernels.masked import compute_dtype
 
 __all__ = ["HiddenFn", "HIDDEN_BLOCK_ELEMS", "HIDDEN_BLOCK_ELEMS_CUDA", "HIDDEN_CHUNK_VOCAB"]
 

@@ -11,7 +11,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["as_bool_mask", "masked_sum", "masked_mean", "masked_var", "masked_whiten"]
+__all__ = ["compute_dtype", "as_bool_mask", "masked_sum", "masked_mean", "masked_var", "masked_whiten"]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype reductions and recurrences run in: float64 stays float64; bfloat16, float16 and
+    float32 compute in float32 (sums of many bf16 terms lose most of their bits)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def as_bool_mask(mask: Tensor) -> Tensor:

@@ -4,9 +4,9 @@ Both take prompts as token ids and return, per prompt, ``n`` responses with the 
 log-probs of the sampled tokens and whether the response ended with a stop token, under one
 rule (:mod:`models.engine_base`): the distribution the spec names (temperature, top-k/top-p,
 nothing from the checkpoint's ``generation_config.json``), every eos id of the checkpoint, one
-seeded stream per sample. The trainer recomputes π_old itself; these log-probs serve the optional
-``actor.old_logprobs=sampler``, the truncated importance-sampling correction and the
-``rollout/logprob_gap_*`` diagnostics.
+seeded stream per sample. By default the trainer recomputes π_old itself
+(``actor.old_logprobs=recompute``); these log-probs are π_old with ``actor.old_logprobs=sampler``, and
+serve the truncated importance-sampling correction and the ``rollout/logprob_gap_*`` diagnostics.
 
 Engines are cached per process (:func:`get_engine`): when rollout tasks share a process (local
 runs, a long-lived rollout service) the engine is started once and new weights are pushed in

@@ -2,8 +2,8 @@
 
 Rows are ``prompt ++ response`` right-padded to ``[B, L]``. Response token t of row b sits at
 position ``P_b + t`` and is predicted by the hidden state at ``P_b + t - 1``; both the policy's
-log-prob and the critic's value for action t are read there (index convention of DESIGN.md:
-position t of a response column is the action that produced response token t). Only those
+log-prob and the critic's value for action t are read there (the index convention of
+docs/concepts/rollout_batch.md: position t of a response column is the action that produced response token t). Only those
 hidden states go through the output projection, chunked (``kernels.logprobs``), so the
 ``[B, L, V]`` logits are never materialised.
 """
@@ -11,22 +11,15 @@ hidden states go through the output projection, chunked (``kernels.logprobs``), 
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Protocol, Tuple, TypeVar
+from typing import Optional, Tuple, TypeVar
 
 import torch
 from torch import nn
 
-from kernels.logprobs import token_logprobs_and_entropy, token_logprobs_and_entropy_from_hidden
+from kernels.logprobs import (token_logprobs, token_logprobs_and_entropy, token_logprobs_and_entropy_from_hidden,
+                              token_logprobs_from_hidden)
 from models import packing
-
-
-class ModelInputs(Protocol):
-    """What a forward needs (``models.batch_tensors.ModelInputs`` provides it)."""
-
-    input_ids: torch.Tensor  # [B, L] prompt ++ response, right-padded
-    attention_mask: torch.Tensor  # [B, L]
-    response_positions: torch.Tensor  # [B, T] position of response token t in input_ids (>= 1)
-    response_mask: torch.Tensor  # [B, T] bool
+from models.batch_tensors import ModelInputs
 
 
 def inputs_to(inputs, device):
@@ -83,13 +76,16 @@ class PolicyLogprobs(nn.Module):
             if self.chunked and plain and h.shape[0] * h.shape[1] * head.out_features >= FROM_HIDDEN_MIN_LOGITS:
                 if self.autocast_dtype is not None:  # the head's matmuls in the compute dtype, both ways
                     h = h.to(self.autocast_dtype)
-                logp, ent = token_logprobs_and_entropy_from_hidden(h, head.weight.to(h.dtype), tokens,
-                                                                  temperature=temperature)
+                w = head.weight.to(h.dtype)
+                logp, ent = (token_logprobs_and_entropy_from_hidden(h, w, tokens, temperature=temperature)
+                             if with_entropy else (token_logprobs_from_hidden(h, w, tokens, temperature), None))
             else:  # small logits, LoRA-adapted/sharded/biased heads: logits of the response positions only
-                logp, ent = token_logprobs_and_entropy(head(h), tokens, temperature=temperature)
+                logits = head(h)  # [B, T, V]
+                logp, ent = (token_logprobs_and_entropy(logits, tokens, temperature=temperature) if with_entropy
+                             else (token_logprobs(logits, tokens, temperature), None))
         mask = inputs.response_mask.bool()
         logp = logp.masked_fill(~mask, 0.0)
-        ent = ent.masked_fill(~mask, 0.0) if with_entropy else None
+        ent = ent.masked_fill(~mask, 0.0) if with_entropy else None  # without: no entropy computed at all
         return logp, ent  # [B, T], [B, T]
 
 

@@ -35,7 +35,7 @@ PROBE_LENGTH = 16
 LOW_PRECISION_PROBE_TOLERANCE = 0.5
 """Smallest probe tolerance (nats) when the engine or the trainer computes in bfloat16/float16: rounding
 alone moved log-probs by 0.002-0.06 nats between vLLM in bfloat16 and a float32 forward on the test
-models (larger logits, larger gaps), and by up to 0.4 nats/token on real ones (README)."""
+models (larger logits, larger gaps), and by up to 0.4 nats/token on real ones (docs/howto/train_your_own.md, "Speed")."""
 
 
 def effective_tolerance(asked: float, engine_dtype: str, trainer_dtype: str) -> float:

@@ -1,6 +1,6 @@
 """Scoring forwards over a batch in micro-batches: π_old, π_ref log-probs and critic values.
 
-Inputs are micro-batches of :class:`models.policy.ModelInputs`; outputs are flat float32
+Inputs are micro-batches of :class:`models.batch_tensors.ModelInputs`; outputs are flat float32
 arrays in row-major response order (row 0's tokens, then row 1's, ...), which is exactly
 the values buffer of a ragged Arrow list column.
 """

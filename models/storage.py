@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import time
@@ -63,6 +64,12 @@ class RetryPolicy:
 
 
 DEFAULT_RETRY = RetryPolicy()
+
+
+def utc_now_iso(timespec: str = "seconds") -> str:
+    """Now, UTC, ISO 8601 (``2026-11-24T00:30:00+00:00``): the time stamp of what is written to storage
+    (batch metadata, ``run.json``, ``state.json``, checkpoint markers)."""
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec=timespec)
 
 
 def is_transient(err: BaseException) -> bool:

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from models import console
 from models.engine_base import EngineLoadError, Generation, SamplingSpec, SwappableEngine, sample_seed
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -119,7 +120,7 @@ class VLLMEngine(SwappableEngine):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
         kwargs: Dict[str, Any] = dict(dtype=dtype, enforce_eager=True, seed=seed, logprobs_mode="processed_logprobs",
-                                      generation_config="vllm")
+                                      generation_config="vllm", use_tqdm_on_load=console.verbose())
         if max_model_len:  # default: the model's own limit
             kwargs["max_model_len"] = max_model_len
         if torch.cuda.is_available():

@@ -2,7 +2,7 @@
 
 Stages add columns and never rewrite existing ones (:meth:`RolloutBatch.with_columns`
 refuses). Files are Arrow IPC (file format, ``.arrow``) on any fsspec URL, readable with
-plain ``pyarrow`` by the column names of DESIGN.md's contract::
+plain ``pyarrow`` by the column names of docs/concepts/rollout_batch.md::
 
     import pyarrow as pa
     with open("runs/r1/iter-000007/score.arrow", "rb") as f:
@@ -20,6 +20,9 @@ Writing and reading with the project::
     batch = batch.write(layout.batch_url(7, "rollouts"))
     scored = RolloutBatch.read(url).with_columns(old_logprobs=logp)   # logp: [B, T_resp] right-padded
     tensors = RolloutBatch.read(url, shard=(rank, world)).to_padded(["advantages", "old_logprobs"])
+
+This module knows nothing of Flyte: :mod:`tasks.batch_type` makes RolloutBatch a Flyte type, and
+:mod:`tasks.common` (which every task module imports) registers it.
 """
 
 from __future__ import annotations
@@ -28,13 +31,12 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
-import blake3
 import numpy as np
 import pyarrow as pa
 import torch
 
-from models import storage
-from models import ragged
+from models import ragged, storage
+from models.checkpoint import buffer_digest
 from tasks.batch_schema import (ADVANTAGE_COLUMNS, COLUMN_TYPES, RESPONSE_ALIGNED, ROLLOUT_COLUMNS,
                                 SCORE_COLUMNS, BatchMetadata, BatchSchemaError, list_lengths,
                                 validate_table)
@@ -52,12 +54,6 @@ class BatchCorruptError(BatchSchemaError):
 def checksum_url(url: str) -> str:
     """``{url}.blake3``: the hex BLAKE3 digest of the batch file, written after it."""
     return url + ".blake3"
-
-
-def file_digest(data: Any) -> str:
-    """BLAKE3 of a buffer on every core: 1.5-2.4 GB/s on the 2-core CI machine, where one core
-    of sha256 gave 0.7 GB/s and capped batch reads and writes below 1 GB/s."""
-    return blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()
 
 
 class RolloutBatch:
@@ -106,7 +102,7 @@ class RolloutBatch:
         torch tensors (see :meth:`with_columns` for the accepted forms)."""
         if not columns:
             raise BatchSchemaError("from_columns: no columns given")
-        # Canonical column order (DESIGN's table, then extras as given); response_tokens is
+        # Canonical column order (COLUMN_TYPES' order, then extras as given); response_tokens is
         # converted first because padded response-aligned columns need its row lengths.
         ordered = [k for k in COLUMN_TYPES if k in columns] + [k for k in columns if k not in COLUMN_TYPES]
         table = None
@@ -227,7 +223,7 @@ class RolloutBatch:
         (0.2 GB/s on the CI machine)."""
         data = memoryview(self._ipc_buffer())
         with ThreadPoolExecutor(1) as pool:
-            digest = pool.submit(file_digest, data)
+            digest = pool.submit(buffer_digest, data)
             storage.remove(checksum_url(url))
             storage.write_bytes(url, data, durable=False)
             checksum = digest.result()
@@ -292,10 +288,10 @@ def _verify_checksum(uri: str, source: Any) -> None:
         return
     want = storage.read_bytes(checksum_url(uri)).decode("ascii", "replace").strip()
     if isinstance(source, pa.MemoryMappedFile):
-        got = file_digest(memoryview(source.read_buffer()))
+        got = buffer_digest(memoryview(source.read_buffer()))
         source.seek(0)
     else:
-        got = file_digest(memoryview(source))
+        got = buffer_digest(memoryview(source))
     if got != want:
         raise BatchCorruptError(f"batch {uri} fails its BLAKE3 check against {checksum_url(uri)} "
                                 f"(corrupted or changed after it was written)")
@@ -347,6 +343,3 @@ def _to_arrow(name: str, value: Any, table: Optional[pa.Table]) -> pa.Array | pa
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as err:
         raise BatchSchemaError(f"column '{name}': cannot convert to {typ}: {err}") from err
 
-
-# Registers the Flyte type transformer for RolloutBatch (needs the class defined above).
-from tasks import batch_type  # noqa: E402,F401

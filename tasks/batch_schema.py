@@ -1,7 +1,7 @@
 """The RolloutBatch Arrow schema: column types, stage column sets, metadata, validation.
 
-One Arrow row per sample; list columns are ragged (no padding on disk). See DESIGN.md,
-"Contracts". Index convention: position t of a response-aligned column is the action that
+One Arrow row per sample; list columns are ragged (no padding on disk). See docs/concepts/rollout_batch.md.
+Index convention: position t of a response-aligned column is the action that
 produced response token t, so those columns have ``len(response_tokens)`` entries per row.
 
 What each sample was judged against travels with it: ``row_id`` is its prompt's row in the data
@@ -22,6 +22,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 import numpy as np
 import pyarrow as pa
 
+from models.storage import utc_now_iso
 from models.batch_tensors import RESPONSE_ALIGNED  # one definition, shared with the tensor side
 from models.ragged import list_lengths  # noqa: F401  (re-exported)
 
@@ -91,10 +92,6 @@ class BatchSchemaError(ValueError):
     """A RolloutBatch column is missing, mistyped, null or has the wrong per-row length."""
 
 
-def _now_iso() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-
-
 @dataclass(frozen=True)
 class BatchMetadata:
     """What a batch belongs to; stored as Arrow schema metadata (string keys and values)."""
@@ -105,7 +102,7 @@ class BatchMetadata:
     """Version of the actor checkpoint that generated the responses (k for iteration k)."""
     algorithm: str
     """Algorithm name, e.g. ``"ppo"``, ``"grpo"`` (the names of ``tasks/algorithms/``)."""
-    created_at: str = field(default_factory=_now_iso)
+    created_at: str = field(default_factory=utc_now_iso)
     """Creation time, ISO 8601 UTC."""
     extras: Mapping[str, str] = field(default_factory=dict)
     """Free-form string annotations (e.g. ``{"run_name": ...}``); stored as one JSON value."""

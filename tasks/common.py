@@ -10,6 +10,7 @@ import numpy as np
 
 from models import storage
 from models.checkpoint import download_checkpoint
+from tasks import batch_type  # noqa: F401  (registers RolloutBatch as a Flyte type for the tasks)
 
 CACHE_VERSION = "2"
 """Bump when a task's outputs change meaning for the same inputs."""

@@ -20,6 +20,7 @@ from kernels.aggregation import LossAgg
 from kernels.kl import KLEstimator
 from models.engines import MIN_ENGINE_TEMPERATURE, VLLM_MAX_LORA_RANK
 from models.probe import effective_tolerance
+from models.task import REWARD_SPEC
 from tasks import algorithms
 from tasks.algorithms import AlgorithmSpec
 from tasks.algorithms.checks import ignored_options
@@ -226,8 +227,8 @@ class RolloutConfig:
     vllm_gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take on a GPU."""
     vllm_dtype: str = "float32"
-    """vLLM weights/activations dtype. bf16 is faster but drifts from an fp32 trainer;
-    π_old is always recomputed by the trainer."""
+    """vLLM weights/activations dtype. bf16 is faster but drifts from an fp32 trainer, so it needs
+    ``actor.old_logprobs=recompute`` (the default: π_old from the trainer's own forward in ``score``)."""
     lora_mode: str = "adapter"
     """With ``actor.lora``: ``adapter`` serves the base weights plus the iteration's adapter
     (vLLM ``enable_lora``, one LoRA request per iteration; HF through peft); ``merged`` merges the
@@ -271,7 +272,8 @@ class RolloutConfig:
         return self.prompts_per_iteration * self.n_samples_per_prompt
 
 
-DEFAULT_REWARD_FUNCTION = "models.task:reverse_reward"
+DEFAULT_REWARD_FUNCTION = REWARD_SPEC
+"""The demo task's reward (:mod:`models.task`), the default ``reward.function``."""
 
 
 @dataclass(frozen=True)

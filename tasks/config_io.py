@@ -124,16 +124,51 @@ def resolve_preset(preset: str) -> pathlib.Path:
     raise ConfigError(f"preset {preset!r} not found (looked in the working directory and {PROJECT_ROOT / 'configs'})")
 
 
+BASE_KEY = "base"
+"""A preset's top-level ``base: <preset>`` starts it from another preset (a path relative to the file,
+or a name under ``configs/``); its own sections are merged over the base's, key by key."""
+
+
+def read_preset(path: pathlib.Path, _chain: tuple = ()) -> Dict[str, Any]:
+    """The sections of the preset at ``path`` with its ``base`` chain resolved (nested dicts)."""
+    loaded = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"preset {path} must be a mapping of sections")
+    base = loaded.pop(BASE_KEY, None)
+    data = {k: dict(v or {}) for k, v in loaded.items()}
+    if base is None:
+        return data
+    chain = _chain + (path.resolve(),)
+    base_path = _resolve_base(str(base), path)
+    if base_path.resolve() in chain:
+        names = " -> ".join(str(p) for p in chain + (base_path.resolve(),))
+        raise ConfigError(f"preset {path}: base {base!r} makes a cycle ({names})")
+    return _merged(read_preset(base_path, chain), data)
+
+
+def _resolve_base(base: str, preset: pathlib.Path) -> pathlib.Path:
+    beside = preset.parent / base
+    if beside.is_file():
+        return beside
+    try:
+        return resolve_preset(base)
+    except ConfigError:
+        raise ConfigError(f"preset {preset}: base {base!r} not found (looked beside it and in "
+                          f"{PROJECT_ROOT / 'configs'})") from None
+
+
+def _merged(base: Dict[str, Any], over: Mapping[str, Any]) -> Dict[str, Any]:
+    """``base`` with ``over`` on top; nested mappings (sections, ``actor.lora``) merge key by key."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def given_values(preset: str = "", overrides: Iterable[str] = ()) -> Dict[str, Any]:
     """What the user wrote: the preset's sections with the overrides applied, as nested dicts (no
     defaults filled in, nothing checked)."""
-    data: Dict[str, Any] = {}
-    if preset:
-        path = resolve_preset(preset)
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"preset {path} must be a mapping of sections")
-        data = {k: dict(v or {}) for k, v in loaded.items()}
+    data: Dict[str, Any] = read_preset(resolve_preset(preset)) if preset else {}
     for text in overrides:
         path, value = parse_override(text)
         _set_path(data, path, value, text)

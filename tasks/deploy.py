@@ -90,4 +90,4 @@ def check_topology(cfg: TrainConfig, registered: TrainConfig) -> None:
         raise ConfigError(
             f"actor.nnodes × actor.nproc_per_node = {a.nnodes} × {a.nproc_per_node}, but the registered actor_update "
             f"runs {b.nnodes} × {b.nproc_per_node}: register the workflows (and build the image) with "
-            f"{DEPLOY_PRESET_ENV}/{DEPLOY_OVERRIDES_ENV} naming this topology (README, 'Run on a Flyte cluster')")
+            f"{DEPLOY_PRESET_ENV}/{DEPLOY_OVERRIDES_ENV} naming this topology (docs/howto/cluster.md)")

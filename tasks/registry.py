@@ -13,6 +13,7 @@ import tempfile
 from typing import NamedTuple, Optional
 
 from models.checkpoint import check_finite, download_checkpoint, is_committed, read_marker, save_checkpoint
+from models.console import mlflow_events_off
 from models.lora import ADAPTER_CONFIG, is_adapter, merge_adapter
 from tasks import tracking
 from tasks.redact import redact
@@ -97,8 +98,10 @@ def log_policy(run_id: str, actor_url: str, registered_name: str) -> PolicyVersi
     c = tracking.client()
     versions = [v for v in c.search_model_versions(f"name = '{registered_name}' AND run_id = '{run_id}'")
                 if model_uri in (v.source, f"models:/{v.model_id}")]
-    version = str(versions[0].version) if versions else str(mlflow.register_model(
-        model_uri, registered_name, tags={CHECKPOINT_TAG: redact(actor_url)}).version)
+    if not versions:
+        with mlflow_events_off():
+            versions = [mlflow.register_model(model_uri, registered_name, tags={CHECKPOINT_TAG: redact(actor_url)})]
+    version = str(versions[0].version)
     c.set_registered_model_alias(registered_name, CANDIDATE, version)
     return PolicyVersion(model_uri, version)
 

@@ -1,4 +1,4 @@
-"""Where a run keeps its files (DESIGN.md, "Run layout on storage")::
+"""Where a run keeps its files (docs/concepts/run_layout.md)::
 
     {storage_root}/{run_name}/
       run.json                       RunInfo: config, MLflow run id, algorithm, start time, changes on resume
@@ -15,7 +15,6 @@ committed checkpoints, so resuming from it never meets a half-written checkpoint
 
 from __future__ import annotations
 
-import datetime as dt
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, List, Mapping, Optional
@@ -24,10 +23,6 @@ from models import storage
 from models.checkpoint import CheckpointError, is_committed
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-def _now_iso() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
 
 
 @dataclass(frozen=True)
@@ -42,7 +37,7 @@ class RunInfo:
     """The full training config as a JSON-able dict."""
     mlflow_run_id: Optional[str] = None
     """MLflow run that tracks this run (None before MLflow starts)."""
-    started_at: str = field(default_factory=_now_iso)
+    started_at: str = field(default_factory=lambda: storage.utc_now_iso("milliseconds"))
     """Start time, ISO 8601 UTC."""
     config_changes: List[Mapping[str, Any]] = field(default_factory=list)
     """Changes made on resume, oldest first: ``{"key", "old", "new", "iteration"}`` (``tasks/resume.py``);
@@ -67,7 +62,7 @@ class RunState:
     """Committed critic checkpoint (PPO), else None."""
     extras: Mapping[str, Any] = field(default_factory=dict)
     """JSON-able state to carry over, e.g. ``{"kl_coef": 0.012}`` of an adaptive controller."""
-    updated_at: str = field(default_factory=_now_iso)
+    updated_at: str = field(default_factory=lambda: storage.utc_now_iso("milliseconds"))
     """When the state was written, ISO 8601 UTC."""
 
     def __post_init__(self) -> None:

@@ -176,7 +176,7 @@ def check_sampling_temperature(batch: RolloutBatch, temperature: float) -> None:
 
 
 def rollout_stats(rewards: np.ndarray, lengths: np.ndarray, batch: RolloutBatch, flat: Dict[str, np.ndarray]):
-    """``rollout/*`` metrics of DESIGN.md that need only the scored batch (``rewards``: the raw reward,
+    """``rollout/*`` metrics (docs/concepts/metrics.md) that need only the scored batch (``rewards``: the raw reward,
     what the task's success reads as, whatever scaling the advantages get)."""
     seq = np.repeat(np.arange(len(lengths)), lengths)  # [N_tok] row of each token
     kl_tok = flat["old_logprobs"] - flat["ref_logprobs"]

@@ -208,7 +208,7 @@ def resume_run(layout: RunLayout, cfg_now: TrainConfig, keys: Iterable[str] = ()
     point's checkpoints, a changed reward function. The next iteration starts from the committed
     checkpoints ``state.json`` names. With fixed seeds on the same CPU machine the resumed run is
     bit-identical to an uninterrupted one (every seed depends on ``run.seed`` and the iteration only;
-    ``tests/integration/test_resume.py``, README "Reliability")."""
+    ``tests/integration/test_resume.py``, docs/reliability_faults.md)."""
     info = layout.read_run_info()
     stored = config_from_json_dict(info.config)
     check_resume_workflow(stored, workflow, layout.url)

@@ -75,10 +75,6 @@ def log_params(run_id: str, params: Mapping[str, Any]) -> None:
         c.log_batch(run_id, params=items[i:i + 100])
 
 
-def logged_steps(run_id: str, key: str) -> set:
-    return {m.step for m in client().get_metric_history(run_id, key)}
-
-
 NONFINITE_PREFIX = "nonfinite/"
 """``nonfinite/<key>`` is 1 at every step where metric ``<key>`` was NaN or infinite."""
 

@@ -47,10 +47,3 @@ class PolicyState:
     reward_norm: Dict[str, float] = field(default_factory=dict)
     """Running moments of the raw rewards so far (``count``, ``mean``, ``m2``; empty before the first
     batch) for ``reward.normalize`` (:mod:`models.reward_scaling`); kept in ``state.json`` extras."""
-
-
-@dataclass(frozen=True)
-class StageStats:
-    """Scalar statistics of one stage, keyed as in DESIGN.md's metric table (``rollout/...``)."""
-
-    values: Dict[str, float] = field(default_factory=dict)

@@ -18,6 +18,8 @@ import socket
 import sys
 from typing import List, Optional, Tuple
 
+from models import console
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m models.server", description=__doc__.splitlines()[0])
@@ -152,6 +154,7 @@ def serve_rollout(args: argparse.Namespace) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    console.quiet_libraries()  # before torch, transformers and vLLM load (RLHF_VERBOSE=1: all their output)
     args = _parser().parse_args(argv)
     {"serve": serve, "serve-rollout": serve_rollout}[args.command](args)
 

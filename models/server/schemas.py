@@ -3,7 +3,7 @@
 A sample is a prompt and a response as token ids; the server builds ``prompt ++ response``
 right-padded rows itself (``models.batch_tensors.model_inputs``). Response-aligned lists
 (``values``, ``returns``, ``old_values``) have one entry per response token: entry t is the
-action that produced response token t (DESIGN.md index convention).
+action that produced response token t (the index convention of docs/concepts/rollout_batch.md).
 
 Responses may carry non-finite floats (a broken reward model); they are written as the
 JSON constants ``NaN``/``Infinity`` (which Python's ``json`` and pydantic read back) so

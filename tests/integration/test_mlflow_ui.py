@@ -3,7 +3,7 @@ run's store, its run page in headless Chromium (Debian's ``chromium`` + ``chromi
 by ``make browser``): the registered policy on the overview, metric charts, the samples table.
 
 Screenshots go to the test's temporary folder; with ``UPDATE_SCREENSHOTS=1`` also to ``docs/``
-(the README shows them).
+(docs/howto/review_run.md shows them).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def _open(driver, url: str, ready, timeout: float = 90.0) -> None:
 
 
 def _screenshot(driver, tmp_path_factory, name: str) -> str:
-    """Save a screenshot (palette PNG, small enough for the README); also to docs/ with UPDATE_SCREENSHOTS=1."""
+    """Save a screenshot (palette PNG, small enough for the docs); also to docs/ with UPDATE_SCREENSHOTS=1."""
     from PIL import Image
 
     out = str(tmp_path_factory.getbasetemp() / f"{name}.png")

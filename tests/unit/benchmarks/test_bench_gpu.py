@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # starts processes (make test-unit leaves it to make test)
+
 REPO = Path(__file__).resolve().parents[3]
 SIZES = ["--model", "tiny", "--quick", "--samples", "8", "--micro-batch", "2", "--steps", "2", "--prompt-len", "16",
          "--response-len", "32", "--fixed-lengths", "--dtype", "float32"]

@@ -16,6 +16,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import bench_trl  # noqa: E402
 from tasks.config_io import load_config  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts processes (make test-unit leaves it to make test)
+
 
 def test_one_seed_is_judged_per_prompt_more_over_seeds():
     # One seed: differences 0.5, 0, -0.5 over 3 prompts: mean 0, SE 0.5 / sqrt(3).

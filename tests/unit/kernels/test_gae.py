@@ -144,6 +144,7 @@ def _assert_matches_reference_loop(rewards, values, mask, gamma, lam, fast_mask)
     return out
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(gae_cases())
 def test_fast_matches_reference_loop(case):
@@ -173,6 +174,7 @@ def multi_turn_cases(draw):
     return rewards, values, m, gamma, lam
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(multi_turn_cases())
 def test_fast_matches_reference_loop_on_multi_turn_masks(case):
@@ -181,6 +183,7 @@ def test_fast_matches_reference_loop_on_multi_turn_masks(case):
     assert torch.all(out.advantages[~mask] == 0) and torch.all(out.returns[~mask] == 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (1.0, 0.999), (0.999, 0.95)])
 @pytest.mark.parametrize("gaps", [False, True])
 def test_long_rows_stay_within_1e5_of_the_loop(gamma, lam, gaps):

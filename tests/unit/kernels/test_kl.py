@@ -9,14 +9,10 @@ from hypothesis import strategies as st
 
 from kernels.kl import (
     AdaptiveKLController,
-    FixedKLController,
-    KLControl,
-    KLControllerConfig,
     KLEstimator,
     kl_loss,
     kl_penalty,
     kl_shaped_rewards,
-    make_kl_controller,
 )
 
 LOGP = torch.tensor([[-1.0, -1.0]])
@@ -58,11 +54,6 @@ def test_k3_is_nonnegative_and_k2_k3_agree_to_second_order(lr):
         assert k3 == pytest.approx(0.5 * lr * lr - lr**3 / 6, abs=1e-9)
 
 
-def test_fixed_controller_never_moves():
-    c = FixedKLController(0.1)
-    assert c.update(current_kl=100.0, n_steps=512).value == 0.1
-
-
 def test_adaptive_controller_by_hand():
     c = AdaptiveKLController(value=0.1, target=6.0, horizon=10000)
     # KL 9: e = clip(9/6 - 1 = 0.5, ±0.2) = 0.2; β = 0.1·(1 + 0.2·2000/10000) = 0.104
@@ -71,14 +62,6 @@ def test_adaptive_controller_by_hand():
     assert c.update(5.4, 2000).value == pytest.approx(0.098)
     # frozen: the original is unchanged
     assert c.value == 0.1
-
-
-def test_controller_registry():
-    assert make_kl_controller(KLControllerConfig("fixed", init_beta=0.2)) == FixedKLController(0.2)
-    adaptive = make_kl_controller(KLControllerConfig(KLControl.ADAPTIVE, 0.2, target=3.0, horizon=100.0))
-    assert adaptive == AdaptiveKLController(0.2, 3.0, 100.0)
-    with pytest.raises(ValueError):
-        KLControllerConfig("adaptive", init_beta=0.1, horizon=0.0)
 
 
 def test_kl_shaped_rewards_by_hand():

@@ -17,6 +17,8 @@ import torch
 
 from kernels.logprobs import token_logprobs, token_logprobs_and_entropy, token_logprobs_and_entropy_reference
 
+pytestmark = pytest.mark.slow  # starts processes (make test-unit leaves it to make test)
+
 pytest.importorskip("triton")
 
 WORKER = Path(__file__).with_name("_triton_interpret_worker.py")

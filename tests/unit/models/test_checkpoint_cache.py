@@ -35,6 +35,7 @@ def _rank(url: str, root: str, log: str, out: str) -> None:
         f.write(path)
 
 
+@pytest.mark.slow
 def test_ranks_of_a_node_share_one_download(tmp_path):
     url = committed(tmp_path, "actor", b"\x01" * 4096)
     root, log = str(tmp_path / "cache"), str(tmp_path / "downloads.log")

@@ -107,6 +107,7 @@ def _chat_prompt(path, text: str):
                                    return_dict=False)
 
 
+@pytest.mark.slow
 def test_hf_engine_samples_what_the_trainer_scores_not_the_checkpoint_defaults(qwen2_sharp_dir):
     """generation_config.json asks for repetition_penalty 1.05, temperature 0.7, top-k 20, top-p 0.8:
     none of it may reach the sampler, whose log-probs must be the plain forward's at the spec's τ."""

@@ -64,6 +64,7 @@ def test_loaded_adapter_equals_the_trained_one_and_off_equals_base(ckpts):
         {n for n, _ in trainable.named_parameters() if ".lora_" in n}
 
 
+@pytest.mark.slow
 def test_merge_command_writes_a_full_checkpoint_with_the_same_logits(ckpts):
     out = str(ckpts.root / "merged")
     proc = subprocess.run([sys.executable, "-m", "models.lora", "merge", "--adapter", ckpts.adapter, "--out", out],

@@ -22,6 +22,8 @@ from models.update import LoopSettings, UpdateData, actor_loss_fn, make_optimize
 from tests.processes import free_port
 from tests.unit.models.update_rows import padded_rows
 
+pytestmark = pytest.mark.slow  # starts processes (make test-unit leaves it to make test)
+
 LENGTHS = [(2, 3), (3, 6), (2, 2), (4, 4), (1, 5), (3, 1), (2, 7), (5, 2)]  # (prompt, response) per row
 SETTINGS = LoopSettings(epochs=2, minibatch_size=8, micro_batch_size=2, grad_clip=0.5, seed=3)
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))

@@ -79,6 +79,7 @@ def test_unwritten_batch_is_written_once_to_flyte_raw_output():
         assert pa.ipc.open_file(f).read_all().num_rows == 4
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_pyflyte_run_executes_the_workflow_locally(tmp_path):
     repo = Path(__file__).resolve().parents[3]

@@ -17,6 +17,8 @@ from tasks.iteration import eval_rewards, run_commit, sample_table
 from tasks.setup import setup_run
 from tests.stages import tiny_run, to_advantages
 
+pytestmark = pytest.mark.slow  # whole tasks on a tiny run, tens of seconds each (make test-unit leaves them to make test)
+
 ROWS = [{"question": "Ava has 3 apples and buys 4 more. How many apples?", "answer": "#### 7", "level": 1},
         {"question": "Ben had 12 coins and lost 5. How many coins are left?", "answer": "#### 7", "level": 2},
         {"question": "Chen reads 2 books a day\u2028for 3 days. How many books?", "answer": "#### 6", "level": 1}]

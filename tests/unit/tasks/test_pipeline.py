@@ -17,6 +17,8 @@ from tasks.setup import setup_run
 from tasks.updates import policy_loss_config, train_actor, train_critic, update_data
 from tests.stages import tiny_run, to_advantages
 
+pytestmark = pytest.mark.slow  # whole tasks on a tiny run, tens of seconds each (make test-unit leaves them to make test)
+
 OVERRIDES = ["rollout.engine=hf", "rollout.prompts_per_iteration=8", "rollout.n_samples_per_prompt=4",
              "actor.minibatch_size=16", "actor.micro_batch_size=8", "actor.nproc_per_node=1",
              "critic.minibatch_size=16", "critic.micro_batch_size=8", "run.num_iterations=3",

@@ -32,6 +32,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how, status", [("SIGINT", "KILLED"), ("SIGTERM", "KILLED"), ("error", "FAILED")])
 def test_a_local_run_that_stops_is_marked_and_lets_go(tmp_path, monkeypatch, how, status):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")

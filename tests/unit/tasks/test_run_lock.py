@@ -55,6 +55,7 @@ def test_a_stale_lock_is_taken_over_and_its_old_holder_stops(lock_url, caplog):
     assert not run_lock.release(lock_url, A)
 
 
+@pytest.mark.slow
 def test_a_lock_whose_local_process_died_is_taken_over_at_once(lock_url):
     """A ``pyflyte run`` on this host holds the run while it lives; SIGKILLed, its lock is taken over at
     once, without waiting for its hour-long TTL."""

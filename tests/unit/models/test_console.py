@@ -1,0 +1,80 @@
+"""models/console.py in a fresh interpreter: library chatter off by default, everything back with
+RLHF_VERBOSE=1, and the project's own warnings (and vLLM's unloaded-weight reports) never hidden."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from models import console
+
+pytestmark = pytest.mark.slow  # starts interpreters (make test-unit leaves it to make test)
+
+ROOT = Path(__file__).resolve().parents[3]
+
+PROBE = r'''
+import json, logging, os, sys, warnings
+import tasks  # what every task process does first
+import transformers  # a library loaded after the switch
+from transformers.utils import logging as hf_logging
+
+def library_warning(category):
+    # as a library module would: the warning is attributed to module "somelib.sub"
+    g = {"__name__": "somelib.sub", "warnings": warnings, "category": category}
+    exec("warnings.warn('library says', category)", g)
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.filters[:] = warnings.filters  # keep the filters quiet_libraries installed
+    library_warning(DeprecationWarning)
+    library_warning(FutureWarning)
+    g = {"__name__": "models.something", "warnings": warnings}
+    exec("warnings.warn('ours', DeprecationWarning)", g)
+    library_warning(UserWarning)
+out = {
+    "env": {k: os.environ.get(k) for k in ("TQDM_DISABLE", "VLLM_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY",
+                                          "HF_HUB_DISABLE_PROGRESS_BARS", "TORCH_CPP_LOG_LEVEL")},
+    "caught": sorted(f"{w.category.__name__}:{w.message}" for w in caught),
+    "hf_progress": hf_logging.is_progress_bar_enabled(),
+    "hf_verbosity": hf_logging.get_verbosity(),
+    "vllm_level": logging.getLogger("vllm").level,
+    "ours_warns": logging.getLogger("models.engine_base").isEnabledFor(logging.WARNING),
+}
+print("RESULT " + json.dumps(out))
+'''
+
+
+def probe(**env_extra) -> dict:
+    env = {k: v for k, v in os.environ.items()  # this pytest process imported tasks: start clean
+           if k not in console.QUIET_ENV and k not in ("PYTHONWARNINGS", console.VERBOSE_ENV)}
+    env.update(PYTHONPATH=str(ROOT), **env_extra)
+    proc = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_quiet_by_default_but_not_for_our_own_warnings():
+    got = probe()
+    assert got["env"] == {"TQDM_DISABLE": "1", "VLLM_LOGGING_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error",
+                          "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    # Library deprecations are dropped; ours and a library's UserWarning (maybe real) are not.
+    assert got["caught"] == ["DeprecationWarning:ours", "UserWarning:library says"]
+    assert got["hf_progress"] is False and got["hf_verbosity"] == 40  # logging.ERROR
+    assert got["ours_warns"] is True
+
+
+def test_rlhf_verbose_leaves_every_library_alone():
+    got = probe(RLHF_VERBOSE="1")
+    assert got["env"] == dict.fromkeys(got["env"])  # nothing set
+    assert "DeprecationWarning:library says" in got["caught"] or "FutureWarning:library says" in got["caught"]
+    assert got["hf_progress"] is True and got["vllm_level"] == 0
+
+
+def test_a_value_the_user_exported_wins():
+    assert probe(VLLM_LOGGING_LEVEL="INFO")["env"]["VLLM_LOGGING_LEVEL"] == "INFO"
