@@ -30,7 +30,7 @@ AWS_ENDPOINT_URL ?=
 PACKAGE_ENV = --env "RLHF_DEPLOY_PRESET=$(DEPLOY_PRESET)" --env "RLHF_DEPLOY_OVERRIDES=$(DEPLOY_OVERRIDES)" \
   $(foreach v,MLFLOW_TRACKING_URI RLHF_MLFLOW_ARTIFACT_LOCATION AWS_ENDPOINT_URL,$(if $($(v)),--env "$(v)=$($(v))"))
 
-.PHONY: install demo test test-unit bench bench-server clean browser package image
+.PHONY: install demo test test-unit bench bench-server clean browser sandbox package image
 
 install: $(STAMP)
 
@@ -53,7 +53,7 @@ demo: $(STAMP)
 
 # Unit and integration tests (integration ones start real servers on 127.0.0.1, headless
 # Chromium for the MLflow UI test, and TRL from the bench extra for the TRL benchmark's test).
-test: $(BENCH_STAMP) browser
+test: $(BENCH_STAMP) browser sandbox
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 # Debian's Chromium and its WebDriver for tests/integration/test_mlflow_ui.py (as root, or via sudo).
@@ -62,6 +62,14 @@ browser:
 	  command -v apt-get >/dev/null || { echo "no apt-get: install chromium and chromedriver into /usr/bin"; exit 0; }; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver; \
+	fi
+
+# Debian's bubblewrap for the sandboxed Python tool (models/sandbox.py) and its tests (as root, or via sudo).
+sandbox:
+	@if ! command -v bwrap >/dev/null; then \
+	  command -v apt-get >/dev/null || { echo "no apt-get: install bubblewrap (bwrap) for the Python tool"; exit 0; }; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq bubblewrap; \
 	fi
 
 # Registrable Flyte package of every workflow, task and launch plan (offline: nothing is contacted).
