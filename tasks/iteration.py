@@ -19,6 +19,7 @@ from models.checkpoint import is_committed
 from models.optimizer_state import optimizer_url
 from models.engines import close_engines
 from tasks import registry, run_end, run_lock, secrets, tracking
+from tasks.decks import conversation_text
 from tasks.batch import BatchMetadata, RolloutBatch
 from tasks.batch_schema import REWARD_NORM_KEY, decode_data_columns
 from tasks.common import read_prompts, load_tokenizer
@@ -53,6 +54,8 @@ def sample_table(batch: RolloutBatch, n: int) -> Dict[str, list]:
              "reward": [float(x) for x in t.column("reward").to_pylist()], "kl": kl}
     if "reward_raw" in t.column_names:
         table["reward_raw"] = [float(x) for x in t.column("reward_raw").to_pylist()]
+    if "episode" in t.column_names:  # multi-turn: turns, tool calls and results as a transcript
+        table["conversation"] = [conversation_text(e) for e in t.column("episode").to_pylist()]
     if "row_id" in t.column_names:
         table["row_id"] = t.column("row_id").to_pylist()
     if "data_columns" in t.column_names:
