@@ -14,6 +14,9 @@ PYTEST_ARGS ?=
 ALGO ?= ppo
 # ppo and ppo_* presets (e.g. ppo_lora) train a critic: the ppo workflow; the rest are critic-free.
 ALGO_WORKFLOW := $(if $(filter ppo ppo_%,$(ALGO)),ppo,reinforce)
+# TASK=tools: the multi-turn tool-use demo (configs/tiny_tools.yaml, GRPO), its model and prompts
+# built first by models/tool_demo.py (cached by content). Empty: the string-reversal task.
+TASK ?=
 # Cluster deployment: the image tasks run in, and the config the tasks are registered with
 # (resources, GPU type, elastic topology of actor_update; see tasks/deploy.py). `make image`
 # and `make package` must use the same DEPLOY_PRESET / DEPLOY_OVERRIDES.
@@ -47,9 +50,16 @@ $(STAMP): pyproject.toml constraints.txt
 
 # PPO on the tiny reversal task through `pyflyte run` (local execution, 2-process elastic update,
 # vLLM rollouts, runs/ for storage, sqlite:///mlflow.db for MLflow).
+ifeq ($(TASK),tools)
+demo: $(STAMP) sandbox
+	TRANSFORMERS_VERBOSITY=error $(PY) -m models.tool_demo --out runs/tools-demo
+	TRANSFORMERS_VERBOSITY=error VLLM_LOGGING_LEVEL=WARNING TQDM_DISABLE=1 \
+	$(VENV)/bin/pyflyte run workflows/reinforce.py reinforce_training --preset configs/tiny_tools.yaml
+else
 demo: $(STAMP)
 	TRANSFORMERS_VERBOSITY=error VLLM_LOGGING_LEVEL=WARNING TQDM_DISABLE=1 \
 	$(VENV)/bin/pyflyte run workflows/$(ALGO_WORKFLOW).py $(ALGO_WORKFLOW)_training --preset configs/tiny_$(ALGO).yaml
+endif
 
 # Unit and integration tests (integration ones start real servers on 127.0.0.1, headless
 # Chromium for the MLflow UI test, and TRL from the bench extra for the TRL benchmark's test).

@@ -56,7 +56,10 @@ def episode_stats(episodes: List[Episode]) -> Dict[str, float]:
             "episode/policy_token_frac": sum(sum(ep.loss_mask) for ep in episodes) / max(tokens, 1)}
 
 
-def environment_reward(prompts, responses, episode_reward, **_) -> List[float]:
+def environment_reward(prompts, responses, episode_reward=None) -> List[float]:
     """Reward function (``reward.function=models.episode_rollout:environment_reward``): the reward the
-    environment gave each episode (summed over its turns)."""
+    environment gave each episode (summed over its turns). ``episode_reward`` is a batch column, not a
+    data column (hence optional here: the set-up check of the data does not look for it)."""
+    if episode_reward is None:
+        raise ValueError("environment_reward needs episodes: set rollout.environment (docs/multi_turn.md)")
     return [float(r) for r in episode_reward]

@@ -69,3 +69,12 @@ def used_calculator_correctly(episode_json: str, expression: str) -> bool:
             if expr == expression and nxt.get("role") == "tool" and not nxt["content"].startswith("error"):
                 return True
     return False
+
+
+def called_tool_correctly(prompts, responses, episode=None, expression=None) -> List[float]:
+    """Metric as a reward function (weight 0 in ``configs/tiny_tools.yaml``): 1 where the episode
+    called the calculator on the question's expression and got its result (``reward/`` and
+    ``eval/called_tool_correctly_mean``)."""
+    if episode is None or expression is None:
+        raise ValueError("called_tool_correctly needs episodes (rollout.environment) and an 'expression' column")
+    return [float(used_calculator_correctly(e, x)) for e, x in zip(episode, expression)]

@@ -62,8 +62,9 @@ def batch_rewards(cfg: TrainConfig, run: RunHandle, batch: RolloutBatch, size: i
     table = batch.table
     columns = decode_data_columns(table.column("data_columns").to_pylist()) \
         if "data_columns" in table.column_names else {}
-    if "episode_reward" in table.column_names:  # the environment's, for models.episode_rollout:environment_reward
-        columns["episode_reward"] = table.column("episode_reward").to_pylist()
+    for name in ("episode_reward", "episode"):  # multi-turn: the environment's reward and the conversation
+        if name in table.column_names:
+            columns[name] = table.column(name).to_pylist()
     scores = reward_source(cfg, run)(table.column("prompt").to_pylist(), table.column("response").to_pylist(),
                                      micro_batches(batch, size, pad_id), columns=columns)
     check_rewards(scores.total, cfg.reward.source)
