@@ -39,13 +39,13 @@ DONE_FILE = "tool_warm_start.json"
 class ToolDemoConfig:
     """The demo model's shape, its warm start and its data."""
 
-    model: HubModelConfig = HubModelConfig(hidden_size=128, num_layers=4, num_heads=2, num_kv_heads=1,
-                                           intermediate_size=384)
-    steps: int = 300
+    model: HubModelConfig = HubModelConfig()
+    """The Qwen2-shaped checkpoint's shape (2 layers, width 64: head size 32, which vLLM's CPU backend has)."""
+    steps: int = 400
     """SFT optimiser steps."""
     batch_size: int = 16
     """Demonstrations per step."""
-    lr: float = 2e-3
+    lr: float = 3e-3
     """AdamW learning rate (linear decay to 0)."""
     num_train: int = 2000
     """Training prompts (the warm start uses the first ``steps × batch_size``, repeating)."""
