@@ -728,6 +728,7 @@ class TrainConfig:
         _check(not ignored, ignored[0] if ignored else "")
         self._resolve_kl(spec)
         self._check_rlvr()
+        self._check_episodes()
         batch = self.rollout.samples_per_iteration
         a = self.actor
         if a.lora.enabled and self.rollout.lora_mode == "adapter" and self.rollout.engine == "vllm":
@@ -780,6 +781,17 @@ class TrainConfig:
         _check(not (self.actor.tis_cap and self.actor.old_logprobs == "sampler"),
                "actor.tis_cap with actor.old_logprobs=sampler: π_old is then the sampler's own log-probs, so the "
                "truncated IS weight min(π_old/π_sampler, C) is always 1; use actor.old_logprobs=recompute")
+
+    def _check_episodes(self) -> None:
+        """Multi-turn episodes (``rollout.environment``) against the rest of the config (docs/multi_turn.md)."""
+        if not self.rollout.environment:
+            return
+        _check(not self.data.uses_chat_template,
+               "rollout.environment writes the messages the chat template renders: turn data.apply_chat_template "
+               "and data.messages_column off (the environment gets each row's columns and its plain 'prompt')")
+        _check(not (self.uses_critic and self.critic.remote_url),
+               "rollout.environment with critic.remote_url: the critic server's /train has no loss_mask, so it "
+               "would regress values on tool and template tokens; use the critic inside the workflow")
 
     @property
     def spec(self) -> AlgorithmSpec:

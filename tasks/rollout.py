@@ -163,7 +163,8 @@ def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Rollout
         batch = RolloutBatch.from_columns(meta, **cols.as_dict(), **episode_cols, **sample_columns(drawn, spec.n))
         with timed(stats, "time/rollout_write_s"):
             batch = batch.write(run.layout.batch_url(state.iteration, "rollouts"))
-    n_tokens = float(sum(len(r) for r in cols.sampler_logprobs if r))
+    n_tokens = float(sum(sum(m) for m in episode_cols["loss_mask"]) if episode_cols  # sampled tokens only
+                     else sum(len(r) for r in cols.response_tokens))
     stats["time/generate_s"] = cols.generate_s
     stats["throughput/rollout_tokens_per_s"] = n_tokens / max(cols.generate_s, 1e-9)
     if "probe_gap_max" in engine.stats.extra:  # engine vs trainer on the probe after this weight change

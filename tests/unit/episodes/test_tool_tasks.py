@@ -53,3 +53,22 @@ def test_demonstrations_are_tokenised_as_episodes_are(qwen2_chat_dir):
     learned = tok.decode([i for i, lab in zip(ids, labels) if lab != -100])
     assert learned == (f'Let me calculate.\n<tool_call>\n{{"name": "calculator", "arguments": {{"expression": '
                        f'"{row["expression"]}"}}}}\n</tool_call>{row["answer"]}<|im_end|>')
+
+
+def test_config_refuses_what_episodes_cannot_do():
+    import pytest
+
+    from tasks.config import ConfigError
+    from tasks.config_io import load_config
+
+    cfg = load_config("tiny_tools", [])
+    assert cfg.rollout.environment == "models.tool_tasks:ArithmeticEnv" and cfg.rollout.max_turns == 3
+    with pytest.raises(ConfigError, match="data.apply_chat_template"):
+        load_config("tiny_tools", ["data.apply_chat_template=true"])
+    with pytest.raises(ConfigError, match="critic.remote_url"):
+        load_config("tiny_ppo", ["rollout.environment=models.tool_tasks:ArithmeticEnv",
+                                 "critic.remote_url=http://127.0.0.1:1"])
+    with pytest.raises(ConfigError, match="rollout.environment"):
+        load_config("tiny_tools", ["rollout.environment=models.tool_tasks.ArithmeticEnv"])
+    with pytest.raises(ConfigError, match="rollout.max_turns"):
+        load_config("tiny_tools", ["rollout.max_turns=0"])
