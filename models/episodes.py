@@ -126,12 +126,13 @@ def _assistant_message(tokenizer, parser: ToolCallParser, tokens: Sequence[int])
 def run_episodes(engine, tokenizer, envs: Sequence[Any], spec: SamplingSpec, limits: EpisodeLimits,
                  parser: ToolCallParser, pool: ThreadPoolExecutor) -> List[Episode]:
     """Run one episode per environment; ``spec.seed`` seeds turn t's call with ``stream_seed(seed, t)``."""
-    chats = [ChatTokens(tokenizer, [t.schema() for t in env.tools] or None) for env in envs]
+    env_tools = [tuple(getattr(env, "tools", ())) for env in envs]  # a class of its own may have none
+    chats = [ChatTokens(tokenizer, [t.schema() for t in tools] or None) for tools in env_tools]
     episodes = []
     for env, chat in zip(envs, chats):
         messages = list(env.start())
         episodes.append(Episode(env, chat.first_prompt(messages), messages))
-    tools = [tools_by_name(env.tools) for env in envs]
+    tools = [tools_by_name(t) for t in env_tools]
     turn_spec = turn_stops(tokenizer, parser, spec)
     for turn in range(limits.max_turns):
         active = [k for k, ep in enumerate(episodes) if ep.active]

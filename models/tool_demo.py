@@ -110,6 +110,9 @@ def warm_started_actor(cache_dir: str, cfg: ToolDemoConfig = ToolDemoConfig(), t
             opt.step()
             sched.step()
             losses.append(round(loss.item(), 4))
+            if (step + 1) % 50 == 0:
+                print(f"warm start: step {step + 1}/{cfg.steps}, loss {losses[-1]:.3f}, "
+                      f"{time.perf_counter() - t0:.0f} s", flush=True)
     model.eval()
     model.save_pretrained(tmp, safe_serialization=True)
     info = {"config": dataclasses.asdict(cfg), "train_seconds": time.perf_counter() - t0, "losses": losses}

@@ -41,7 +41,8 @@ def test_writes_outside_the_scratch_folder_fail():
 
 def test_a_fork_bomb_hits_the_process_limit():
     code = ("import os, time\nn = 0\ntry:\n    while n < 5000:\n        if os.fork() == 0:\n"
-            "            time.sleep(2); os._exit(0)\n        n += 1\nexcept OSError as e:\n    print('stopped', n, e)\n")
+            "            time.sleep(2); os._exit(0)\n        n += 1\n"
+            "except OSError as e:\n    print('stopped', n, e)\n")
     r = run_python(code, wall_s=10, max_procs=16)
     assert r.stdout.startswith("stopped") and "Resource temporarily unavailable" in r.stdout
     assert int(r.stdout.split()[1]) < 16
