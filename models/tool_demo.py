@@ -137,13 +137,40 @@ def build(out_dir: str, cache_dir: str, cfg: ToolDemoConfig = ToolDemoConfig()) 
     return paths
 
 
+def evaluate(actor_dir: str, rows: List[Dict[str, str]], max_new_tokens: int = 48) -> Dict[str, float]:
+    """Greedy episodes of the checkpoint at ``actor_dir`` on ``rows`` (HF engine): exact-answer accuracy and
+    the share of episodes that called the calculator on the question's expression."""
+    from transformers import AutoTokenizer
+
+    from models.engine_base import SamplingSpec
+    from models.episode_rollout import sample_episodes
+    from models.episodes import EpisodeLimits
+    from models.hf_engine import HFEngine
+    from models.tool_tasks import used_calculator_correctly
+    from models.tools import HermesParser
+
+    tok = AutoTokenizer.from_pretrained(actor_dir)
+    _, extra, stats = sample_episodes(HFEngine(actor_dir), tok, ArithmeticEnv, rows, list(range(len(rows))),
+                                      SamplingSpec(temperature=0.0, max_new_tokens=max_new_tokens),
+                                      EpisodeLimits(max_turns=3, max_episode_tokens=160), HermesParser())
+    tool = [used_calculator_correctly(e, r["expression"]) for e, r in zip(extra["episode"], rows)]
+    return {"accuracy": float(extra["episode_reward"].mean()), "called_tool_correctly": sum(tool) / len(tool),
+            **stats}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/tools-demo")
     parser.add_argument("--cache-dir", default=os.path.join(os.environ.get("RLHF_CACHE_DIR") or
                                                              os.path.expanduser("~/.cache/flyte-rlhf"), "tool_demo"))
     parser.add_argument("--steps", type=int, default=ToolDemoConfig.steps)
+    parser.add_argument("--evaluate", default="", help="a checkpoint to evaluate greedily on the held-out prompts "
+                                                        "(instead of building)")
     args = parser.parse_args(argv)
+    if args.evaluate:
+        cfg = ToolDemoConfig()
+        print(json.dumps(evaluate(args.evaluate, problems(cfg.num_eval, cfg.seed + 1)), indent=1))
+        return
     print(json.dumps(build(args.out, args.cache_dir, ToolDemoConfig(steps=args.steps)), indent=1))
 
 
