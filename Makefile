@@ -14,6 +14,9 @@ PYTEST_ARGS ?=
 ALGO ?= ppo
 # ppo and ppo_* presets (e.g. ppo_lora) train a critic: the ppo workflow; the rest are critic-free.
 ALGO_WORKFLOW := $(if $(filter ppo ppo_%,$(ALGO)),ppo,reinforce)
+# TASK=tools: the multi-turn tool-use demo (configs/tiny_tools.yaml, GRPO), its model and prompts
+# built first by models/tool_demo.py (cached by content). Empty: the string-reversal task.
+TASK ?=
 # Cluster deployment: the image tasks run in, and the config the tasks are registered with
 # (resources, GPU type, elastic topology of actor_update; see tasks/deploy.py). `make image`
 # and `make package` must use the same DEPLOY_PRESET / DEPLOY_OVERRIDES.
@@ -30,7 +33,7 @@ AWS_ENDPOINT_URL ?=
 PACKAGE_ENV = --env "RLHF_DEPLOY_PRESET=$(DEPLOY_PRESET)" --env "RLHF_DEPLOY_OVERRIDES=$(DEPLOY_OVERRIDES)" \
   $(foreach v,MLFLOW_TRACKING_URI RLHF_MLFLOW_ARTIFACT_LOCATION AWS_ENDPOINT_URL,$(if $($(v)),--env "$(v)=$($(v))"))
 
-.PHONY: install demo test test-unit docs bench bench-server clean browser package image
+.PHONY: install demo test test-unit docs bench bench-server clean browser sandbox package image
 
 install: $(STAMP)
 
@@ -48,12 +51,19 @@ $(STAMP): pyproject.toml constraints.txt
 # PPO on the tiny reversal task through `pyflyte run` (local execution, 2-process elastic update,
 # vLLM rollouts, runs/ for storage, sqlite:///mlflow.db for MLflow). The libraries' console chatter is
 # off (models/console.py, called by the code itself); RLHF_VERBOSE=1 make demo shows it.
+# TASK=tools: the multi-turn calculator demo (docs/multi_turn.md).
+ifeq ($(TASK),tools)
+demo: $(STAMP) sandbox
+	$(PY) -m models.tool_demo --out runs/tools-demo
+	$(VENV)/bin/pyflyte run workflows/reinforce.py reinforce_training --preset configs/tiny_tools.yaml
+else
 demo: $(STAMP)
 	$(VENV)/bin/pyflyte run workflows/$(ALGO_WORKFLOW).py $(ALGO_WORKFLOW)_training --preset configs/tiny_$(ALGO).yaml
+endif
 
 # Unit and integration tests (integration ones start real servers on 127.0.0.1, headless
 # Chromium for the MLflow UI test, and TRL from the bench extra for the TRL benchmark's test).
-test: $(BENCH_STAMP) browser
+test: $(BENCH_STAMP) browser sandbox
 	$(PY) -m pytest tests --durations=40 $(PYTEST_ARGS)
 
 # Debian's Chromium and its WebDriver for tests/integration/test_mlflow_ui.py (as root, or via sudo).
@@ -62,6 +72,14 @@ browser:
 	  command -v apt-get >/dev/null || { echo "no apt-get: install chromium and chromedriver into /usr/bin"; exit 0; }; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver; \
+	fi
+
+# Debian's bubblewrap for the sandboxed Python tool (models/sandbox.py) and its tests (as root, or via sudo).
+sandbox:
+	@if ! command -v bwrap >/dev/null; then \
+	  command -v apt-get >/dev/null || { echo "no apt-get: install bubblewrap (bwrap) for the Python tool"; exit 0; }; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq bubblewrap; \
 	fi
 
 # Registrable Flyte package of every workflow, task and launch plan (offline: nothing is contacted).

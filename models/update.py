@@ -188,11 +188,13 @@ def actor_loss_fn(cfg: PolicyLossConfig, temperature: float, kl_beta: float = 0.
 
 
 def critic_loss_fn(value_clip: Optional[float]) -> LossFn:
-    """Clipped value regression ``½·max((V_clip−G)², (V−G)²)`` (token mean)."""
+    """Clipped value regression ``½·max((V_clip−G)², (V−G)²)`` (token mean) over ``loss_tokens``: every
+    response token, or those of ``loss_mask`` when the data has one (multi-turn: the policy's tokens,
+    the only positions GAE gives a return)."""
 
     def fn(model: nn.Module, m: UpdateData, mb_tokens: float, mb_seqs: float):
         values = model(m)  # [b, T]
-        out = value_loss(values, m.old_values, m.returns, m.response_mask, value_clip,
+        out = value_loss(values, m.old_values, m.returns, m.loss_tokens, value_clip,
                          num_tokens=mb_tokens, num_seqs=mb_seqs)
         return out.loss, {"value_clip_frac": out.clip_frac, "explained_variance": out.explained_variance,
                           "values_mean": out.values_mean}

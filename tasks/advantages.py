@@ -62,15 +62,16 @@ def run_advantages(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: 
             ["values"] if cfg.uses_critic else [])
         t = batch.to_padded(cols)
         mask = t["response_mask"]  # [B, T]
+        if "loss_mask" in batch.column_names:  # multi-turn: only the policy's tokens are actions (GAE carries
+            mask = mask & batch.to_padded(["loss_mask"])["loss_mask"]  # over the rest; KL and rewards skip them)
         x = AdvantageInput(reward=shaped_reward(cfg, t["reward"].float(), mask, stats), old_logp=t["old_logprobs"],
                            ref_logp=t["ref_logprobs"], mask=mask, prompt_id=t["prompt_id"], values=t.get("values"))
         out = cfg.spec.estimator(x, advantage_params(cfg, state.kl_coef))
-        loss_mask = mask & loss_rows(cfg, t, stats)[:, None]  # [B, T]
-        if "loss_mask" in batch.column_names:  # written upstream (tokens no row filter knows of): refined here
-            loss_mask &= batch.to_padded(["loss_mask"])["loss_mask"]
-            batch = batch.select([c for c in batch.column_names if c != "loss_mask"])
-        result = batch.with_columns(token_rewards=(out.token_rewards, mask), advantages=(out.advantages, mask),
-                                    returns=(out.returns, mask), loss_mask=(loss_mask, mask))
+        loss_mask = mask & loss_rows(cfg, t, stats)[:, None]  # [B, T], the upstream loss_mask in `mask`
+        batch = batch.select([c for c in batch.column_names if c != "loss_mask"])
+        full = t["response_mask"]
+        result = batch.with_columns(token_rewards=(out.token_rewards, full), advantages=(out.advantages, full),
+                                    returns=(out.returns, full), loss_mask=(loss_mask, full))
         result = result.write(run.layout.batch_url(state.iteration, "advantages"))
     stats.update(advantage_stats(x, out))
     stats["kl/coef"] = state.kl_coef

@@ -240,6 +240,18 @@ class RolloutConfig:
     checkpoint plus the adapter (start it with ``--max-lora-rank``)."""
     remote_timeout_s: float = 600.0
     """Seconds to wait for one answer of the rollout server (a request may load new weights first)."""
+    environment: str = ""
+    """Multi-turn episodes: ``module:Class`` of an environment (``models.episodes.Environment``), built
+    from each dataset row; empty: one prompt, one response. docs/multi_turn.md"""
+    max_turns: int = 4
+    """With ``environment``: assistant turns per episode at most (then it ends truncated)."""
+    max_episode_tokens: int = 256
+    """With ``environment``: tokens after the first prompt (sampled, tool and user tokens) at most."""
+    tool_timeout_s: float = 10.0
+    """With ``environment``: seconds one tool call may take; past it the model reads an error."""
+    tool_parser: str = "hermes"
+    """With ``environment``: the tool-call format of the model's chat template (``models.tools.PARSERS``:
+    ``hermes`` = ``<tool_call>{json}</tool_call>``, ChatML/Qwen/Hermes)."""
 
     def __post_init__(self) -> None:
         _check_choice("rollout.engine", self.engine, ["vllm", "hf"])
@@ -266,6 +278,12 @@ class RolloutConfig:
                f"rollout.remote_url={self.remote_url!r} must be an http:// or https:// URL with a host "
                f"(or empty for an engine inside the task)")
         _check(self.remote_timeout_s > 0, "rollout.remote_timeout_s must be > 0")
+        _check(not self.environment or (self.environment.count(":") == 1 and all(self.environment.split(":"))),
+               f"rollout.environment={self.environment!r} must look like 'package.module:Class' (or be empty)")
+        _check(self.max_turns >= 1, "rollout.max_turns must be >= 1")
+        _check(self.max_episode_tokens >= 1, "rollout.max_episode_tokens must be >= 1")
+        _check(self.tool_timeout_s > 0, "rollout.tool_timeout_s must be > 0")
+        _check_choice("rollout.tool_parser", self.tool_parser, ["hermes"])
 
     @property
     def samples_per_iteration(self) -> int:
@@ -712,6 +730,7 @@ class TrainConfig:
         _check(not ignored, ignored[0] if ignored else "")
         self._resolve_kl(spec)
         self._check_rlvr()
+        self._check_episodes()
         batch = self.rollout.samples_per_iteration
         a = self.actor
         if a.lora.enabled and self.rollout.lora_mode == "adapter" and self.rollout.engine == "vllm":
@@ -764,6 +783,17 @@ class TrainConfig:
         _check(not (self.actor.tis_cap and self.actor.old_logprobs == "sampler"),
                "actor.tis_cap with actor.old_logprobs=sampler: π_old is then the sampler's own log-probs, so the "
                "truncated IS weight min(π_old/π_sampler, C) is always 1; use actor.old_logprobs=recompute")
+
+    def _check_episodes(self) -> None:
+        """Multi-turn episodes (``rollout.environment``) against the rest of the config (docs/multi_turn.md)."""
+        if not self.rollout.environment:
+            return
+        _check(not self.data.uses_chat_template,
+               "rollout.environment writes the messages the chat template renders: turn data.apply_chat_template "
+               "and data.messages_column off (the environment gets each row's columns and its plain 'prompt')")
+        _check(not (self.uses_critic and self.critic.remote_url),
+               "rollout.environment with critic.remote_url: the critic server's /train has no loss_mask, so it "
+               "would regress values on tool and template tokens; use the critic inside the workflow")
 
     @property
     def spec(self) -> AlgorithmSpec:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import html
+import json
 import io
 from typing import Dict, List, Sequence
 
@@ -53,10 +54,30 @@ def samples_table(columns: Dict[str, List], n: int = NUM_SAMPLES) -> str:
     for i in range(min(n, len(columns[names[0]]) if names else 0)):
         cells = [columns[c][i] for c in names]
         rows.append("<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in cells) + "</tr>")
-    return f'<table border="1" cellpadding="4"><tr>{head}</tr>{"".join(rows)}</table>'
+    # pre-wrap: a transcript's line breaks show (other cells have none)
+    return f'<table border="1" cellpadding="4" style="white-space: pre-wrap"><tr>{head}</tr>{"".join(rows)}</table>'
+
+
+def conversation_text(episode_json: str) -> str:
+    """An episode (the batch's ``episode`` column: its messages as JSON) as a readable transcript: one
+    block per message, tool calls as ``→ name(arguments)``, tool results under the tool's name."""
+    lines = []
+    for m in json.loads(episode_json):
+        who = f"tool {m.get('name', '')}".strip() if m["role"] == "tool" else m["role"]
+        lines.append(f"[{who}] {m.get('content') or ''}".rstrip())
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function", call)
+            lines.append(f"  → {fn['name']}({json.dumps(fn.get('arguments', {}), ensure_ascii=False)})")
+    return "\n".join(lines)
+
+
+class Transcript(str):
+    """A table cell shown as written (line breaks kept), not as a quoted string."""
 
 
 def _fmt(value) -> str:
+    if isinstance(value, Transcript):
+        return str(value)
     return f"{value:.3f}" if isinstance(value, float) else repr(value) if isinstance(value, str) else str(value)
 
 
@@ -75,6 +96,9 @@ def batch_html(batch: RolloutBatch, title: str) -> str:
         figures.append(histogram_img(reward, "sequence reward", "reward"))
         cols["reward"] = [float(x) for x in reward]
     figures.append(histogram_img(lengths, "response length", "tokens", bins=max(1, int(lengths.max(initial=0)) + 1)))
+    if "episode" in t.column_names:  # multi-turn: the conversation instead of the raw token text
+        cols = {"conversation": [Transcript(conversation_text(e)) for e in t.column("episode").to_pylist()],
+                **{k: v for k, v in cols.items() if k not in ("prompt", "response")}}
     return (f"<h3>{html.escape(title)}</h3><p>{html.escape(' · '.join(summary))}</p>"
             f"<div>{''.join(figures)}</div><h4>First {min(NUM_SAMPLES, batch.num_rows)} samples</h4>"
             f"{samples_table(cols)}")

@@ -18,8 +18,8 @@ from models import storage
 from models.checkpoint import is_committed
 from models.optimizer_state import optimizer_url
 from models.engines import close_engines
-from models.rollout import sample
 from tasks import registry, run_end, run_lock, secrets, tracking
+from tasks.decks import conversation_text
 from tasks.batch import BatchMetadata, RolloutBatch
 from tasks.batch_schema import REWARD_NORM_KEY, decode_data_columns
 from tasks.common import read_prompts, load_tokenizer
@@ -27,7 +27,7 @@ from tasks.config import RunConfig, TrainConfig
 from tasks.config_io import load_config
 from tasks.deploy import deployment_config, resources_for
 from tasks.redact import redact
-from tasks.rollout import engine_for, sampling_spec
+from tasks.rollout import engine_for, sample_data, sampling_spec
 from tasks.run_data import sample_columns
 from tasks.score import batch_rewards
 from tasks.run_layout import RunState
@@ -54,6 +54,8 @@ def sample_table(batch: RolloutBatch, n: int) -> Dict[str, list]:
              "reward": [float(x) for x in t.column("reward").to_pylist()], "kl": kl}
     if "reward_raw" in t.column_names:
         table["reward_raw"] = [float(x) for x in t.column("reward_raw").to_pylist()]
+    if "episode" in t.column_names:  # multi-turn: turns, tool calls and results as a transcript
+        table["conversation"] = [conversation_text(e) for e in t.column("episode").to_pylist()]
     if "row_id" in t.column_names:
         table["row_id"] = t.column("row_id").to_pylist()
     if "data_columns" in t.column_names:
@@ -156,9 +158,9 @@ def eval_rewards(cfg: TrainConfig, run: RunHandle, actor_url: str) -> Dict[str, 
     data = read_prompts(run.eval_prompts_url)
     tok = load_tokenizer(run.reference_url)
     spec = sampling_spec(cfg, run, cfg.run.seed, 1, cfg.rollout.eval_temperature)
-    cols = sample(engine_for(cfg, actor_url), tok, data.prompts, np.arange(len(data)), spec, data.chat)
+    cols, episode_cols, _ = sample_data(cfg, engine_for(cfg, actor_url), tok, data, np.arange(len(data)), spec)
     batch = RolloutBatch.from_columns(BatchMetadata(iteration=0, policy_version=0, algorithm=cfg.run.algorithm),
-                                      **cols.as_dict(), **sample_columns(data, 1))
+                                      **cols.as_dict(), **episode_cols, **sample_columns(data, 1))
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     scores = batch_rewards(cfg, run, batch, max(cfg.actor.micro_batch_size, 1), pad)
     return {"eval/reward_mean": float(np.mean(scores.total)),

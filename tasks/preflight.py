@@ -109,8 +109,11 @@ def check_reward_functions(cfg: TrainConfig, probe) -> None:
     a string, NaN or inf fails now with a ``RewardError`` naming it."""
     from models.reward_sources import FunctionRewards
 
+    columns = dict(probe.columns)
+    if cfg.rollout.environment:  # episodes add their reward and conversation (an episode that ended at once)
+        columns.update(episode_reward=[0.0] * len(probe), episode=["[]"] * len(probe))
     try:
-        FunctionRewards.from_config(cfg.reward)(probe.prompts, [""] * len(probe), columns=probe.columns)
+        FunctionRewards.from_config(cfg.reward)(probe.prompts, [""] * len(probe), columns=columns)
     except RewardError as err:
         raise type(err)(f"{err} (set-up check: the reward called on {len(probe)} training prompts with empty "
                         f"responses)") from err

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Dict, NamedTuple
+from dataclasses import replace
+from typing import Any, Dict, NamedTuple, Sequence, Tuple
 
 import torch
 from flytekit import task
@@ -14,7 +15,10 @@ from models.faults import pause_point
 from models.lora import base_url, is_adapter, merged_copy
 from models.probe import ensure_serves
 from models.vllm_engine import unsupported_lora_targets
-from models.rollout import sample
+from models.episode_rollout import sample_episodes
+from models.episodes import EpisodeLimits, load_environment
+from models.rollout import RolloutColumns, sample
+from models.tools import get_parser
 from models.server.rollout_client import RemoteEngine, RolloutClient
 from tasks.batch import BatchMetadata, RolloutBatch
 from tasks.common import (CACHE_VERSION, base_checkpoint_url, draw_ids, iteration_indices, load_tokenizer,
@@ -122,6 +126,22 @@ def sampling_record(cfg: TrainConfig, spec: SamplingSpec) -> str:
                       sort_keys=True)
 
 
+def sample_data(cfg: TrainConfig, engine, tokenizer, data, prompt_ids: Sequence[int],
+                spec: SamplingSpec) -> Tuple[RolloutColumns, Dict[str, Any], Dict[str, float]]:
+    """``spec.n`` samples of every prompt of ``data`` (a ``PromptDataset``): one response each, or with
+    ``rollout.environment`` one multi-turn episode each (its environment built from the row's columns
+    and ``prompt``; :mod:`models.episodes`). Returns the rollout columns, the episode columns (none
+    single-turn) and the ``episode/*`` metrics."""
+    r = cfg.rollout
+    if not r.environment:
+        return sample(engine, tokenizer, data.prompts, prompt_ids, spec, data.chat), {}, {}
+    rows = [{"prompt": p, **cols} for p, cols in zip(data.prompts, data.row_columns())]
+    limits = EpisodeLimits(r.max_turns, r.max_episode_tokens, r.tool_timeout_s)
+    return sample_episodes(engine, tokenizer, load_environment(r.environment), rows, prompt_ids,
+                           replace(spec, max_new_tokens=min(spec.max_new_tokens, r.max_episode_tokens)), limits,
+                           get_parser(r.tool_parser))
+
+
 def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> RolloutOutput:
     stats: Dict[str, float] = {}
     with timed(stats, "time/rollout_s"):
@@ -133,15 +153,18 @@ def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Rollout
             engine = engine_for(cfg, state.actor_url)
         spec = sampling_spec(cfg, run, stream_seed(cfg.run.seed, state.iteration), cfg.rollout.n_samples_per_prompt,
                              cfg.rollout.temperature)
-        cols = sample(engine, tokenizer, drawn.prompts, draw_ids(per_iteration, state.iteration), spec, drawn.chat)
+        cols, episode_cols, episode_stats = sample_data(cfg, engine, tokenizer, drawn,
+                                                        draw_ids(per_iteration, state.iteration), spec)
+        stats.update(episode_stats)
         pause_point(f"rollout/iter-{state.iteration:06d}")  # tests only: kill the run mid-rollout
         meta = BatchMetadata(iteration=state.iteration, policy_version=state.iteration,
                              algorithm=cfg.run.algorithm,
                              extras={"run_name": run.run_name, SAMPLING_KEY: sampling_record(cfg, spec)})
-        batch = RolloutBatch.from_columns(meta, **cols.as_dict(), **sample_columns(drawn, spec.n))
+        batch = RolloutBatch.from_columns(meta, **cols.as_dict(), **episode_cols, **sample_columns(drawn, spec.n))
         with timed(stats, "time/rollout_write_s"):
             batch = batch.write(run.layout.batch_url(state.iteration, "rollouts"))
-    n_tokens = float(sum(len(r) for r in cols.response_tokens))
+    n_tokens = float(sum(sum(m) for m in episode_cols["loss_mask"]) if episode_cols  # sampled tokens only
+                     else sum(len(r) for r in cols.response_tokens))
     stats["time/generate_s"] = cols.generate_s
     stats["throughput/rollout_tokens_per_s"] = n_tokens / max(cols.generate_s, 1e-9)
     if "probe_gap_max" in engine.stats.extra:  # engine vs trainer on the probe after this weight change

@@ -62,6 +62,9 @@ def batch_rewards(cfg: TrainConfig, run: RunHandle, batch: RolloutBatch, size: i
     table = batch.table
     columns = decode_data_columns(table.column("data_columns").to_pylist()) \
         if "data_columns" in table.column_names else {}
+    for name in ("episode_reward", "episode"):  # multi-turn: the environment's reward and the conversation
+        if name in table.column_names:
+            columns[name] = table.column(name).to_pylist()
     scores = reward_source(cfg, run)(table.column("prompt").to_pylist(), table.column("response").to_pylist(),
                                      micro_batches(batch, size, pad_id), columns=columns)
     check_rewards(scores.total, cfg.reward.source)
@@ -159,10 +162,13 @@ def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rollo
 
 def logprob_gap(batch: RolloutBatch, old_logprobs: np.ndarray) -> Dict[str, float]:
     """``rollout/logprob_gap_{max,mean}``: |sampler − π_old| log-prob over every response token, the
-    sampler's distribution against the one the trainer scores (0 up to float error when on-policy;
+    sampler's distribution against the one the trainer scores (policy tokens only, where a rollout
+    wrote a ``loss_mask``) (0 up to float error when on-policy;
     top-p/top-k sampling adds the log of the kept mass)."""
     sampler = ragged.offsets_and_values(batch.column("sampler_logprobs"))[1].astype(np.float64)
     gap = np.abs(sampler - old_logprobs.astype(np.float64))  # [N_tok]
+    if "loss_mask" in batch.column_names:  # multi-turn: tool and template tokens were not sampled
+        gap = gap[ragged.offsets_and_values(batch.column("loss_mask"))[1].astype(bool)]
     return {"rollout/logprob_gap_max": float(gap.max()) if gap.size else 0.0,
             "rollout/logprob_gap_mean": float(gap.mean()) if gap.size else 0.0}
 

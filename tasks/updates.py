@@ -179,7 +179,9 @@ def train_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
     info = DistInfo(0, 1, 0, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(cfg.run.seed * 7919 + state.iteration + 1)
     tok = load_tokenizer(run.reference_url)
-    data = update_data(batch, tok.pad_token_id or 0, _CRITIC_COLS, None)
+    # multi-turn: values are regressed on the policy's tokens only (tool and template tokens have no return)
+    data = update_data(batch, tok.pad_token_id or 0, _CRITIC_COLS + (("loss_mask",) if cfg.rollout.environment
+                                                                   else ()), None)
     c = cfg.critic
     critic = load_trainable(state.critic_url, AutoModelForTokenClassification, cfg.model.dtype, c.lora, TOKEN_CLS)
     model = wrap_for_training(with_packing(CriticValues(critic), cfg.model.pack_sequences), info,

@@ -1,0 +1,73 @@
+"""Multi-turn episodes through ``pyflyte run``: 2 iterations of GRPO (``configs/tiny_tools.yaml``) and
+of PPO (``configs/tiny_ppo.yaml`` with an environment) on the Qwen2-shaped chat checkpoint, with
+the calculator environment. The batches hold one row per episode with its ``loss_mask``, the
+rewards are the environment's, the advantages are 0 off the policy's tokens, and MLflow has the
+``episode/*`` metrics and the conversations in its sample table."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+
+from models.tool_tasks import problems
+from tasks.batch import RolloutBatch
+from tasks.run_layout import RunLayout
+from tests.integration.flyte_runs import FlyteRun, isolated_env
+
+pytestmark = pytest.mark.integration
+
+SMALL = ["run.storage_root={root}/runs", "run.num_iterations=2", "run.eval_interval=2", "run.save_interval=2",
+         "rollout.engine=hf", "rollout.prompts_per_iteration=4", "rollout.n_samples_per_prompt=2",
+         "rollout.max_new_tokens=12", "actor.nproc_per_node=1", "actor.minibatch_size=8", "actor.micro_batch_size=8",
+         "rollout.max_turns=2", "rollout.max_episode_tokens=48", "data.train_prompts={root}/train.jsonl",
+         "data.eval_prompts={root}/eval.jsonl", "model.actor_path={root}/actor"]
+ENV = ["rollout.environment=models.tool_tasks:ArithmeticEnv",
+       "reward.function=models.episode_rollout:environment_reward"]
+
+
+@pytest.fixture(scope="module")
+def root(qwen2_chat_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tools")
+    shutil.copytree(qwen2_chat_dir, root / "actor")
+    for name, rows in (("train", problems(8, 0)), ("eval", problems(4, 1))):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def _check(root: Path, run_name: str) -> None:
+    layout = RunLayout(str(root / "runs"), run_name)
+    for i in range(2):
+        b = RolloutBatch.read(layout.batch_url(i, "advantages"))
+        assert b.num_rows == 8
+        mask = b.column("loss_mask").to_pylist()
+        for m, adv, lp in zip(mask, b.column("advantages").to_pylist(), b.column("sampler_logprobs").to_pylist()):
+            assert all(a == 0 for a, k in zip(adv, m) if not k) and all(x == 0 for x, k in zip(lp, m) if not k)
+        np.testing.assert_array_equal(b.column("reward_raw").to_numpy(), b.column("episode_reward").to_numpy())
+        assert all(json.loads(e)[0]["role"] == "system" for e in b.column("episode").to_pylist())
+    client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
+    run_id = layout.read_run_info().mlflow_run_id
+    metrics = client.get_run(run_id).data.metrics
+    assert {"episode/turns_mean", "episode/tool_calls_mean", "episode/tool_errors_mean", "episode/truncated_frac",
+            "eval/reward_mean", "rollout/logprob_gap_max"} <= set(metrics)
+    assert metrics["rollout/logprob_gap_max"] < 1e-3
+    table = json.loads(Path(client.download_artifacts(run_id, "samples/iter-000001.json", str(root))).read_text())
+    assert "conversation" in table["columns"]
+
+
+@pytest.mark.parametrize("workflow, preset, extra", [
+    ("workflows/reinforce.py reinforce_training", "configs/tiny_tools.yaml", []),
+    ("workflows/ppo.py ppo_training", "configs/tiny_ppo.yaml", ENV + ["critic.minibatch_size=8",
+                                                                      "critic.micro_batch_size=8"]),
+], ids=["grpo", "ppo"])
+def test_two_multi_turn_iterations(root, workflow, preset, extra):
+    name = "grpo" if "reinforce" in workflow else "ppo"
+    overrides = [o.format(root=root) for o in SMALL] + extra
+    env = isolated_env(root / "home", {"MLFLOW_TRACKING_URI": f"sqlite:///{root}/mlflow.db"})
+    run = FlyteRun(*workflow.split(), preset, overrides, f"tools-{name}", env, root / f"{name}.log")
+    run.wait(timeout_s=1200)
+    _check(root, f"tools-{name}")
