@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from typing import Dict, NamedTuple
@@ -122,7 +123,11 @@ def sampling_record(cfg: TrainConfig, spec: SamplingSpec) -> str:
                       sort_keys=True)
 
 
-def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> RolloutOutput:
+def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState, ahead: int = 0) -> RolloutOutput:
+    """The batch of iteration ``state.iteration + ahead`` sampled from ``state``'s actor (``ahead`` 1: a
+    batch sampled one update ahead, ``run.off_policy_steps``); its ``policy_version`` is ``state.iteration``."""
+    version = state.iteration
+    state = dataclasses.replace(state, iteration=state.iteration + ahead)
     stats: Dict[str, float] = {}
     with timed(stats, "time/rollout_s"):
         data = read_prompts(run.train_prompts_url)
@@ -135,7 +140,7 @@ def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Rollout
                              cfg.rollout.temperature)
         cols = sample(engine, tokenizer, drawn.prompts, draw_ids(per_iteration, state.iteration), spec, drawn.chat)
         pause_point(f"rollout/iter-{state.iteration:06d}")  # tests only: kill the run mid-rollout
-        meta = BatchMetadata(iteration=state.iteration, policy_version=state.iteration,
+        meta = BatchMetadata(iteration=state.iteration, policy_version=version,
                              algorithm=cfg.run.algorithm,
                              extras={"run_name": run.run_name, SAMPLING_KEY: sampling_record(cfg, spec)})
         batch = RolloutBatch.from_columns(meta, **cols.as_dict(), **sample_columns(drawn, spec.n))
@@ -151,9 +156,10 @@ def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Rollout
 
 @task(cache=True, cache_version=CACHE_VERSION, retries=2, enable_deck=True, deck_fields=decks.DECK_FIELDS,
       secret_requests=secrets.requests(secrets.S3, secrets.SERVER), **resources_for(deployment_config(), "rollout"))
-def rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> RolloutOutput:
-    """Sample ``n_samples_per_prompt`` responses per prompt with vLLM (or HF) from the actor."""
+def rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState, ahead: int = 0) -> RolloutOutput:
+    """Sample ``n_samples_per_prompt`` responses per prompt with vLLM (or HF) from the actor (for the
+    iteration ``ahead`` after ``state``'s: off-policy pipelining)."""
     secrets.load(secrets.S3, secrets.SERVER)
-    out = run_rollout(cfg, run, state)
+    out = run_rollout(cfg, run, state, ahead)
     decks.publish("Rollout", out.batch)
     return out

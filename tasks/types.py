@@ -47,6 +47,10 @@ class PolicyState:
     reward_norm: Dict[str, float] = field(default_factory=dict)
     """Running moments of the raw rewards so far (``count``, ``mean``, ``m2``; empty before the first
     batch) for ``reward.normalize`` (:mod:`models.reward_scaling`); kept in ``state.json`` extras."""
+    behaviour_url: str = ""
+    """With ``run.off_policy_steps=1``: the actor this iteration's batch is sampled from, one update older
+    than ``actor_url`` (the previous state's actor; empty at iteration 0 and on-policy); kept in
+    ``state.json`` extras so a resumed run samples it again (docs/off_policy.md)."""
 
 
 @dataclass(frozen=True)
