@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional, Tuple
 
 from tasks.advantages import advantages
@@ -51,16 +50,6 @@ def wire_iteration(cfg, run, state, critic: bool, known: Optional[TrainConfig] =
                             actor_url=ac.checkpoint_url, critic_url=critic_url)
 
 
-def first_rollout(cfg: TrainConfig, run, state):
-    """A chunk's first rollout with ``run.off_policy_steps=1``: from the actor one update older than
-    ``state``'s (``state.behaviour_url``, as the pipeline sampled it before a chunk boundary or a crash),
-    or from ``state``'s own at the run's start (lag 0)."""
-    if not state.behaviour_url:
-        return wire_rollout(cfg, run, state, cfg)
-    older = dataclasses.replace(state, iteration=state.iteration - 1, actor_url=state.behaviour_url, behaviour_url="")
-    return wire_rollout(cfg, run, older, cfg, ahead=1)
-
-
 def eval_due(cfg: TrainConfig, iteration: int) -> bool:
     last = iteration + 1 == cfg.run.num_iterations
     return cfg.run.eval_interval > 0 and ((iteration + 1) % cfg.run.eval_interval == 0 or last)
@@ -76,7 +65,12 @@ def chain_iterations(cfg: TrainConfig, run, state, critic: bool) -> Tuple[object
     stop = min(start + cfg.run.iterations_per_chunk, cfg.run.num_iterations)
     if start > 0 and eval_due(cfg, start - 1):  # resumed after a crash between commit and evaluate?
         evaluate(cfg=cfg, run=run, state=state)  # (no-op when that evaluation is logged)
-    sampled = first_rollout(cfg, run, state) if cfg.run.off_policy_steps else None
+    sampled = None
+    if cfg.run.off_policy_steps:
+        # The chunk's first batch: from the actor one update older than state's, as the pipeline sampled
+        # it before a chunk boundary or a crash (lag 0 at the run's start).
+        sampler, lead = state.sampler()
+        sampled = wire_rollout(cfg, run, sampler, cfg, ahead=lead)
     for i in range(start, stop):
         # Off-policy: iteration i+1's batch samples from state i's actor beside iteration i's update.
         ahead = wire_rollout(cfg, run, state, cfg, ahead=1) if sampled is not None and i + 1 < stop else None
