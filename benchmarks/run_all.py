@@ -40,6 +40,7 @@ BENCHMARKS: Dict[str, str] = {
     "trl": "bench_trl.py",  # against TRL
     "lora": "bench_lora.py",  # LoRA vs full fine-tuning
     "gpu": "bench_gpu.py",  # actor update (FSDP2, bf16) and kernels on a GPU; a "skipped" row without one
+    "projection": "project_iteration.py",  # a stateless iteration at 8B / 70B on paper (docs/cluster.md)
 }
 """Section name -> script in this folder, in table order."""
 
