@@ -26,7 +26,7 @@ from typing import Dict, List
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.rows import Row, print_rows, row, write_rows  # noqa: E402
+from benchmarks.rows import Row, add_bench_args, print_rows, row, write_rows  # noqa: E402
 
 NEMO_ALIGNER_70B_STEP_S = 253.8
 """Llama-2-70B PPO step on 8+8 H100 nodes (NeMo-Aligner, arXiv:2405.01481)."""
@@ -198,8 +198,7 @@ def rows(a: Assumptions) -> List[Row]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON (benchmarks/rows.py)")
-    parser.add_argument("--quick", action="store_true", help="(no effect: the projection takes no time)")
+    add_bench_args(parser)  # --quick, --threads: no effect (the projection takes no time)
     parser.add_argument("--s3-gb-per-s", type=float, default=Assumptions.s3_gb_per_s)
     parser.add_argument("--pod-start-s", type=float, default=Assumptions.pod_start_s)
     args = parser.parse_args()

@@ -7,8 +7,6 @@ waits for the commit before it)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from tests.cluster.conftest import DEPLOY, TOPOLOGY, registration_env
@@ -36,8 +34,7 @@ def test_rollout_of_the_next_iteration_overlaps_the_update_chain(packages, make_
     from mlflow.tracking import MlflowClient
 
     package = packages(*DEPLOY, registration_env(s3_server, mlflow_url))
-    cluster = make_cluster(package, parallelism=2)
-    cluster.pods = dataclasses.replace(cluster.pods, pin_cores=(0, 1))
+    cluster = make_cluster(package, parallelism=2, pin_cores=(0, 1))
     root = f"s3://{BUCKET}/offpolicy-{tmp_path.name}"
     ex = cluster.execute("workflows.reinforce.reinforce_training",
                          {"preset": "configs/tiny_grpo.yaml", "overrides": RUN + TOPOLOGY + [f"run.storage_root={root}"],
