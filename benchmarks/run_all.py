@@ -40,8 +40,12 @@ BENCHMARKS: Dict[str, str] = {
     "trl": "bench_trl.py",  # against TRL
     "lora": "bench_lora.py",  # LoRA vs full fine-tuning
     "gpu": "bench_gpu.py",  # actor update (FSDP2, bf16) and kernels on a GPU; a "skipped" row without one
+    "projection": "project_iteration.py",  # a stateless iteration at 8B / 70B on paper (docs/cluster.md)
+    "pipeline": "bench_pipeline.py",  # on- vs off-policy s/iteration in the pod-level harness (docs/off_policy.md)
 }
 """Section name -> script in this folder, in table order."""
+NOT_QUICK = {"pipeline": "tens of harness pods per run"}
+"""Sections ``--quick`` leaves out unless named in ``--only`` (why: their cost)."""
 
 
 def machine_lines(threads: int) -> List[str]:
@@ -134,7 +138,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"running {'quick ' if args.quick else ''}benchmarks, logs in {log_dir}", file=sys.stderr)
     rows: List[Row] = []
     for section, script in BENCHMARKS.items():
-        if not only or section in only:
+        if args.quick and section in NOT_QUICK and section not in only:
+            rows.append(Row(section, script, None, "", None, None,
+                            f"left out with --quick ({NOT_QUICK[section]}): make bench, or --only {section}"))
+        elif not only or section in only:
             rows += run_one(section, HERE / script, args.quick, args.threads, log_dir, args.timeout_s)
     print("\n".join(header + [f"mode: {'quick (small sizes)' if args.quick else 'full'}", ""]))
     print(format_table(rows))

@@ -605,6 +605,11 @@ class RunConfig:
     19 KB to the chunk's ``futures.pb`` (every node binds the whole config; 555 KB for 20 PPO iterations
     with evaluations, ``tests/cluster/test_literal_sizes.py``), which propeller reads within
     ``storage.limits.maxDownloadMBs`` (2 MB by default): keep it well below 100."""
+    off_policy_steps: int = 0
+    """One-step off-policy pipelining (docs/off_policy.md): 0 samples each iteration's batch from the
+    actor it updates (on-policy); 1 samples iteration k+1's batch from the actor of iteration k−1 while
+    iteration k's update runs, so generation and training overlap on different pods (decoupled PPO:
+    the update's π_old is the actor it starts from, ``actor.tis_cap`` weights the stale sampler)."""
     seed: int = 0
     """Seed for prompt order, sampling and updates."""
     algorithm: str = "ppo"
@@ -633,6 +638,8 @@ class RunConfig:
         _check(self.eval_interval >= 0, "run.eval_interval must be >= 0")
         _check(self.save_interval >= 1, "run.save_interval must be >= 1")
         _check(self.iterations_per_chunk >= 1, "run.iterations_per_chunk must be >= 1")
+        _check(self.off_policy_steps in (0, 1), f"run.off_policy_steps must be 0 (on-policy) or 1 (one-step "
+                                                f"off-policy pipelining), got {self.off_policy_steps}")
         _check_choice("run.algorithm", self.algorithm, list(algorithms.ALGORITHMS))
         _check("/" not in self.name and " " not in self.name,
                f"run.name={self.name!r} must not contain '/' or spaces")
@@ -731,6 +738,7 @@ class TrainConfig:
         self._resolve_kl(spec)
         self._check_rlvr()
         self._check_episodes()
+        self._check_off_policy()
         batch = self.rollout.samples_per_iteration
         a = self.actor
         if a.lora.enabled and self.rollout.lora_mode == "adapter" and self.rollout.engine == "vllm":
@@ -794,6 +802,22 @@ class TrainConfig:
         _check(not (self.uses_critic and self.critic.remote_url),
                "rollout.environment with critic.remote_url: the critic server's /train has no loss_mask, so it "
                "would regress values on tool and template tokens; use the critic inside the workflow")
+
+    def _check_off_policy(self) -> None:
+        """What one-step off-policy pipelining needs (docs/off_policy.md)."""
+        if not self.run.off_policy_steps:
+            return
+        _check(self.actor.old_logprobs == "recompute",
+               "run.off_policy_steps=1 with actor.old_logprobs=sampler: the batch comes from the actor one update "
+               "older than the one the update starts from, so the sampler's log-probs are not π_old (the proximal "
+               "policy the ratio is clipped around); use actor.old_logprobs=recompute")
+        _check(self.actor.tis_cap > 0,
+               "run.off_policy_steps=1 needs actor.tis_cap > 0 (e.g. 2): the truncated weight "
+               "min(π_old/π_sampler, C) is what corrects the loss for the stale sampler")
+        _check(not self.rollout.remote_url,
+               f"run.off_policy_steps=1 with rollout.remote_url={self.rollout.remote_url}: the rollout of iteration "
+               f"k+1 and the evaluation of iteration k run at once from different actors, and a rollout server "
+               f"holds one policy at a time; use the in-pod engine (no rollout.remote_url)")
 
     @property
     def spec(self) -> AlgorithmSpec:

@@ -71,15 +71,14 @@ def _cell(value):
 
 
 def prune_checkpoints(cfg: TrainConfig, run: RunHandle, iteration: int) -> None:
-    """Keep every ``save_interval``-th iteration's checkpoints and the newest; drop the one before.
+    """Keep every ``save_interval``-th iteration's checkpoints and the newest; drop the one before (with
+    ``run.off_policy_steps=1`` the one before that: the previous actor samples the next batch).
     Optimizer states are kept with the newest checkpoints only (the resume point's)."""
-    prev = iteration - 1
-    if prev < 0:
-        return
-    urls = (run.layout.actor_url(prev), run.layout.critic_url(prev))
-    for url in urls:
+    for url in (run.layout.actor_url(iteration - 1), run.layout.critic_url(iteration - 1)) if iteration > 0 else ():
         storage.remove(optimizer_url(url), recursive=True)
-        if (prev + 1) % cfg.run.save_interval != 0:
+    old = iteration - 1 - cfg.run.off_policy_steps
+    if old >= 0 and (old + 1) % cfg.run.save_interval != 0:
+        for url in (run.layout.actor_url(old), run.layout.critic_url(old)):
             storage.remove(url, recursive=True)
 
 
@@ -104,12 +103,14 @@ def run_commit(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List
                 registry.log_checkpoint(run.mlflow_run_id, f"iter-{i:06d}/{role}", url,
                                         cfg.run.checkpoint_artifact_max_mb)
     reward_norm = next_reward_norm(state, batch)
+    behaviour = state.actor_url if cfg.run.off_policy_steps else ""  # samples iteration i + 1 (docs/off_policy.md)
     run_lock.renew(run.layout.lock_url)  # LostLock: another launch holds the run now, never write its state
     run.layout.write_state(RunState(iteration=i, actor_url=actor_url, critic_url=critic_url or None,
-                                    extras={"kl_coef": kl, **({"reward_norm": reward_norm} if reward_norm else {})}))
+                                    extras={"kl_coef": kl, **({"reward_norm": reward_norm} if reward_norm else {}),
+                                            **({"behaviour_url": behaviour} if behaviour else {})}))
     prune_checkpoints(cfg, run, i)
     print(progress_line(cfg, i, merged), flush=True)
-    return PolicyState(i + 1, actor_url, critic_url, kl, reward_norm)
+    return PolicyState(i + 1, actor_url, critic_url, kl, reward_norm, behaviour)
 
 
 def next_reward_norm(state: PolicyState, batch: RolloutBatch) -> Dict[str, float]:

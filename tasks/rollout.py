@@ -142,7 +142,11 @@ def sample_data(cfg: TrainConfig, engine, tokenizer, data, prompt_ids: Sequence[
                            get_parser(r.tool_parser))
 
 
-def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> RolloutOutput:
+def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState, ahead: int = 0) -> RolloutOutput:
+    """The batch of iteration ``state.iteration + ahead`` sampled from ``state``'s actor (``ahead`` 1: a
+    batch sampled one update ahead, ``run.off_policy_steps``); its ``policy_version`` is ``state.iteration``."""
+    version = state.iteration
+    state = replace(state, iteration=state.iteration + ahead)
     stats: Dict[str, float] = {}
     with timed(stats, "time/rollout_s"):
         data = read_prompts(run.train_prompts_url)
@@ -157,7 +161,7 @@ def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Rollout
                                                         draw_ids(per_iteration, state.iteration), spec)
         stats.update(episode_stats)
         pause_point(f"rollout/iter-{state.iteration:06d}")  # tests only: kill the run mid-rollout
-        meta = BatchMetadata(iteration=state.iteration, policy_version=state.iteration,
+        meta = BatchMetadata(iteration=state.iteration, policy_version=version,
                              algorithm=cfg.run.algorithm,
                              extras={"run_name": run.run_name, SAMPLING_KEY: sampling_record(cfg, spec)})
         batch = RolloutBatch.from_columns(meta, **cols.as_dict(), **episode_cols, **sample_columns(drawn, spec.n))
@@ -174,9 +178,10 @@ def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Rollout
 
 @task(cache=True, cache_version=CACHE_VERSION, retries=2, enable_deck=True, deck_fields=decks.DECK_FIELDS,
       secret_requests=secrets.requests(secrets.S3, secrets.SERVER), **resources_for(deployment_config(), "rollout"))
-def rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> RolloutOutput:
-    """Sample ``n_samples_per_prompt`` responses per prompt with vLLM (or HF) from the actor."""
+def rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState, ahead: int = 0) -> RolloutOutput:
+    """Sample ``n_samples_per_prompt`` responses per prompt with vLLM (or HF) from the actor (for the
+    iteration ``ahead`` after ``state``'s: off-policy pipelining)."""
     secrets.load(secrets.S3, secrets.SERVER)
-    out = run_rollout(cfg, run, state)
+    out = run_rollout(cfg, run, state, ahead)
     decks.publish("Rollout", out.batch)
     return out

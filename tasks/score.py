@@ -154,10 +154,23 @@ def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rollo
                                                   REWARD_NORM_KEY: json.dumps(shaped.moments.to_dict())})
         scored = scored.write(run.layout.batch_url(state.iteration, "score"))
     stats.update(rollout_stats(scores.total, lengths, batch, flat))
+    stats.update(policy_lag(cfg, state, batch))
     stats.update(reward_metrics)
     if recompute:
         stats.update(logprob_gap(batch, flat["old_logprobs"]))
     return ScoreOutput(scored, stats)
+
+
+def policy_lag(cfg: TrainConfig, state: PolicyState, batch: RolloutBatch) -> Dict[str, float]:
+    """``rollout/policy_lag`` (``run.off_policy_steps`` > 0): updates between the actor that sampled the
+    batch (its ``policy_version``) and π_old, the actor the update starts from (``state.iteration``).
+    A batch staler than ``run.off_policy_steps`` allows is refused."""
+    lag = state.iteration - batch.metadata.policy_version
+    if not 0 <= lag <= cfg.run.off_policy_steps:
+        raise ValueError(f"batch {batch.uri or ''} was sampled by the actor of version {batch.metadata.policy_version}, "
+                         f"{lag} updates before iteration {state.iteration}'s; run.off_policy_steps="
+                         f"{cfg.run.off_policy_steps} allows 0..{cfg.run.off_policy_steps}")
+    return {"rollout/policy_lag": float(lag)} if cfg.run.off_policy_steps else {}
 
 
 def logprob_gap(batch: RolloutBatch, old_logprobs: np.ndarray) -> Dict[str, float]:

@@ -233,8 +233,11 @@ def resume_run(layout: RunLayout, cfg_now: TrainConfig, keys: Iterable[str] = ()
         critic = storage.join(layout.url, "critic-init") if cfg.uses_critic else ""
         return RunSetup(cfg, handle, PolicyState(0, layout.reference_url(), critic, cfg.kl.coef))
     kl = float(state.extras.get("kl_coef", cfg.kl.coef))
+    behaviour = state.extras.get("behaviour_url", "") if cfg.run.off_policy_steps else ""
+    if behaviour:
+        check_resume_point(layout.url, behaviour, "")
     return RunSetup(cfg, handle, PolicyState(state.iteration + 1, state.actor_url, state.critic_url or "", kl,
-                                             dict(state.extras.get("reward_norm", {}))))
+                                             dict(state.extras.get("reward_norm", {})), behaviour))
 
 
 def _record_changes(layout: RunLayout, info: RunInfo, cfg: TrainConfig, changes: List[ConfigChange]) -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Dict, Tuple
 
 from tasks.run_layout import RunLayout
 
@@ -47,3 +48,17 @@ class PolicyState:
     reward_norm: Dict[str, float] = field(default_factory=dict)
     """Running moments of the raw rewards so far (``count``, ``mean``, ``m2``; empty before the first
     batch) for ``reward.normalize`` (:mod:`models.reward_scaling`); kept in ``state.json`` extras."""
+    behaviour_url: str = ""
+    """With ``run.off_policy_steps=1``: the actor this iteration's batch is sampled from, one update older
+    than ``actor_url`` (the previous state's actor; empty at iteration 0 and on-policy); kept in
+    ``state.json`` extras so a resumed run samples it again (docs/off_policy.md)."""
+
+    def sampler(self) -> Tuple["PolicyState", int]:
+        """``(state, ahead)`` of the rollout that samples this iteration's batch when nothing sampled it
+        yet (a chunk's first iteration, a resumed run): ``(self, 0)``, or with ``behaviour_url`` the state
+        one iteration back with that actor, one ahead (the batch the pipeline would have sampled)."""
+        if not self.behaviour_url:
+            return self, 0
+        return dataclasses.replace(self, iteration=self.iteration - 1, actor_url=self.behaviour_url,
+                                   behaviour_url=""), 1
+

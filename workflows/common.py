@@ -13,21 +13,29 @@ from tasks.score import score
 from tasks.updates import actor_update, critic_update
 
 
-def wire_iteration(cfg, run, state, critic: bool, known: Optional[TrainConfig] = None):
+def wire_rollout(cfg, run, state, known: Optional[TrainConfig] = None, ahead: int = 0):
+    """The rollout node of iteration ``state.iteration + ahead``, sampling from ``state``'s actor."""
+    ro = rollout(cfg=cfg, run=run, state=state, ahead=ahead)
+    if known is not None:
+        ro.with_overrides(**resources_for(known, "rollout"))
+    return ro
+
+
+def wire_iteration(cfg, run, state, critic: bool, known: Optional[TrainConfig] = None, sampled=None):
     """rollout → score → advantages → actor_update (∥ critic_update) → commit_iteration.
 
     ``known``: the concrete config inside a dynamic workflow; its ``resources`` (and, in local
     executions, the actor's elastic launch) override the registered task settings. On a cluster the
     actor's topology is the registered one, checked by ``prepare_run`` before the run is created.
+    ``sampled``: this iteration's rollout node when it was wired ahead (off-policy pipelining).
     """
     if known is not None and is_local_execution():
         use_local_topology(actor_update, known)
-    ro = rollout(cfg=cfg, run=run, state=state)
+    ro = sampled if sampled is not None else wire_rollout(cfg, run, state, known)
     sc = score(cfg=cfg, run=run, state=state, batch=ro.batch)
     ad = advantages(cfg=cfg, run=run, state=state, batch=sc.batch)
     ac = actor_update(cfg=cfg, run=run, state=state, batch=ad.batch)
     if known is not None:
-        ro.with_overrides(**resources_for(known, "rollout"))
         sc.with_overrides(**resources_for(known, "score"))
         ac.with_overrides(**resources_for(known, "actor"))
     stats = [ro.stats, sc.stats, ad.stats, ac.stats]
@@ -57,8 +65,17 @@ def chain_iterations(cfg: TrainConfig, run, state, critic: bool) -> Tuple[object
     stop = min(start + cfg.run.iterations_per_chunk, cfg.run.num_iterations)
     if start > 0 and eval_due(cfg, start - 1):  # resumed after a crash between commit and evaluate?
         evaluate(cfg=cfg, run=run, state=state)  # (no-op when that evaluation is logged)
+    sampled = None
+    if cfg.run.off_policy_steps:
+        # The chunk's first batch: from the actor one update older than state's, as the pipeline sampled
+        # it before a chunk boundary or a crash (lag 0 at the run's start).
+        sampler, lead = state.sampler()
+        sampled = wire_rollout(cfg, run, sampler, cfg, ahead=lead)
     for i in range(start, stop):
-        state = wire_iteration(cfg, run, state, critic, known=cfg)
+        # Off-policy: iteration i+1's batch samples from state i's actor beside iteration i's update.
+        ahead = wire_rollout(cfg, run, state, cfg, ahead=1) if sampled is not None and i + 1 < stop else None
+        state = wire_iteration(cfg, run, state, critic, known=cfg, sampled=sampled)
+        sampled = ahead
         if eval_due(cfg, i):
             evaluate(cfg=cfg, run=run, state=state).with_overrides(**resources_for(cfg, "rollout"))
     return state, stop < cfg.run.num_iterations

@@ -66,30 +66,34 @@ def packages(tmp_path_factory):
     return lambda preset, overrides, env: build(preset, overrides, tuple(sorted(env.items())))
 
 
+def new_cluster(package, s3_server: str, pods_root: Path, baked: Path, secrets: Mapping = None,
+                cluster_env: Mapping = (), **kw) -> Cluster:
+    """A :class:`Cluster` whose pods live under ``pods_root``, metadata and raw outputs on the moto server
+    ``s3_server``; ``baked``: the folder of the caches an image would carry prebuilt."""
+    from tasks.setup import cache_dir
+
+    env = image_env(ROOT / "Dockerfile", {"GIT_COMMIT": head_commit(), "DEPLOY_PRESET": "", "DEPLOY_OVERRIDES": ""})
+    # Content-keyed caches an image would carry prebuilt (the demo's warm-started models, matplotlib's
+    # fonts, the kernels vLLM's CPU backend compiles: 1-2 min per cold pod here); one torch thread
+    # per pod (each node limited to one core).
+    env.update(RLHF_CACHE_DIR=cache_dir(), MPLCONFIGDIR=str(baked / "matplotlib"), OMP_NUM_THREADS="1",
+               TORCHINDUCTOR_CACHE_DIR=str(baked / "inductor"), VLLM_CACHE_ROOT=str(baked / "vllm"),
+               TQDM_DISABLE="1", TRANSFORMERS_VERBOSITY="error", VLLM_LOGGING_LEVEL="WARNING")
+    store = ObjectStore(s3_server, KEY, SECRET)
+    prefix = f"s3://{BUCKET}/cluster-{uuid.uuid4().hex[:8]}"
+    # Propeller's default variables: its metadata bucket's endpoint and keys; no instance metadata
+    # service on this cluster (botocore would look for one outside the loopback network).
+    default = {"FLYTE_AWS_ENDPOINT": s3_server, "FLYTE_AWS_ACCESS_KEY_ID": KEY,
+               "FLYTE_AWS_SECRET_ACCESS_KEY": SECRET, "AWS_EC2_METADATA_DISABLED": "true"}
+    pods = PodSettings(root=pods_root, image_env=env, cluster_env={**default, **dict(cluster_env)},
+                       secrets=cluster_secrets() if secrets is None else secrets,
+                       pin_cores=kw.pop("pin_cores", ()))
+    return Cluster(package, store, f"{prefix}/metadata", f"{prefix}/raw", pods, **kw)
+
+
 @pytest.fixture
 def make_cluster(s3_server, tmp_path, tmp_path_factory):
-    """``make_cluster(package, secrets=..., cluster_env=...)`` → a :class:`Cluster` whose pods live under
-    this test's folder; metadata and raw outputs on the moto server."""
-    shared = tmp_path_factory.getbasetemp() / "image-baked"  # what the image would carry prebuilt
-
-    def make(package, secrets: Mapping = None, cluster_env: Mapping = (), **kw) -> Cluster:
-        from tasks.setup import cache_dir
-
-        env = image_env(ROOT / "Dockerfile", {"GIT_COMMIT": head_commit(), "DEPLOY_PRESET": "", "DEPLOY_OVERRIDES": ""})
-        # Content-keyed caches an image would carry prebuilt (the demo's warm-started models, matplotlib's
-        # fonts, the kernels vLLM's CPU backend compiles: 1-2 min per cold pod here); one torch thread
-        # per pod (each node limited to one core).
-        env.update(RLHF_CACHE_DIR=cache_dir(), MPLCONFIGDIR=str(shared / "matplotlib"), OMP_NUM_THREADS="1",
-                   TORCHINDUCTOR_CACHE_DIR=str(shared / "inductor"), VLLM_CACHE_ROOT=str(shared / "vllm"),
-                   TQDM_DISABLE="1", TRANSFORMERS_VERBOSITY="error", VLLM_LOGGING_LEVEL="WARNING")
-        store = ObjectStore(s3_server, KEY, SECRET)
-        prefix = f"s3://{BUCKET}/cluster-{uuid.uuid4().hex[:8]}"
-        # Propeller's default variables: its metadata bucket's endpoint and keys; no instance metadata
-        # service on this cluster (botocore would look for one outside the loopback network).
-        default = {"FLYTE_AWS_ENDPOINT": s3_server, "FLYTE_AWS_ACCESS_KEY_ID": KEY,
-                   "FLYTE_AWS_SECRET_ACCESS_KEY": SECRET, "AWS_EC2_METADATA_DISABLED": "true"}
-        pods = PodSettings(root=Path(tmp_path) / "pods", image_env=env, cluster_env={**default, **dict(cluster_env)},
-                           secrets=cluster_secrets() if secrets is None else secrets)
-        return Cluster(package, store, f"{prefix}/metadata", f"{prefix}/raw", pods, **kw)
-
-    return make
+    """``make_cluster(package, secrets=..., cluster_env=..., pin_cores=..., parallelism=...)`` → a
+    :class:`Cluster` whose pods live under this test's folder; metadata and raw outputs on the moto server."""
+    baked = tmp_path_factory.getbasetemp() / "image-baked"  # what the image would carry prebuilt
+    return lambda package, **kw: new_cluster(package, s3_server, Path(tmp_path) / "pods", baked, **kw)

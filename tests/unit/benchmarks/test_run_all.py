@@ -71,6 +71,16 @@ def test_only_runs_the_named_sections_and_passes_when_targets_are_met(benches, t
     assert "unknown section(s) ['nonsense']" in capsys.readouterr().err
 
 
+def test_quick_leaves_out_the_slow_sections_unless_named(benches, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(run_all, "NOT_QUICK", {"good": "slow"})
+    run_all.main(["--quick", "--logs", str(tmp_path / "logs"), "--only", "later"])
+    run_all.main(["--quick", "--logs", str(tmp_path / "logs")])
+    table = capsys.readouterr().out
+    assert "left out with --quick (slow): make bench, or --only good" in table and "quick=True" not in table
+    run_all.main(["--quick", "--logs", str(tmp_path / "logs"), "--only", "good"])
+    assert "quick=True" in capsys.readouterr().out
+
+
 def test_rows_carry_targets_and_verdicts():
     assert row("s", "f", 25.0, "x", at_least=20) == Row("s", "f", 25.0, "x", ">= 20", True, "")
     assert row("s", "f", 0.5, "GB/s", at_least=1).ok is False
