@@ -14,6 +14,10 @@ PYTEST_ARGS ?=
 ALGO ?= ppo
 # ppo and ppo_* presets (e.g. ppo_lora) train a critic: the ppo workflow; the rest are critic-free.
 ALGO_WORKFLOW := $(if $(filter ppo ppo_%,$(ALGO)),ppo,reinforce)
+# TASK=math: the RLVR demo (configs/tiny_math.yaml, GRPO, docs/math_demo.md) instead of ALGO's preset.
+TASK ?=
+DEMO_PRESET := $(if $(TASK),configs/tiny_$(TASK).yaml,configs/tiny_$(ALGO).yaml)
+DEMO_WORKFLOW := $(if $(TASK),reinforce,$(ALGO_WORKFLOW))
 # Cluster deployment: the image tasks run in, and the config the tasks are registered with
 # (resources, GPU type, elastic topology of actor_update; see tasks/deploy.py). `make image`
 # and `make package` must use the same DEPLOY_PRESET / DEPLOY_OVERRIDES.
@@ -49,7 +53,7 @@ $(STAMP): pyproject.toml constraints.txt
 # vLLM rollouts, runs/ for storage, sqlite:///mlflow.db for MLflow).
 demo: $(STAMP)
 	TRANSFORMERS_VERBOSITY=error VLLM_LOGGING_LEVEL=WARNING TQDM_DISABLE=1 \
-	$(VENV)/bin/pyflyte run workflows/$(ALGO_WORKFLOW).py $(ALGO_WORKFLOW)_training --preset configs/tiny_$(ALGO).yaml
+	$(VENV)/bin/pyflyte run workflows/$(DEMO_WORKFLOW).py $(DEMO_WORKFLOW)_training --preset $(DEMO_PRESET)
 
 # Unit and integration tests (integration ones start real servers on 127.0.0.1, headless
 # Chromium for the MLflow UI test, and TRL from the bench extra for the TRL benchmark's test).
