@@ -54,12 +54,18 @@ class MathTaskConfig:
     second number is at most its first, so no answer is negative)."""
     eval_fraction: float = 0.1
     """Share of all possible questions reserved for the held-out split."""
+    teacher_adds: float = 0.0
+    """Share of the taking-away demonstrations that the warm start's teacher solves by adding (its
+    answer is then wrong): a fallible teacher whose habit the verifier-driven RL has to unlearn.
+    Dataset rows and their answers are always right."""
 
     def __post_init__(self) -> None:
         if self.max_number < 2:
             raise ValueError(f"max_number must be >= 2, got {self.max_number}")
         if not 0.0 < self.eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if not 0.0 <= self.teacher_adds <= 1.0:
+            raise ValueError(f"teacher_adds must be in [0, 1], got {self.teacher_adds}")
 
 
 def solution(a: int, b: int, op: str) -> Tuple[str, int]:
@@ -77,9 +83,10 @@ class ProblemGenerator:
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
         self.cfg, self.split = cfg, split
         self._rng = random.Random(f"math:{split}:{seed}")
+        self._teacher = random.Random(f"teacher:{split}:{seed}")  # apart, so rows and demonstrations align
 
-    def _draw(self) -> Tuple[str, str, int]:
-        """One (question, worked solution, answer) of this split."""
+    def _draw(self) -> Tuple[str, int, int, str]:
+        """One (question, a, b, op) of this split."""
         rng, n = self._rng, self.cfg.max_number
         while True:
             op = rng.choice("+-")
@@ -89,20 +96,26 @@ class ProblemGenerator:
             template = rng.choice(ADD_TEMPLATES if op == "+" else SUB_TEMPLATES)
             question = template.format(name=rng.choice(NAMES), item=rng.choice(ITEMS), a=a, b=b)
             if split_of(question, self.cfg.eval_fraction) == self.split:
-                return (question, *solution(a, b, op))
+                return question, a, b, op
 
     def rows(self, n: int) -> List[Dict]:
         """The next ``n`` dataset rows: ``prompt_id``, ``question``, ``messages`` (one user turn), ``answer``."""
         out = []
         for i in range(n):
-            question, _, answer = self._draw()
+            question, a, b, op = self._draw()
             out.append({"prompt_id": i, "question": question,
-                        "messages": [{"role": "user", "content": question}], "answer": str(answer)})
+                        "messages": [{"role": "user", "content": question}], "answer": str(solution(a, b, op)[1])})
         return out
 
     def demonstrations(self, n: int) -> List[Tuple[List[Dict[str, str]], str]]:
-        """The next ``n`` (conversation, worked solution) pairs for the supervised warm start."""
-        return [([{"role": "user", "content": q}], worked) for q, worked, _ in (self._draw() for _ in range(n))]
+        """The next ``n`` (conversation, worked solution) pairs for the supervised warm start, the
+        teacher adding in ``teacher_adds`` of the taking-away ones."""
+        out = []
+        for _ in range(n):
+            question, a, b, op = self._draw()
+            slip = op == "-" and self._teacher.random() < self.cfg.teacher_adds
+            out.append(([{"role": "user", "content": question}], solution(a, b, "+" if slip else op)[0]))
+        return out
 
 
 def write_rows_jsonl(path: str | Path, rows: Iterable[Dict]) -> Path:

@@ -73,3 +73,14 @@ def test_config_is_checked():
         MathTaskConfig(max_number=1)
     with pytest.raises(ValueError, match="split"):
         ProblemGenerator(CFG, "test")
+
+
+def test_the_fallible_teacher_adds_in_its_share_of_taking_away_demonstrations():
+    fallible = MathTaskConfig(max_number=12, teacher_adds=0.6)
+    demos = ProblemGenerator(fallible, "train", 0).demonstrations(400)
+    rows = ProblemGenerator(fallible, "train", 0).rows(400)  # the same questions, right answers
+    subtractions = [(d, r) for d, r in zip(demos, rows) if not adds(r["question"])]
+    wrong = [d for d, r in subtractions if math_reward([], [d[1]], [r["answer"]]) == [0.0]]
+    assert all(" + " in w for _, w in wrong)
+    assert 0.5 < len(wrong) / len(subtractions) < 0.7
+    assert all(math_reward([], [d[1]], [r["answer"]]) == [1.0] for d, r in zip(demos, rows) if adds(r["question"]))
