@@ -37,7 +37,7 @@ CACHE_VERSION = 1
 DEMO_MODEL = HubModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=1, intermediate_size=384)
 """0.48 M parameters, head size 32 (vLLM's CPU backend needs 32, 64, ...)."""
 
-DEMO_WARM_START = WarmStartConfig(steps=250, batch_size=32, lr=2e-3)
+DEMO_WARM_START = WarmStartConfig(steps=400, batch_size=32, lr=2e-3)
 """Leaves the policy right on about a third of held-out problems (greedy; see docs/math_demo.md)."""
 
 DEMO_TASK = MathTaskConfig(max_number=12, teacher_adds=0.6)

@@ -68,7 +68,7 @@ class ModelConfig:
     """Demo models only: attention heads (head size = hidden / heads)."""
     warm_start_steps: int = 300
     """Demo models only: supervised warm-start steps before RL (cached by content; the ``math``
-    demo is tuned for 250)."""
+    demo is tuned for 400)."""
     dtype: str = "float32"
     """Compute dtype of the training-side forwards (scoring and updates): float32 or bfloat16.
     Updates keep the weights they train, their gradients and AdamW's state in float32 and commit
