@@ -33,7 +33,8 @@ def prompt_files(root: Path, n_train: int = 32, n_eval: int = 4) -> List[str]:
 @contextlib.contextmanager
 def hub_run(root: Path, model_dir: Path | str, preset: str, overrides: Sequence[str], name: str) -> Iterator:
     """``tiny_run`` of ``preset`` on the checkpoint ``model_dir`` with prompt files under ``root``."""
-    extra = [f"model.actor_path={model_dir}", *prompt_files(root), *SMALL, *overrides]
+    small = SMALL if "ppo" in preset else [o for o in SMALL if not o.startswith("critic.")]  # critic-free: refused
+    extra = [f"model.actor_path={model_dir}", *prompt_files(root), *small, *overrides]
     with tiny_run(root, preset, extra, name, local_cache=False) as setup:
         yield setup
 
