@@ -14,9 +14,12 @@ PYTEST_ARGS ?=
 ALGO ?= ppo
 # ppo and ppo_* presets (e.g. ppo_lora) train a critic: the ppo workflow; the rest are critic-free.
 ALGO_WORKFLOW := $(if $(filter ppo ppo_%,$(ALGO)),ppo,reinforce)
-# TASK=tools: the multi-turn tool-use demo (configs/tiny_tools.yaml, GRPO), its model and prompts
-# built first by models/tool_demo.py (cached by content). Empty: the string-reversal task.
+# TASK=math: the RLVR demo (configs/tiny_math.yaml, GRPO, docs/math_demo.md); TASK=tools: the multi-turn
+# tool-use demo (configs/tiny_tools.yaml, GRPO, docs/multi_turn.md), its model and prompts built first by
+# models/tool_demo.py (cached by content). Empty: ALGO's preset on the string-reversal task.
 TASK ?=
+DEMO_PRESET := $(if $(TASK),configs/tiny_$(TASK).yaml,configs/tiny_$(ALGO).yaml)
+DEMO_WORKFLOW := $(if $(TASK),reinforce,$(ALGO_WORKFLOW))
 # Cluster deployment: the image tasks run in, and the config the tasks are registered with
 # (resources, GPU type, elastic topology of actor_update; see tasks/deploy.py). `make image`
 # and `make package` must use the same DEPLOY_PRESET / DEPLOY_OVERRIDES.
@@ -58,7 +61,7 @@ demo: $(STAMP) sandbox
 	$(VENV)/bin/pyflyte run workflows/reinforce.py reinforce_training --preset configs/tiny_tools.yaml
 else
 demo: $(STAMP)
-	$(VENV)/bin/pyflyte run workflows/$(ALGO_WORKFLOW).py $(ALGO_WORKFLOW)_training --preset configs/tiny_$(ALGO).yaml
+	$(VENV)/bin/pyflyte run workflows/$(DEMO_WORKFLOW).py $(DEMO_WORKFLOW)_training --preset $(DEMO_PRESET)
 endif
 
 # Unit and integration tests (integration ones start real servers on 127.0.0.1, headless

@@ -125,6 +125,10 @@ class VLLMEngine(SwappableEngine):
             kwargs["max_model_len"] = max_model_len
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        else:  # a prefill split across steps rewinds each seeded request's generator, which a CPU
+            # generator cannot ("CPU Generator does not use offset"): prefill every prompt whole
+            model_len = max_model_len or _read_json(checkpoint_dir, "config.json").get("max_position_embeddings", 0)
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(int(model_len), 2048))
         if max_lora_rank:  # one adapter at a time, of rank up to the next size vLLM accepts
             rank = next((r for r in VLLM_LORA_RANKS if r >= max_lora_rank), None)
             if rank is None:

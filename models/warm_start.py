@@ -29,7 +29,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
@@ -118,14 +118,26 @@ def train_sft(
     threads: int | None = 1,
 ) -> list[float]:
     """Fine-tune `model` in place on train-split demonstrations; returns per-step losses."""
-    demos = PromptGenerator(task_cfg, "train", seed=cfg.seed)
+    return train_on_demonstrations(model, tokenizer, PromptGenerator(task_cfg, "train", seed=cfg.seed).demonstrations,
+                                   cfg, threads)
+
+
+def train_on_demonstrations(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    next_pairs: Callable[[int], list[tuple[str, str]]],
+    cfg: WarmStartConfig,
+    threads: int | None = 1,
+) -> list[float]:
+    """`cfg.steps` AdamW steps on batches of `next_pairs(cfg.batch_size)` (prompt text, response
+    text) pairs (`demo_batch`), in place; returns per-step losses."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     model.train()
     losses = []
     with torch_threads(threads), torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         for _ in range(cfg.steps):
-            batch = demo_batch(tokenizer, demos.demonstrations(cfg.batch_size))
+            batch = demo_batch(tokenizer, next_pairs(cfg.batch_size))
             loss = model(**batch).loss  # mean over response tokens (labels != -100)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -135,18 +147,43 @@ def train_sft(
     return losses
 
 
+def content_key(payload: dict) -> str:
+    """Stable 16-hex digest of a JSON-able description of a cached result."""
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cached_dir(final: Path, build: Callable[[Path], dict]) -> Path:
+    """`final` if it is complete, else `build(tmp)` (which fills `tmp` and returns the info to keep in
+    `warm_start.json`) renamed into place: a present directory is always complete, and of two
+    processes building at once, one result stays."""
+    if (final / DONE_FILE).is_file():
+        return final
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    info = build(tmp)
+    (tmp / DONE_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    try:
+        os.rename(tmp, final)
+    except OSError:  # another process finished first (or a stale incomplete dir is there)
+        if (final / DONE_FILE).is_file():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+    return final
+
+
 def cache_key(
     model_cfg: TinyModelConfig, task_cfg: ReverseTaskConfig, cfg: WarmStartConfig, alphabet: str
 ) -> str:
     """Stable hex digest of everything that determines the warm-started weights."""
-    payload = {
+    return content_key({
         "version": CACHE_VERSION,
         "model": dataclasses.asdict(model_cfg),
         "task": dataclasses.asdict(task_cfg),
         "warm_start": dataclasses.asdict(cfg),
         "alphabet": alphabet,
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    })
 
 
 def warm_start(
@@ -161,37 +198,24 @@ def warm_start(
     The directory holds config.json, model.safetensors, tokenizer files and
     `warm_start.json` (configs, per-step losses, training seconds).
     """
-    cache = Path(cache_dir)
-    final = cache / f"actor-{cache_key(model_cfg, task_cfg, cfg, alphabet)}"
-    if (final / DONE_FILE).is_file():
-        return final
+    final = Path(cache_dir) / f"actor-{cache_key(model_cfg, task_cfg, cfg, alphabet)}"
 
-    tokenizer = build_char_tokenizer(alphabet)
-    model = build_actor(model_cfg, tokenizer)
-    start = time.perf_counter()
-    losses = train_sft(model, tokenizer, task_cfg, cfg)
-    seconds = time.perf_counter() - start
+    def build(tmp: Path) -> dict:
+        tokenizer = build_char_tokenizer(alphabet)
+        model = build_actor(model_cfg, tokenizer)
+        start = time.perf_counter()
+        losses = train_sft(model, tokenizer, task_cfg, cfg)
+        seconds = time.perf_counter() - start
+        save_model(model, tokenizer, tmp)
+        return {
+            "model": dataclasses.asdict(model_cfg),
+            "task": dataclasses.asdict(task_cfg),
+            "warm_start": dataclasses.asdict(cfg),
+            "train_seconds": seconds,
+            "losses": losses,
+        }
 
-    tmp = cache / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_model(model, tokenizer, tmp)
-    info = {
-        "model": dataclasses.asdict(model_cfg),
-        "task": dataclasses.asdict(task_cfg),
-        "warm_start": dataclasses.asdict(cfg),
-        "train_seconds": seconds,
-        "losses": losses,
-    }
-    (tmp / DONE_FILE).write_text(json.dumps(info, indent=2) + "\n")
-    try:
-        os.rename(tmp, final)
-    except OSError:  # another process finished first (or a stale incomplete dir is there)
-        if (final / DONE_FILE).is_file():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
-    return final
+    return cached_dir(final, build)
 
 
 @torch.no_grad()

@@ -1,6 +1,9 @@
 """Figures for people: reward curves of runs, read back from MLflow.
 
     python -m tasks.report --run-id ID [--run-id ID2 ...] --out docs/reward_curve.png
+    python -m tasks.report --run-id ID --key eval/math_reward_mean --key reward/math_reward_mean --out ...
+
+Several runs: one curve per run, labelled by run name; several keys: one curve per key.
 """
 
 from __future__ import annotations
@@ -15,6 +18,15 @@ def reward_curves(run_ids: Sequence[str], key: str = "rollout/reward_mean") -> D
     """``{label: [(step, value), ...]}``; the label is the run's name (algorithm-date by default)."""
     c = tracking.client()
     return {c.get_run(r).info.run_name or r: tracking.metric_history(r, key) for r in run_ids}
+
+
+def metric_curves(run_ids: Sequence[str], keys: Sequence[str]) -> Dict[str, List[tuple]]:
+    """One curve per (run, key): labelled by run name with one key, by key with one run, else both."""
+    out: Dict[str, List[tuple]] = {}
+    for key in keys:
+        for label, pts in reward_curves(run_ids, key).items():
+            out[label if len(keys) == 1 else key if len(run_ids) == 1 else f"{label}: {key}"] = pts
+    return out
 
 
 def plot(curves: Dict[str, List[tuple]], out: str, title: str, ylabel: str = "mean reward") -> str:
@@ -41,11 +53,12 @@ def plot(curves: Dict[str, List[tuple]], out: str, title: str, ylabel: str = "me
 def main(argv: List[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Plot reward curves of MLflow runs")
     p.add_argument("--run-id", action="append", required=True, help="MLflow run id (repeat for several)")
-    p.add_argument("--key", default="rollout/reward_mean")
+    p.add_argument("--key", action="append", help="metric to plot (repeat for several; default rollout/reward_mean)")
     p.add_argument("--title", default="Tiny reversal task: mean rollout reward")
     p.add_argument("--out", default="docs/reward_curve.png")
     a = p.parse_args(argv)
-    print(plot(reward_curves(a.run_id, a.key), a.out, a.title))
+    ylabel = "mean reward" if not a.key or len(a.key) > 1 else a.key[0]
+    print(plot(metric_curves(a.run_id, a.key or ["rollout/reward_mean"]), a.out, a.title, ylabel))
 
 
 if __name__ == "__main__":

@@ -82,19 +82,34 @@ def _demo_model_config(cfg: TrainConfig):
 
 
 def _demo_assets(cfg: TrainConfig, workdir: str) -> dict:
-    from models.warm_start import WarmStartConfig, build_demo_models
+    """The demo models and prompts of ``model.demo_task``, built under ``workdir`` (warm starts cached)."""
+    cache = os.path.join(cache_dir(), "warm_start")
+    counts = {"num_train_prompts": cfg.data.num_demo_train_prompts, "num_eval_prompts": cfg.data.num_demo_eval_prompts}
+    if cfg.model.demo_task == "math":
+        from models.math_demo import DEMO_WARM_START, build_math_demo
 
-    return {k: str(v) for k, v in build_demo_models(
-        workdir, os.path.join(cache_dir(), "warm_start"), _demo_model_config(cfg),
-        cfg=WarmStartConfig(steps=cfg.model.warm_start_steps),
-        num_train_prompts=cfg.data.num_demo_train_prompts, num_eval_prompts=cfg.data.num_demo_eval_prompts).items()}
+        built = build_math_demo(workdir, cache, cfg=dataclasses.replace(DEMO_WARM_START,
+                                                                         steps=cfg.model.warm_start_steps), **counts)
+    else:
+        from models.warm_start import WarmStartConfig, build_demo_models
+
+        built = build_demo_models(workdir, cache, _demo_model_config(cfg),
+                                  cfg=WarmStartConfig(steps=cfg.model.warm_start_steps), **counts)
+    return {k: str(v) for k, v in built.items()}
+
+
+def _demo_context(cfg: TrainConfig) -> int:
+    if cfg.model.demo_task == "math":
+        from models.math_demo import DEMO_MODEL
+
+        return DEMO_MODEL.max_position_embeddings
+    return _demo_model_config(cfg).max_position_embeddings
 
 
 def _prompt_room(cfg: TrainConfig) -> Optional[int]:
     """Tokens a prompt may take: the actor's context (``max_position_embeddings``) less
     ``rollout.max_new_tokens``; None when the checkpoint does not say."""
-    context = model_context(cfg.model.actor_path) if cfg.model.actor_path else \
-        _demo_model_config(cfg).max_position_embeddings
+    context = model_context(cfg.model.actor_path) if cfg.model.actor_path else _demo_context(cfg)
     if context is None:
         return None
     if context <= cfg.rollout.max_new_tokens:
@@ -131,7 +146,11 @@ def new_run(cfg: TrainConfig, layout: RunLayout, preset: str) -> RunSetup:
     work = tempfile.mkdtemp(prefix="run-setup-")
     data_dir = storage.join(layout.url, "data")
     demo = not cfg.model.actor_path
-    if demo:
+    assets = {}
+    if demo and cfg.model.demo_task == "math":  # the tokenizer is the warm-started checkpoint's (cached)
+        assets = _demo_assets(cfg, work)
+        tokenizer = load_tokenizer_only(assets["actor"])
+    elif demo:
         from models.tokenizer import build_char_tokenizer
 
         tokenizer = build_char_tokenizer()
@@ -145,7 +164,8 @@ def new_run(cfg: TrainConfig, layout: RunLayout, preset: str) -> RunSetup:
     demo_data = cfg.data.source == "files" and not cfg.data.train_prompts
     if not demo_data:  # user data: every row is checked before any model is loaded
         train, held_out = _checked_data(cfg, tokenizer)
-    assets = _demo_assets(cfg, work) if demo else {}
+    if demo and not assets:
+        assets = _demo_assets(cfg, work)
     if demo_data:  # the demo's own prompts, checked like user data
         if not assets.get("train_prompts"):
             raise ValueError("data.train_prompts is empty and no demo prompts were built")

@@ -25,6 +25,15 @@ def test_presets_load_and_overrides_apply():
     assert gpu.critic.lora.enabled and not gpu.actor.lora.enabled  # a full 8B critic's AdamW would not fit one GPU
 
 
+def test_the_math_preset_reads_the_demo_rows_it_writes():
+    cfg = load_config("configs/tiny_math.yaml", [])
+    assert (cfg.model.demo_task, cfg.run.algorithm, cfg.data.messages_column) == ("math", "grpo", "messages")
+    assert cfg.reward.functions == ["models.verifiers:math_reward", "models.verifiers:format_reward"]
+    from models.math_task import FORMAT_PATTERN
+
+    assert cfg.reward.format_pattern == FORMAT_PATTERN  # YAML quoting kept every backslash
+
+
 def test_frozen():
     cfg = TrainConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -60,6 +69,7 @@ def test_frozen():
     (["rollout.eval_temperature=0.005"], "rollout.eval_temperature=0.005 must be 0 (greedy) or >= 0.01"),
     (["rollout.top_k=-1"], "rollout.top_k must be >= 0"),
     (["rollout.probe_tolerance=-1"], "rollout.probe_tolerance must be >= 0"),
+    (["model.demo_task=gsm8k"], "model.demo_task='gsm8k' is not one of ['reverse', 'math']"),
 ])
 def test_bad_values_are_named(overrides, fragment):
     with pytest.raises(ConfigError) as err:
