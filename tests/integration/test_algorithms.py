@@ -35,7 +35,7 @@ def _pyflyte(workflow: str, entry: str, preset: str, overrides, run_name: str, d
     return proc.stdout
 
 
-@pytest.mark.parametrize("algo", ["rloo", "grpo", "reinforce_pp", "reinforce"])
+@pytest.mark.parametrize("algo", ["rloo", "reinforce_pp", "reinforce"])  # grpo: test_learns_the_tiny_task
 def test_critic_free_two_iterations(algo, tmp_path):
     out = _pyflyte("workflows/reinforce.py", "reinforce_training", f"configs/tiny_{algo}.yaml",
                    [f"run.storage_root={tmp_path}"] + SMALL, algo, tmp_path / "mlflow.db")

@@ -1,6 +1,8 @@
 """What `make demo` (a plain `pyflyte run`) prints: the project's own lines, not the libraries'
-chatter, and all of it again with RLHF_VERBOSE=1 (models/console.py). One iteration of the PPO demo
-each way, in a clean environment (no quieting variables inherited from this pytest process)."""
+chatter (models/console.py). One iteration of the PPO demo in a clean environment (no quieting
+variables inherited from this pytest process). That RLHF_VERBOSE=1 brings the libraries back is
+checked in a fresh interpreter by tests/unit/models/test_console.py (a second pyflyte run here cost
+minutes of the CI budget for the same switch)."""
 
 from __future__ import annotations
 
@@ -55,11 +57,7 @@ def library_lines(out: str) -> dict:
             for what, pattern in LIBRARY_LINES.items()}
 
 
-def test_the_demo_prints_its_own_lines_and_verbose_brings_the_libraries_back(tmp_path):
+def test_the_demo_prints_its_own_lines_only(tmp_path):
     quiet = demo_run(tmp_path, "quiet")
     assert "[ppo] iter 1/1" in quiet and "Run quiet finished: 1 iterations of ppo." in quiet
     assert {what: lines for what, lines in library_lines(quiet).items() if lines} == {}, quiet[-4000:]
-
-    loud = library_lines(demo_run(tmp_path, "loud", RLHF_VERBOSE="1"))
-    for what in ("transformers' weight bars", "vLLM's safetensors bars", "vLLM's log lines", "MLflow's notices"):
-        assert loud[what], f"RLHF_VERBOSE=1 should show {what}"
