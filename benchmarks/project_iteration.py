@@ -1,7 +1,7 @@
 """The cost of a stateless PPO iteration at scale, on paper: every task is a fresh pod that reads its
 state (weights, AdamW's moments) from S3 and writes it back, as this project runs on a Flyte cluster.
 
-    python benchmarks/project_iteration.py [--json PATH]
+    python benchmarks/project_iteration.py [--json PATH] [--check-small]
 
 For the 8B preset (``configs/llama8b_ppo_gpu.yaml``) and a 70B shape (described below, not a preset),
 on H100 nodes, each task's seconds per iteration = pod start + state bytes / S3 bandwidth + compute
@@ -21,7 +21,7 @@ import argparse
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -79,6 +79,10 @@ class Shape:
     """Committed checkpoints hold float32 weights (the training master copy)."""
     optimizer_bytes_per_param: int = 8
     """AdamW's two moments in the parameters' dtype (``models/optimizer_state.py``)."""
+    critic_params: Optional[float] = None
+    """Critic parameters (None: :attr:`params`; a value head in place of the LM head differs a little)."""
+    reward_model: bool = True
+    """Score loads a reward model the actor's size (False: a reward function, as the tiny runs use)."""
     sharded_state: bool = False
     """The cut of the largest term: AdamW's moments read and written per rank, each node its 1/nodes
     share in parallel (``torch.distributed.checkpoint``), instead of whole by every node and written by
@@ -96,28 +100,44 @@ LLAMA_70B = Shape("llama70b (described, no preset)", params=69.0e9, samples=1024
 8 GPUs (tensor parallel); 1024 responses per step (their rollout batch), 1024-token budget."""
 
 
-def state_bytes(s: Shape) -> Dict[str, Dict[str, float]]:
-    """Bytes each task reads and writes through S3 per iteration, ``{task: {"read", "write"}}``.
+def state_terms(s: Shape) -> Dict[str, Dict[Tuple[str, str], float]]:
+    """Bytes each task moves through S3 per iteration by kind, ``{task: {(op, kind): bytes}}``, op ``read`` or
+    ``write``, kind ``weights``, ``optimizer`` or ``batch`` (checked against a measured small run by
+    ``--check-small``).
 
-    W = params × checkpoint bytes per param, O = params × optimizer bytes per param. Each pod downloads a
-    checkpoint once for all its ranks (``models/checkpoint_cache.py``); every node of the actor job does.
-      rollout: actor + reference (tokenizer home) = 2W          writes the batch
-      score:   actor, reference, critic, reward model = 4W      writes the scored batch
-      actor:   per node actor + reference + O                   rank 0 writes W + O
-      critic:  critic + reference (+ O when full)               writes W + O (full) or adapters (LoRA)
-    Batches (token ids and float32 columns, ~24 B per token) are counted for score and the updates.
+    W = params × checkpoint bytes per param, O = params × optimizer bytes per param (the critic's at
+    :attr:`Shape.critic_params`: Wc, Oc). Each pod downloads a checkpoint once for all its ranks
+    (``models/checkpoint_cache.py``); every node of an update job does.
+      rollout: actor + reference (tokenizer home) = 2W             writes the batch
+      score:   actor, reference, reward model, critic = 3W + Wc    writes the scored batch
+      actor:   per node actor + reference + O (sharded: O/nodes)   rank 0 writes W + O
+      critic:  per node critic + reference (+ Oc when full)        writes Wc + Oc (full) or adapters (LoRA)
+    Batches (token ids and float32 columns, ~24 B per token) are read by score and by each update node.
     """
     w, o = s.params * s.checkpoint_bytes_per_param, s.params * s.optimizer_bytes_per_param
+    cp = s.params if s.critic_params is None else s.critic_params
+    wc, oc = cp * s.checkpoint_bytes_per_param, cp * s.optimizer_bytes_per_param
     batch = s.samples * (s.prompt_tokens + s.response_tokens) * 24.0
     critic_nodes = max(1, s.critic_gpus // s.gpus_per_node)
-    o_read = (lambda nodes: o) if s.sharded_state else (lambda nodes: nodes * o)  # noqa: E731
+    o_read = (lambda nodes, o: o) if s.sharded_state else (lambda nodes, o: nodes * o)  # noqa: E731
+    full = not s.critic_lora
     return {
-        "rollout": {"read": 2 * w, "write": batch},
-        "score": {"read": 4 * w + batch, "write": batch},
-        "actor_update": {"read": s.actor_nodes * (2 * w + batch) + o_read(s.actor_nodes), "write": w + o},
-        "critic_update": {"read": critic_nodes * (2 * w + batch) + (0 if s.critic_lora else o_read(critic_nodes)),
-                          "write": 0.0 if s.critic_lora else w + o},
+        "rollout": {("read", "weights"): 2 * w, ("write", "batch"): batch},
+        "score": {("read", "weights"): (3 if s.reward_model else 2) * w + wc, ("read", "batch"): batch,
+                  ("write", "batch"): batch},
+        "actor_update": {("read", "weights"): s.actor_nodes * 2 * w, ("read", "batch"): s.actor_nodes * batch,
+                         ("read", "optimizer"): o_read(s.actor_nodes, o), ("write", "weights"): w,
+                         ("write", "optimizer"): o},
+        "critic_update": {("read", "weights"): critic_nodes * (w + wc), ("read", "batch"): critic_nodes * batch,
+                          ("read", "optimizer"): o_read(critic_nodes, oc) if full else 0.0,
+                          ("write", "weights"): wc if full else 0.0, ("write", "optimizer"): oc if full else 0.0},
     }
+
+
+def state_bytes(s: Shape) -> Dict[str, Dict[str, float]]:
+    """:func:`state_terms` summed per task and direction, ``{task: {"read", "write"}}``."""
+    return {t: {op: sum(b for (o, _), b in terms.items() if o == op) for op in ("read", "write")}
+            for t, terms in state_terms(s).items()}
 
 
 def compute_seconds(s: Shape, a: Assumptions) -> Dict[str, float]:
@@ -201,7 +221,14 @@ def main() -> int:
     add_bench_args(parser)  # --quick, --threads: no effect (the projection takes no time)
     parser.add_argument("--s3-gb-per-s", type=float, default=Assumptions.s3_gb_per_s)
     parser.add_argument("--pod-start-s", type=float, default=Assumptions.pod_start_s)
+    parser.add_argument("--check-small", action="store_true",
+                        help="run one tiny PPO iteration on S3 (moto) and compare its measured bytes per task "
+                             "with the formula at its shape (benchmarks/iteration_bytes.py)")
     args = parser.parse_args()
+    if args.check_small:
+        from benchmarks.iteration_bytes import measure_on_moto, report
+
+        print(report(measure_on_moto()) + "\n")
     a = replace(Assumptions(), s3_gb_per_s=args.s3_gb_per_s, pod_start_s=args.pod_start_s)
     for s in shapes():
         print(table(s, a) + "\n")

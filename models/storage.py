@@ -18,13 +18,14 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Tuple, TypeVar
+from typing import Any, Callable, Iterator, List, Mapping, NamedTuple, Optional, Tuple, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -64,6 +65,41 @@ class RetryPolicy:
 
 
 DEFAULT_RETRY = RetryPolicy()
+
+
+class Transfer(NamedTuple):
+    """One whole file moved by this process: ``op`` is ``"read"`` or ``"write"``, ``nbytes`` its size."""
+
+    op: str
+    url: str
+    nbytes: int
+
+
+_COUNTERS: List[List[Transfer]] = []
+
+
+@contextlib.contextmanager
+def count_bytes() -> Iterator[List[Transfer]]:
+    """Record every file this process reads or writes through this module (and ``models/storage_cas.py``)
+    while open: the exact bytes a task moves, for ``benchmarks/project_iteration.py --check-small``.
+
+    Counted: :func:`read_bytes`, :func:`write_bytes`, :func:`get_file`, :func:`put_file` (so
+    :func:`get_dir`, :func:`put_dir`, checkpoints and batches). Not counted: listings, ``exists``,
+    server-side copies (:func:`move_dir` on S3: no byte crosses the node) and local checkpoints used in
+    place or hard-linked (no byte moves; measure on S3 to see what a pod moves). Nested counters each
+    see every transfer."""
+    records: List[Transfer] = []
+    _COUNTERS.append(records)
+    try:
+        yield records
+    finally:
+        _COUNTERS.remove(records)
+
+
+def count(op: str, url: str, nbytes: int) -> None:
+    """Add one transfer to every open :func:`count_bytes` (nothing when none is open)."""
+    for records in _COUNTERS:
+        records.append(Transfer(op, os.fspath(url), int(nbytes)))
 
 
 def utc_now_iso(timespec: str = "seconds") -> str:
@@ -170,7 +206,9 @@ def _fresh(fs: fsspec.AbstractFileSystem, path: str) -> None:
 def read_bytes(url: str, retry: RetryPolicy = DEFAULT_RETRY, **storage_options: Any) -> bytes:
     """The whole content of the file at ``url``."""
     fs, path = fs_and_path(url, **storage_options)
-    return with_retry("read", url, lambda: fs.cat_file(path), retry)
+    data = with_retry("read", url, lambda: fs.cat_file(path), retry)
+    count("read", url, len(data))
+    return data
 
 
 def write_bytes(url: str, data: bytes | memoryview, retry: RetryPolicy = DEFAULT_RETRY, durable: bool = True,
@@ -188,6 +226,7 @@ def write_bytes(url: str, data: bytes | memoryview, retry: RetryPolicy = DEFAULT
     else:
         body = bytes(data)  # no copy for bytes; botocore wants bytes or a file
         with_retry("write", url, lambda: fs.pipe_file(path, body), retry)
+    count("write", url, memoryview(data).nbytes)
 
 
 def _atomic_local_write(path: str, data: bytes | memoryview, durable: bool = True) -> None:
@@ -259,6 +298,7 @@ def put_file(local_file: str, url: str, retry: RetryPolicy = DEFAULT_RETRY,
     if isinstance(fs, LocalFileSystem):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with_retry("upload", url, lambda: fs.put_file(local_file, path), retry)
+    count("write", url, os.path.getsize(local_file))
 
 
 def get_dir(url: str, local_dir: str, retry: RetryPolicy = DEFAULT_RETRY,
@@ -279,6 +319,7 @@ def get_file(url: str, local_file: str, retry: RetryPolicy = DEFAULT_RETRY,
     fs, path = fs_and_path(url, **storage_options)
     os.makedirs(os.path.dirname(os.path.abspath(local_file)), exist_ok=True)
     with_retry("download", url, lambda: fs.get_file(path, local_file), retry)
+    count("read", url, os.path.getsize(local_file))
 
 
 def move_dir(src_url: str, dst_url: str, retry: RetryPolicy = DEFAULT_RETRY,

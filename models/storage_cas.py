@@ -24,7 +24,7 @@ from typing import Optional, Tuple
 import blake3
 from fsspec.implementations.local import LocalFileSystem
 
-from models.storage import _atomic_local_write, fs_and_path, with_retry
+from models.storage import _atomic_local_write, count, fs_and_path, with_retry
 
 _S3_PROTOCOLS = ("s3", "s3a")
 
@@ -41,6 +41,13 @@ def _kind(url: str, fs) -> str:
 
 def read_versioned(url: str) -> Optional[Tuple[bytes, str]]:
     """``(content, version)`` of the file at ``url``, or None when there is none."""
+    got = _read_versioned(url)
+    if got is not None:
+        count("read", url, len(got[0]))
+    return got
+
+
+def _read_versioned(url: str) -> Optional[Tuple[bytes, str]]:
     fs, path = fs_and_path(url)
     if _kind(url, fs) == "local":
         try:
@@ -71,6 +78,13 @@ async def _s3_get(fs, path: str) -> Tuple[bytes, str]:
 def write_if(url: str, data: bytes, version: Optional[str]) -> bool:
     """Write ``data`` at ``url`` only if the file's version is ``version`` (None: only if absent).
     True if written, False if the condition failed (someone else wrote first)."""
+    done = _write_if(url, data, version)
+    if done:
+        count("write", url, len(data))
+    return done
+
+
+def _write_if(url: str, data: bytes, version: Optional[str]) -> bool:
     fs, path = fs_and_path(url)
     if _kind(url, fs) == "local":
         return with_retry("conditional write", url, lambda: _local_write_if(path, data, version))
