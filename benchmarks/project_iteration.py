@@ -32,6 +32,12 @@ NEMO_ALIGNER_70B_STEP_S = 253.8
 """Llama-2-70B PPO step on 8+8 H100 nodes (NeMo-Aligner, arXiv:2405.01481)."""
 
 
+MEASURED_SHARD_SHARE = 22848 / 45696
+"""Moment bytes one of 2 FSDP2 ranks reads with the cut / without, measured through S3 by
+``tests/unit/models/test_optimizer_shards.py`` (22848 of 45696 bytes: exactly 1/ranks; each file adds its
+~7 KB header and step scalars, nothing at 8B). The projection takes each rank's share as 1/ranks."""
+
+
 @dataclass(frozen=True)
 class Assumptions:
     """What the projection takes as given (each a stated, checkable number)."""
@@ -84,9 +90,10 @@ class Shape:
     reward_model: bool = True
     """Score loads a reward model the actor's size (False: a reward function, as the tiny runs use)."""
     sharded_state: bool = False
-    """The cut of the largest term: AdamW's moments read and written per rank, each node its 1/nodes
-    share in parallel (``torch.distributed.checkpoint``), instead of whole by every node and written by
-    rank 0 (today's ``models/optimizer_state.py``). Not implemented yet: projected only."""
+    """The cut of the largest term, ``actor.optimizer_state_sharded`` (``models/optimizer_shards.py``):
+    AdamW's moments written and read per rank under FSDP2, each rank its own shard, so each node moves
+    O × :data:`MEASURED_SHARD_SHARE` × its ranks = O/nodes in parallel, instead of every node reading the
+    whole O and rank 0 writing it (``models/optimizer_state.py``)."""
 
 
 LLAMA_8B = Shape("llama8b_ppo_gpu", params=8.03e9, samples=128 * 4, prompt_tokens=512, response_tokens=1024,
@@ -119,7 +126,8 @@ def state_terms(s: Shape) -> Dict[str, Dict[Tuple[str, str], float]]:
     wc, oc = cp * s.checkpoint_bytes_per_param, cp * s.optimizer_bytes_per_param
     batch = s.samples * (s.prompt_tokens + s.response_tokens) * 24.0
     critic_nodes = max(1, s.critic_gpus // s.gpus_per_node)
-    o_read = (lambda nodes, o: o) if s.sharded_state else (lambda nodes, o: nodes * o)  # noqa: E731
+    share = MEASURED_SHARD_SHARE * 2  # × ranks = 1: each rank its 1/ranks, so the nodes together read O once
+    o_read = (lambda nodes, o: share * o) if s.sharded_state else (lambda nodes, o: nodes * o)  # noqa: E731
     full = not s.critic_lora
     return {
         "rollout": {("read", "weights"): 2 * w, ("write", "batch"): batch},
@@ -197,7 +205,8 @@ def table(s: Shape, a: Assumptions) -> str:
 
 
 def shapes() -> List[Shape]:
-    """Each shape as the code runs today, then with the cut of its largest term (sharded optimizer state)."""
+    """Each shape with the default whole optimizer state, then with the cut of its largest term
+    (``actor.optimizer_state_sharded=true``)."""
     return [v for s in (LLAMA_8B, LLAMA_70B) for v in (s, replace(s, name=f"{s.name}, sharded AdamW state",
                                                                    sharded_state=True))]
 
@@ -209,6 +218,8 @@ def rows(a: Assumptions) -> List[Row]:
         out.append(row("projection", f"{s.name} s/iteration (stateless pods)", it["total"], "s",
                        f"state {it['state']:.0f} s ({it['state'] / it['total']:.0%}), starts {it['start']:.0f} s, "
                        f"compute {it['compute']:.0f} s"))
+    out.append(row("projection", "AdamW bytes a rank reads, sharded / whole (2 ranks, measured)",
+                   MEASURED_SHARD_SHARE, "x", "tests/unit/models/test_optimizer_shards.py through S3 (moto)"))
     nemo = project(LLAMA_70B, a)["iteration"]["compute"]
     out.append(row("projection", "70B compute terms / NeMo-Aligner step", nemo / NEMO_ALIGNER_70B_STEP_S, "x",
                    f"{nemo:.0f} s projected vs {NEMO_ALIGNER_70B_STEP_S} s published (models resident; "

@@ -153,6 +153,17 @@ def save_checkpoint(local_dir: str, url: str, overwrite: bool = False,
     try:  # a failed upload leaves any old checkpoint intact
         with ThreadPoolExecutor(max_workers=workers) as pool:  # hashing and file I/O release the GIL
             manifest = dict(zip(files, pool.map(upload, files)))
+    except BaseException:
+        storage.remove(tmp, recursive=True)
+        raise
+    return commit_uploaded(tmp, url, manifest)
+
+
+def commit_uploaded(tmp: str, url: str, manifest: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Move the uploaded folder ``tmp`` (its files' digests in ``manifest``) to ``url`` and commit it with
+    the marker; an old checkpoint at ``url`` is uncommitted first. Also the last step of the per-rank
+    optimizer state (``models/optimizer_shards.py``), whose ranks upload their files themselves."""
+    try:
         storage.remove(storage.join(url, MARKER))  # uncommit first: a crash now leaves no marker
         storage.remove(url, recursive=True)
         storage.move_dir(tmp, url)
@@ -160,7 +171,7 @@ def save_checkpoint(local_dir: str, url: str, overwrite: bool = False,
         storage.remove(tmp, recursive=True)
     pause_point(f"commit/{url}")  # tests only: files in place, not committed yet
     marker = {"format": 1, "created_at": storage.utc_now_iso(),
-              "files": manifest}
+              "files": dict(manifest)}
     storage.write_json(storage.join(url, MARKER), marker)
     return marker
 

@@ -25,8 +25,8 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from models.checkpoint import is_committed, save_checkpoint, staging_dir, verified_copy
-from models.distributed import DistInfo, unwrap
+from models.checkpoint import is_committed, read_marker, save_checkpoint, staging_dir, verified_copy
+from models.distributed import DistInfo, is_sharded, unwrap
 
 FILE = "optimizer.safetensors"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -65,10 +65,17 @@ def gather(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, torc
     return out
 
 
-def save(model: nn.Module, optimizer: torch.optim.Optimizer, url: str, info: DistInfo) -> None:
-    """Commit the optimizer's state at ``url`` (rank 0 writes; every rank must call)."""
+def save(model: nn.Module, optimizer: torch.optim.Optimizer, url: str, info: DistInfo, sharded: bool = False) -> None:
+    """Commit the optimizer's state at ``url`` (rank 0 writes; every rank must call). ``sharded``: under
+    FSDP2 with more than one rank, each rank writes its own shard instead (``models/optimizer_shards.py``);
+    otherwise (DDP, one process: every rank holds the whole state) the whole state as usual."""
     from safetensors.torch import save_file
 
+    if sharded and info.world_size > 1 and is_sharded(model):
+        from models import optimizer_shards
+
+        optimizer_shards.save(_trainable(model), optimizer, url, info)
+        return
     state = gather(model, optimizer)
     if not info.is_main:
         return
@@ -77,16 +84,23 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, url: str, info: Dis
         save_checkpoint(tmp, url, overwrite=True, consume=True, require_model=False)
 
 
-def load(model: nn.Module, optimizer: torch.optim.Optimizer, url: str) -> Optional[int]:
+def load(model: nn.Module, optimizer: torch.optim.Optimizer, url: str,
+         info: Optional[DistInfo] = None) -> Optional[int]:
     """Set ``optimizer``'s state from the committed state at ``url``; returns the steps it had taken,
     or None (the optimizer left fresh) when there is none or it does not fit ``model``.
 
-    Every rank reads the file itself (a DTensor parameter gets its shard of each moment)."""
+    Every rank reads the file itself (a DTensor parameter gets its shard of each moment); a state saved
+    per rank (``models/optimizer_shards.py``) is read by each rank of ``info`` from its own shard only."""
     from safetensors import safe_open
 
     if not is_committed(url):
         return None
     params = _trainable(model)
+    if optimizer_shards_saved(url):
+        from models import optimizer_shards
+
+        return optimizer_shards.load(params, optimizer, url, info or DistInfo(0, 1, 0, torch.device("cpu")),
+                                     _capturable(optimizer))
     with verified_copy(url) as local, safe_open(os.path.join(local, FILE), framework="pt") as f:
         meta = f.metadata() or {}
         keys = set(f.keys())
@@ -110,6 +124,13 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, url: str) -> Option
             optimizer.state[p] = st
             steps = max(steps, int(step.item()))
     return steps
+
+
+def optimizer_shards_saved(url: str) -> bool:
+    """Whether the committed state at ``url`` was saved per rank."""
+    from models.optimizer_shards import is_sharded_state
+
+    return is_sharded_state(read_marker(url)["files"])
 
 
 def _mismatch(meta: Dict[str, str], optimizer: str, keys: set, want: set) -> Optional[str]:

@@ -515,6 +515,12 @@ class ActorConfig:
     """Carry AdamW's moments from one iteration's update to the next (committed beside each
     checkpoint as ``<checkpoint>-optimizer/``, ``models/optimizer_state.py``), as one long-running
     trainer would; false restarts AdamW every iteration."""
+    optimizer_state_sharded: bool = False
+    """Commit AdamW's moments per rank: under FSDP2 each rank writes and reads only its own shard
+    (``models/optimizer_shards.py``), so with n ranks each node reads 1/n of the state instead of all of
+    it, the largest state term of a stateless iteration at scale (docs/cluster.md). The state then
+    loads only on the same number of ranks (another count is an error naming both); under DDP or one
+    process (every rank holds the whole state) the whole state is committed as with false."""
     old_logprobs: str = "recompute"
     """π_old: ``recompute`` (a forward of the training-side actor in ``score``) or ``sampler`` (the
     engine's own log-probs, one forward less; only where the engine computes in the trainer's dtype,

@@ -9,7 +9,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Dict, Iterator, NamedTuple, Tuple
+from typing import Dict, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 from flytekit import task
@@ -149,7 +149,7 @@ def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rol
     kl_beta = state.kl_coef if cfg.kl.placement == "loss" else 0.0
     times: Dict[str, float] = {}
     optimizer, prior_steps = carried_optimizer(model, a.lr, a.weight_decay, state.actor_url, a.keep_optimizer_state,
-                                               times, "actor")
+                                               times, "actor", info)
     with timed(times, "time/actor_train_s"):
         stats = run_update(model, optimizer, data,
                            actor_loss_fn(policy_loss_config(cfg), cfg.rollout.temperature, kl_beta, cfg.kl.estimator),
@@ -161,7 +161,8 @@ def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rol
     with naming_a_full_disk(url, model):
         if info.is_main:
             save_trained(unwrap(model).lm, tok, url, state.actor_url, full, prefix="lm.")
-        commit_optimizer(model, optimizer, url, a.keep_optimizer_state, times, "actor", info)
+        commit_optimizer(model, optimizer, url, a.keep_optimizer_state, times, "actor", info,
+                         a.optimizer_state_sharded)
     barrier()
     stats["optimizer_steps_total"] = prior_steps + stats["steps"]
     out = {**stat_keys("actor", stats), **times}
@@ -202,7 +203,7 @@ def train_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
 
 
 def carried_optimizer(model, lr: float, weight_decay: float, from_url: str, keep: bool, times: Dict[str, float],
-                      role: str) -> Tuple[torch.optim.Optimizer, int]:
+                      role: str, info: Optional[DistInfo] = None) -> Tuple[torch.optim.Optimizer, int]:
     """AdamW for ``model`` and the optimizer steps it has already taken: with ``keep``, its state is
     the one committed beside ``from_url`` (the checkpoint this update starts from) when there is
     one that fits; else fresh (0 steps)."""
@@ -210,16 +211,16 @@ def carried_optimizer(model, lr: float, weight_decay: float, from_url: str, keep
     if not keep:
         return optimizer, 0
     with timed(times, f"time/{role}_optimizer_state_s"):
-        return optimizer, optimizer_state.load(model, optimizer, optimizer_url(from_url)) or 0
+        return optimizer, optimizer_state.load(model, optimizer, optimizer_url(from_url), info) or 0
 
 
 def commit_optimizer(model, optimizer: torch.optim.Optimizer, checkpoint_url: str, keep: bool,
-                     times: Dict[str, float], role: str, info: DistInfo) -> None:
+                     times: Dict[str, float], role: str, info: DistInfo, sharded: bool = False) -> None:
     """With ``keep``, commit the optimizer's state beside the checkpoint it trained (every rank calls;
     the counterpart of :func:`carried_optimizer`)."""
     if keep:
         with timed(times, f"time/{role}_optimizer_state_s"):
-            optimizer_state.save(model, optimizer, optimizer_url(checkpoint_url), info)
+            optimizer_state.save(model, optimizer, optimizer_url(checkpoint_url), info, sharded)
 
 
 def train_remote_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch,

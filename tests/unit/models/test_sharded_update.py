@@ -53,16 +53,23 @@ def train(model, info: DistInfo, lr: float, optimizer=None) -> dict:
     return {"stats": stats, "optimizer": optimizer}
 
 
-def _worker(rank: int, world: int, port: int, sharding: str, out_dir: str, compute: str = "float32",
-            lr: float = 1e-2) -> None:
+def join_gloo(rank: int, world: int, port: int) -> DistInfo:
+    """This spawned process as ``rank`` of a gloo group of ``world`` on 127.0.0.1:``port``."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    return DistInfo(rank, world, rank, torch.device("cpu"))
+
+
+def _worker(rank: int, world: int, port: int, sharding: str, out_dir: str, compute: str = "float32",
+            lr: float = 1e-2) -> None:
+    import torch.distributed as dist
+
+    info = join_gloo(rank, world, port)
     try:
-        info = DistInfo(rank, world, rank, torch.device("cpu"))
         model = wrap_for_training(policy(), info, sharding, getattr(torch, compute))
         first = train(model, info, lr)
         state = optimizer_state.gather(model, first["optimizer"])
