@@ -115,7 +115,10 @@ def _pod() -> Iterator[list]:
             with storage.count_bytes() as records:
                 yield records
         finally:
-            os.environ.pop("RLHF_CHECKPOINT_CACHE") if old is None else os.environ.update(RLHF_CHECKPOINT_CACHE=old)
+            if old is None:
+                del os.environ["RLHF_CHECKPOINT_CACHE"]
+            else:
+                os.environ["RLHF_CHECKPOINT_CACHE"] = old
 
 
 def measure(root_url: str, workdir: Path, overrides: Sequence[str] = ()) -> Measured:
