@@ -42,18 +42,19 @@ class ToolDemoConfig:
 
     model: HubModelConfig = HubModelConfig()
     """The Qwen2-shaped checkpoint's shape (2 layers, width 64: head size 32, which vLLM's CPU backend has)."""
-    steps: int = 450
+    steps: int = 600
     """SFT optimiser steps."""
     batch_size: int = 32
     """Demonstrations per step."""
     lr: float = 3e-3
     """AdamW learning rate (linear decay to 0)."""
-    direct_fraction: float = 0.5
+    direct_fraction: float = 0.0
     """Share of the demonstrations that answer straight away, without the calculator (right answers
     this model cannot learn to compute): the warm start then calls the tool on only part of the
-    problems, and RL has that choice to learn."""
-    num_train: int = 2000
-    """Training prompts (the warm start uses the first ``steps × batch_size``, repeating)."""
+    problems, and RL has that choice to learn. 0 by default: at 0.5 (450 steps) the copying of the
+    digits had not formed at all (docs/multi_turn.md)."""
+    num_train: int = 4000
+    """Training prompts (the warm start cycles through them: 600 × 32 demonstrations is ~5 passes)."""
     num_eval: int = 64
     """Held-out prompts (another seed)."""
     seed: int = 0
@@ -111,9 +112,9 @@ def sft_loss(model, prefix: List[int], rows: List[Tuple[List[int], List[int]]], 
     """Mean loss per assistant token of ``rows``, which all start with ``prefix`` (no loss there).
 
     The prefix's keys and values are computed once per step without gradient and shared by the batch:
-    an episode's ~330 system-prompt tokens are ~80% of it, so this makes a step ~5x cheaper. Its only
-    approximation is that the loss does not reach the weights through the prefix's keys and values
-    (the suffix's own attention to them, and everything after, is exact)."""
+    the demo's 309 system-prompt tokens are ~76% of a 404-token demonstration, so a step runs ~4x fewer
+    tokens through the model. The loss's value is exact; its gradient leaves out the path through
+    the prefix's keys and values (the suffix's attention to them, and everything after, is kept)."""
     from transformers import DynamicCache
 
     with torch.no_grad():
