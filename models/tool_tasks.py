@@ -19,7 +19,8 @@ def problem(rng: random.Random) -> Dict[str, str]:
     """A row: ``prompt`` (the question) and ``answer`` (exact)."""
     a, b = rng.randint(1000, 99999), rng.randint(1000, 99999)
     op = rng.choice("*+")
-    return {"prompt": f"What is {a} {op} {b}?", "expression": f"{a}{op}{b}",
+    # The question writes the expression as the tool call does, so the call is a token-by-token copy.
+    return {"prompt": f"What is {a}{op}{b}?", "expression": f"{a}{op}{b}",
             "answer": str(a * b if op == "*" else a + b)}
 
 
@@ -50,13 +51,16 @@ class ArithmeticEnv(Environment):
         return Step(reward=float(correct), done=True)
 
 
-def demonstration(row: Mapping[str, str]) -> List[Dict[str, Any]]:
-    """The conversation an expert has: one calculator call, then the result as the answer."""
+def demonstration(row: Mapping[str, str], use_tool: bool = True) -> List[Dict[str, Any]]:
+    """The conversation an expert has: one calculator call, then the result as the answer; with
+    ``use_tool=False`` the answer straight away (right, but from a memory a small model does not have)."""
+    start = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": row["prompt"]}]
+    if not use_tool:
+        return start + [{"role": "assistant", "content": row["answer"]}]
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": row["expression"]}}}
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": row["prompt"]},
-            {"role": "assistant", "content": "Let me calculate.", "tool_calls": [call]},
-            {"role": "tool", "name": "calculator", "content": row["answer"]},
-            {"role": "assistant", "content": row["answer"]}]
+    return start + [{"role": "assistant", "content": "Let me calculate.", "tool_calls": [call]},
+                    {"role": "tool", "name": "calculator", "content": row["answer"]},
+                    {"role": "assistant", "content": row["answer"]}]
 
 
 def used_calculator_correctly(episode_json: str, expression: str) -> bool:

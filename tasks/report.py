@@ -55,9 +55,10 @@ def main(argv: List[str] | None = None) -> None:
     p.add_argument("--run-id", action="append", required=True, help="MLflow run id (repeat for several)")
     p.add_argument("--key", action="append", help="metric to plot (repeat for several; default rollout/reward_mean)")
     p.add_argument("--title", default="Tiny reversal task: mean rollout reward")
+    p.add_argument("--ylabel", default="", help="y axis label (default: the metric, or 'mean reward' for several)")
     p.add_argument("--out", default="docs/reward_curve.png")
     a = p.parse_args(argv)
-    ylabel = "mean reward" if not a.key or len(a.key) > 1 else a.key[0]
+    ylabel = a.ylabel or ("mean reward" if not a.key or len(a.key) > 1 else a.key[0])
     print(plot(metric_curves(a.run_id, a.key or ["rollout/reward_mean"]), a.out, a.title, ylabel))
 
 

@@ -4,6 +4,7 @@ tokenised exactly as the episode loop builds episodes (labels on the assistant t
 from __future__ import annotations
 
 import json
+import re
 
 from transformers import AutoTokenizer
 
@@ -17,7 +18,7 @@ from models.tools import CALCULATOR
 def test_problems_are_exact_and_long():
     rows = problems(50, 0)
     for r in rows:
-        a, op, b = r["prompt"][len("What is "):-1].split()
+        a, op, b = re.fullmatch(r"What is (\d+)([*+])(\d+)\?", r["prompt"]).groups()
         assert r["answer"] == str(int(a) * int(b) if op == "*" else int(a) + int(b))
         assert r["expression"] == f"{a}{op}{b}" and len(a) >= 4 and len(b) >= 4
     assert problems(50, 0) == rows and problems(50, 1) != rows
@@ -53,6 +54,60 @@ def test_demonstrations_are_tokenised_as_episodes_are(qwen2_chat_dir):
     learned = tok.decode([i for i, lab in zip(ids, labels) if lab != -100])
     assert learned == (f'Let me calculate.\n<tool_call>\n{{"name": "calculator", "arguments": {{"expression": '
                        f'"{row["expression"]}"}}}}\n</tool_call>{row["answer"]}<|im_end|>')
+
+
+def test_gold_demonstrations_are_right():
+    """The gold call's calculator result is the gold answer, and the environment gives the gold
+    episode reward 1 (so the warm start imitates episodes that RL rewards)."""
+    from models.tools import HermesParser, calculate
+
+    for row in problems(40, 5):
+        conv = demonstration(row)
+        args = conv[2]["tool_calls"][0]["function"]["arguments"]
+        assert calculate(args["expression"]) == conv[3]["content"] == row["answer"]
+        env = ArithmeticEnv(row)
+        assert not env.step(conv[2], [conv[3]]).done
+        assert env.step(conv[4], []).reward == 1.0
+        text = f'{conv[2]["content"]}\n<tool_call>\n{json.dumps({"name": "calculator", "arguments": args})}\n</tool_call>'
+        assert HermesParser().parse(text)[1][0].arguments == args  # the call parses as the rollout parses it
+        direct = demonstration(row, use_tool=False)
+        assert len(direct) == 3 and env.step(direct[2], []).reward == 1.0
+
+
+def test_direct_demonstrations_and_their_share(qwen2_chat_dir):
+    from models.tool_demo import ToolDemoConfig, demonstrations
+
+    tok = AutoTokenizer.from_pretrained(qwen2_chat_dir)
+    chat = ChatTokens(tok, [CALCULATOR.schema()])
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    row = problems(1, 3)[0]
+    ids, labels = demonstration_ids(chat, row, im_end, use_tool=False)
+    assert ids == chat.encode(chat.render(demonstration(row, use_tool=False), False))[:-1]
+    assert tok.decode([i for i, lab in zip(ids, labels) if lab != -100]) == f"{row['answer']}<|im_end|>"
+    demos = demonstrations(chat, im_end, ToolDemoConfig(num_train=200, direct_fraction=0.5))
+    calling = sum("<tool_call>" in tok.decode([i for i, lab in zip(ids, labs) if lab != -100]) for ids, labs in demos)
+    assert 70 <= calling <= 130  # about half, seeded
+    assert demos == demonstrations(chat, im_end, ToolDemoConfig(num_train=200, direct_fraction=0.5))
+
+
+def test_shared_prefix_loss_equals_the_full_loss(qwen2_chat_dir):
+    """The warm start's loss with the system prompt's keys/values computed once equals the plain
+    causal-LM loss of the whole padded batch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models.tool_demo import ToolDemoConfig, _batch, demonstrations, sft_loss, shared_prefix
+
+    tok = AutoTokenizer.from_pretrained(qwen2_chat_dir)
+    chat = ChatTokens(tok, [CALCULATOR.schema()])
+    demos = demonstrations(chat, tok.convert_tokens_to_ids("<|im_end|>"), ToolDemoConfig(num_train=6))
+    n = shared_prefix(demos)
+    assert tok.decode(demos[0][0][:n]).endswith("<|im_start|>user\nWhat is ")  # up to the first digit
+    model = AutoModelForCausalLM.from_pretrained(qwen2_chat_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        full = model(**_batch(demos, tok.pad_token_id)).loss
+        shared = sft_loss(model, demos[0][0][:n], demos, tok.pad_token_id)
+    torch.testing.assert_close(shared, full, rtol=1e-5, atol=1e-5)
 
 
 def test_config_refuses_what_episodes_cannot_do():
