@@ -16,7 +16,7 @@ from models.checkpoint import read_marker
 from models.lora import canonical_url
 from tasks.batch import RolloutBatch
 from tasks.run_layout import RunLayout
-from tests.integration.test_algorithms import SMALL, _pyflyte
+from tests.integration.test_algorithms import CRITIC_SMALL, SMALL, _pyflyte
 from tests.integration.test_elastic_faults import elastic_update
 from tests.reference import token_logprobs
 from tests.stages import with_overrides
@@ -43,7 +43,8 @@ def test_ppo_lora_two_iterations_through_pyflyte(tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = _pyflyte("workflows/ppo.py", "ppo_training", "configs/tiny_ppo_lora.yaml",
-                   [f"run.storage_root={tmp_path}", "run.save_interval=1"] + SMALL, "lora", tmp_path / "mlflow.db")
+                   [f"run.storage_root={tmp_path}", "run.save_interval=1"] + SMALL + CRITIC_SMALL, "lora",
+                   tmp_path / "mlflow.db")
     assert "[ppo] iter 2/2" in out
     layout = RunLayout(str(tmp_path), "lora")
     for i in range(2):
