@@ -27,8 +27,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 COMMON = ["run.num_iterations=2", "run.iterations_per_chunk=1", "run.eval_interval=2", "run.save_interval=1",
           "rollout.prompts_per_iteration=8", "actor.minibatch_size=16", "data.num_demo_eval_prompts=8"]
-RUN = {"ppo": COMMON + ["critic.minibatch_size=16", "critic.micro_batch_size=16"], "grpo": COMMON}
-"""The critic's options only where there is a critic (an option the algorithm ignores is refused)."""
+RUN = {"ppo": COMMON + ["critic.minibatch_size=16", "critic.micro_batch_size=16"],
+       "grpo": [o for o in COMMON if not o.startswith("run.iterations_per_chunk")]
+       + ["run.iterations_per_chunk=2", "run.off_policy_steps=1", "actor.tis_cap=2"]}
+"""The critic's options only where there is a critic (an option the algorithm ignores is refused). GRPO
+runs pipelined (``run.off_policy_steps=1``, docs/off_policy.md) with two ready nodes at a time, as
+propeller runs them: the same checkpoints and metrics as the local run, which executes nodes one after
+another, and its rollout of iteration 1 beside iteration 0's chain (both iterations in one chunk: the
+pipeline restarts at a chunk's first iteration)."""
 PODS_TOPOLOGY = TOPOLOGY
 LOCAL_TOPOLOGY = ["actor.nnodes=1", "actor.nproc_per_node=4", "actor.micro_batch_size=4"]
 CASES = {"ppo": ("workflows/ppo.py", "ppo_training", "configs/tiny_ppo.yaml"),
@@ -65,7 +71,7 @@ def test_two_iterations_in_pods_match_a_local_run(algo, packages, make_cluster, 
 
     package = packages(*DEPLOY, registration_env(s3_server, mlflow_url))
     faults = [Fault("rollout", "rollout/iter-000001")] if algo == "ppo" else []
-    cluster = make_cluster(package, faults=faults)
+    cluster = make_cluster(package, faults=faults, **({"parallelism": 2, "pin_cores": (0, 1)} if algo == "grpo" else {}))
     root = f"s3://{BUCKET}/{algo}-{tmp_path.name}"
     workflow, entry, preset = CASES[algo]
     ex = cluster.execute(f"workflows.{Path(workflow).stem}.{entry}",
@@ -109,3 +115,29 @@ def test_two_iterations_in_pods_match_a_local_run(algo, packages, make_cluster, 
     rollouts = [(a.node, a.outcome) for a in ex.attempts if a.task.endswith(".rollout")]
     if algo == "ppo":  # the lost pod's node ran again and went on
         assert [o for _, o in rollouts] == ["outputs", "lost", "outputs"] and rollouts[1][0] == rollouts[2][0]
+    if algo == "grpo":
+        check_pipelined(ex, client, runs["pods"].info.run_id)
+
+
+def spans(ex, task: str):
+    """``[(start, end)]`` in monotonic seconds of the node attempts of ``task``, by start (all pods of each)."""
+    return sorted((min(p.started for p in a.pods), max(p.started + p.seconds for p in a.pods))
+                  for a in ex.of_task(task) if a.pods)
+
+
+def overlap(a, b) -> float:
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def check_pipelined(ex, client, run_id: str) -> None:
+    """With ``run.off_policy_steps=1`` the rollout of iteration 1 (sampled from the initial actor) needs
+    nothing of iteration 0: it runs beside iteration 0's rollout, score or update, which an on-policy graph
+    never allows (every rollout waits for the commit before it); ``rollout/policy_lag`` is 0 then 1."""
+    rollouts = spans(ex, ".rollout")
+    chain = spans(ex, ".rollout")[:1] + spans(ex, ".score")[:1] + spans(ex, ".actor_update")[:1]
+    assert len(rollouts) == 2
+    beside = sum(overlap(rollouts[1], other) for other in chain)
+    assert beside > 0, f"rollout 1 {rollouts[1]} never ran beside iteration 0's chain {chain}"
+    print(f"rollout 1 ran {beside:.1f} s beside iteration 0's rollout, score and update")
+    lag = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "rollout/policy_lag"))
+    assert lag == [(0, 0.0), (1, 1.0)]
