@@ -1,7 +1,7 @@
 """The documentation site: `mkdocs build --strict` passes, and fails on what a reader would trip over
 (a broken link between pages, a link to code that does not exist, a page left out of the nav); the
 configuration reference is what the config's field docstrings generate; nothing points outside the
-repository (the design that lived in ../shared/ is docs/design.md now)."""
+repository (the original design, once kept beside the repository, is docs/design.md now)."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def test_every_config_key_is_documented_with_its_default():
 
 
 def test_nothing_points_outside_the_repository():
-    """The design lived in ../shared/DESIGN.md, outside the repository; it is docs/design.md now."""
+    """The original design lived outside the repository; it is docs/design.md now."""
     hits = []
     paths = [ROOT / "README.md"] + [p for folder in ("tasks", "models", "kernels", "workflows", "docs", "tests",
                                                      "benchmarks", "configs") for p in (ROOT / folder).rglob("*")]

@@ -74,7 +74,13 @@ def test_an_option_the_algorithm_does_not_use_is_refused_with_the_reason(preset,
     ("tiny_reinforce", ["advantage.mask_truncated=true", "advantage.overlong_buffer=4", "actor.tis_cap=2"]),
 ])
 def test_an_option_the_algorithm_uses_is_accepted(preset, overrides):
-    load_config(preset, overrides)
+    import yaml
+
+    cfg = to_dict(load_config(preset, overrides))
+    for item in overrides:  # accepted, and in effect
+        key, _, value = item.partition("=")
+        section, _, name = key.partition(".")
+        assert cfg[section][name] == yaml.safe_load(value), item
 
 
 def test_a_config_built_in_code_is_held_to_the_same_rule():
