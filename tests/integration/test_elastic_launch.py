@@ -50,11 +50,17 @@ def test_workers_come_from_one_forkserver_that_outlives_the_launch():
     assert first.threads == int(preset or max((os.cpu_count() or 1) // 2, 1))
 
 
-def test_the_run_config_sets_the_local_worker_count():
-    """One worker runs in the calling process, with the threads a launched one gets, and the
-    caller's thread count is restored."""
+@pytest.mark.parametrize("omp", ["2", None])
+def test_the_run_config_sets_the_local_worker_count(omp, monkeypatch):
+    """One worker runs in the calling process, with the threads a launched one gets
+    (``OMP_NUM_THREADS`` when set, else every core), and the caller's thread count is restored.
+    The variable is pinned here: an earlier launch in this process may have set it."""
     import torch
 
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
     use_local_topology(who, load_config("tiny_ppo", ["actor.nproc_per_node=1"]))
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -62,7 +68,7 @@ def test_the_run_config_sets_the_local_worker_count():
         one = who(x=1)
         assert one.world == 1 * 100 + 1
         assert one.pid == os.getpid()
-        assert one.threads == int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+        assert one.threads == int(omp or os.cpu_count() or 1)
         assert torch.get_num_threads() == 1
         with pytest.raises(Exception, match="refuses x=-2"):
             who(x=-2)
