@@ -22,8 +22,9 @@ def tok():
 def test_special_token_ids_and_vocab_size(tok):
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
     assert (tok.pad_token, tok.bos_token, tok.eos_token, tok.unk_token) == ("<pad>", "<bos>", "<eos>", "<unk>")
-    assert len(DEFAULT_ALPHABET) == 95
-    assert len(tok) == 99
+    # the alphabet is printable ASCII (tab and newlines aside): one id each after the four specials, and no other ids
+    printable = [c for c in string.printable if c not in "\t\n\r\x0b\x0c"]
+    assert sorted(tok.convert_tokens_to_ids(printable)) == list(range(len(SPECIAL_TOKENS), len(tok)))
 
 
 def test_default_alphabet_covers_task_characters():

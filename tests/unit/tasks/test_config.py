@@ -8,11 +8,40 @@ from tasks.config import ConfigError, TrainConfig
 from tasks.config_io import config_from_json_dict, flatten, load_config, to_dict
 
 
-def test_anchor_defaults():
-    cfg = TrainConfig()
-    assert (cfg.advantage.gamma, cfg.advantage.lam) == (1.0, 0.95)
-    assert (cfg.actor.clip_eps, cfg.critic.value_clip, cfg.kl.coef) == (0.2, 0.2, 0.01)
-    assert cfg.kl.adaptive is False
+def test_a_preset_naming_only_the_algorithm_trains_with_the_papers_settings(tmp_path):
+    """What the defaults do, through the kernels they feed (hand-worked): GAE with γ = 1, λ = 0.95, the
+    ratio and the critic's values clipped at ±0.2, a fixed KL penalty of 0.01 per nat in the reward."""
+    import torch
+
+    from kernels.gae import compute_gae
+    from kernels.kl import kl_shaped_rewards
+    from kernels.losses import ppo_clip_token_loss, value_loss
+    from tasks.iteration import next_kl_coef
+    from tasks.types import PolicyState
+    from tasks.updates import policy_loss_config
+
+    (tmp_path / "bare.yaml").write_text("run:\n  algorithm: ppo\n")
+    cfg = load_config(str(tmp_path / "bare.yaml"), [])
+    ones = torch.ones(1, 3)
+    # reward 1 on the last of 3 tokens, values 0: A_t = (γλ)^(2−t) = [0.9025, 0.95, 1]; returns = A + V
+    gae = compute_gae(torch.tensor([[0.0, 0.0, 1.0]]), torch.zeros(1, 3), ones, cfg.advantage.gamma, cfg.advantage.lam)
+    torch.testing.assert_close(gae.advantages, torch.tensor([[0.9025, 0.95, 1.0]]))
+    # A = 1 at ratios 1.1 and 1.5: the second is clipped to 1.2 (loss −1.2, no gradient through the ratio)
+    ratio = torch.tensor([[1.1, 1.5]], requires_grad=True)
+    token = ppo_clip_token_loss(ratio, torch.ones(1, 2), policy_loss_config(cfg))
+    torch.testing.assert_close(token.loss, torch.tensor([[-1.1, -1.2]]))
+    (grad,) = torch.autograd.grad(token.loss.sum(), ratio)
+    torch.testing.assert_close(grad, torch.tensor([[-1.0, 0.0]]))
+    # the critic's value moves 0 → 0.5 towards a return of 1: clipped at 0.2, ½·(0.2 − 1)² = 0.32
+    critic = value_loss(torch.tensor([[0.5]]), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1),
+                        clip_eps=cfg.critic.value_clip)
+    assert critic.loss.item() == pytest.approx(0.32)
+    # log π − log π_ref = 2 on the first token: −0.01·2 there; the reward 1 lands on the last token
+    shaped = kl_shaped_rewards(torch.tensor([1.0]), torch.tensor([[-1.0, -1.0]]), torch.tensor([[-3.0, -1.0]]),
+                               torch.ones(1, 2), beta=cfg.kl.coef)
+    torch.testing.assert_close(shaped.token_rewards, torch.tensor([[-0.02, 1.0]]))
+    # the coefficient stays where it is however far the KL is from any target (no adaptive controller)
+    assert next_kl_coef(cfg, PolicyState(3, "a", kl_coef=0.01), {"rollout/init_policy_kl": 50.0}) == 0.01
 
 
 def test_presets_load_and_overrides_apply():
@@ -25,13 +54,30 @@ def test_presets_load_and_overrides_apply():
     assert gpu.critic.lora.enabled and not gpu.actor.lora.enabled  # a full 8B critic's AdamW would not fit one GPU
 
 
-def test_the_math_preset_reads_the_demo_rows_it_writes():
-    cfg = load_config("configs/tiny_math.yaml", [])
-    assert (cfg.model.demo_task, cfg.run.algorithm, cfg.data.messages_column) == ("math", "grpo", "messages")
-    assert cfg.reward.functions == ["models.verifiers:math_reward", "models.verifiers:format_reward"]
-    from models.math_task import FORMAT_PATTERN
+def test_the_math_preset_rewards_the_demo_rows_it_writes():
+    """The preset's reward (its functions, weights and format pattern, combined as the score task does,
+    in-process here) on the demo's rows: a worked solution 1 + 0.1, the right number alone 1, a wrong
+    one in the worked format 0.1. A backslash lost to YAML quoting would fail the format part."""
+    from models.math_task import MathTaskConfig, ProblemGenerator
+    from models.rewards import compute_rewards, resolve_reward_fn
 
-    assert cfg.reward.format_pattern == FORMAT_PATTERN  # YAML quoting kept every backslash
+    cfg = load_config("configs/tiny_math.yaml", [])
+    demos = ProblemGenerator(MathTaskConfig(max_number=12), "eval", 0).demonstrations(8)
+    prompts = [m[0]["content"] for m, _ in demos]
+    rows = ProblemGenerator(MathTaskConfig(max_number=12), "eval", 0).rows(8)
+    answers = [r["answer"] for r in rows]
+    worked = [w for _, w in demos]
+    wrong = [w.replace(f"\\boxed{{{a}}}", f"\\boxed{{{int(a) + 1}}}") for w, a in zip(worked, answers)]
+
+    def reward(responses):
+        parts = [compute_rewards(resolve_reward_fn(spec), prompts, responses, spec, {"answer": answers},
+                                 cfg.reward.options) for spec in cfg.reward.specs]
+        return [pytest.approx(sum(w * p[i] for w, p in zip(cfg.reward.weights, parts))) for i in range(len(prompts))]
+
+    assert [m[0]["role"] for m, _ in demos] == ["user"] * 8 and cfg.data.messages_column in rows[0]
+    assert reward(worked) == [1.1] * 8
+    assert reward(answers) == [1.0] * 8
+    assert reward(wrong) == [0.1] * 8
 
 
 def test_frozen():

@@ -2,15 +2,33 @@
 
 import pytest
 
-from tasks.config import LLAMA_PROJECTIONS, ConfigError, LoraConfig, TrainConfig
+from tasks.config import ConfigError, LoraConfig, TrainConfig
 from tasks.config_io import config_from_json_dict, load_config, parse_override, to_dict
 
 
-def test_off_by_default():
-    cfg = TrainConfig()
-    assert not cfg.actor.lora.enabled and not cfg.critic.lora.enabled
-    assert cfg.actor.lora.target_modules == list(LLAMA_PROJECTIONS)
-    assert cfg.rollout.lora_mode == "adapter"
+def test_by_default_every_weight_trains_and_a_rank_alone_adapts_every_projection(tmp_path):
+    """The default config trains the whole actor; ``actor.lora.rank`` alone puts adapters on every
+    linear layer of the decoder (all a Llama has besides the head) and trains only them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models.checkpoint import save_checkpoint
+    from models.lora import CAUSAL_LM, is_peft
+    from models.tiny import TinyModelConfig, build_actor, save_model
+    from models.tokenizer import build_char_tokenizer
+    from tasks.updates import load_trainable
+
+    tok = build_char_tokenizer()
+    url = str(tmp_path / "actor")
+    save_checkpoint(str(save_model(build_actor(TinyModelConfig(), tok), tok, tmp_path / "hf")), url)
+    full = load_trainable(url, AutoModelForCausalLM, "float32", TrainConfig().actor.lora, CAUSAL_LM)
+    assert not is_peft(full) and all(p.requires_grad for p in full.parameters())
+    linears = {n.rsplit(".", 1)[-1] for n, m in full.model.layers.named_modules() if isinstance(m, torch.nn.Linear)}
+    adapted = load_trainable(url, AutoModelForCausalLM, "float32",
+                             load_config("tiny_ppo", ["actor.lora.rank=4"]).actor.lora, CAUSAL_LM)
+    trained = [n for n, p in adapted.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_" in n for n in trained)
+    assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trained} == linears
 
 
 def test_nested_overrides_and_preset():
