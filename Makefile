@@ -98,10 +98,11 @@ image:
 	docker build --build-arg DEPLOY_PRESET=$(DEPLOY_PRESET) --build-arg DEPLOY_OVERRIDES="$(DEPLOY_OVERRIDES)" \
 	  --build-arg GIT_COMMIT=$$(git rev-parse HEAD 2>/dev/null || echo unknown) -t $(IMAGE) .
 
-# The fast tier: unit tests that start no processes, servers or engines (those are marked slow and
-# run by make test); about two minutes (docs/development.md).
+# The fast tier: unit tests that start no processes, servers or engines and take under about a
+# second of CPU each (the others are marked slow or integration, and make test runs them); about
+# two minutes on an idle 2-core machine (docs/development.md).
 test-unit: $(STAMP)
-	$(PY) -m pytest tests/unit -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit -m "not slow and not integration" $(PYTEST_ARGS)
 
 # The documentation site (mkdocs.yml): the configuration reference regenerated from tasks/config.py's
 # field docstrings, then `mkdocs build --strict` into site/ (a broken link or page fails).

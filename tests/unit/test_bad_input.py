@@ -252,6 +252,15 @@ CASES = [
 ]
 
 
+# Cases that start reward worker processes or wait out retries and timeouts (seconds each): integration,
+# so `make test-unit` leaves them to `make test`.
+INTEGRATION_CASES = {"reward module missing", "reward function missing", "reward function raises",
+                     "reward of the wrong length", "reward NaN", "reward inf", "reward server unreachable",
+                     "reward server answers 500", "critic server unreachable", "storage unreachable",
+                     "reward hangs at set-up", "reward module hangs on import", "reward returns a string",
+                     "reward takes a column the data lacks"}
+
+
 def hanging_module(ws: Path) -> Path:
     """A folder holding a reward module whose import never returns."""
     folder = ws / "user-rewards"
@@ -295,9 +304,11 @@ def denying_proxy(request) -> str:
 
 def test_at_least_fifteen_cases():
     assert len(CASES) >= 15 and len({c[0] for c in CASES}) == len(CASES)
+    assert INTEGRATION_CASES <= {c[0] for c in CASES}  # a renamed case is not left in the fast tier by mistake
 
 
-@pytest.mark.parametrize("make, workflow, error, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("make, workflow, error, message", [
+    pytest.param(*c[1:], id=c[0], marks=pytest.mark.integration if c[0] in INTEGRATION_CASES else ()) for c in CASES])
 def test_bad_input_fails_early_naming_the_problem(ws, user_actor, request, monkeypatch, make, workflow, error,
                                                   message):
     overrides = make(ws, user_actor, request, monkeypatch)

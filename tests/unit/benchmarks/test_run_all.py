@@ -44,6 +44,7 @@ def benches(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.integration  # runs the scripts as processes
 def test_one_table_from_every_script_and_exit_1_on_a_failure(benches, tmp_path, capsys):
     out_json = tmp_path / "all.json"
     rc = run_all.main(["--quick", "--threads", "3", "--logs", str(tmp_path / "logs"), "--json", str(out_json)])
@@ -62,6 +63,7 @@ def test_one_table_from_every_script_and_exit_1_on_a_failure(benches, tmp_path, 
     assert any(line.startswith("bad") and "FAILED" in line for line in lines)
 
 
+@pytest.mark.integration  # runs the scripts as processes
 def test_only_runs_the_named_sections_and_passes_when_targets_are_met(benches, tmp_path, capsys):
     assert run_all.main(["--only", "good,later", "--logs", str(tmp_path / "logs")]) == 0
     table = capsys.readouterr().out
@@ -71,6 +73,7 @@ def test_only_runs_the_named_sections_and_passes_when_targets_are_met(benches, t
     assert "unknown section(s) ['nonsense']" in capsys.readouterr().err
 
 
+@pytest.mark.integration  # runs the scripts as processes
 def test_quick_leaves_out_the_slow_sections_unless_named(benches, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(run_all, "NOT_QUICK", {"good": "slow"})
     run_all.main(["--quick", "--logs", str(tmp_path / "logs"), "--only", "later"])

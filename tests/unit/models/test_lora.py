@@ -90,6 +90,7 @@ def test_save_checkpoint_still_refuses_a_folder_that_is_neither(tmp_path):
         save_checkpoint(str(tmp_path), str(tmp_path / "out"))
 
 
+@pytest.mark.integration  # MLflow model logging starts processes
 def test_mlflow_logs_the_adapter_and_the_merged_policy(ckpts, tmp_path, monkeypatch):
     import mlflow
 
@@ -174,6 +175,7 @@ def test_a_merge_that_changes_the_model_is_refused(tied, monkeypatch):
         lora.merge_adapter(tied.adapter, str(tied.root / "refused"))
 
 
+@pytest.mark.integration  # MLflow model logging starts processes
 def test_the_registered_policy_of_a_tied_adapter_is_the_trained_model(tied, tmp_path, monkeypatch):
     from models.probe import compare_policies
     from tasks import registry, tracking
@@ -186,6 +188,7 @@ def test_the_registered_policy_of_a_tied_adapter_is_the_trained_model(tied, tmp_
     assert compare_policies(tied.adapter, back).gap_max < 1e-5
 
 
+@pytest.mark.integration  # vLLM's model registry inspects the architecture in a subprocess
 def test_vllm_adapter_mode_with_an_unsupported_head_target_is_refused_at_set_up(tied):
     pytest.importorskip("vllm")
     from tasks.config import ConfigError

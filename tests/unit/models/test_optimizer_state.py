@@ -108,6 +108,7 @@ def test_no_state_or_an_uncommitted_one_means_fresh(tmp_path):
     assert optimizer_state.load(model, opt2, url) is None and not opt2.state
 
 
+@pytest.mark.integration  # a moto S3 server process (tests/conftest.py)
 def test_state_on_s3_round_trips(s3_url):
     model = net()
     opt = make_optimizer(model, 1e-2)

@@ -48,6 +48,7 @@ def test_local_compare_and_swap(tmp_path):
     assert sorted(race(str(tmp_path / "race.json"))) == [False] * 7 + [True]
 
 
+@pytest.mark.integration  # a moto S3 server process (tests/conftest.py)
 def test_s3_compare_and_swap(s3_url):
     check_cas(storage.join(s3_url, "lock.json"))
     assert sorted(race(storage.join(s3_url, "race.json"))) == [False] * 7 + [True]

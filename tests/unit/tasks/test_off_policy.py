@@ -68,6 +68,7 @@ def _concurrent(graph, a: str, b: str) -> bool:
     return a not in graph[b][1] and b not in graph[a][1]
 
 
+@pytest.mark.slow  # compiles four three-iteration chunks: ~20 s of CPU a preset
 @pytest.mark.parametrize("preset, critic", [("tiny_ppo", True), ("tiny_grpo", False)])
 def test_rollout_of_the_next_iteration_runs_beside_the_update(preset, critic):
     on = _graph(_cfg(preset), PolicyState(0, RUN.reference_url), critic)

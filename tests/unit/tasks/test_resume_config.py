@@ -71,6 +71,7 @@ def test_a_plain_rerun_resumes_with_the_stored_config(run, capsys):
     assert "resuming r:" not in capsys.readouterr().out
 
 
+@pytest.mark.integration  # the changed reward function is probed in a worker process
 def test_listed_changes_take_effect_and_are_recorded(run, capsys):
     layout, overrides, run_id = run
     changed = overrides + ["actor.lr=0.05", "run.num_iterations=12", f"reward.function={__name__}:reward_len"]
@@ -125,6 +126,7 @@ def test_fewer_iterations_than_done_are_refused(run):
         setup_run("tiny_ppo", overrides + ["run.num_iterations=3"], "r", "ppo")
 
 
+@pytest.mark.integration  # the changed reward function is probed in a worker process
 def test_a_new_reward_function_is_checked_before_the_run_goes_on(run):
     layout, overrides, _ = run
     before = run_json(layout)

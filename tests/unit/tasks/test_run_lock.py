@@ -22,7 +22,7 @@ A, B = "flyte:proj/development/exec-a", "flyte:proj/development/exec-b"
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.integration)])  # s3: a moto server process
 def lock_url(request, tmp_path):
     if request.param == "local":
         return str(tmp_path / "run" / "lock.json")

@@ -13,7 +13,8 @@ import pytest
 
 from models.sandbox import SandboxUnavailable, run_python
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap missing: `make sandbox`")
+pytestmark = [pytest.mark.integration,  # each test starts a sandboxed interpreter
+              pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap missing: `make sandbox`")]
 
 
 def test_code_runs_and_prints():

@@ -11,6 +11,8 @@ from models.reward_sources import FunctionRewards, function_names
 from models.reward_workers import RewardTimeout, chunk_bounds, score_function
 from models.rewards import RewardError
 
+pytestmark = pytest.mark.integration  # every test starts reward worker processes
+
 USER_MODULE = '''
 import os, sys, time
 
