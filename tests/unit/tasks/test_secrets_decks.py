@@ -18,8 +18,9 @@ def _mount(monkeypatch, key: str, value: str) -> None:
 
 
 def test_secrets_exported_only_when_mounted_and_not_empty(monkeypatch):
-    for spec in secrets.S3 + secrets.MLFLOW:
-        monkeypatch.delenv(spec.env, raising=False)
+    for spec in secrets.S3 + secrets.MLFLOW + secrets.SERVER:
+        monkeypatch.setenv(spec.env, "")  # recorded, so what load() exports is undone after the test
+        monkeypatch.delenv(spec.env)
     _mount(monkeypatch, "aws-access-key-id", "AKIAFROMSECRET")
     _mount(monkeypatch, "aws-secret-access-key", "  ")  # empty: e.g. S3 access from an IAM role
     monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "from-env")  # a local run's own variable wins
@@ -30,7 +31,13 @@ def test_secrets_exported_only_when_mounted_and_not_empty(monkeypatch):
     assert os.environ["AWS_ACCESS_KEY_ID"] == "AKIAFROMSECRET"
     assert "AWS_SECRET_ACCESS_KEY" not in os.environ
     assert os.environ["MLFLOW_TRACKING_TOKEN"] == "from-env"
-    assert [s.key for s in secrets.requests(secrets.SERVER)] == ["server-token"]
+    # the servers' token requested as a Flyte secret is the one the reward/critic/rollout clients send
+    from tasks.common import server_token
+
+    for request in secrets.requests(secrets.SERVER):
+        _mount(monkeypatch, request.key, "tok-from-secret")
+    secrets.load(secrets.SERVER)
+    assert server_token() == "tok-from-secret"
 
 
 def _scored_batch() -> RolloutBatch:
