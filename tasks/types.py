@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, Tuple
 
-from tasks.run_layout import RunLayout
+from tasks.run.layout import RunLayout
 
 
 @dataclass(frozen=True)

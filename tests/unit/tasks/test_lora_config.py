@@ -3,7 +3,7 @@
 import pytest
 
 from tasks.config import LLAMA_PROJECTIONS, ConfigError, LoraConfig, TrainConfig
-from tasks.config_io import config_from_json_dict, load_config, parse_override, to_dict
+from tasks.config.io import config_from_json_dict, load_config, parse_override, to_dict
 
 
 def test_off_by_default():

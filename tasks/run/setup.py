@@ -13,15 +13,16 @@ from typing import Iterable, List, NamedTuple, Optional
 
 from models import storage
 from models.checkpoint import download_checkpoint, is_committed, save_checkpoint
-from tasks import run_lock, tracking
+from tasks.run import lock as run_lock
+from tasks import tracking
 from tasks.algorithms import WORKFLOWS
 from tasks.config import ConfigError, TrainConfig
-from tasks.config_io import config_from_json_dict, flatten, given_keys, load_config, to_dict
-from tasks.preflight import (check_model_dirs, check_resume_point, check_reward_functions, check_sources,
+from tasks.config.io import config_from_json_dict, flatten, given_keys, load_config, to_dict
+from tasks.run.preflight import (check_model_dirs, check_resume_point, check_reward_functions, check_sources,
                              check_storage, check_vocab, model_context)
-from tasks.resume import ConfigChange, change_records, check_resume_workflow, plan_resume
-from tasks.run_data import load_run_data, read_run_prompts, write_run_prompts
-from tasks.run_layout import RunInfo, RunLayout
+from tasks.run.resume import ConfigChange, change_records, check_resume_workflow, plan_resume
+from tasks.run.data import load_run_data, read_run_prompts, write_run_prompts
+from tasks.run.layout import RunInfo, RunLayout
 from tasks.types import PolicyState, RunHandle
 
 log = logging.getLogger(__name__)
@@ -222,7 +223,7 @@ def _flyte_execution_id() -> str:
 
 def resume_run(layout: RunLayout, cfg_now: TrainConfig, keys: Iterable[str] = (), workflow: str = "") -> RunSetup:
     """Continue a run from ``state.json`` with its stored config, plus the changes among ``keys`` (the
-    fields the user's preset and overrides set) that may change on resume (:mod:`tasks.resume`).
+    fields the user's preset and overrides set) that may change on resume (:mod:`tasks.run.resume`).
 
     Everything is checked before anything is touched: the workflow, the config changes, the resume
     point's checkpoints, a changed reward function. The next iteration starts from the committed
@@ -287,7 +288,7 @@ DEFAULT_PRESETS = {"ppo": "configs/tiny_ppo.yaml", "reinforce": "configs/tiny_gr
 
 def setup_run(preset: str, overrides: List[str], run_name: str = "", workflow: str = "") -> RunSetup:
     """Entry point of a training workflow: a new run, or the resumption of ``run_name``, under the run's
-    lock (:mod:`tasks.run_lock`; released again if set-up fails)."""
+    lock (:mod:`tasks.run.lock`; released again if set-up fails)."""
     overrides = list(overrides)
     cfg = load_config(preset or DEFAULT_PRESETS.get(workflow, DEFAULT_PRESETS["ppo"]), overrides)
     name = run_name or cfg.run.name or default_run_name(cfg.run.algorithm)

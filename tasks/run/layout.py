@@ -3,7 +3,7 @@
     {storage_root}/{run_name}/
       run.json                       RunInfo: config, MLflow run id, algorithm, start time, changes on resume
       state.json                     RunState: last completed iteration + checkpoints (resume point)
-      lock.json                      the lease of the launch that trains the run (tasks/run_lock.py)
+      lock.json                      the lease of the launch that trains the run (tasks/run/lock.py)
       reference/                     frozen initial policy (HF directory)
       iter-000007/{stage}.arrow      the batch after each stage (rollouts, score, advantages)
       iter-000007/actor/             actor checkpoint written by iteration 7
@@ -40,7 +40,7 @@ class RunInfo:
     started_at: str = field(default_factory=lambda: storage.utc_now_iso("milliseconds"))
     """Start time, ISO 8601 UTC."""
     config_changes: List[Mapping[str, Any]] = field(default_factory=list)
-    """Changes made on resume, oldest first: ``{"key", "old", "new", "iteration"}`` (``tasks/resume.py``);
+    """Changes made on resume, oldest first: ``{"key", "old", "new", "iteration"}`` (``tasks/run/resume.py``);
     ``config`` holds the values in force now."""
 
     def __post_init__(self) -> None:
@@ -103,7 +103,7 @@ class RunLayout:
 
     @property
     def lock_url(self) -> str:
-        """The run's lease: one launch at a time (``tasks/run_lock.py``)."""
+        """The run's lease: one launch at a time (``tasks/run/lock.py``)."""
         return storage.join(self.url, "lock.json")
 
     def reference_url(self) -> str:
