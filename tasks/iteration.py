@@ -32,7 +32,6 @@ from tasks.tracking.redact import redact
 from tasks.rollout import engine_for, sample_data, sampling_spec
 from tasks.run.data import sample_columns
 from tasks.score import batch_rewards
-from tasks.run.layout import RunState
 from tasks.run.setup import DEFAULT_PRESETS
 from tasks.types import PolicyState, RunHandle
 
@@ -107,12 +106,11 @@ def run_commit(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List
     reward_norm = next_reward_norm(state, batch)
     behaviour = state.actor_url if cfg.run.off_policy_steps else ""  # samples iteration i + 1 (docs/off_policy.md)
     run_lock.renew(run.layout.lock_url)  # LostLock: another launch holds the run now, never write its state
-    run.layout.write_state(RunState(iteration=i, actor_url=actor_url, critic_url=critic_url or None,
-                                    extras={"kl_coef": kl, **({"reward_norm": reward_norm} if reward_norm else {}),
-                                            **({"behaviour_url": behaviour} if behaviour else {})}))
+    nxt = PolicyState(i + 1, actor_url, critic_url, kl, reward_norm, behaviour)
+    run.layout.write_state(nxt.resume_point())
     prune_checkpoints(cfg, run, i)
     print(progress_line(cfg, i, merged), flush=True)
-    return PolicyState(i + 1, actor_url, critic_url, kl, reward_norm, behaviour)
+    return nxt
 
 
 def next_reward_norm(state: PolicyState, batch: RolloutBatch) -> Dict[str, float]:

@@ -601,7 +601,8 @@ class CriticConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """The run: where it lives, how long it is, how often it evaluates and saves."""
+    """The run: where it lives, how long it is, how often it evaluates and saves. The user's settings
+    (the ``run:`` section of a preset); what a run *is* on storage is :class:`tasks.run.layout.RunLayout`."""
 
     name: str = ""
     """Run name (the prefix under ``storage_root``). Empty: ``{algorithm}-{date}-{time}``."""

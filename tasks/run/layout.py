@@ -27,7 +27,9 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 @dataclass(frozen=True)
 class RunInfo:
-    """Content of ``run.json``: what the run is (written once, at start)."""
+    """Content of ``run.json``: what the run is (written at start; a resume adds its config changes).
+    The stored record a launch and a resume read, unlike :class:`~tasks.types.RunHandle`, the few URLs
+    and ids every task gets."""
 
     run_name: str
     """The run's folder name under ``storage_root``."""
@@ -52,7 +54,8 @@ class RunInfo:
 
 @dataclass(frozen=True)
 class RunState:
-    """Content of ``state.json``: the resume point."""
+    """Content of ``state.json``: the resume point, numbered by the last completed iteration. The stored
+    form of the :class:`~tasks.types.PolicyState` the next iteration starts from (``resume_point``)."""
 
     iteration: int
     """Last completed iteration (0-based); the next run resumes at ``iteration + 1``."""
@@ -74,7 +77,8 @@ class RunState:
 
 @dataclass(frozen=True)
 class RunLayout:
-    """URLs of one run's files under ``{root}/{run_name}/``."""
+    """URLs of one run's files under ``{root}/{run_name}/``: where things are, not what they say
+    (that is :class:`RunInfo` and :class:`RunState`, which it reads and writes)."""
 
     root: str
     """``storage_root``: any fsspec URL (a local folder by default, ``s3://...`` on a cluster)."""

@@ -31,6 +31,9 @@ _TOKENIZER_SUFFIXES = (".json", ".txt", ".model", ".jinja")
 
 
 class RunSetup(NamedTuple):
+    """What :func:`setup_run` returns (``prepare_run``'s three outputs): the config in force, the run's
+    handle and the state its next iteration starts from. A bundle of the three, no concept of its own."""
+
     cfg: TrainConfig
     run: RunHandle
     state: PolicyState
@@ -253,12 +256,10 @@ def resume_run(layout: RunLayout, cfg_now: TrainConfig, keys: Iterable[str] = ()
     if state is None:
         critic = storage.join(layout.url, "critic-init") if cfg.uses_critic else ""
         return RunSetup(cfg, handle, PolicyState(0, layout.reference_url(), critic, cfg.kl.coef))
-    kl = float(state.extras.get("kl_coef", cfg.kl.coef))
-    behaviour = state.extras.get("behaviour_url", "") if cfg.run.off_policy_steps else ""
-    if behaviour:
-        check_resume_point(layout.url, behaviour, "")
-    return RunSetup(cfg, handle, PolicyState(state.iteration + 1, state.actor_url, state.critic_url or "", kl,
-                                             dict(state.extras.get("reward_norm", {})), behaviour))
+    start = PolicyState.resumed(state, cfg.kl.coef, off_policy=bool(cfg.run.off_policy_steps))
+    if start.behaviour_url:
+        check_resume_point(layout.url, start.behaviour_url, "")
+    return RunSetup(cfg, handle, start)
 
 
 def _record_changes(layout: RunLayout, info: RunInfo, cfg: TrainConfig, changes: List[ConfigChange]) -> None:
