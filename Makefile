@@ -104,10 +104,10 @@ image:
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit -m "not slow and not integration" $(PYTEST_ARGS)
 
-# The documentation site (mkdocs.yml): the configuration reference regenerated from tasks/config.py's
+# The documentation site (mkdocs.yml): the configuration reference regenerated from tasks/config/__init__.py's
 # field docstrings, then `mkdocs build --strict` into site/ (a broken link or page fails).
 docs: $(STAMP)
-	$(PY) -m tasks.config_reference docs/reference/config.md
+	$(PY) -m tasks.config.reference docs/reference/config.md
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # One table of figures and ratios measured in this run (benchmarks/run_all.py): rollout engines,

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.rows import Row, add_bench_args, print_rows, row, write_rows  # noqa: E402
 from models import storage  # noqa: E402
 from models.checkpoint import buffer_digest  # noqa: E402
-from tasks.batch import ADVANTAGE_COLUMNS, BatchMetadata, RolloutBatch  # noqa: E402
+from models.data.batch import ADVANTAGE_COLUMNS, BatchMetadata, RolloutBatch  # noqa: E402
 from tests.processes import S3_ENV_TO_UNSET, moto_s3_server, s3_client_env  # noqa: E402
 
 PROMPT_TOKENS = 128

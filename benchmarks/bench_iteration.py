@@ -123,7 +123,7 @@ def per_iteration(events, metrics: Dict[int, Dict[str, float]]) -> List[Dict[str
 
 def run_workflow(preset: str, iterations: int, root: str) -> Tuple[str, TaskTimer, float]:
     """The preset's training workflow in this process, as ``pyflyte run`` runs it locally."""
-    from tasks.config_io import load_config
+    from tasks.config.io import load_config
 
     timer = TaskTimer()
     timer.install()

@@ -53,9 +53,9 @@ from models.tokenizer import load_tokenizer  # noqa: E402
 from models.warm_start import WarmStartConfig, build_demo_models, generate_responses  # noqa: E402
 from tasks.common import iteration_indices  # noqa: E402
 from tasks.config import TrainConfig  # noqa: E402
-from tasks.config_io import load_config  # noqa: E402
-from tasks.run_layout import RunLayout  # noqa: E402
-from tasks.setup import cache_dir  # noqa: E402
+from tasks.config.io import load_config  # noqa: E402
+from tasks.run.layout import RunLayout  # noqa: E402
+from tasks.run.setup import cache_dir  # noqa: E402
 
 SECTION = "trl"
 PROGRESS = re.compile(r"^\[(?:ppo|reinforce|rloo|grpo|reinforce_pp)\] iter (\d+)/(\d+)")

@@ -128,7 +128,7 @@ def measure(root_url: str, workdir: Path, overrides: Sequence[str] = ()) -> Meas
     from models import storage
     from models.distributed import DistInfo
     from tasks.advantages import run_advantages
-    from tasks.batch import RolloutBatch
+    from models.data.batch import RolloutBatch
     from tasks.iteration import run_commit
     from tasks.rollout import run_rollout
     from tasks.score import run_score

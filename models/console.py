@@ -36,12 +36,15 @@ QUIET_ENV = {
     "TRANSFORMERS_VERBOSITY": "error",  # transformers' info and advisory warnings
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' and the Hub's tqdm bars (read at import)
-    "TQDM_DISABLE": "1",  # any other tqdm bar that does not pass ``disable`` itself
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",  # datasets' bars (data.source=hf)
     "VLLM_LOGGING_LEVEL": "ERROR",  # vLLM's start-up, CPU and reload notices
     "TORCH_CPP_LOG_LEVEL": "ERROR",  # c10's "[W...] Warning: NUMA binding ..." (read when torch loads)
     "MLFLOW_LOGGING_LEVEL": "WARNING",  # "Creating initial MLflow database tables..."
 }
-"""Environment read by the libraries at import (or at their children's start)."""
+"""Environment read by the libraries at import (or at their children's start). Each library's own
+switch, never tqdm's global ``TQDM_DISABLE``: that would reach the user's own bars too, and vLLM 0.32's
+``LLM.generate`` bar divides by zero under it. vLLM's bars are off where the project calls it
+(``use_tqdm_on_load``, ``use_tqdm=False`` in ``models/vllm_engine.py``)."""
 
 QUIET_LOGGERS = {
     "vllm": logging.ERROR,

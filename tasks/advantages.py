@@ -11,7 +11,7 @@ from flytekit import Resources, task
 
 from kernels.advantages import AdvantageInput, AdvantageParams, advantage_stats
 from kernels.dapo import informative_groups, overlong_penalty
-from tasks.batch import RolloutBatch
+from models.data.batch import RolloutBatch
 from tasks.common import CACHE_VERSION, timed
 from tasks import secrets
 from tasks.config import TrainConfig

@@ -1,13 +1,13 @@
-"""Flyte type for :class:`tasks.batch.RolloutBatch`: a single-blob literal holding the URI.
+"""Flyte type for :class:`models.data.batch.RolloutBatch`: a single-blob literal holding the URI.
 
 Tasks declare ``RolloutBatch`` inputs and outputs; Flyte moves only the URI, never the
 rows. A batch already written (the usual case: tasks write to the run's storage prefix,
-:class:`tasks.run_layout.RunLayout`) passes its own URI unchanged. An unwritten batch is
+:class:`tasks.run.layout.RunLayout`) passes its own URI unchanged. An unwritten batch is
 written once to Flyte's raw-output prefix. The receiving task gets a lazy batch that reads
 the file (memory-mapped when local) on first use.
 
 Importing this module registers the transformer; :mod:`tasks.common`, which every task module
-imports, does (:mod:`tasks.batch` itself knows nothing of Flyte).
+imports, does (:mod:`models.data.batch` itself knows nothing of Flyte).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from flytekit.models.core.types import BlobType
 from flytekit.models.literals import Blob, BlobMetadata, Literal, Scalar
 from flytekit.models.types import LiteralType
 
-from tasks.batch import RolloutBatch
+from models.data.batch import RolloutBatch
 
 ARROW_FORMAT = "arrow"
 _BLOB_TYPE = BlobType(format=ARROW_FORMAT, dimensionality=BlobType.BlobDimensionality.SINGLE)

@@ -56,8 +56,8 @@ def load_tokenizer(url: str):
 
 def read_prompts(url: str):
     """The run's validated prompts (its copy under ``data/``), read by the reader that validated
-    them: a :class:`tasks.prompts.PromptDataset` (texts as the model sees them, row ids, columns)."""
-    from tasks.run_data import read_run_prompts
+    them: a :class:`models.data.prompts.PromptDataset` (texts as the model sees them, row ids, columns)."""
+    from tasks.run.data import read_run_prompts
 
     return read_run_prompts(url)
 

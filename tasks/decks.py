@@ -16,7 +16,7 @@ import numpy as np
 
 from flytekit.deck import DeckField
 
-from tasks.batch import RolloutBatch
+from models.data.batch import RolloutBatch
 
 DECK_FIELDS = (DeckField.INPUT, DeckField.OUTPUT, DeckField.SOURCE_CODE, DeckField.TIMELINE)
 """Flyte's default decks minus the dependency list: that one runs ``pip list`` in a subprocess

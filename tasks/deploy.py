@@ -26,7 +26,7 @@ from flytekit import Resources
 from flytekit.extras.accelerators import GPUAccelerator
 
 from tasks.config import ConfigError, TrainConfig
-from tasks.config_io import load_config
+from tasks.config.io import load_config
 from tasks.elastic import FORKSERVER, ActorElastic
 
 DEPLOY_PRESET_ENV = "RLHF_DEPLOY_PRESET"

@@ -18,20 +18,21 @@ from models import storage
 from models.checkpoint import is_committed
 from models.optimizer_state import optimizer_url
 from models.engines import close_engines
-from tasks import registry, run_end, run_lock, secrets, tracking
+from tasks.tracking import registry
+from tasks.run import end as run_end, lock as run_lock
+from tasks import secrets, tracking
 from tasks.decks import conversation_text
-from tasks.batch import BatchMetadata, RolloutBatch
-from tasks.batch_schema import REWARD_NORM_KEY, decode_data_columns
+from models.data.batch import BatchMetadata, RolloutBatch
+from models.data.batch_schema import REWARD_NORM_KEY, decode_data_columns
 from tasks.common import read_prompts, load_tokenizer
 from tasks.config import RunConfig, TrainConfig
-from tasks.config_io import load_config
+from tasks.config.io import load_config
 from tasks.deploy import deployment_config, resources_for
-from tasks.redact import redact
+from tasks.tracking.redact import redact
 from tasks.rollout import engine_for, sample_data, sampling_spec
-from tasks.run_data import sample_columns
+from tasks.run.data import sample_columns
 from tasks.score import batch_rewards
-from tasks.run_layout import RunState
-from tasks.setup import DEFAULT_PRESETS
+from tasks.run.setup import DEFAULT_PRESETS
 from tasks.types import PolicyState, RunHandle
 
 
@@ -105,12 +106,11 @@ def run_commit(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List
     reward_norm = next_reward_norm(state, batch)
     behaviour = state.actor_url if cfg.run.off_policy_steps else ""  # samples iteration i + 1 (docs/off_policy.md)
     run_lock.renew(run.layout.lock_url)  # LostLock: another launch holds the run now, never write its state
-    run.layout.write_state(RunState(iteration=i, actor_url=actor_url, critic_url=critic_url or None,
-                                    extras={"kl_coef": kl, **({"reward_norm": reward_norm} if reward_norm else {}),
-                                            **({"behaviour_url": behaviour} if behaviour else {})}))
+    nxt = PolicyState(i + 1, actor_url, critic_url, kl, reward_norm, behaviour)
+    run.layout.write_state(nxt.resume_point())
     prune_checkpoints(cfg, run, i)
     print(progress_line(cfg, i, merged), flush=True)
-    return PolicyState(i + 1, actor_url, critic_url, kl, reward_norm, behaviour)
+    return nxt
 
 
 def next_reward_norm(state: PolicyState, batch: RolloutBatch) -> Dict[str, float]:
@@ -233,7 +233,7 @@ def _write_curve(run: RunHandle) -> str:
     """The reward curve as a PNG next to the run's files (local runs), made from the MLflow data."""
     if not storage.is_local(run.layout.url):
         return ""
-    from tasks.report import plot, reward_curves
+    from tasks.tracking.report import plot, reward_curves
 
     out = f"{storage.local_path(run.layout.url)}/reward_curve.png"
     return plot(reward_curves([run.mlflow_run_id]), out, f"{run.run_name}: mean rollout reward")
@@ -269,7 +269,7 @@ def finish_run(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Training
 @task(retries=1, secret_requests=secrets.requests(secrets.S3, secrets.MLFLOW))
 def training_failed(preset: str, overrides: List[str], run_name: str, err: Optional[FlyteError] = None) -> None:
     """``on_failure`` of the training workflows: the run this execution trained is marked FAILED in MLflow
-    (the error as its ``end_reason`` tag) and its lock released (``tasks/run_end.py``)."""
+    (the error as its ``end_reason`` tag) and its lock released (``tasks/run/end.py``)."""
     secrets.load(secrets.S3, secrets.MLFLOW)
     try:
         experiment = load_config(preset or DEFAULT_PRESETS["ppo"], overrides).run.mlflow_experiment

@@ -15,9 +15,10 @@ from typing import List, NamedTuple
 from flytekit import Resources, task
 
 from models import storage
-from tasks import registry, secrets, tracking
+from tasks.tracking import registry
+from tasks import secrets, tracking
 from tasks.config import TrainConfig
-from tasks.config_io import load_config
+from tasks.config.io import load_config
 from tasks.deploy import deployment_config, resources_for
 from tasks.iteration import TrainingSummary, eval_reward
 from tasks.types import RunHandle

@@ -20,10 +20,10 @@ from models.episodes import EpisodeLimits, load_environment
 from models.rollout import RolloutColumns, sample
 from models.tools import get_parser
 from models.server.rollout_client import RemoteEngine, RolloutClient
-from tasks.batch import BatchMetadata, RolloutBatch
+from models.data.batch import BatchMetadata, RolloutBatch
 from tasks.common import (CACHE_VERSION, base_checkpoint_url, draw_ids, iteration_indices, load_tokenizer,
                           local_checkpoint, read_prompts, server_token, timed)
-from tasks.run_data import sample_columns
+from tasks.run.data import sample_columns
 from tasks import decks, secrets
 from tasks.config import ConfigError, TrainConfig
 from tasks.deploy import deployment_config, resources_for

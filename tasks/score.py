@@ -16,8 +16,8 @@ from models.scoring import score_microbatches
 from models import ragged
 from models.batch_tensors import model_inputs
 from models.ragged import list_lengths
-from tasks.batch import RolloutBatch
-from tasks.batch_schema import REWARD_NORM_KEY, decode_data_columns
+from models.data.batch import RolloutBatch
+from models.data.batch_schema import REWARD_NORM_KEY, decode_data_columns
 from models.lora import canonical_url, without_adapter
 from tasks.common import CACHE_VERSION, base_checkpoint_url, load_hf, load_tokenizer, server_client, timed
 from tasks import decks, secrets

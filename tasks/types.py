@@ -1,4 +1,6 @@
-"""Typed values that travel between the tasks of a training run (Flyte serialises dataclasses)."""
+"""Typed values that travel between the tasks of a training run (Flyte serialises dataclasses).
+
+How they differ from the other run classes: docs/concepts/run_layout.md ("One name per concept")."""
 
 from __future__ import annotations
 
@@ -6,12 +8,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, Tuple
 
-from tasks.run_layout import RunLayout
+from tasks.run.layout import RunLayout, RunState
 
 
 @dataclass(frozen=True)
 class RunHandle:
-    """Which run a task works for: where it lives and where it is tracked."""
+    """Which run a task works for: where it lives and where it is tracked. Travels as every task's input
+    (small: URLs and ids), unlike ``run.json``'s :class:`~tasks.run.layout.RunInfo` (config, history),
+    which only the launch and a resume read."""
 
     storage_root: str
     """``run.storage_root`` of the config (any fsspec URL)."""
@@ -35,7 +39,9 @@ class RunHandle:
 
 @dataclass(frozen=True)
 class PolicyState:
-    """The policy an iteration starts from (and, after it, the one it produced)."""
+    """The policy an iteration starts from (and, after it, the one it produced), as the tasks pass it.
+    On storage the same resume point is ``state.json``'s :class:`~tasks.run.layout.RunState`, numbered
+    by the iteration that completed (one less): :meth:`resume_point` and :meth:`resumed` convert."""
 
     iteration: int
     """Index of the iteration that uses this state (0-based)."""
@@ -62,3 +68,20 @@ class PolicyState:
         return dataclasses.replace(self, iteration=self.iteration - 1, actor_url=self.behaviour_url,
                                    behaviour_url=""), 1
 
+    def resume_point(self) -> RunState:
+        """``state.json``'s record of this state: the iteration before it completed; β, the reward
+        moments and the behaviour actor go into ``extras`` (only when set, so a run without them
+        writes the file it always wrote)."""
+        extras = {"kl_coef": self.kl_coef, **({"reward_norm": self.reward_norm} if self.reward_norm else {}),
+                  **({"behaviour_url": self.behaviour_url} if self.behaviour_url else {})}
+        return RunState(iteration=self.iteration - 1, actor_url=self.actor_url,
+                        critic_url=self.critic_url or None, extras=extras)
+
+    @classmethod
+    def resumed(cls, point: RunState, kl_coef: float, off_policy: bool) -> "PolicyState":
+        """The state the iteration after ``point`` starts from; ``kl_coef`` (the config's β) where the
+        point has none, and its behaviour actor only when the run samples off-policy."""
+        extras = point.extras
+        return cls(point.iteration + 1, point.actor_url, point.critic_url or "",
+                   float(extras.get("kl_coef", kl_coef)), dict(extras.get("reward_norm", {})),
+                   extras.get("behaviour_url", "") if off_policy else "")

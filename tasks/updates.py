@@ -26,10 +26,11 @@ from models.optimizer_state import optimizer_url
 from models.policy import CriticValues, PolicyLogprobs, with_packing
 from models.update import (LoopSettings, UpdateData, actor_loss_fn, critic_loss_fn, disable_dropout, make_optimizer,
                            run_update, stat_keys)
-from tasks.batch import RolloutBatch
+from models.data.batch import RolloutBatch
 from tasks.common import (CACHE_VERSION, base_checkpoint_url, load_hf, load_tokenizer, local_checkpoint, server_client,
                           timed)
-from tasks import run_lock, secrets
+from tasks.run import lock as run_lock
+from tasks import secrets
 from tasks.config import LoraConfig, TrainConfig
 from tasks.deploy import deployment_config, elastic_for, resources_for
 from tasks.types import PolicyState, RunHandle

@@ -34,7 +34,7 @@ def prompt_files(root: Path, n_train: int = 32, n_eval: int = 4) -> List[str]:
 @contextlib.contextmanager
 def hub_run(root: Path, model_dir: Path | str, preset: str, overrides: Sequence[str], name: str) -> Iterator:
     """``tiny_run`` of ``preset`` on the checkpoint ``model_dir`` with prompt files under ``root``."""
-    from tasks.config_io import load_config
+    from tasks.config.io import load_config
 
     critic = CRITIC_SMALL if load_config(preset).uses_critic else []
     extra = [f"model.actor_path={model_dir}", *prompt_files(root), *SMALL, *critic, *overrides]

@@ -10,8 +10,8 @@ from typing import Iterator, Sequence
 
 import pytest
 
-from tasks.config_io import parse_override
-from tasks.setup import RunSetup, setup_run
+from tasks.config.io import parse_override
+from tasks.run.setup import RunSetup, setup_run
 
 
 @contextlib.contextmanager

@@ -1,9 +1,9 @@
 """Every training algorithm, declared once: one module per algorithm (its equation and source in
 the module docstring, an :class:`~tasks.algorithms.spec.AlgorithmSpec` named ``SPEC``).
 
-What reads the declarations: config validation (``tasks/config.py``, through
+What reads the declarations: config validation (``tasks/config/__init__.py``, through
 :mod:`tasks.algorithms.checks`: group sizes, the options an algorithm does not use), the
-workflow choice (``tasks/setup.check_workflow``), the ``advantages`` task (the estimator), the
+workflow choice (``tasks/run/setup.check_workflow``), the ``advantages`` task (the estimator), the
 actor update (the policy loss and its aggregation) and the docs' table (``python -m
 tasks.algorithms docs/algorithms.md``). A new algorithm is a new module here plus its line in
 :data:`ALGORITHMS`.

@@ -30,7 +30,7 @@ def chunk_inputs(cfg):
 
 
 def test_the_largest_preset_chunk_fits_the_download_limit(packages, make_cluster, s3_server, mlflow_url):
-    from tasks.config_io import load_config
+    from tasks.config.io import load_config
 
     cluster = make_cluster(packages(*DEPLOY, registration_env(s3_server, mlflow_url)))
     sizes = {}

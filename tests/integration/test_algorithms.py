@@ -14,8 +14,8 @@ import pytest
 
 from models.checkpoint import is_committed
 from models.server.launch import ServerProcess
-from tasks.batch import ADVANTAGE_COLUMNS, RolloutBatch
-from tasks.run_layout import RunLayout
+from models.data.batch import ADVANTAGE_COLUMNS, RolloutBatch
+from tasks.run.layout import RunLayout
 
 pytestmark = pytest.mark.integration
 
@@ -95,7 +95,7 @@ def test_learns_the_tiny_task(algo, workflow, tmp_path):
     prompts, sampled at the training temperature with the same seed (paired: prompt difficulty cancels;
     the rollout reward of iteration 1 against the last ones moves with each iteration's prompts)."""
     from models.engines import close_engines
-    from tasks.config_io import config_from_json_dict
+    from tasks.config.io import config_from_json_dict
     from tasks.iteration import eval_reward
     from tasks.types import RunHandle
 
@@ -134,7 +134,7 @@ def test_reinforce_workflow_refuses_ppo(tmp_path):
 def ppo_run(tmp_path_factory):
     """A tiny PPO run (HF engine, one process) set up in-process, and its first rollout."""
     from tasks.rollout import run_rollout
-    from tasks.setup import setup_run
+    from tasks.run.setup import setup_run
 
     root = tmp_path_factory.mktemp("remote")
     mp = pytest.MonkeyPatch()
@@ -146,7 +146,7 @@ def ppo_run(tmp_path_factory):
 
 
 def _with(cfg, **sections):
-    from tasks.config_io import config_from_json_dict, to_dict
+    from tasks.config.io import config_from_json_dict, to_dict
 
     data = to_dict(cfg)
     for section, values in sections.items():

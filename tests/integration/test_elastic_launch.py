@@ -8,7 +8,7 @@ from typing import NamedTuple
 import pytest
 from flytekit import task
 
-from tasks.config_io import load_config
+from tasks.config.io import load_config
 from tasks.deploy import elastic_for, use_local_topology
 
 pytestmark = pytest.mark.integration

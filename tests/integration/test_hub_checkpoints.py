@@ -176,7 +176,7 @@ def test_a_resumed_rollout_is_bit_identical_to_the_warm_one(vllm_engine_cls, qwe
     """What ``test_resume.py`` relies on, on the tied model: iteration 1's batch sampled by the engine
     kept warm (reloaded in place with iteration 0's actor) and by a fresh one (a resumed run's)."""
     from models.engines import close_engines
-    from tasks.batch import RolloutBatch
+    from models.data.batch import RolloutBatch
     from tasks.rollout import run_rollout
     from tasks.types import PolicyState
     from tests.hub_runs import hub_run, iterate
@@ -205,7 +205,7 @@ def test_vllm_serves_an_lm_head_adapter_on_a_tied_llama(vllm_engine_cls, tmp_pat
     from models.engines import close_engines
     from models.hub_models import HubModelConfig, build_llama_bpe
     from models.lora import load_pretrained
-    from tasks.config_io import load_config
+    from tasks.config.io import load_config
     from tasks.rollout import check_rollout_setup, engine_for
     from tests.unit.models.hub_copies import adapter_checkpoint
 

@@ -20,9 +20,9 @@ from models.policy import PolicyLogprobs
 from models.task import PromptGenerator, ReverseTaskConfig
 from models.tokenizer import load_tokenizer
 from models.warm_start import warm_start
-from tasks.config_io import load_config
+from tasks.config.io import load_config
 from tasks.rollout import engine_for
-from tasks.setup import cache_dir
+from tasks.run.setup import cache_dir
 
 pytestmark = pytest.mark.integration
 TOL = 1e-3  # as test_models_vllm.py: vLLM's CPU kernels against an HF forward, float32

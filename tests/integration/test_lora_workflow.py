@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from models.checkpoint import read_marker
 from models.lora import canonical_url
-from tasks.batch import RolloutBatch
-from tasks.run_layout import RunLayout
+from models.data.batch import RolloutBatch
+from tasks.run.layout import RunLayout
 from tests.integration.test_algorithms import CRITIC_SMALL, SMALL, _pyflyte
 from tests.integration.test_elastic_faults import elastic_update
 from tests.reference import token_logprobs

@@ -16,9 +16,9 @@ import pytest
 from models.math_demo import DEMO_TASK
 from models.math_task import FORMAT_PATTERN, ProblemGenerator
 from models.verifiers import format_reward, math_reward
-from tasks.batch import RolloutBatch
-from tasks.batch_schema import decode_data_columns
-from tasks.run_layout import RunLayout
+from models.data.batch import RolloutBatch
+from models.data.batch_schema import decode_data_columns
+from tasks.run.layout import RunLayout
 from tests.integration.flyte_runs import ROOT, isolated_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -43,7 +43,7 @@ def _train(tmp) -> str:
     from tasks.iteration import run_commit, run_evaluate, run_finish
     from tasks.rollout import run_rollout
     from tasks.score import run_score
-    from tasks.setup import setup_run
+    from tasks.run.setup import setup_run
     from tasks.updates import train_actor, train_critic
 
     setup = setup_run("tiny_ppo", [f"run.storage_root={tmp}/runs"] + OVERRIDES, "tiny-review", "ppo")

@@ -47,7 +47,7 @@ def llm(actor_dir):
         engine = vllm.LLM(
             model=str(actor_dir), dtype="float32", enforce_eager=True, seed=0, max_model_len=64
         )
-        engine.generate([{"prompt_token_ids": [1]}], vllm.SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
+        engine.generate([{"prompt_token_ids": [1]}], vllm.SamplingParams(max_tokens=1))  # warm-up
         yield engine
         engine.llm_engine.engine_core.shutdown()  # else the process may abort at exit
 
@@ -73,7 +73,7 @@ def test_vllm_greedy_equals_hf_greedy(llm, hf_actor, prompt_ids, actor_dir):
 
     tok = load_tokenizer(actor_dir)
     params = SamplingParams(temperature=0.0, max_tokens=TASK.max_new_tokens)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)
     stopped = 0
     for ids, out in zip(prompt_ids, outputs):
         got = list(out.outputs[0].token_ids)
@@ -87,7 +87,7 @@ def test_vllm_sample_logprobs_match_hf_forward(llm, hf_actor, prompt_ids):
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=1.0, n=4, seed=0, max_tokens=TASK.max_new_tokens, logprobs=0)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)
     worst, samples = 0.0, set()
     for ids, out in zip(prompt_ids, outputs):
         for completion in out.outputs:

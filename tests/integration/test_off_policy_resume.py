@@ -14,7 +14,7 @@ import torch
 
 from models.checkpoint import read_marker
 from models.distributed import DistInfo
-from tasks.batch import RolloutBatch
+from models.data.batch import RolloutBatch
 from tests.hub_runs import hub_run
 
 pytestmark = [pytest.mark.integration]

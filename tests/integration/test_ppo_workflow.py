@@ -13,9 +13,9 @@ import pytest
 from models import storage
 from models.checkpoint import download_checkpoint, is_committed
 from models.optimizer_state import optimizer_url
-from tasks.batch import ADVANTAGE_COLUMNS, RolloutBatch
-from tasks.config_io import load_config
-from tasks.run_layout import RunLayout
+from models.data.batch import ADVANTAGE_COLUMNS, RolloutBatch
+from tasks.config.io import load_config
+from tasks.run.layout import RunLayout
 
 pytestmark = pytest.mark.integration
 

@@ -31,13 +31,14 @@ LIBRARY_LINES = {
     "torch's C++ notices": r"^\[W\d{4} ",
     "MLflow's notices": r"INFO mlflow\.|WARNING mlflow\.transformers|Successfully registered model|Created version",
     "deprecation warnings": r"DeprecationWarning|FutureWarning",
+    "any other progress bar": r"\d+%\|",  # tqdm's "  0%|    | 0/3": off by each library's switch, not TQDM_DISABLE
 }
 """Each a line the libraries printed in this run before models/console.py (2026-11-24)."""
 
 
 def demo_run(tmp_path: Path, name: str, **env_extra) -> str:
     env = {k: v for k, v in os.environ.items()
-           if k not in console.QUIET_ENV and k not in ("PYTHONWARNINGS", console.VERBOSE_ENV)}
+           if k not in console.QUIET_ENV and k not in ("PYTHONWARNINGS", "TQDM_DISABLE", console.VERBOSE_ENV)}
     env.update(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}", PYTHONUNBUFFERED="1",
                HOME=str(tmp_path / "home"), **env_extra)
     overrides = [f"run.storage_root={tmp_path / 'runs'}", "run.num_iterations=1", "run.eval_interval=0",

@@ -18,8 +18,8 @@ import pytest
 
 from models import storage
 from models.checkpoint import is_committed, read_marker
-from tasks.batch import RolloutBatch
-from tasks.run_layout import RunLayout
+from models.data.batch import RolloutBatch
+from tasks.run.layout import RunLayout
 from tests.conftest import BUCKET
 from tests.integration.flyte_runs import FlyteRun, isolated_env
 

@@ -10,9 +10,9 @@ import torch
 from models import storage
 from models.checkpoint import CheckpointError, download_checkpoint, is_committed, load_model, \
     save_model_checkpoint
-from tasks.batch import RolloutBatch
-from tasks.prompts import PromptDataConfig, PromptDataError, load_prompts
-from tasks.run_layout import RunInfo, RunLayout, RunState
+from models.data.batch import RolloutBatch
+from models.data.prompts import PromptDataConfig, PromptDataError, load_prompts
+from tasks.run.layout import RunInfo, RunLayout, RunState
 from tests.unit.models.test_checkpoint import hf_dir, tiny_model_and_tokenizer
 from tests.unit.tasks.test_batch import META, PROMPTS, RESPONSES, rollout_batch
 

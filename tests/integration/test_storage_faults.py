@@ -17,7 +17,7 @@ import torch
 from models import storage
 from models.checkpoint import CheckpointError, download_checkpoint, save_model_checkpoint
 from models.storage import RetryPolicy, StorageError
-from tasks.batch import BatchCorruptError, RolloutBatch, checksum_url
+from models.data.batch import BatchCorruptError, RolloutBatch, checksum_url
 from tests.conftest import _clear_s3fs_cache
 from tests.processes import free_port
 from tests.fault_proxy import FaultProxy

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from models.tool_tasks import problems
-from tasks.batch import RolloutBatch
-from tasks.run_layout import RunLayout
+from models.data.batch import RolloutBatch
+from tasks.run.layout import RunLayout
 from tests.integration.flyte_runs import FlyteRun, isolated_env
 
 pytestmark = pytest.mark.integration

@@ -15,9 +15,9 @@ import mlflow
 import numpy as np
 import pytest
 
-from tasks.batch import RolloutBatch
-from tasks.batch_schema import decode_data_columns
-from tasks.run_layout import RunLayout
+from models.data.batch import RolloutBatch
+from models.data.batch_schema import decode_data_columns
+from tasks.run.layout import RunLayout
 from tests.integration.flyte_runs import ROOT, isolated_env
 
 pytestmark = pytest.mark.integration
@@ -102,7 +102,7 @@ def test_a_reasoning_gym_task_trains_with_its_own_verifier(tmp_path):
 def test_hf_datasets_reads_a_file_on_s3(s3_url, tmp_path, monkeypatch):
     """``data.source=hf`` with a data file on an fsspec URL (the moto S3 server)."""
     from models import storage
-    from tasks.prompts import PromptDataConfig, load_prompts
+    from models.data.prompts import PromptDataConfig, load_prompts
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
     url = storage.join(s3_url, "gsm", "train.jsonl")

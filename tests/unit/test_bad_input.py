@@ -23,11 +23,11 @@ from models.reward_workers import RewardTimeout
 from models.rewards import RewardError
 from models.server.client import ServerError
 from models.storage import StorageError
-from tasks import setup as run_setup
+from tasks.run import setup as run_setup
 from tasks.config import ConfigError
-from tasks.config_io import load_config, to_dict
-from tasks.prompts import PromptDataError
-from tasks.run_layout import RunInfo, RunLayout
+from tasks.config.io import load_config, to_dict
+from models.data.prompts import PromptDataError
+from tasks.run.layout import RunInfo, RunLayout
 from tests.processes import free_port
 from tests.fault_proxy import FaultProxy
 from tests.unit.models.test_checkpoint import tiny_model_and_tokenizer

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks import setup as run_setup
+from tasks.run import setup as run_setup
 from tasks.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,9 +84,9 @@ def test_a_folder_without_a_tokenizer_says_so(ws, llama_bpe_dir):
 DRIVER = """
 import subprocess, sys
 from models.distributed import DistInfo
-from tasks.batch import RolloutBatch
-from tasks.config_io import config_from_json_dict
-from tasks.run_layout import RunLayout
+from models.data.batch import RolloutBatch
+from tasks.config.io import config_from_json_dict
+from tasks.run.layout import RunLayout
 from tasks.types import PolicyState, RunHandle
 from tasks.updates import DiskFull, train_actor
 import torch

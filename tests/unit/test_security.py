@@ -6,7 +6,7 @@
   naming the file and URL, and the sentinel never appears.
 - The project's code never calls an unpickler (``torch.load`` only with ``weights_only=True``,
   no ``pickle``/``joblib``/``np.load(allow_pickle=True)``, no ``trust_remote_code=True``).
-- MLflow params and tags are masked (:mod:`tasks.redact`).
+- MLflow params and tags are masked (:mod:`tasks.tracking.redact`).
 
 The server's token, size caps and save-path checks are tested in ``tests/unit/server``
 (``test_app.py``, ``test_paths.py``) and ``tests/integration/test_server.py``.
@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from models.checkpoint import CheckpointError, download_checkpoint, file_digest, load_model, save_checkpoint
-from tasks.batch import BatchSchemaError, RolloutBatch
-from tasks.redact import redact
+from models.data.batch import BatchSchemaError, RolloutBatch
+from tasks.tracking.redact import redact
 
 REPO = Path(__file__).resolve().parents[2]
 CODE_DIRS = ("models", "tasks", "kernels", "workflows", "benchmarks")

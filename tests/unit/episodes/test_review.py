@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tasks.batch import BatchMetadata, RolloutBatch
+from models.data.batch import BatchMetadata, RolloutBatch
 from tasks.decks import batch_html, conversation_text
 from tasks.iteration import sample_table
 

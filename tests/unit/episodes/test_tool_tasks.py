@@ -114,7 +114,7 @@ def test_config_refuses_what_episodes_cannot_do():
     import pytest
 
     from tasks.config import ConfigError
-    from tasks.config_io import load_config
+    from tasks.config.io import load_config
 
     cfg = load_config("tiny_tools", [])
     assert cfg.rollout.environment == "models.tool_tasks:ArithmeticEnv" and cfg.rollout.max_turns == 3

@@ -12,8 +12,8 @@ import torch
 from kernels.losses import PolicyLossConfig, PolicyLossInput, policy_loss
 from models.update import UpdateData, critic_loss_fn
 from tasks.advantages import run_advantages
-from tasks.batch import BatchMetadata, RolloutBatch
-from tasks.config_io import load_config
+from models.data.batch import BatchMetadata, RolloutBatch
+from tasks.config.io import load_config
 from tasks.types import PolicyState, RunHandle
 
 # response: 2 sampled tokens (a tool call), 2 tool-result tokens, 1 sampled token (the answer)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from models import ragged
-from tasks.batch import RolloutBatch
+from models.data.batch import RolloutBatch
 from tests.unit.tasks.test_batch import rollout_batch
 
 

@@ -36,8 +36,11 @@ with warnings.catch_warnings(record=True) as caught:
     exec("warnings.warn('ours', DeprecationWarning)", g)
     library_warning(UserWarning)
 out = {
-    "env": {k: os.environ.get(k) for k in ("TQDM_DISABLE", "VLLM_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY",
+    "env": {k: os.environ.get(k) for k in ("VLLM_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY",
                                           "HF_HUB_DISABLE_PROGRESS_BARS", "TORCH_CPP_LOG_LEVEL")},
+    "tqdm_disable": os.environ.get("TQDM_DISABLE"),
+    # a bar that does not pass ``disable`` itself, as vLLM's and a user's: tqdm reads TQDM_DISABLE
+    "tqdm_bar_disabled": __import__("tqdm").tqdm(range(1), file=sys.stderr).disable,
     "caught": sorted(f"{w.category.__name__}:{w.message}" for w in caught),
     "hf_progress": hf_logging.is_progress_bar_enabled(),
     "hf_verbosity": hf_logging.get_verbosity(),
@@ -50,7 +53,7 @@ print("RESULT " + json.dumps(out))
 
 def probe(**env_extra) -> dict:
     env = {k: v for k, v in os.environ.items()  # this pytest process imported tasks: start clean
-           if k not in console.QUIET_ENV and k not in ("PYTHONWARNINGS", console.VERBOSE_ENV)}
+           if k not in console.QUIET_ENV and k not in ("PYTHONWARNINGS", "TQDM_DISABLE", console.VERBOSE_ENV)}
     env.update(PYTHONPATH=str(ROOT), **env_extra)
     proc = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
@@ -61,7 +64,7 @@ def probe(**env_extra) -> dict:
 
 def test_quiet_by_default_but_not_for_our_own_warnings():
     got = probe()
-    assert got["env"] == {"TQDM_DISABLE": "1", "VLLM_LOGGING_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error",
+    assert got["env"] == {"VLLM_LOGGING_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error",
                           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
     # Library deprecations are dropped; ours and a library's UserWarning (maybe real) are not.
     assert got["caught"] == ["DeprecationWarning:ours", "UserWarning:library says"]
@@ -78,3 +81,10 @@ def test_rlhf_verbose_leaves_every_library_alone():
 
 def test_a_value_the_user_exported_wins():
     assert probe(VLLM_LOGGING_LEVEL="INFO")["env"]["VLLM_LOGGING_LEVEL"] == "INFO"
+
+
+def test_importing_the_project_leaves_tqdm_alone():
+    """A user's own tqdm bars (and vLLM's ``LLM.generate`` bar, which divides by zero under a global
+    ``TQDM_DISABLE=1``) keep working after ``import tasks`` / ``import workflows``."""
+    got = probe()
+    assert got["tqdm_disable"] is None and got["tqdm_bar_disabled"] is False

@@ -94,7 +94,9 @@ def test_save_checkpoint_still_refuses_a_folder_that_is_neither(tmp_path):
 def test_mlflow_logs_the_adapter_and_the_merged_policy(ckpts, tmp_path, monkeypatch):
     import mlflow
 
-    from tasks import registry, tracking
+    from tasks.tracking import registry
+
+    from tasks import tracking
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     exp = tracking.client().create_experiment("lora", artifact_location=str(tmp_path / "artifacts"))
@@ -178,7 +180,8 @@ def test_a_merge_that_changes_the_model_is_refused(tied, monkeypatch):
 @pytest.mark.integration  # MLflow model logging starts processes
 def test_the_registered_policy_of_a_tied_adapter_is_the_trained_model(tied, tmp_path, monkeypatch):
     from models.probe import compare_policies
-    from tasks import registry, tracking
+    from tasks.tracking import registry
+    from tasks import tracking
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     exp = tracking.client().create_experiment("tied", artifact_location=str(tmp_path / "artifacts"))
@@ -192,7 +195,7 @@ def test_the_registered_policy_of_a_tied_adapter_is_the_trained_model(tied, tmp_
 def test_vllm_adapter_mode_with_an_unsupported_head_target_is_refused_at_set_up(tied):
     pytest.importorskip("vllm")
     from tasks.config import ConfigError
-    from tasks.config_io import load_config
+    from tasks.config.io import load_config
     from tasks.rollout import check_rollout_setup
 
     config = json.load(open(os.path.join(tied.base, "config.json")))

@@ -13,8 +13,8 @@ from kernels.losses import PolicyLossKind
 from tasks import algorithms
 from tasks.algorithms.docs_table import markdown_table, with_table
 from tasks.config import AdvantageConfig, ConfigError, CriticConfig, LoraConfig, RolloutConfig, RunConfig, TrainConfig
-from tasks.config_io import config_from_json_dict, load_config, to_dict
-from tasks.setup import check_workflow
+from tasks.config.io import config_from_json_dict, load_config, to_dict
+from tasks.run.setup import check_workflow
 from tasks.updates import policy_loss_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]

@@ -5,8 +5,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from tasks.batch import RolloutBatch
-from tasks.batch_schema import (ADVANTAGE_COLUMNS, ROLLOUT_COLUMNS, BatchMetadata, BatchSchemaError,
+from models.data.batch import RolloutBatch
+from models.data.batch_schema import (ADVANTAGE_COLUMNS, ROLLOUT_COLUMNS, BatchMetadata, BatchSchemaError,
                                 validate_table)
 
 META = BatchMetadata(iteration=7, policy_version=7, algorithm="grpo",
@@ -190,7 +190,7 @@ def test_ragged_rows_as_tensors_and_extra_list_columns_pad_to_their_own_width():
 def test_written_file_is_the_ipc_bytes_and_the_sidecar_their_blake3(tmp_path):
     import blake3
 
-    from tasks.batch import checksum_url
+    from models.data.batch import checksum_url
 
     one = rollout_batch()
     chunked = RolloutBatch(pa.concat_tables([one.table, one.table.slice(1, 2)]), META)  # 2 record batches

@@ -11,7 +11,7 @@ from flytekit import task, workflow
 from flytekit.core.type_engine import TypeEngine
 from flytekit.models.core.types import BlobType
 
-from tasks.batch import RolloutBatch
+from models.data.batch import RolloutBatch
 from tasks.batch_type import RolloutBatchTransformer
 from tests.unit.tasks.test_batch import rollout_batch
 

@@ -10,7 +10,8 @@ import json
 import pytest
 
 from models.checkpoint import save_checkpoint
-from tasks import iteration, run_lock, tracking
+from tasks import iteration, tracking
+from tasks.run import lock as run_lock
 from tasks.config import TrainConfig
 from tasks.iteration import run_commit, run_evaluate
 from tasks.types import PolicyState, RunHandle

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from tasks.config import ConfigError, TrainConfig
-from tasks.config_io import config_from_json_dict, flatten, load_config, to_dict
+from tasks.config.io import config_from_json_dict, flatten, load_config, to_dict
 
 
 def test_a_preset_naming_only_the_algorithm_trains_with_the_papers_settings(tmp_path):

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from models.verifiers import math_reward
-from tasks.batch_schema import decode_data_columns
+from models.data.batch_schema import decode_data_columns
 from tasks.iteration import eval_rewards, run_commit, sample_table
-from tasks.setup import setup_run
+from tasks.run.setup import setup_run
 from tests.stages import tiny_run, to_advantages
 
 pytestmark = pytest.mark.slow  # whole tasks on a tiny run, tens of seconds each (make test-unit leaves them to make test)

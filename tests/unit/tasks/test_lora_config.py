@@ -3,7 +3,7 @@
 import pytest
 
 from tasks.config import ConfigError, LoraConfig, TrainConfig
-from tasks.config_io import config_from_json_dict, load_config, parse_override, to_dict
+from tasks.config.io import config_from_json_dict, load_config, parse_override, to_dict
 
 
 def test_by_default_every_weight_trains_and_a_rank_alone_adapts_every_projection(tmp_path):

@@ -14,7 +14,7 @@ from flytekit import workflow
 from kernels.losses import PolicyLossConfig, PolicyLossInput, policy_loss
 from models import storage
 from models.checkpoint import is_committed, save_checkpoint
-from tasks.config_io import load_config
+from tasks.config.io import load_config
 from tasks.iteration import prune_checkpoints
 from tasks.score import policy_lag
 from tasks.types import PolicyState, RunHandle

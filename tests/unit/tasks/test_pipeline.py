@@ -10,10 +10,10 @@ import torch
 from kernels.gae import compute_gae_reference
 from models.distributed import DistInfo
 from models.task import reverse_reward
-from tasks.batch import ADVANTAGE_COLUMNS, ROLLOUT_COLUMNS, SCORE_COLUMNS, RolloutBatch
+from models.data.batch import ADVANTAGE_COLUMNS, ROLLOUT_COLUMNS, SCORE_COLUMNS, RolloutBatch
 from tasks.iteration import run_commit
 from tasks.score import run_score
-from tasks.setup import setup_run
+from tasks.run.setup import setup_run
 from tasks.updates import policy_loss_config, train_actor, train_critic, update_data
 from tests.stages import tiny_run, to_advantages
 

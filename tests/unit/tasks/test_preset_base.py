@@ -1,4 +1,4 @@
-"""Presets built on a base (``base:`` in tasks/config_io.py): merged key by key, refusals see the
+"""Presets built on a base (``base:`` in tasks/config/io.py): merged key by key, refusals see the
 base's keys as written, and a missing base or a cycle is an error naming the preset."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tasks.config import ConfigError
-from tasks.config_io import given_keys, load_config
+from tasks.config.io import given_keys, load_config
 
 
 def write(folder, name, text):

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.prompts import PromptDataConfig, PromptDataError, load_prompts
+from models.data.prompts import PromptDataConfig, PromptDataError, load_prompts
 
 
 def write_jsonl(path, rows):
@@ -236,7 +236,7 @@ def test_chat_template_missing_is_reported(tmp_path):
 def test_run_copy_round_trips_what_validated(tmp_path, qwen_tok):
     """U+2028/U+2029 and other line separators inside a JSON string validate and come back intact
     (``str.splitlines`` would have cut the line); ids and columns survive."""
-    from tasks.run_data import read_run_prompts, write_run_prompts
+    from tasks.run.data import read_run_prompts, write_run_prompts
 
     tricky = "line\u2028sep\u2029para\x85nel\x1c and \r in one"
     path = tmp_path / "u.jsonl"
@@ -256,7 +256,7 @@ def test_run_copy_round_trips_what_validated(tmp_path, qwen_tok):
 
 
 def test_parquet_with_a_non_default_column_keeps_it_through_the_copy(tmp_path):
-    from tasks.run_data import read_run_prompts, write_run_prompts
+    from tasks.run.data import read_run_prompts, write_run_prompts
 
     path = tmp_path / "p.parquet"
     pq.write_table(pa.table({"question": ["a?", "b?"], "answer": ["1", "2"]}), path)

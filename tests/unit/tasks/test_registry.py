@@ -9,7 +9,8 @@ import pytest
 from models.checkpoint import file_digest, is_committed, save_checkpoint
 from models.tiny import TinyModelConfig, build_actor, save_model
 from models.tokenizer import build_char_tokenizer
-from tasks import registry, tracking
+from tasks.tracking import registry
+from tasks import tracking
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Resume says what it does (tasks/resume.py): the stored config wins over what the user did not write;
+"""Resume says what it does (tasks/run/resume.py): the stored config wins over what the user did not write;
 what the user wrote may change a listed field (recorded in run.json, MLflow and the output), and any
 other change, or the other workflow, is refused before anything is touched."""
 
@@ -12,9 +12,9 @@ from models.checkpoint import save_checkpoint
 from models.rewards import RewardError
 from tasks import tracking
 from tasks.config import ConfigError
-from tasks.config_io import config_from_json_dict, load_config, to_dict
-from tasks.run_layout import RunInfo, RunLayout, RunState
-from tasks.setup import setup_run
+from tasks.config.io import config_from_json_dict, load_config, to_dict
+from tasks.run.layout import RunInfo, RunLayout, RunState
+from tasks.run.setup import setup_run
 from tests.unit.models.test_checkpoint import hf_dir
 
 DONE = 4  # iterations completed before the relaunch

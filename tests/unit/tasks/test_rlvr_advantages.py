@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from tasks.advantages import run_advantages
-from tasks.batch import BatchMetadata, RolloutBatch
-from tasks.config_io import load_config
+from models.data.batch import BatchMetadata, RolloutBatch
+from tasks.config.io import load_config
 from tasks.types import PolicyState, RunHandle
 
 # 3 prompts × 2 samples, max_new_tokens = 4: rewards, response lengths, and whether the response ended

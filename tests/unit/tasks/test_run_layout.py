@@ -5,7 +5,7 @@ import json
 import pytest
 
 from models.checkpoint import CheckpointError, save_checkpoint
-from tasks.run_layout import RunInfo, RunLayout, RunState
+from tasks.run.layout import RunInfo, RunLayout, RunState
 
 
 def commit(url, tmp_path):

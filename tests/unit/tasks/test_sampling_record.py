@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from models.engines import SamplingSpec
-from tasks.batch import BatchMetadata, RolloutBatch
+from models.data.batch import BatchMetadata, RolloutBatch
 from tasks.config import TrainConfig
-from tasks.config_io import load_config
+from tasks.config.io import load_config
 from tasks.iteration import progress_line
 from tasks.rollout import SAMPLING_KEY, sampling_record
 from tasks.score import check_sampling_temperature, logprob_gap

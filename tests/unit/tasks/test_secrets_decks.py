@@ -9,7 +9,7 @@ import flytekit
 import pytest
 
 from tasks import decks, secrets
-from tasks.batch import BatchMetadata, RolloutBatch
+from models.data.batch import BatchMetadata, RolloutBatch
 
 
 def _mount(monkeypatch, key: str, value: str) -> None:

@@ -3,7 +3,7 @@
     {storage_root}/{run_name}/
       run.json                       RunInfo: config, MLflow run id, algorithm, start time, changes on resume
       state.json                     RunState: last completed iteration + checkpoints (resume point)
-      lock.json                      the lease of the launch that trains the run (tasks/run_lock.py)
+      lock.json                      the lease of the launch that trains the run (tasks/run/lock.py)
       reference/                     frozen initial policy (HF directory)
       iter-000007/{stage}.arrow      the batch after each stage (rollouts, score, advantages)
       iter-000007/actor/             actor checkpoint written by iteration 7
@@ -27,7 +27,9 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 @dataclass(frozen=True)
 class RunInfo:
-    """Content of ``run.json``: what the run is (written once, at start)."""
+    """Content of ``run.json``: what the run is (written at start; a resume adds its config changes).
+    The stored record a launch and a resume read, unlike :class:`~tasks.types.RunHandle`, the few URLs
+    and ids every task gets."""
 
     run_name: str
     """The run's folder name under ``storage_root``."""
@@ -40,7 +42,7 @@ class RunInfo:
     started_at: str = field(default_factory=lambda: storage.utc_now_iso("milliseconds"))
     """Start time, ISO 8601 UTC."""
     config_changes: List[Mapping[str, Any]] = field(default_factory=list)
-    """Changes made on resume, oldest first: ``{"key", "old", "new", "iteration"}`` (``tasks/resume.py``);
+    """Changes made on resume, oldest first: ``{"key", "old", "new", "iteration"}`` (``tasks/run/resume.py``);
     ``config`` holds the values in force now."""
 
     def __post_init__(self) -> None:
@@ -52,7 +54,8 @@ class RunInfo:
 
 @dataclass(frozen=True)
 class RunState:
-    """Content of ``state.json``: the resume point."""
+    """Content of ``state.json``: the resume point, numbered by the last completed iteration. The stored
+    form of the :class:`~tasks.types.PolicyState` the next iteration starts from (``resume_point``)."""
 
     iteration: int
     """Last completed iteration (0-based); the next run resumes at ``iteration + 1``."""
@@ -74,7 +77,8 @@ class RunState:
 
 @dataclass(frozen=True)
 class RunLayout:
-    """URLs of one run's files under ``{root}/{run_name}/``."""
+    """URLs of one run's files under ``{root}/{run_name}/``: where things are, not what they say
+    (that is :class:`RunInfo` and :class:`RunState`, which it reads and writes)."""
 
     root: str
     """``storage_root``: any fsspec URL (a local folder by default, ``s3://...`` on a cluster)."""
@@ -103,7 +107,7 @@ class RunLayout:
 
     @property
     def lock_url(self) -> str:
-        """The run's lease: one launch at a time (``tasks/run_lock.py``)."""
+        """The run's lease: one launch at a time (``tasks/run/lock.py``)."""
         return storage.join(self.url, "lock.json")
 
     def reference_url(self) -> str:

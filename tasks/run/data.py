@@ -1,6 +1,6 @@
 """A run's prompt data: from the ``data`` config to validated datasets (before any model loads), the
 run's own copy of them (``data/train_prompts.jsonl``, ``data/eval_prompts.jsonl``), and that copy
-read back by the rollout and evaluation tasks through the same reader (:mod:`tasks.prompts`)."""
+read back by the rollout and evaluation tasks through the same reader (:mod:`models.data.prompts`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from models import storage
-from tasks.batch_schema import encode_data_columns
+from models.data.batch_schema import encode_data_columns
 from tasks.config import DataConfig
-from tasks.prompts import PromptDataConfig, PromptDataset, load_prompts
+from models.data.prompts import PromptDataConfig, PromptDataset, load_prompts
 
 
 def prompt_data_config(d: DataConfig, url: str, split: str = "",
@@ -67,7 +67,7 @@ def write_run_prompts(data: PromptDataset, url: str) -> None:
 
 def read_run_prompts(url: str) -> PromptDataset:
     """The run's copy written by :func:`write_run_prompts`, read by the same reader as the user's
-    data (:func:`tasks.prompts.load_prompts`)."""
+    data (:func:`models.data.prompts.load_prompts`)."""
     raw = load_prompts(PromptDataConfig(url=url, id_column=RUN_COPY_ID, max_prompt_chars=2**62))
     n = len(raw)
     rows = raw.columns.get("columns") or [{}] * n
@@ -80,7 +80,7 @@ def read_run_prompts(url: str) -> PromptDataset:
 
 def sample_columns(data: PromptDataset, n: int) -> Dict[str, object]:
     """The batch columns that carry each prompt's data to its ``n`` samples (adjacent, prompt-major):
-    ``row_id`` and ``data_columns`` (:mod:`tasks.batch_schema`)."""
+    ``row_id`` and ``data_columns`` (:mod:`models.data.batch_schema`)."""
     encoded = encode_data_columns(data.row_columns())
     return {"row_id": np.repeat(np.asarray(data.row_ids, dtype=np.int64), n),
             "data_columns": [e for e in encoded for _ in range(n)]}

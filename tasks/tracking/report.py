@@ -1,7 +1,7 @@
 """Figures for people: reward curves of runs, read back from MLflow.
 
-    python -m tasks.report --run-id ID [--run-id ID2 ...] --out docs/reward_curve.png
-    python -m tasks.report --run-id ID --key eval/math_reward_mean --key reward/math_reward_mean --out ...
+    python -m tasks.tracking.report --run-id ID [--run-id ID2 ...] --out docs/reward_curve.png
+    python -m tasks.tracking.report --run-id ID --key eval/math_reward_mean --key reward/math_reward_mean --out ...
 
 Several runs: one curve per run, labelled by run name; several keys: one curve per key.
 """

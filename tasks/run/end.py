@@ -23,8 +23,10 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from tasks import run_lock, tracking
-from tasks.run_layout import RunLayout
+from tasks.run import lock as run_lock
+
+from tasks import tracking
+from tasks.run.layout import RunLayout
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ class LiveRun:
     """The run's folder under it."""
     mlflow_run_id: str
     owner: str
-    """Holder of its lock (:func:`tasks.run_lock.current_owner`)."""
+    """Holder of its lock (:func:`tasks.run.lock.current_owner`)."""
 
     @property
     def layout(self) -> RunLayout:

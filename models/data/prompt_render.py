@@ -1,6 +1,6 @@
 """From a validated data row to the prompt text the model sees: the prompt template, the system
 prompt and the tokenizer's chat template; and the check for characters the tokenizer cannot
-represent. Every problem is reported with the row's place (see :mod:`tasks.prompts`)."""
+represent. Every problem is reported with the row's place (see :mod:`models.data.prompts`)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def _template_text(where: str, row: Dict[str, Any], config, errors) -> Optional[
 def render_prompts(records: Sequence[Tuple[str, Optional[dict]]], config, tokenizer,
                    errors) -> Tuple[List[Optional[str]], List[Optional[Conversation]]]:
     """Per record: the prompt text the model sees (None where the row failed) and the conversation
-    the chat template rendered (None without one). ``config``: a :class:`tasks.prompts.PromptDataConfig`."""
+    the chat template rendered (None without one). ``config``: a :class:`models.data.prompts.PromptDataConfig`."""
     chat = config.uses_chat_template
     if chat and not getattr(tokenizer, "chat_template", None):
         errors.add("the tokenizer has no chat template, but data.apply_chat_template / data.messages_column need "

@@ -3,6 +3,10 @@
 Tracking URI from ``MLFLOW_TRACKING_URI`` (local default ``sqlite:///mlflow.db``, which
 ``mlflow ui --backend-store-uri sqlite:///mlflow.db`` opens). Logging is idempotent per step,
 so a resumed run continues the same MLflow run without duplicated steps.
+
+The package also holds :mod:`tasks.tracking.registry` (the MLflow model registry),
+:mod:`tasks.tracking.report` (reward curves from a run) and :mod:`tasks.tracking.redact`
+(secrets kept out of what is logged).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import math
 import os
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
-from tasks.redact import redact
+from tasks.tracking.redact import redact
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ topology, S3 credentials, the tracking server) and :func:`check_tracking` in any
 then calls the rest in this order: storage reachable and writable, then (new runs) the model
 folders the config names, the prompts, the tokenizer against the model's vocabulary, the reward
 source and the servers; (resumed runs) the checkpoints ``state.json`` points at. Bad prompts and config values are
-checked by :mod:`tasks.prompts` and :mod:`tasks.config`.
+checked by :mod:`models.data.prompts` and :mod:`tasks.config`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from models.checkpoint import PICKLE_SUFFIXES, CheckpointError, is_committed
 from models.rewards import RewardError
 from tasks import secrets
 from tasks.config import ConfigError, TrainConfig
-from tasks.redact import redact
+from tasks.tracking.redact import redact
 
 
 def check_storage(run_url: str) -> None:
@@ -137,7 +137,7 @@ def check_server(url: str, what: str, timeout_s: float, num_tokens: int) -> None
 
 def check_sources(cfg: TrainConfig, probe, num_tokens: int) -> None:
     """The reward source and the remote servers the config names (``probe``: a few training rows,
-    a :class:`tasks.prompts.PromptDataset`; ``num_tokens``: the size of the run's tokenizer)."""
+    a :class:`models.data.prompts.PromptDataset`; ``num_tokens``: the size of the run's tokenizer)."""
     r = cfg.reward
     if r.source == "function":
         check_reward_functions(cfg, probe)

@@ -1,10 +1,10 @@
 """Prompt datasets, validated before any model loads: JSONL or Parquet on any fsspec URL, Hugging
-Face ``datasets``, or reasoning-gym (:mod:`tasks.prompt_sources`).
+Face ``datasets``, or reasoning-gym (:mod:`models.data.prompt_sources`).
 
 For files, ``url`` may be one file (``.jsonl`` / ``.parquet``, chosen by extension), a
 folder/prefix (every such file in it, sorted), or a glob (``s3://bucket/prompts/part-*.parquet``).
 Every row is checked, rendered into the text the model sees (prompt template, system prompt, chat
-template: :mod:`tasks.prompt_render`) and checked again (length in characters and tokens,
+template: :mod:`models.data.prompt_render`) and checked again (length in characters and tokens,
 characters the tokenizer cannot represent); all problems are reported together, by file and row,
 in one :class:`PromptDataError` (up to ``max_errors`` listed)::
 
@@ -14,7 +14,7 @@ in one :class:`PromptDataError` (up to ``max_errors`` listed)::
 Row numbers are 0-based; JSONL errors also give the 1-based line number (blank lines are
 skipped). A row's id comes from the ``id_column`` if the data has it (integers, unique), else it
 is the row's index over all files. The run reads its own copy of the data back through this same
-reader (:mod:`tasks.run_data`), so data that validates is data that trains.
+reader (:mod:`tasks.run.data`), so data that validates is data that trains.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from models.ragged import shard_bounds
-from tasks.prompt_render import check_messages, render_prompts, report_unknown_chars
-from tasks.prompt_sources import ErrorList, PromptDataError, Record, read_records, resolve_files  # noqa: F401
+from models.data.prompt_render import check_messages, render_prompts, report_unknown_chars
+from models.data.prompt_sources import ErrorList, PromptDataError, Record, read_records, resolve_files  # noqa: F401
 
 
 

@@ -13,15 +13,16 @@ from typing import Iterable, List, NamedTuple, Optional
 
 from models import storage
 from models.checkpoint import download_checkpoint, is_committed, save_checkpoint
-from tasks import run_lock, tracking
+from tasks.run import lock as run_lock
+from tasks import tracking
 from tasks.algorithms import WORKFLOWS
 from tasks.config import ConfigError, TrainConfig
-from tasks.config_io import config_from_json_dict, flatten, given_keys, load_config, to_dict
-from tasks.preflight import (check_model_dirs, check_resume_point, check_reward_functions, check_sources,
+from tasks.config.io import config_from_json_dict, flatten, given_keys, load_config, to_dict
+from tasks.run.preflight import (check_model_dirs, check_resume_point, check_reward_functions, check_sources,
                              check_storage, check_vocab, model_context)
-from tasks.resume import ConfigChange, change_records, check_resume_workflow, plan_resume
-from tasks.run_data import load_run_data, read_run_prompts, write_run_prompts
-from tasks.run_layout import RunInfo, RunLayout
+from tasks.run.resume import ConfigChange, change_records, check_resume_workflow, plan_resume
+from tasks.run.data import load_run_data, read_run_prompts, write_run_prompts
+from tasks.run.layout import RunInfo, RunLayout
 from tasks.types import PolicyState, RunHandle
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,9 @@ _TOKENIZER_SUFFIXES = (".json", ".txt", ".model", ".jinja")
 
 
 class RunSetup(NamedTuple):
+    """What :func:`setup_run` returns (``prepare_run``'s three outputs): the config in force, the run's
+    handle and the state its next iteration starts from. A bundle of the three, no concept of its own."""
+
     cfg: TrainConfig
     run: RunHandle
     state: PolicyState
@@ -222,7 +226,7 @@ def _flyte_execution_id() -> str:
 
 def resume_run(layout: RunLayout, cfg_now: TrainConfig, keys: Iterable[str] = (), workflow: str = "") -> RunSetup:
     """Continue a run from ``state.json`` with its stored config, plus the changes among ``keys`` (the
-    fields the user's preset and overrides set) that may change on resume (:mod:`tasks.resume`).
+    fields the user's preset and overrides set) that may change on resume (:mod:`tasks.run.resume`).
 
     Everything is checked before anything is touched: the workflow, the config changes, the resume
     point's checkpoints, a changed reward function. The next iteration starts from the committed
@@ -252,12 +256,10 @@ def resume_run(layout: RunLayout, cfg_now: TrainConfig, keys: Iterable[str] = ()
     if state is None:
         critic = storage.join(layout.url, "critic-init") if cfg.uses_critic else ""
         return RunSetup(cfg, handle, PolicyState(0, layout.reference_url(), critic, cfg.kl.coef))
-    kl = float(state.extras.get("kl_coef", cfg.kl.coef))
-    behaviour = state.extras.get("behaviour_url", "") if cfg.run.off_policy_steps else ""
-    if behaviour:
-        check_resume_point(layout.url, behaviour, "")
-    return RunSetup(cfg, handle, PolicyState(state.iteration + 1, state.actor_url, state.critic_url or "", kl,
-                                             dict(state.extras.get("reward_norm", {})), behaviour))
+    start = PolicyState.resumed(state, cfg.kl.coef, off_policy=bool(cfg.run.off_policy_steps))
+    if start.behaviour_url:
+        check_resume_point(layout.url, start.behaviour_url, "")
+    return RunSetup(cfg, handle, start)
 
 
 def _record_changes(layout: RunLayout, info: RunInfo, cfg: TrainConfig, changes: List[ConfigChange]) -> None:
@@ -287,7 +289,7 @@ DEFAULT_PRESETS = {"ppo": "configs/tiny_ppo.yaml", "reinforce": "configs/tiny_gr
 
 def setup_run(preset: str, overrides: List[str], run_name: str = "", workflow: str = "") -> RunSetup:
     """Entry point of a training workflow: a new run, or the resumption of ``run_name``, under the run's
-    lock (:mod:`tasks.run_lock`; released again if set-up fails)."""
+    lock (:mod:`tasks.run.lock`; released again if set-up fails)."""
     overrides = list(overrides)
     cfg = load_config(preset or DEFAULT_PRESETS.get(workflow, DEFAULT_PRESETS["ppo"]), overrides)
     name = run_name or cfg.run.name or default_run_name(cfg.run.algorithm)

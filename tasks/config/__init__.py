@@ -1,7 +1,8 @@
 """Typed training configuration: frozen dataclasses, checked on construction.
 
 One :class:`TrainConfig` describes a whole run. Presets live in ``configs/*.yaml``; entry
-points load a preset and apply ``section.field=value`` overrides (:mod:`tasks.config_io`).
+points load a preset and apply ``section.field=value`` overrides (:mod:`tasks.config.io`).
+The package also holds :mod:`tasks.config.reference` (the docs page generated from the field docstrings).
 Nothing changes a config at run time. Defaults follow the anchors (NeMo-Aligner, OpenRLHF,
 TRL): γ=1, λ=0.95, ε=0.2, value clip 0.2, fixed KL β=0.01.
 """
@@ -600,7 +601,8 @@ class CriticConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """The run: where it lives, how long it is, how often it evaluates and saves."""
+    """The run: where it lives, how long it is, how often it evaluates and saves. The user's settings
+    (the ``run:`` section of a preset); what a run *is* on storage is :class:`tasks.run.layout.RunLayout`."""
 
     name: str = ""
     """Run name (the prefix under ``storage_root``). Empty: ``{algorithm}-{date}-{time}``."""

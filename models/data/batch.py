@@ -37,7 +37,7 @@ import torch
 
 from models import ragged, storage
 from models.checkpoint import buffer_digest
-from tasks.batch_schema import (ADVANTAGE_COLUMNS, COLUMN_TYPES, RESPONSE_ALIGNED, ROLLOUT_COLUMNS,
+from models.data.batch_schema import (ADVANTAGE_COLUMNS, COLUMN_TYPES, RESPONSE_ALIGNED, ROLLOUT_COLUMNS,
                                 SCORE_COLUMNS, BatchMetadata, BatchSchemaError, list_lengths,
                                 validate_table)
 from models.batch_tensors import ModelInputs, model_inputs, padded_tensors

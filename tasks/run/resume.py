@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping
 
 from tasks.config import ConfigError, TrainConfig
-from tasks.config_io import config_from_json_dict, flatten, to_dict
+from tasks.config.io import config_from_json_dict, flatten, to_dict
 
 RESUMABLE: Dict[str, str] = {
     "run.num_iterations": "the run's length: extend a finished run or stop sooner (not below the iterations done)",

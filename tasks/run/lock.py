@@ -14,7 +14,7 @@ older than its ``ttl_s`` (``run.lock_ttl_s``), or its holder is a local process 
 gone (a SIGKILLed run is taken over at once, without waiting for the TTL).
 
 Heartbeats: locally a thread of the ``pyflyte`` process renews the lease every ``ttl_s / 4``
-(:mod:`tasks.run_end`); on a cluster the long tasks (updates, commit, evaluation, finish) renew it while
+(:mod:`tasks.run.end`); on a cluster the long tasks (updates, commit, evaluation, finish) renew it while
 they run (:func:`heartbeat`), so the TTL must exceed the longest gap between them (a rollout and a
 score, plus pod start-up).
 """

@@ -1,5 +1,5 @@
 """Where prompt rows come from: JSONL and Parquet files on any fsspec URL, Hugging Face
-``datasets``, reasoning-gym; each as ``(where, row)`` records that :func:`tasks.prompts.load_prompts`
+``datasets``, reasoning-gym; each as ``(where, row)`` records that :func:`models.data.prompts.load_prompts`
 validates the same way."""
 
 from __future__ import annotations

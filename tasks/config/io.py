@@ -15,7 +15,7 @@ import yaml
 from tasks.algorithms.checks import ignored_options
 from tasks.config import ConfigError, TrainConfig
 
-PROJECT_ROOT = pathlib.Path(__file__).resolve().parent.parent
+PROJECT_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _field_types(cls) -> Dict[str, Any]:

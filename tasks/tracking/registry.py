@@ -16,7 +16,7 @@ from models.checkpoint import check_finite, download_checkpoint, is_committed, r
 from models.console import mlflow_events_off
 from models.lora import ADAPTER_CONFIG, is_adapter, merge_adapter
 from tasks import tracking
-from tasks.redact import redact
+from tasks.tracking.redact import redact
 
 CANDIDATE = "candidate"
 """Alias of the newest trained policy (set by every finished run that registers its policy)."""
