@@ -59,7 +59,7 @@ def test_a_stale_lock_is_taken_over_and_its_old_holder_stops(lock_url, caplog):
 def test_a_lock_whose_local_process_died_is_taken_over_at_once(lock_url):
     """A ``pyflyte run`` on this host holds the run while it lives; SIGKILLed, its lock is taken over at
     once, without waiting for its hour-long TTL."""
-    code = (f"import sys, time; from tasks import run_lock; print(run_lock.acquire({lock_url!r}, ttl_s=3600).owner, "
+    code = (f"import sys, time; from tasks.run import lock; print(lock.acquire({lock_url!r}, ttl_s=3600).owner, "
             f"flush=True); time.sleep(600)")
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
