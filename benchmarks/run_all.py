@@ -48,7 +48,7 @@ NOT_QUICK = {"pipeline": "tens of harness pods per run"}
 """Sections ``--quick`` leaves out unless named in ``--only`` (why: their cost)."""
 MIN_TIMEOUT_S = {"pipeline": 4 * 3600.0}
 """Sections that need more than ``--timeout-s``'s default: the pipeline's four harness runs took 39 min for the
-demo pair and 40 min for the compute-bound pair at 3 iterations on a loaded 2-core machine (benchmarks/RESULTS.md);
+demo pair and 39 min for the compute-bound pair at 3 iterations on a loaded 2-core machine (benchmarks/RESULTS.md);
 ``make bench`` runs 4 iterations each. A larger ``--timeout-s`` wins."""
 
 
