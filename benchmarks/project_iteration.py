@@ -4,9 +4,9 @@ state (weights, AdamW's moments) from S3 and writes it back, as this project run
     python benchmarks/project_iteration.py [--json PATH] [--check-small]
 
 For the 8B and 70B presets (``configs/llama8b_ppo_gpu.yaml``, ``configs/llama70b_ppo_gpu.yaml``) and
-NeMo-Aligner's Llama-2-70B shape (described below, not a preset), on H100 nodes, each task's seconds per iteration = pod start + state bytes / S3 bandwidth + compute
-(generation at a stated tokens/s, forward and backward FLOPs at a stated MFU), and the share of the
-iteration that is state movement. Every input is an :class:`Assumptions` or :class:`Shape` field.
+NeMo-Aligner's Llama-2-70B layout (described below, not a preset), on H100 nodes, each task's seconds per
+iteration = pod start + state bytes / S3 bandwidth + compute (generation at a stated tokens/s, forward and
+backward FLOPs at a stated MFU), and the share of the iteration that is state movement. Every input is an :class:`Assumptions` or :class:`Shape` field.
 
 Checked against NeMo-Aligner's published Llama-2-70B PPO step, 253.8 s on 8 actor + 8 critic nodes of
 8 GPUs (Shen et al. 2024, "NeMo-Aligner: Scalable Toolkit for Efficient Model Alignment",
