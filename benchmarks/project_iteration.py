@@ -3,10 +3,10 @@ state (weights, AdamW's moments) from S3 and writes it back, as this project run
 
     python benchmarks/project_iteration.py [--json PATH] [--check-small]
 
-For the 8B preset (``configs/llama8b_ppo_gpu.yaml``) and a 70B shape (described below, not a preset),
-on H100 nodes, each task's seconds per iteration = pod start + state bytes / S3 bandwidth + compute
-(generation at a stated tokens/s, forward and backward FLOPs at a stated MFU), and the share of the
-iteration that is state movement. Every input is an :class:`Assumptions` or :class:`Shape` field.
+For the 8B and 70B presets (``configs/llama8b_ppo_gpu.yaml``, ``configs/llama70b_ppo_gpu.yaml``) and
+NeMo-Aligner's Llama-2-70B layout (described below, not a preset), on H100 nodes, each task's seconds per
+iteration = pod start + state bytes / S3 bandwidth + compute (generation at a stated tokens/s, forward and
+backward FLOPs at a stated MFU), and the share of the iteration that is state movement. Every input is an :class:`Assumptions` or :class:`Shape` field.
 
 Checked against NeMo-Aligner's published Llama-2-70B PPO step, 253.8 s on 8 actor + 8 critic nodes of
 8 GPUs (Shen et al. 2024, "NeMo-Aligner: Scalable Toolkit for Efficient Model Alignment",
@@ -90,21 +90,38 @@ class Shape:
     reward_model: bool = True
     """Score loads a reward model the actor's size (False: a reward function, as the tiny runs use)."""
     sharded_state: bool = False
-    """The cut of the largest term, ``actor.optimizer_state_sharded`` (``models/optimizer_shards.py``):
-    AdamW's moments written and read per rank under FSDP2, each rank its own shard, so each node moves
-    O × :data:`MEASURED_SHARD_SHARE` × its ranks = O/nodes in parallel, instead of every node reading the
-    whole O and rank 0 writing it (``models/optimizer_state.py``)."""
+    """The cut of the largest term, ``actor.optimizer_state_sharded`` and ``critic.optimizer_state_sharded``
+    (``models/optimizer_shards.py``): AdamW's moments written and read per rank under FSDP2, each rank its
+    own shard, so each node moves O × :data:`MEASURED_SHARD_SHARE` × its ranks = O/nodes in parallel,
+    instead of every node reading the whole O and rank 0 writing it (``models/optimizer_state.py``). A LoRA
+    critic's state (adapters only) is left out either way."""
+
+
+def llama_params(layers: int, d_model: int, kv_heads: int, ffn: int, vocab: int, heads: int, tied: bool) -> float:
+    """Parameters of a Llama-style decoder: per layer q and o (d²), k and v (d · d_kv, d_kv = d · kv_heads /
+    heads, GQA), gate, up and down (3 · d · ffn), two RMSNorms (2d); the embedding and, untied, the LM head
+    (vocab · d each) and the final norm."""
+    d_kv = d_model * kv_heads // heads
+    layer = 2 * d_model * d_model + 2 * d_model * d_kv + 3 * d_model * ffn + 2 * d_model
+    return layers * layer + (1 if tied else 2) * vocab * d_model + d_model
 
 
 LLAMA_8B = Shape("llama8b_ppo_gpu", params=8.03e9, samples=128 * 4, prompt_tokens=512, response_tokens=1024,
                  actor_nodes=1)
 """``configs/llama8b_ppo_gpu.yaml``: 128 prompts × 4, 1024-token budget, the actor on one node of 8, rollout,
 score and the LoRA critic on one GPU each."""
-LLAMA_70B = Shape("llama70b (described, no preset)", params=69.0e9, samples=1024, prompt_tokens=512,
-                  response_tokens=1024, actor_nodes=8, rollout_gpus=8, score_gpus=8, critic_gpus=64,
-                  critic_lora=False, gen_speed=0.25)
+LLAMA_70B = Shape("llama70b_ppo_gpu", params=llama_params(80, 8192, 8, 28672, 128256, heads=64, tied=False),
+                  samples=256 * 4, prompt_tokens=512, response_tokens=1024, actor_nodes=8, rollout_gpus=8,
+                  score_gpus=8, critic_gpus=1, critic_params=LLAMA_8B.params, gen_speed=0.25)
+"""``configs/llama70b_ppo_gpu.yaml`` (Llama-3-70B shapes, 70.6B): 256 prompts × 4, 1024-token budget, the actor
+FSDP2 over 8 nodes of 8, rollout (tensor parallel 8) and score on one node of 8, an 8B LoRA critic on one
+GPU (the critic update is one process), a 70B reward model."""
+NEMO_70B = Shape("Llama-2-70B, NeMo-Aligner's layout (no preset)", params=69.0e9, samples=1024, prompt_tokens=512,
+                 response_tokens=1024, actor_nodes=8, rollout_gpus=8, score_gpus=8, critic_gpus=64,
+                 critic_lora=False, gen_speed=0.25)
 """The NeMo-Aligner Llama-2-70B shape: actor and a full critic on 8 nodes each, rollout and score with
-8 GPUs (tensor parallel); 1024 responses per step (their rollout batch), 1024-token budget."""
+8 GPUs (tensor parallel); 1024 responses per step (their rollout batch), 1024-token budget. Not runnable
+here: the critic update is one process (the cut of its state is projected, not measured)."""
 
 
 def state_terms(s: Shape) -> Dict[str, Dict[Tuple[str, str], float]]:
@@ -149,15 +166,18 @@ def state_bytes(s: Shape) -> Dict[str, Dict[str, float]]:
 
 
 def compute_seconds(s: Shape, a: Assumptions) -> Dict[str, float]:
-    """Seconds of GPU work per task: generation at the stated tokens/s, forwards 2·P·tokens FLOPs per model,
-    updates 6·P·tokens (LoRA critic: 4·P·tokens, no weight gradients) at the stated MFU."""
+    """Seconds of GPU work per task: generation at the stated tokens/s, forwards 2·P·tokens FLOPs per model
+    (the critic at its own size), updates 6·P·tokens (LoRA critic: 4·P·tokens, no weight gradients) at the
+    stated MFU."""
     tokens = s.samples * (s.prompt_tokens + s.response_tokens)
+    cp = s.params if s.critic_params is None else s.critic_params
+    models = (3 if s.reward_model else 2) * s.params + cp  # π_old, π_ref (and the reward model), the critic
     flops = lambda gpus, mfu: gpus * a.peak_tflops * 1e12 * mfu  # noqa: E731
     return {
         "rollout": s.samples * s.response_tokens / (a.gen_tokens_per_s_per_gpu * s.gen_speed * s.rollout_gpus),
-        "score": 4 * 2 * s.params * tokens / flops(s.score_gpus, a.forward_mfu),
+        "score": 2 * models * tokens / flops(s.score_gpus, a.forward_mfu),
         "actor_update": 6 * s.params * tokens / flops(s.actor_nodes * s.gpus_per_node, a.train_mfu),
-        "critic_update": (4 if s.critic_lora else 6) * s.params * tokens / flops(s.critic_gpus, a.train_mfu),
+        "critic_update": (4 if s.critic_lora else 6) * cp * tokens / flops(s.critic_gpus, a.train_mfu),
     }
 
 
@@ -206,9 +226,10 @@ def table(s: Shape, a: Assumptions) -> str:
 
 def shapes() -> List[Shape]:
     """Each shape with the default whole optimizer state, then with the cut of its largest term
-    (``actor.optimizer_state_sharded=true``)."""
-    return [v for s in (LLAMA_8B, LLAMA_70B) for v in (s, replace(s, name=f"{s.name}, sharded AdamW state",
-                                                                   sharded_state=True))]
+    (``actor.optimizer_state_sharded=true``, and ``critic.`` where the critic is trained in full; the 70B
+    preset sets the actor's)."""
+    return [v for s in (LLAMA_8B, LLAMA_70B, NEMO_70B)
+            for v in (s, replace(s, name=f"{s.name}, sharded AdamW state", sharded_state=True))]
 
 
 def rows(a: Assumptions) -> List[Row]:
@@ -220,7 +241,7 @@ def rows(a: Assumptions) -> List[Row]:
                        f"compute {it['compute']:.0f} s"))
     out.append(row("projection", "AdamW bytes a rank reads, sharded / whole (2 ranks, measured)",
                    MEASURED_SHARD_SHARE, "x", "tests/unit/models/test_optimizer_shards.py through S3 (moto)"))
-    nemo = project(LLAMA_70B, a)["iteration"]["compute"]
+    nemo = project(NEMO_70B, a)["iteration"]["compute"]
     out.append(row("projection", "70B compute terms / NeMo-Aligner step", nemo / NEMO_ALIGNER_70B_STEP_S, "x",
                    f"{nemo:.0f} s projected vs {NEMO_ALIGNER_70B_STEP_S} s published (models resident; "
                    f"their rollout runs on the actor's 64 GPUs, this shape's on 8)"))

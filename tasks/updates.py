@@ -198,7 +198,8 @@ def train_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
     url = run.layout.critic_url(state.iteration)
     with naming_a_full_disk(url, model):
         save_trained(model.critic, tok, url, state.critic_url)
-        commit_optimizer(model, optimizer, url, c.keep_optimizer_state, times, "critic", info)
+        commit_optimizer(model, optimizer, url, c.keep_optimizer_state, times, "critic", info,
+                         c.optimizer_state_sharded)
     return UpdateOutput(url, {**critic_stats(stats), "critic/optimizer_steps_total": prior_steps + stats["steps"],
                               **times, "time/critic_update_s": time.perf_counter() - t0})
 

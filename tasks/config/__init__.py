@@ -581,6 +581,12 @@ class CriticConfig:
     keep_optimizer_state: bool = True
     """Carry AdamW's moments from one iteration's update to the next (as ``actor.keep_optimizer_state``;
     the critic server keeps its optimiser in memory instead)."""
+    optimizer_state_sharded: bool = False
+    """Commit AdamW's moments per rank, as ``actor.optimizer_state_sharded`` (the same code,
+    ``models/optimizer_shards.py``). The critic update runs as one process today, and one process holds
+    the whole state, so it commits the whole state as with false; the option takes effect (each rank
+    reads 1/n) once the critic trains on n ranks under FSDP2, as a full critic at 70B must
+    (docs/cluster.md)."""
     remote_url: str = ""
     """Critic server base URL; empty runs the critic inside the tasks."""
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -591,6 +597,9 @@ class CriticConfig:
         _check(not (self.lora.enabled and self.remote_url),
                "critic.lora needs the critic inside the tasks: the critic server (critic.remote_url) "
                "trains its own critic")
+        _check(not (self.optimizer_state_sharded and self.remote_url),
+               "critic.optimizer_state_sharded needs the critic inside the tasks: the critic server "
+               "(critic.remote_url) keeps its optimizer in memory and commits none")
         _check(self.lr > 0, "critic.lr must be > 0")
         _check(self.epochs >= 1, "critic.epochs must be >= 1")
         _check(self.minibatch_size >= 1 and self.micro_batch_size >= 1,

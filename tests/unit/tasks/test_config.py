@@ -159,3 +159,9 @@ def test_the_probe_tolerance_is_raised_where_bfloat16_rounding_alone_exceeds_it(
     assert load_config("tiny_ppo", ["rollout.engine=hf", "model.dtype=bfloat16"]).probe_tolerance == 0.5
     assert load_config("tiny_ppo", ["rollout.vllm_dtype=bfloat16", "rollout.probe_tolerance=2"]).probe_tolerance == 2
     assert load_config("tiny_ppo", ["model.dtype=bfloat16", "rollout.probe_tolerance=0"]).probe_tolerance == 0  # off
+
+
+def test_critic_optimizer_state_sharded_needs_the_critic_inside_the_tasks():
+    assert load_config("tiny_ppo", ["critic.optimizer_state_sharded=true"]).critic.optimizer_state_sharded
+    with pytest.raises(ConfigError, match="critic.optimizer_state_sharded needs the critic inside the tasks"):
+        load_config("tiny_ppo", ["critic.optimizer_state_sharded=true", "critic.remote_url=http://127.0.0.1:1"])
