@@ -44,12 +44,13 @@ def next_kl_coef(cfg: TrainConfig, state: PolicyState, stats: Dict[str, float]) 
 
 def sample_table(batch: RolloutBatch, n: int) -> Dict[str, list]:
     """The first ``n`` samples: prompt (as the model saw it), response, reward, KL(π_old‖π_ref)
-    summed over the response, and what the sample was judged against: its data row (``row_id``)
+    summed over the response's policy tokens (multi-turn: not the tool's), and what the sample was judged against: its data row (``row_id``)
     and the row's other columns, one table column each (``answer``, ...; a column named like one of
     the table's own gets a ``data.`` prefix)."""
     t = batch.table.slice(0, n)
-    kl = [float(np.sum(np.asarray(o) - np.asarray(r))) for o, r in
-          zip(t.column("old_logprobs").to_pylist(), t.column("ref_logprobs").to_pylist())]
+    masks = t.column("loss_mask").to_pylist() if "loss_mask" in t.column_names else [True] * t.num_rows
+    kl = [float(np.sum((np.asarray(o) - np.asarray(r)) * np.asarray(m))) for o, r, m in  # policy tokens only
+          zip(t.column("old_logprobs").to_pylist(), t.column("ref_logprobs").to_pylist(), masks)]
     table = {"prompt": t.column("prompt").to_pylist(), "response": t.column("response").to_pylist(),
              "reward": [float(x) for x in t.column("reward").to_pylist()], "kl": kl}
     if "reward_raw" in t.column_names:
