@@ -32,7 +32,7 @@ from models.tool_tasks import ArithmeticEnv, demonstration, problems
 from models.tools import CALCULATOR
 from models.warm_start import torch_threads
 
-CACHE_VERSION = 3
+CACHE_VERSION = 2
 DONE_FILE = "tool_warm_start.json"
 
 
@@ -42,7 +42,7 @@ class ToolDemoConfig:
 
     model: HubModelConfig = HubModelConfig()
     """The Qwen2-shaped checkpoint's shape (2 layers, width 64: head size 32, which vLLM's CPU backend has)."""
-    steps: int = 300
+    steps: int = 600
     """SFT optimiser steps."""
     batch_size: int = 32
     """Demonstrations per step."""
@@ -54,7 +54,7 @@ class ToolDemoConfig:
     problems, and RL has that choice to learn. 0 by default: at 0.5 (450 steps) the copying of the
     digits had not formed at all (docs/multi_turn.md)."""
     num_train: int = 4000
-    """Training prompts (the warm start cycles through them: 300 × 32 demonstrations is 2.4 passes)."""
+    """Training prompts (the warm start cycles through them: 600 × 32 demonstrations is ~5 passes)."""
     num_eval: int = 64
     """Held-out prompts (another seed)."""
     seed: int = 0

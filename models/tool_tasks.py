@@ -1,5 +1,5 @@
-"""The tool-use task: arithmetic on numbers too long to compute in one's head (products of 5-digit
-numbers), with the calculator available. An environment (``rollout.environment=
+"""The tool-use task: arithmetic on numbers too long to compute in one's head (4–6 digit products
+and sums), with the calculator available. An environment (``rollout.environment=
 models.tool_tasks:ArithmeticEnv``), its data and the demonstrations of the warm start."""
 
 from __future__ import annotations
@@ -16,20 +16,12 @@ SYSTEM = "Use the calculator for arithmetic. Answer with the number only."
 
 
 def problem(rng: random.Random) -> Dict[str, str]:
-    """A row: ``prompt`` (the question), ``expression`` and ``answer`` (exact): the product of two
-    5-digit numbers, 10 digits long.
-
-    The question writes the expression as the tool call does, so the call is a token-by-token copy
-    of the question and the answer one of the tool's result (digits are single tokens). Every
-    expression has 11 tokens and every result 10, so each copied digit sits a fixed number of
-    tokens after its source: a 2-layer model copies at a fixed offset (a RoPE attention head)
-    quickly, whereas with lengths that vary it has to find the source by content, and digits repeat
-    (the 600-step warm start on 4-10 digit results copied the call but not the answer,
-    docs/multi_turn.md)."""
-    while True:
-        a, b = rng.randint(10000, 99999), rng.randint(10000, 99999)
-        if a * b >= 10 ** 9:
-            return {"prompt": f"What is {a}*{b}?", "expression": f"{a}*{b}", "answer": str(a * b)}
+    """A row: ``prompt`` (the question) and ``answer`` (exact)."""
+    a, b = rng.randint(1000, 99999), rng.randint(1000, 99999)
+    op = rng.choice("*+")
+    # The question writes the expression as the tool call does, so the call is a token-by-token copy.
+    return {"prompt": f"What is {a}{op}{b}?", "expression": f"{a}{op}{b}",
+            "answer": str(a * b if op == "*" else a + b)}
 
 
 def problems(n: int, seed: int) -> List[Dict[str, str]]:

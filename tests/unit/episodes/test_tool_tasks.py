@@ -18,9 +18,9 @@ from models.tools import CALCULATOR
 def test_problems_are_exact_and_long():
     rows = problems(50, 0)
     for r in rows:
-        a, b = re.fullmatch(r"What is (\d+)\*(\d+)\?", r["prompt"]).groups()
-        assert r["answer"] == str(int(a) * int(b))
-        assert r["expression"] == f"{a}*{b}" and len(a) == len(b) == 5 and len(r["answer"]) == 10  # fixed offsets
+        a, op, b = re.fullmatch(r"What is (\d+)([*+])(\d+)\?", r["prompt"]).groups()
+        assert r["answer"] == str(int(a) * int(b) if op == "*" else int(a) + int(b))
+        assert r["expression"] == f"{a}{op}{b}" and len(a) >= 4 and len(b) >= 4
     assert problems(50, 0) == rows and problems(50, 1) != rows
 
 
