@@ -132,8 +132,14 @@ def progress_line(cfg: TrainConfig, i: int, m: Dict[str, float]) -> str:
             f"reward {m.get('rollout/reward_mean', float('nan')):.3f}  "
             f"kl {m.get('rollout/init_policy_kl', float('nan')):.3f}  "
             f"len {m.get('rollout/response_length_mean', float('nan')):.1f}  "
-            f"actor_loss {m.get('actor/loss', float('nan')):+.3f}  "
-            f"clip {m.get('actor/clip_frac', float('nan')):.2f}  {_gap(m)}({wall}{phases:.1f} s in tasks)")
+            f"{_actor(m)}{_gap(m)}({wall}{phases:.1f} s in tasks)")
+
+
+def _actor(m: Dict[str, float]) -> str:
+    """The actor's loss and clip fraction, or that it took no step (no token or no advantage to learn from)."""
+    if m.get("actor/steps") == 0:
+        return "actor: no step (no advantage or token to learn from)  "
+    return f"actor_loss {m.get('actor/loss', float('nan')):+.3f}  clip {m.get('actor/clip_frac', float('nan')):.2f}  "
 
 
 def _gap(m: Dict[str, float]) -> str:
