@@ -102,7 +102,7 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, data: UpdateD
             maybe_kill_rank(info.rank, steps + skipped)  # tests only: a rank dies mid-update
             step_stats = _accumulate(model, optimizer, data, perm[start:start + local_mb], loss_fn, settings,
                                      info, seq_len)
-            if step_stats is None:  # all rows masked from the loss: no step (AdamW would still move weights)
+            if step_stats is None:  # no token or no advantage to learn from: no step (AdamW would move weights)
                 continue
             grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
             step_stats["grad_norm"] = float(grad_norm)
@@ -133,10 +133,11 @@ def _accumulate(model: nn.Module, optimizer: torch.optim.Optimizer, data: Update
                 loss_fn: LossFn, settings: LoopSettings, info: DistInfo,
                 seq_len: torch.Tensor) -> Optional[Dict[str, float]]:
     """Gradients of minibatch ``mb`` (this rank's rows) summed over its micro-batches; its statistics, or
-    None when no rank has a token the loss learns from (every row masked by ``loss_mask``)."""
+    None when no rank has a token the loss learns from (every row masked by ``loss_mask``) or a non-zero
+    advantage on one (:func:`_has_advantage`)."""
     mb_tokens = float(all_reduce_sum(data.loss_tokens[mb].sum().double()))
     mb_seqs = float(all_reduce_sum(data.loss_tokens[mb].any(-1).sum().double()))
-    if mb_tokens == 0:
+    if mb_tokens == 0 or not _has_advantage(data, mb):
         return None
     optimizer.zero_grad(set_to_none=True)
     # The minibatch's gradient is the sum over its micro-batches whatever rows go together,
@@ -153,6 +154,22 @@ def _accumulate(model: nn.Module, optimizer: torch.optim.Optimizer, data: Update
             step_stats[k] = step_stats.get(k, 0.0) + float(v) * w
         step_stats["loss"] = step_stats.get("loss", 0.0) + float(loss.detach()) * info.world_size
     return step_stats
+
+
+def _has_advantage(data: UpdateData, mb: torch.Tensor) -> bool:
+    """Whether any rank's minibatch ``mb`` has a non-zero advantage on a token the loss sees (always, for
+    a loss without advantages: the critic's).
+
+    A minibatch without one (GRPO when every sample of its prompts scored the same) takes no step:
+    its only gradient would be the KL or entropy term's, which AdamW does not scale by ``kl.coef``.
+    At π ≈ π_ref the k3 KL's gradient is float rounding (~1e-13 per weight), far below AdamW's ε
+    (1e-8), where AdamW is gradient descent at lr/ε (5e4x at lr 5e-4): it overshoots the KL's
+    minimum and grows the gap ~10x per step, and the tool demo's policy drifted ~0.1 nats per token
+    from π_ref in 8 iterations of zero advantages (docs/multi_turn.md)."""
+    if data.adv is None:
+        return True
+    live = (data.adv[mb] != 0) & data.loss_tokens[mb]  # NaN counts: the finite check reports it
+    return float(all_reduce_sum(live.any().double())) > 0
 
 
 def _finite_on_every_rank(loss: float, grad_norm: float) -> bool:

@@ -45,12 +45,13 @@ def next_kl_coef(cfg: TrainConfig, state: PolicyState, stats: Dict[str, float]) 
 
 def sample_table(batch: RolloutBatch, n: int) -> Dict[str, list]:
     """The first ``n`` samples: prompt (as the model saw it), response, reward, KL(π_old‖π_ref)
-    summed over the response, and what the sample was judged against: its data row (``row_id``)
+    summed over the response's policy tokens (multi-turn: not the tool's), and what the sample was judged against: its data row (``row_id``)
     and the row's other columns, one table column each (``answer``, ...; a column named like one of
     the table's own gets a ``data.`` prefix)."""
     t = batch.table.slice(0, n)
-    kl = [float(np.sum(np.asarray(o) - np.asarray(r))) for o, r in
-          zip(t.column("old_logprobs").to_pylist(), t.column("ref_logprobs").to_pylist())]
+    masks = t.column("loss_mask").to_pylist() if "loss_mask" in t.column_names else [True] * t.num_rows
+    kl = [float(np.sum((np.asarray(o) - np.asarray(r)) * np.asarray(m))) for o, r, m in  # policy tokens only
+          zip(t.column("old_logprobs").to_pylist(), t.column("ref_logprobs").to_pylist(), masks)]
     table = {"prompt": t.column("prompt").to_pylist(), "response": t.column("response").to_pylist(),
              "reward": [float(x) for x in t.column("reward").to_pylist()], "kl": kl}
     if "reward_raw" in t.column_names:
@@ -131,8 +132,14 @@ def progress_line(cfg: TrainConfig, i: int, m: Dict[str, float]) -> str:
             f"reward {m.get('rollout/reward_mean', float('nan')):.3f}  "
             f"kl {m.get('rollout/init_policy_kl', float('nan')):.3f}  "
             f"len {m.get('rollout/response_length_mean', float('nan')):.1f}  "
-            f"actor_loss {m.get('actor/loss', float('nan')):+.3f}  "
-            f"clip {m.get('actor/clip_frac', float('nan')):.2f}  {_gap(m)}({wall}{phases:.1f} s in tasks)")
+            f"{_actor(m)}{_gap(m)}({wall}{phases:.1f} s in tasks)")
+
+
+def _actor(m: Dict[str, float]) -> str:
+    """The actor's loss and clip fraction, or that it took no step (no token or no advantage to learn from)."""
+    if m.get("actor/steps") == 0:
+        return "actor: no step (no advantage or token to learn from)  "
+    return f"actor_loss {m.get('actor/loss', float('nan')):+.3f}  clip {m.get('actor/clip_frac', float('nan')):.2f}  "
 
 
 def _gap(m: Dict[str, float]) -> str:

@@ -180,8 +180,7 @@ def logprob_gap(batch: RolloutBatch, old_logprobs: np.ndarray) -> Dict[str, floa
     top-p/top-k sampling adds the log of the kept mass)."""
     sampler = ragged.offsets_and_values(batch.column("sampler_logprobs"))[1].astype(np.float64)
     gap = np.abs(sampler - old_logprobs.astype(np.float64))  # [N_tok]
-    if "loss_mask" in batch.column_names:  # multi-turn: tool and template tokens were not sampled
-        gap = gap[ragged.offsets_and_values(batch.column("loss_mask"))[1].astype(bool)]
+    gap = gap[policy_tokens(batch, len(gap))]  # multi-turn: tool and template tokens were not sampled
     return {"rollout/logprob_gap_max": float(gap.max()) if gap.size else 0.0,
             "rollout/logprob_gap_mean": float(gap.mean()) if gap.size else 0.0}
 
@@ -198,7 +197,8 @@ def rollout_stats(rewards: np.ndarray, lengths: np.ndarray, batch: RolloutBatch,
     """``rollout/*`` metrics (docs/concepts/metrics.md) that need only the scored batch (``rewards``: the raw reward,
     what the task's success reads as, whatever scaling the advantages get)."""
     seq = np.repeat(np.arange(len(lengths)), lengths)  # [N_tok] row of each token
-    kl_tok = flat["old_logprobs"] - flat["ref_logprobs"]
+    policy = policy_tokens(batch, len(seq))  # [N_tok] the tokens the policy chose (multi-turn: not tool tokens)
+    kl_tok = (flat["old_logprobs"] - flat["ref_logprobs"]) * policy
     kl_seq = np.bincount(seq, weights=kl_tok, minlength=len(lengths))  # [B]
     ended = batch.table.column("is_end").to_numpy()
     return {
@@ -207,9 +207,21 @@ def rollout_stats(rewards: np.ndarray, lengths: np.ndarray, batch: RolloutBatch,
         "rollout/init_policy_kl": float(kl_seq.mean()),
         "rollout/response_length_mean": float(lengths.mean()),
         "rollout/fraction_ended": float(np.asarray(ended, dtype=np.float64).mean()),
-        **({"rollout/entropy": float(flat["entropy"].mean()) if flat["entropy"].size else 0.0}
+        **({"rollout/entropy": float(flat["entropy"][policy].mean()) if policy.any() else 0.0}
            if "entropy" in flat else {}),  # the actor's forward: not run with actor.old_logprobs=sampler
     }
+
+
+def policy_tokens(batch: RolloutBatch, n_tokens: int) -> np.ndarray:
+    """``[N_tok]`` bool over the batch's response tokens, flat: the batch's ``loss_mask`` (multi-turn: 1 on
+    the tokens the policy sampled, 0 on tool, user and template tokens), all True without one.
+
+    KL and entropy metrics count these only: a tool result's tokens are not the policy's choice, and
+    π_old and π_ref can disagree on them by nats (the tool demo's logged KL was 23.6 nats per episode,
+    19.0 of them on tool and template tokens; docs/multi_turn.md)."""
+    if "loss_mask" not in batch.column_names:
+        return np.ones(n_tokens, dtype=bool)
+    return ragged.offsets_and_values(batch.column("loss_mask"))[1].astype(bool)
 
 
 @task(cache=True, cache_version=CACHE_VERSION, retries=2, enable_deck=True, deck_fields=decks.DECK_FIELDS,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +15,8 @@ from models.update import UpdateData, critic_loss_fn
 from tasks.advantages import run_advantages
 from models.data.batch import BatchMetadata, RolloutBatch
 from tasks.config.io import load_config
+from tasks.iteration import sample_table
+from tasks.score import rollout_stats
 from tasks.types import PolicyState, RunHandle
 
 # response: 2 sampled tokens (a tool call), 2 tool-result tokens, 1 sampled token (the answer)
@@ -24,8 +27,8 @@ VALUES = [0.5, 0.4, 9.0, 9.0, 0.2]
 REWARD, BETA, GAMMA, LAM = 1.0, 0.1, 1.0, 0.95
 
 
-def _batch(algorithm: str, rows: int = 1, rewards=(REWARD,)) -> RolloutBatch:
-    extra = {"values": [VALUES] * rows} if algorithm == "ppo" else {}
+def _batch(algorithm: str, rows: int = 1, rewards=(REWARD,), **extra) -> RolloutBatch:
+    extra.update({"values": [VALUES] * rows} if algorithm == "ppo" else {})
     return RolloutBatch.from_columns(
         BatchMetadata(iteration=0, policy_version=0, algorithm=algorithm), prompt_id=[0] * rows,
         prompt_tokens=[[1, 2]] * rows, response_tokens=[[3, 4, 5, 6, 7]] * rows, sampler_logprobs=[OLD] * rows,
@@ -86,3 +89,16 @@ def test_grpo_advantages_are_zero_on_the_tool_tokens(tmp_path):
     assert out.batch.column("advantages").to_pylist() == [
         pytest.approx([a, a, 0, 0, a], abs=1e-4), pytest.approx([-a, -a, 0, 0, -a], abs=1e-4)]
     assert out.batch.column("loss_mask").to_pylist() == [MASK, MASK]
+
+
+def test_logged_kl_and_entropy_count_the_policy_tokens_only():
+    """``rollout/init_policy_kl`` sums log π_old − log π_ref over the tokens the policy sampled: 0.5 + 0 + 0.5
+    here, not the 9 nats the tool's tokens would add (the tool demo's logged 23.6 was 19.0 of them);
+    ``rollout/entropy`` and the sample table's ``kl`` likewise."""
+    batch = _batch("grpo", rows=2, rewards=(0.0, 1.0), prompt=["What is 2*3?"] * 2, response=["6"] * 2)
+    flat = {"old_logprobs": np.array(OLD * 2), "ref_logprobs": np.array(REF * 2),
+            "entropy": np.array([1.0, 2.0, 7.0, 7.0, 3.0] * 2)}
+    stats = rollout_stats(np.array([0.0, 1.0]), np.array([5, 5]), batch, flat)
+    assert stats["rollout/init_policy_kl"] == pytest.approx(1.0)
+    assert stats["rollout/entropy"] == pytest.approx(2.0)
+    assert sample_table(batch, 2)["kl"] == pytest.approx([1.0, 1.0])

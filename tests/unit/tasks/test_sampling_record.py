@@ -49,3 +49,12 @@ def test_the_batch_records_the_sampling_and_score_refuses_another_temperature():
 def test_the_gap_is_over_every_response_token():
     gap = logprob_gap(_batch({}), np.array([-0.5, -0.75, -2.5], np.float32))
     assert gap == {"rollout/logprob_gap_max": 0.5, "rollout/logprob_gap_mean": pytest.approx(0.75 / 3)}
+
+
+def test_an_update_without_a_step_says_so():
+    """Every advantage 0 (GRPO when every sample scored the same): the actor takes no step, and the line
+    says that rather than a loss of nan."""
+    line = progress_line(TrainConfig(), 0, {k: v for k, v in BASE.items() if not k.startswith("actor/")} |
+                         {"actor/steps": 0.0})
+    assert "actor: no step" in line and "nan" not in line
+    assert "actor_loss +0.100  clip 0.00" in progress_line(TrainConfig(), 0, {**BASE, "actor/steps": 4.0})
