@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kernels.losses import PolicyLossConfig, PolicyLossInput, policy_loss
+from models.data.batch import BatchMetadata, RolloutBatch
 from models.update import UpdateData, critic_loss_fn
 from tasks.advantages import run_advantages
-from models.data.batch import BatchMetadata, RolloutBatch
 from tasks.config.io import load_config
 from tasks.iteration import sample_table
 from tasks.score import rollout_stats
