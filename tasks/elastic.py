@@ -54,15 +54,19 @@ class ActorElasticTask(PytorchElasticFunctionTask):
     def _run_in_process(self, kwargs) -> Any:
         """One worker on one node: this process is the worker (no launch: 0.7 s less per iteration, and
         no store, rendezvous or result file). It has no process group, as a single launched worker has
-        none; torch gets the threads a launched worker would get, and the caller's afterwards."""
+        none; torch gets the threads a launched worker would get, and the caller's afterwards.
+
+        Through ``torch._C.set_num_threads``: vLLM's CPU worker replaces ``torch.set_num_threads`` with
+        a no-op (after binding its OpenMP threads) in every process that hosts an in-process engine,
+        as a local run's rollout does, so the public name would silently keep the engine's count."""
         import torch
 
         before = torch.get_num_threads()
-        torch.set_num_threads(worker_threads(1))
+        torch._C.set_num_threads(worker_threads(1))
         try:
             return self._task_function(**kwargs)
         finally:
-            torch.set_num_threads(before)
+            torch._C.set_num_threads(before)
             if torch.cuda.is_available():  # give the cached blocks back to a colocated engine
                 torch.cuda.empty_cache()
 

@@ -63,7 +63,9 @@ def test_the_run_config_sets_the_local_worker_count(omp, monkeypatch):
         monkeypatch.setenv("OMP_NUM_THREADS", omp)
     use_local_topology(who, load_config("tiny_ppo", ["actor.nproc_per_node=1"]))
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    # torch._C's setter: an in-process vLLM engine (earlier tests) replaces torch.set_num_threads
+    # with a no-op, as it does in a local run; the task must set the threads all the same
+    torch._C.set_num_threads(1)
     try:
         one = who(x=1)
         assert one.world == 1 * 100 + 1
@@ -74,7 +76,7 @@ def test_the_run_config_sets_the_local_worker_count(omp, monkeypatch):
             who(x=-2)
         assert torch.get_num_threads() == 1
     finally:
-        torch.set_num_threads(before)
+        torch._C.set_num_threads(before)
         use_local_topology(who, load_config("tiny_ppo", ["actor.nproc_per_node=2"]))
 
 

@@ -53,7 +53,11 @@ def test_sampler_matches_the_trainer_for_three_iterations(algorithm, model, engi
     for i, s in enumerate(stats):
         assert s["rollout/logprob_gap_max"] < TOL, (i, s["rollout/logprob_gap_max"])
         assert s["rollout/probe_gap_max"] < TOL, (i, s["rollout/probe_gap_max"])
-        assert math.isfinite(s["actor/loss"]) and math.isfinite(s["rollout/logprob_gap_mean"])
+        assert math.isfinite(s["rollout/logprob_gap_mean"])
+        # an iteration whose every advantage is 0 (GRPO, all samples of each prompt scored alike)
+        # takes no actor step and logs no loss; the others log a finite one
+        assert s["actor/steps"] == 0 or math.isfinite(s["actor/loss"]), s
+    assert any(s["actor/steps"] > 0 for s in stats), "no iteration trained: the bound would prove nothing"
     moved = compare_policies(local_checkpoint(run.reference_url), local_checkpoint(final), local_checkpoint)
     assert moved.gap_max > 1e-2, moved  # three updates changed the policy: a stale engine would show
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"[{algorithm}] iter ")]
