@@ -1,5 +1,5 @@
-"""The tool-use task: arithmetic on numbers too long to compute in one's head (4–6 digit products
-and sums), with the calculator available. An environment (``rollout.environment=
+"""The tool-use task: products of numbers too long to multiply in one's head (4–5 digit factors,
+up to 10-digit results), with the calculator available. An environment (``rollout.environment=
 models.tool_tasks:ArithmeticEnv``), its data and the demonstrations of the warm start."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ SYSTEM = "Use the calculator for arithmetic. Answer with the number only."
 def problem(rng: random.Random) -> Dict[str, str]:
     """A row: ``prompt`` (the question) and ``answer`` (exact)."""
     a, b = rng.randint(1000, 99999), rng.randint(1000, 99999)
-    op = rng.choice("*+")
     # The question writes the expression as the tool call does, so the call is a token-by-token copy.
-    return {"prompt": f"What is {a}{op}{b}?", "expression": f"{a}{op}{b}",
-            "answer": str(a * b if op == "*" else a + b)}
+    # Products only: with sums mixed in, the demo's model never learned to copy the operator (its
+    # probability stayed at 0.49 for the right one after 1000 steps; docs/multi_turn.md).
+    return {"prompt": f"What is {a}*{b}?", "expression": f"{a}*{b}", "answer": str(a * b)}
 
 
 def problems(n: int, seed: int) -> List[Dict[str, str]]:
@@ -53,10 +53,12 @@ class ArithmeticEnv(Environment):
 
 def demonstration(row: Mapping[str, str], use_tool: bool = True) -> List[Dict[str, Any]]:
     """The conversation an expert has: one calculator call, then the result as the answer; with
-    ``use_tool=False`` the answer straight away (right, but from a memory a small model does not have)."""
+    ``use_tool=False`` the answer straight away, "The answer is N." (right, but from a memory a small
+    model does not have): its first token differs from the tool-using turn's, so the choice to call
+    the tool is one token the model samples."""
     start = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": row["prompt"]}]
     if not use_tool:
-        return start + [{"role": "assistant", "content": row["answer"]}]
+        return start + [{"role": "assistant", "content": f"The answer is {row['answer']}."}]
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": row["expression"]}}}
     return start + [{"role": "assistant", "content": "Let me calculate.", "tool_calls": [call]},
                     {"role": "tool", "name": "calculator", "content": row["answer"]},

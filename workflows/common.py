@@ -65,6 +65,9 @@ def chain_iterations(cfg: TrainConfig, run, state, critic: bool) -> Tuple[object
     stop = min(start + cfg.run.iterations_per_chunk, cfg.run.num_iterations)
     if start > 0 and eval_due(cfg, start - 1):  # resumed after a crash between commit and evaluate?
         evaluate(cfg=cfg, run=run, state=state)  # (no-op when that evaluation is logged)
+    if start == 0 and cfg.run.eval_before_training:
+        # The starting policy, logged at step -1 (no-op on a resume that finds it logged).
+        evaluate(cfg=cfg, run=run, state=state).with_overrides(**resources_for(cfg, "rollout"))
     sampled = None
     if cfg.run.off_policy_steps:
         # The chunk's first batch: from the actor one update older than state's, as the pipeline sampled

@@ -621,6 +621,10 @@ class RunConfig:
     """Training iterations."""
     eval_interval: int = 5
     """Evaluate on held-out prompts every this many iterations (and after the last); 0: never."""
+    eval_before_training: bool = False
+    """Also evaluate the starting policy, before the first update (logged at step -1), so the run's own
+    curve shows what training added (veRL's ``val_before_train``, TRL's ``eval_on_start``). Needs
+    ``eval_interval`` > 0."""
     save_interval: int = 5
     """Keep the checkpoints of every this-many-th iteration (the last is always kept)."""
     iterations_per_chunk: int = 8
@@ -659,6 +663,8 @@ class RunConfig:
         _check(bool(self.storage_root), "run.storage_root must not be empty")
         _check(self.num_iterations >= 1, "run.num_iterations must be >= 1")
         _check(self.eval_interval >= 0, "run.eval_interval must be >= 0")
+        _check(not self.eval_before_training or self.eval_interval > 0,
+               "run.eval_before_training needs run.eval_interval > 0 (held-out evaluation is off at 0)")
         _check(self.save_interval >= 1, "run.save_interval must be >= 1")
         _check(self.iterations_per_chunk >= 1, "run.iterations_per_chunk must be >= 1")
         _check(self.off_policy_steps in (0, 1), f"run.off_policy_steps must be 0 (on-policy) or 1 (one-step "

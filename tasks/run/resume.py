@@ -26,6 +26,7 @@ from tasks.config.io import config_from_json_dict, flatten, to_dict
 RESUMABLE: Dict[str, str] = {
     "run.num_iterations": "the run's length: extend a finished run or stop sooner (not below the iterations done)",
     "run.eval_interval": "when held-out evaluation runs; no training step depends on it",
+    "run.eval_before_training": "whether the starting policy is evaluated; no training step depends on it",
     "run.save_interval": "which checkpoints are kept from now on (the resume point's always is)",
     "run.iterations_per_chunk": "how iterations are grouped into sub-workflows: orchestration only",
     "run.num_logged_samples": "how many samples each iteration logs to MLflow",

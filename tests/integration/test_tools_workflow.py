@@ -55,6 +55,9 @@ def _check(root: Path, run_name: str) -> None:
     assert {"episode/turns_mean", "episode/tool_calls_mean", "episode/tool_errors_mean", "episode/truncated_frac",
             "eval/reward_mean", "rollout/logprob_gap_max"} <= set(metrics)
     assert metrics["rollout/logprob_gap_max"] < 1e-3
+    # the preset evaluates the starting policy too (GRPO: run.eval_before_training in tiny_tools.yaml)
+    steps = [m.step for m in client.get_metric_history(run_id, "eval/reward_mean")]
+    assert sorted(steps) == ([-1, 1] if run_name == "tools-grpo" else [1])
     table = json.loads(Path(client.download_artifacts(run_id, "samples/iter-000001.json", str(root))).read_text())
     assert "conversation" in table["columns"]
 

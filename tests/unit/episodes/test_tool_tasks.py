@@ -18,9 +18,9 @@ from models.tools import CALCULATOR
 def test_problems_are_exact_and_long():
     rows = problems(50, 0)
     for r in rows:
-        a, op, b = re.fullmatch(r"What is (\d+)([*+])(\d+)\?", r["prompt"]).groups()
-        assert r["answer"] == str(int(a) * int(b) if op == "*" else int(a) + int(b))
-        assert r["expression"] == f"{a}{op}{b}" and len(a) >= 4 and len(b) >= 4
+        a, b = re.fullmatch(r"What is (\d+)\*(\d+)\?", r["prompt"]).groups()
+        assert r["answer"] == str(int(a) * int(b))
+        assert r["expression"] == f"{a}*{b}" and 4 <= len(a) <= 5 and 4 <= len(b) <= 5
     assert problems(50, 0) == rows and problems(50, 1) != rows
 
 
@@ -83,7 +83,12 @@ def test_direct_demonstrations_and_their_share(qwen2_chat_dir):
     row = problems(1, 3)[0]
     ids, labels = demonstration_ids(chat, row, im_end, use_tool=False)
     assert ids == chat.encode(chat.render(demonstration(row, use_tool=False), False))[:-1]
-    assert tok.decode([i for i, lab in zip(ids, labels) if lab != -100]) == f"{row['answer']}<|im_end|>"
+    assert tok.decode([i for i, lab in zip(ids, labels) if lab != -100]) == f"The answer is {row['answer']}.<|im_end|>"
+    # the choice between calling the tool and answering is the first token the model samples
+    tool_ids, tool_labels = demonstration_ids(chat, row, im_end)
+    first = len(chat.first_prompt(demonstration(row)[:2]))
+    assert ids[:first] == tool_ids[:first] and ids[first] != tool_ids[first]
+    assert labels[first] == ids[first] and tool_labels[first] == tool_ids[first]
     demos = demonstrations(chat, im_end, ToolDemoConfig(num_train=200, direct_fraction=0.5))
     calling = sum("<tool_call>" in tok.decode([i for i, lab in zip(ids, labs) if lab != -100]) for ids, labs in demos)
     assert 70 <= calling <= 130  # about half, seeded

@@ -116,6 +116,7 @@ def test_frozen():
     (["rollout.top_k=-1"], "rollout.top_k must be >= 0"),
     (["rollout.probe_tolerance=-1"], "rollout.probe_tolerance must be >= 0"),
     (["model.demo_task=gsm8k"], "model.demo_task='gsm8k' is not one of ['reverse', 'math']"),
+    (["run.eval_before_training=true", "run.eval_interval=0"], "run.eval_before_training needs run.eval_interval > 0"),
 ])
 def test_bad_values_are_named(overrides, fragment):
     with pytest.raises(ConfigError) as err:
