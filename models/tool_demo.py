@@ -58,8 +58,8 @@ class ToolDemoConfig:
     are mixed in from step ``direct_from_step`` on."""
     direct_from_step: int = 600
     """The steps before this one train on tool-using demonstrations only. The copying of the tool's
-    result into the answer forms there (between steps 400 and 600 in the runs measured); with answers
-    without the tool mixed in from the start it had not formed by step 800 in 3 of 4 runs."""
+    result into the answer forms there (between steps 400 and 600 in the runs measured); with these
+    answers mixed in from the start it had formed in none of three runs by step 800–1000."""
     num_train: int = 4000
     """Training prompts (the warm start cycles through them: 1000 × 32 demonstrations is 8 passes)."""
     num_eval: int = 64
