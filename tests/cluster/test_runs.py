@@ -104,13 +104,12 @@ def test_two_iterations_in_pods_match_a_local_run(algo, packages, make_cluster, 
     assert runs["pods"].data.tags["git_commit"] == built and len(built) == 40
 
     # Each pod worked in its own folder; the two-node update ran as 2 pods, each sharing one download
-    # of actor 0 between its ranks (iteration 1's update); of the reference it fetched only the tokenizer's
-    # files, so the reference's weights are in no update pod's cache.
+    # of each checkpoint between its ranks (iteration 1 reads the reference and actor 0).
     updates = [a for a in ex.attempts if a.task.endswith("actor_update")]
     assert [len(a.pods) for a in updates] == [2, 2]
     for pod in updates[1].pods:
         cache = pod.folder / "tmp" / "flyte-rlhf-checkpoints"
-        assert len([d for d in os.listdir(cache) if not d.startswith(".") and os.path.isdir(cache / d)]) == 1
+        assert len([d for d in os.listdir(cache) if not d.startswith(".") and os.path.isdir(cache / d)]) == 2
     folders = [p.folder for a in ex.attempts for p in a.pods]
     assert len(set(folders)) == len(folders)
     rollouts = [(a.node, a.outcome) for a in ex.attempts if a.task.endswith(".rollout")]
