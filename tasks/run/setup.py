@@ -27,7 +27,6 @@ from tasks.types import PolicyState, RunHandle
 
 log = logging.getLogger(__name__)
 
-
 class RunSetup(NamedTuple):
     """What :func:`setup_run` returns (``prepare_run``'s three outputs): the config in force, the run's
     handle and the state its next iteration starts from. A bundle of the three, no concept of its own."""
