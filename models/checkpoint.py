@@ -298,32 +298,6 @@ def verify_local(local_dir: str, marker: Mapping[str, Any], url: str) -> None:
                                   f"(corrupted or changed after commit)")
 
 
-TOKENIZER_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
-"""Top-level files a tokenizer may read: ``tokenizer.json``, its config, vocabularies, the chat template."""
-
-
-def load_tokenizer_files(url: str, committed: bool = True) -> Any:
-    """The tokenizer of the checkpoint at ``url`` without its weights.
-
-    A local checkpoint is read in place. Of a remote one only the top-level files a tokenizer may read
-    (:data:`TOKENIZER_SUFFIXES`) are fetched, into a temporary folder that is removed once the tokenizer
-    is loaded; with ``committed`` the checkpoint must be committed and those files pass the marker's
-    checksums. ``committed=False`` is for a user's model folder, which has no marker."""
-    from transformers import AutoTokenizer
-
-    marker = read_marker(url) if committed else None
-    if storage.is_local(url):
-        return AutoTokenizer.from_pretrained(storage.local_path(url))
-    names = marker["files"] if marker is not None else storage.list_files(url)
-    wanted = [rel for rel in names if "/" not in rel and rel != MARKER and rel.endswith(TOKENIZER_SUFFIXES)]
-    with tempfile.TemporaryDirectory(prefix="tokenizer-") as tmp:
-        for rel in wanted:
-            storage.get_file(storage.join(url, rel), os.path.join(tmp, rel))
-        if marker is not None:
-            verify_local(tmp, {"files": {rel: marker["files"][rel] for rel in wanted}}, url)
-        return AutoTokenizer.from_pretrained(tmp)
-
-
 def download_checkpoint(url: str, local_dir: Optional[str] = None, verify: bool = True) -> str:
     """A local, verified copy of the committed checkpoint at ``url``; returns its path.
 

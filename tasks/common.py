@@ -9,7 +9,7 @@ from typing import Dict, Iterator, Optional
 import numpy as np
 
 from models import storage
-from models.checkpoint import download_checkpoint, load_tokenizer_files
+from models.checkpoint import download_checkpoint
 from tasks import batch_type  # noqa: F401  (registers RolloutBatch as a Flyte type for the tasks)
 
 CACHE_VERSION = "2"
@@ -49,14 +49,9 @@ def base_checkpoint_url(url: str) -> str:
 
 
 def load_tokenizer(url: str):
-    """The tokenizer of the committed checkpoint at ``url``: a local one from its verified folder; of a
-    remote one only the tokenizer's files, checked against the marker, so the tasks that need nothing
-    else of the reference (rollout, the updates, evaluation) do not download its weights."""
     from transformers import AutoTokenizer
 
-    if storage.is_local(url):
-        return AutoTokenizer.from_pretrained(local_checkpoint(url))
-    return load_tokenizer_files(url)
+    return AutoTokenizer.from_pretrained(local_checkpoint(url))
 
 
 def read_prompts(url: str):

@@ -12,7 +12,7 @@ import tempfile
 from typing import Iterable, List, NamedTuple, Optional
 
 from models import storage
-from models.checkpoint import download_checkpoint, is_committed, load_tokenizer_files, save_checkpoint
+from models.checkpoint import download_checkpoint, is_committed, save_checkpoint
 from tasks.run import lock as run_lock
 from tasks import tracking
 from tasks.algorithms import WORKFLOWS
@@ -26,6 +26,9 @@ from tasks.run.layout import RunInfo, RunLayout
 from tasks.types import PolicyState, RunHandle
 
 log = logging.getLogger(__name__)
+
+_TOKENIZER_SUFFIXES = (".json", ".txt", ".model", ".jinja")
+
 
 class RunSetup(NamedTuple):
     """What :func:`setup_run` returns (``prepare_run``'s three outputs): the config in force, the run's
@@ -62,8 +65,16 @@ def git_commit() -> str:
 
 
 def load_tokenizer_only(url: str):
-    """The tokenizer of a model folder (local or remote, committed or not), fetching only its small files."""
-    return load_tokenizer_files(url, committed=False)
+    """The tokenizer of a checkpoint, fetching only its small files (no weights)."""
+    from transformers import AutoTokenizer
+
+    if storage.is_local(url):
+        return AutoTokenizer.from_pretrained(storage.local_path(url))
+    tmp = tempfile.mkdtemp(prefix="tokenizer-")
+    for rel in storage.list_files(url):
+        if rel.endswith(_TOKENIZER_SUFFIXES) and "/" not in rel:
+            storage.get_file(storage.join(url, rel), os.path.join(tmp, rel))
+    return AutoTokenizer.from_pretrained(tmp)
 
 
 def _demo_model_config(cfg: TrainConfig):

@@ -100,37 +100,3 @@ def test_a_corrupted_download_leaves_no_entry(tmp_path):
     with pytest.raises(Exception, match="fails its blake3 check"):
         cached(url, read_marker(url), download_checkpoint, root)
     assert entries(root) == []
-
-
-def test_a_remote_checkpoint_s_tokenizer_comes_without_its_weights(qwen2_chat_dir, monkeypatch):
-    """Rollout, the updates and evaluation need only the reference's tokenizer: of a remote checkpoint
-    only its tokenizer files are fetched, checked against the marker, and nothing is left behind."""
-    import glob
-    import tempfile
-
-    from transformers import AutoTokenizer
-
-    from models import storage
-    from models.checkpoint import CheckpointError, load_tokenizer_files
-    from tasks.common import load_tokenizer
-
-    url = "memory://tokenizer-only/reference"
-    save_checkpoint(str(qwen2_chat_dir), url, overwrite=True)
-    fetched = []
-    real_get = storage.get_file
-    monkeypatch.setattr(storage, "get_file", lambda src, dst: (fetched.append(src.rsplit("/", 1)[-1]),
-                                                               real_get(src, dst))[1])
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "tokenizer-*")))
-    tok = load_tokenizer(url)
-    assert fetched and not any(f.endswith(".safetensors") for f in fetched)
-    assert "tokenizer.json" in fetched and "model.safetensors" in read_marker(url)["files"]
-    local = AutoTokenizer.from_pretrained(qwen2_chat_dir)
-    chat = [{"role": "user", "content": "What is 48213*9127?"}]
-    assert (tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-            == local.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
-    assert tok("héllo 12345 <|im_end|>")["input_ids"] == local("héllo 12345 <|im_end|>")["input_ids"]
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "tokenizer-*"))) == before
-    storage.write_bytes(storage.join(url, "tokenizer.json"),
-                        storage.read_bytes(storage.join(url, "tokenizer.json")).replace(b"im_end", b"im_End"))
-    with pytest.raises(CheckpointError, match="tokenizer.json"):
-        load_tokenizer_files(url)

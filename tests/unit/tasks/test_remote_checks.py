@@ -81,7 +81,7 @@ def test_every_heavy_task_requests_its_disk():
     from tasks.deploy import resources_for
 
     cfg = load_config("llama8b_ppo_gpu")
-    for task, disk in (("rollout", "40Gi"), ("score", "160Gi"), ("actor", "140Gi"), ("critic", "40Gi")):
+    for task, disk in (("rollout", "80Gi"), ("score", "160Gi"), ("actor", "200Gi"), ("critic", "80Gi")):
         r = resources_for(cfg, task)
         assert r["requests"].ephemeral_storage == r["limits"].ephemeral_storage == disk
     with pytest.raises(ConfigError, match="resources.score_disk must not be empty"):
