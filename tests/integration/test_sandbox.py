@@ -29,8 +29,15 @@ def test_no_network():
     assert "Network is unreachable" in r.stderr and "exit code 1" in r.observation()
 
 
+def host_folder_outside_tmp() -> str:
+    """A host folder the sandbox sees (read-only) rather than its own scratch ``/tmp``: the tests' folder,
+    or ``/var/tmp`` where the checkout itself lies under ``/tmp``."""
+    here = os.path.realpath(os.path.dirname(__file__))
+    return "/var/tmp" if here == "/tmp" or here.startswith("/tmp/") else here
+
+
 def test_writes_outside_the_scratch_folder_fail():
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(__file__)) as host:  # outside /tmp (the sandbox's own)
+    with tempfile.TemporaryDirectory(dir=host_folder_outside_tmp()) as host:
         os.chmod(host, 0o777)  # even a folder the sandbox user could write to on the host
         target = os.path.join(host, "escaped.txt")
         r = run_python(f"open({target!r}, 'w').write('x')")
