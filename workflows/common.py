@@ -51,6 +51,9 @@ def wire_iteration(cfg, run, state, critic: bool, known: Optional[TrainConfig] =
 
 
 def eval_due(cfg: TrainConfig, iteration: int) -> bool:
+    """Whether the policy made by ``iteration`` is evaluated; -1 is the starting policy."""
+    if iteration < 0:
+        return cfg.run.eval_before_training
     last = iteration + 1 == cfg.run.num_iterations
     return cfg.run.eval_interval > 0 and ((iteration + 1) % cfg.run.eval_interval == 0 or last)
 
@@ -63,10 +66,8 @@ def chain_iterations(cfg: TrainConfig, run, state, critic: bool) -> Tuple[object
     """
     start = state.iteration
     stop = min(start + cfg.run.iterations_per_chunk, cfg.run.num_iterations)
-    if start > 0 and eval_due(cfg, start - 1):  # resumed after a crash between commit and evaluate?
-        evaluate(cfg=cfg, run=run, state=state)  # (no-op when that evaluation is logged)
-    if start == 0 and cfg.run.eval_before_training:
-        # The starting policy, logged at step -1 (no-op on a resume that finds it logged).
+    if eval_due(cfg, start - 1):  # the starting policy (step -1), or resumed after a crash between commit
+        # and evaluate: a no-op when that evaluation is logged
         evaluate(cfg=cfg, run=run, state=state).with_overrides(**resources_for(cfg, "rollout"))
     sampled = None
     if cfg.run.off_policy_steps:
