@@ -1,5 +1,6 @@
-"""Reward sources chosen by config, all called as ``source(prompts, responses, micro_batches, columns)``
-and all answering :class:`RewardScores` (the weighted total and each part, per sample):
+"""Reward sources chosen by config, all called as ``source(prompts, responses, micro_batches, columns,
+messages, completion_ids)`` and all answering :class:`RewardScores` (the weighted total and each part,
+per sample):
 
 - ``function``: one or more user ``module:function`` rewards on texts, weighted, each in worker
   processes under a time limit (:mod:`models.reward_workers`; validated by
@@ -16,7 +17,7 @@ import torch
 
 from models.policy import inputs_to, reward_model_scores
 from models.reward_workers import score_function
-from models.rewards import RewardError
+from models.rewards import RewardError, parse_spec
 
 
 class RewardScores(NamedTuple):
@@ -25,7 +26,13 @@ class RewardScores(NamedTuple):
     total: np.ndarray
     """``[B]`` float64: Σ_k w_k · r_k over the parts."""
     parts: Dict[str, np.ndarray]
-    """``{name: [B]}`` each part's own reward (a function's, or the model's)."""
+    """``{name: [B]}`` each part's own reward (a function's, or the model's); NaN where a TRL-style
+    function gave None (no reward from it for that sample)."""
+
+    def part_means(self, prefix: str) -> Dict[str, float]:
+        """``{prefix<name>_mean: mean}`` over the samples each part scored (TRL's ``nanmean``); a part
+        that scored none is left out."""
+        return {f"{prefix}{name}_mean": float(np.nanmean(v)) for name, v in self.parts.items() if np.isfinite(v).any()}
 
 
 def function_names(specs: Sequence[str]) -> List[str]:
@@ -33,7 +40,10 @@ def function_names(specs: Sequence[str]) -> List[str]:
     specs share one (``score``, ``score_2``)."""
     names: List[str] = []
     for spec in specs:
-        base = spec.split(":")[-1].split(".")[-1].strip() or "reward"
+        try:
+            base = parse_spec(spec).name
+        except RewardError:
+            base = "reward"
         name, k = base, 2
         while name in names:
             name, k = f"{base}_{k}", k + 1
@@ -57,13 +67,28 @@ class FunctionRewards:
         return cls(r.specs, r.weights, r.timeout_s, r.num_workers, r.module_paths, r.options)
 
     def __call__(self, prompts: Sequence[str], responses: Sequence[str], micro_batches: Iterable = (),
-                 columns: Optional[Mapping[str, Sequence[Any]]] = None) -> RewardScores:
-        parts = {name: np.asarray(score_function(spec, prompts, responses, columns, timeout_s=self.timeout_s,
-                                                 num_workers=self.num_workers, module_paths=self.module_paths,
-                                                 options=self.options), dtype=np.float64)
+                 columns: Optional[Mapping[str, Sequence[Any]]] = None, messages: Optional[Sequence[Any]] = None,
+                 completion_ids: Optional[Sequence[Sequence[int]]] = None) -> RewardScores:
+        parts = {name: np.array([np.nan if v is None else v for v in score_function(
+                     spec, prompts, responses, columns, timeout_s=self.timeout_s, num_workers=self.num_workers,
+                     module_paths=self.module_paths, options=self.options, messages=messages,
+                     completion_ids=completion_ids)], dtype=np.float64).reshape(len(prompts))
                  for spec, name in zip(self.specs, self.names)}
-        total = sum(w * parts[n] for w, n in zip(self.weights, self.names))
-        return RewardScores(np.asarray(total, dtype=np.float64).reshape(len(prompts)), parts)
+        return weighted_total(parts, self.weights, len(prompts))
+
+
+def weighted_total(parts: Mapping[str, np.ndarray], weights: Sequence[float], n: int) -> RewardScores:
+    """Σ_k w_k · r_k per sample over the parts that scored it (NaN: a function's None, skipped as
+    TRL's ``nansum`` does). A sample no part scored gets 0, with a warning on the console: TRL
+    leaves it out of its group's baseline, and a group scored by none gets 0 advantages either way."""
+    stacked = np.stack([np.asarray(v, np.float64) for v in parts.values()]) if parts else np.zeros((0, n))  # [K, B]
+    total = np.nansum(stacked * np.asarray(weights, np.float64)[:, None], axis=0) if parts else np.zeros(n)
+    unscored = np.flatnonzero(np.isnan(stacked).all(axis=0)) if parts else np.zeros(0, np.int64)
+    if unscored.size:
+        print(f"WARNING reward: every reward function returned None for {unscored.size} of {n} samples (first: "
+              f"sample {int(unscored[0])}); they get reward 0. Give every sample at least one reward (e.g. a "
+              f"function that scores the format) or drop rows whose reference answer does not parse", flush=True)
+    return RewardScores(np.asarray(total, dtype=np.float64).reshape(n), dict(parts))
 
 
 class ModelReward:
@@ -74,7 +99,8 @@ class ModelReward:
 
     @torch.no_grad()
     def __call__(self, prompts: Sequence[str], responses: Sequence[str], micro_batches: Iterable = (),
-                 columns: Optional[Mapping[str, Sequence[Any]]] = None) -> RewardScores:
+                 columns: Optional[Mapping[str, Sequence[Any]]] = None, messages: Optional[Sequence[Any]] = None,
+                 completion_ids: Optional[Sequence[Sequence[int]]] = None) -> RewardScores:
         scores = [reward_model_scores(self.model, inputs_to(m, self.device)).cpu().numpy() for m in micro_batches]
         values = np.concatenate(scores) if scores else np.zeros(0, np.float32)
         if values.shape[0] != len(prompts):
@@ -92,7 +118,8 @@ class PlainSource:
         self.source, self.name = source, name
 
     def __call__(self, prompts: Sequence[str], responses: Sequence[str], micro_batches: Iterable = (),
-                 columns: Optional[Mapping[str, Sequence[Any]]] = None) -> RewardScores:
+                 columns: Optional[Mapping[str, Sequence[Any]]] = None, messages: Optional[Sequence[Any]] = None,
+                 completion_ids: Optional[Sequence[Sequence[int]]] = None) -> RewardScores:
         return as_scores(self.source(prompts, responses, micro_batches), self.name)
 
 

@@ -132,10 +132,12 @@ def chunk_bounds(n: int, parts: int) -> List[Tuple[int, int]]:
 def score_function(spec: str, prompts: Sequence[str], responses: Sequence[str],
                    columns: Optional[Mapping[str, Sequence[Any]]] = None, *, timeout_s: float,
                    num_workers: int = 1, module_paths: Sequence[str] = (),
-                   options: Optional[Mapping[str, Any]] = None) -> List[float]:
+                   options: Optional[Mapping[str, Any]] = None, messages: Optional[Sequence[Any]] = None,
+                   completion_ids: Optional[Sequence[Sequence[int]]] = None) -> List[Optional[float]]:
     """``spec``'s validated rewards of the batch (:func:`models.rewards.compute_rewards` in the
-    workers), within ``timeout_s`` seconds; else :class:`RewardTimeout` or :class:`RewardError`
-    naming the function and the samples."""
+    workers; ``messages`` and ``completion_ids`` per sample, for TRL's keyword form), within
+    ``timeout_s`` seconds; else :class:`RewardTimeout` or :class:`RewardError` naming the function
+    and the samples. None where a TRL keyword-form function gave no reward."""
     n = len(prompts)
     bounds = chunk_bounds(n, num_workers) or [(0, 0)]
     workers = workers_for(spec, len(bounds), search_path(module_paths))
@@ -147,7 +149,8 @@ def score_function(spec: str, prompts: Sequence[str], responses: Sequence[str],
             cols = columns_for(worker.params, columns, repr(spec), options)
             worker.send({"op": "score", "spec": spec, "prompts": list(prompts[start:stop]),
                          "responses": list(responses[start:stop]), "offset": start, "options": dict(options or {}),
-                         "columns": {k: v[start:stop] for k, v in cols.items()}})
+                         "columns": {k: v[start:stop] for k, v in cols.items()},
+                         **_trl_inputs(worker.params, messages, completion_ids, start, stop)})
             waiting.append((worker, start, stop))
         rewards: List[float] = []
         for worker, start, stop in waiting:
@@ -158,6 +161,15 @@ def score_function(spec: str, prompts: Sequence[str], responses: Sequence[str],
             if worker.alive():
                 worker.kill()
         raise
+
+
+def _trl_inputs(params: ColumnParams, messages: Optional[Sequence[Any]],
+                completion_ids: Optional[Sequence[Sequence[int]]], start: int, stop: int) -> dict:
+    """What only TRL's keyword form reads, for samples ``[start, stop)`` (nothing for the positional form)."""
+    if not params.keyword:
+        return {}
+    return {"messages": None if messages is None else list(messages[start:stop]),
+            "completion_ids": None if completion_ids is None else [list(c) for c in completion_ids[start:stop]]}
 
 
 def _load(worker: RewardWorker, deadline: float, timeout_s: float, n: int, start: int, stop: int) -> None:
@@ -189,10 +201,11 @@ def _answer(worker: RewardWorker, deadline: float, timeout_s: float, n: int, sta
 def _handle(message: Mapping[str, Any], state: Dict[str, Any]) -> dict:
     if message["op"] == "load":
         state["fn"] = resolve_reward_fn(message["spec"])
-        return {"ok": True, "params": column_params(state["fn"])._asdict()}
+        return {"ok": True, "params": column_params(state["fn"], repr(message["spec"]))._asdict()}
     return {"ok": True, "rewards": compute_rewards(state["fn"], message["prompts"], message["responses"],
                                                    message["spec"], message["columns"], message["options"],
-                                                   message["offset"])}
+                                                   message["offset"], message.get("messages"),
+                                                   message.get("completion_ids"))}
 
 
 def serve(fd_in: int, fd_out: int) -> None:

@@ -172,7 +172,7 @@ def eval_rewards(cfg: TrainConfig, run: RunHandle, actor_url: str) -> Dict[str, 
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     scores = batch_rewards(cfg, run, batch, max(cfg.actor.micro_batch_size, 1), pad)
     return {"eval/reward_mean": float(np.mean(scores.total)),
-            **{f"eval/{name}_mean": float(np.mean(v)) for name, v in scores.parts.items()}}
+            **scores.part_means("eval/")}
 
 
 def eval_reward(cfg: TrainConfig, run: RunHandle, actor_url: str) -> float:

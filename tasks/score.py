@@ -58,15 +58,19 @@ def reward_source(cfg: TrainConfig, run: RunHandle):
 
 def batch_rewards(cfg: TrainConfig, run: RunHandle, batch: RolloutBatch, size: int, pad_id: int) -> RewardScores:
     """The configured reward source's raw reward per sample of ``batch`` (functions given the samples'
-    data columns), all finite (else an error naming one)."""
+    data columns, and for TRL's keyword form their conversations and response token ids), all finite
+    (else an error naming one)."""
     table = batch.table
     columns = decode_data_columns(table.column("data_columns").to_pylist()) \
         if "data_columns" in table.column_names else {}
     for name in ("episode_reward", "episode"):  # multi-turn: the environment's reward and the conversation
         if name in table.column_names:
             columns[name] = table.column(name).to_pylist()
+    messages = [json.loads(m) if m else None for m in table.column("prompt_messages").to_pylist()] \
+        if "prompt_messages" in table.column_names else None
     scores = reward_source(cfg, run)(table.column("prompt").to_pylist(), table.column("response").to_pylist(),
-                                     micro_batches(batch, size, pad_id), columns=columns)
+                                     micro_batches(batch, size, pad_id), columns=columns, messages=messages,
+                                     completion_ids=table.column("response_tokens").to_pylist())
     check_rewards(scores.total, cfg.reward.source)
     return scores
 
@@ -78,7 +82,7 @@ def shaped_rewards(cfg: TrainConfig, state: PolicyState,
     r = cfg.reward
     shaped = shape_rewards(scores.total, r.scale, r.clip, r.normalize, RunningMoments.from_dict(state.reward_norm))
     lo, hi = r.expected_range
-    stats = {f"reward/{name}_mean": float(v.mean()) for name, v in scores.parts.items()}
+    stats = scores.part_means("reward/")
     stats["reward/raw_out_of_range_frac"] = float(((scores.total < lo) | (scores.total > hi)).mean())
     if r.normalize or r.scale != 1.0 or r.clip > 0:
         stats.update({"reward/shaped_mean": float(shaped.rewards.mean()),

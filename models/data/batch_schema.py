@@ -48,6 +48,7 @@ COLUMN_TYPES: Mapping[str, pa.DataType] = {
     "prompt": pa.string(),              # rollout: the prompt text exactly as the model saw it
     "response": pa.string(),            # rollout: response text (special tokens skipped), as rewards see it
     "data_columns": pa.string(),        # rollout: the prompt row's other data columns, one JSON object
+    "prompt_messages": pa.string(),     # rollout (chat prompts): the conversation the prompt was rendered from, JSON
 }
 """Known columns and their exact Arrow types. Other (extra) columns are allowed, unchecked."""
 

@@ -1,11 +1,14 @@
-"""Where prompt rows come from: JSONL and Parquet files on any fsspec URL, Hugging Face
-``datasets``, reasoning-gym; each as ``(where, row)`` records that :func:`models.data.prompts.load_prompts`
-validates the same way."""
+"""Where prompt rows come from: JSONL and Parquet files on any fsspec URL (plain or compressed:
+``.jsonl.gz``, ``.bz2``, ``.xz``), Hugging Face ``datasets``, reasoning-gym; each as ``(where, row)``
+records that :func:`models.data.prompts.load_prompts` validates the same way."""
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import io
 import json
+import lzma
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -19,6 +22,23 @@ Record = Tuple[str, Optional[Dict[str, Any]]]
 
 JSONL_SUFFIXES = (".jsonl",)
 PARQUET_SUFFIXES = (".parquet", ".pq")
+COMPRESSIONS = {".gz": gzip.decompress, ".bz2": bz2.decompress, ".xz": lzma.decompress}
+"""Compressed data files read (by the last suffix, as ``datasets`` infers it): ``train.jsonl.gz``."""
+OTHER_COMPRESSIONS = (".zst", ".zstd", ".lz4", ".zip", ".7z", ".tar", ".tgz", ".rar")
+"""Compressions refused (neither this reader nor ``datasets`` here has their codec, or they are archives)."""
+WANT = (f"want .jsonl or .parquet, optionally compressed as "
+        f"{', '.join('.jsonl' + c for c in COMPRESSIONS)}")
+
+
+def split_compression(path: str) -> Tuple[str, str]:
+    """``("train.jsonl", ".gz")`` for ``train.jsonl.gz``; ``(path, "")`` when uncompressed."""
+    stem, suffix = os.path.splitext(path)
+    return (stem, suffix.lower()) if suffix.lower() in COMPRESSIONS else (path, "")
+
+
+def is_data_file(path: str) -> bool:
+    """A (possibly compressed) ``.jsonl`` or ``.parquet`` file name."""
+    return split_compression(path)[0].lower().endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES)
 
 
 class PromptDataError(ValueError):
@@ -51,20 +71,20 @@ def resolve_files(url: str) -> List[str]:
     def as_url(p: str) -> str:
         return p if keep_plain else fs.unstrip_protocol(p)
 
-    suffixes = JSONL_SUFFIXES + PARQUET_SUFFIXES
     if any(ch in path for ch in "*?["):
         found = sorted(storage.with_retry("glob", url, lambda: fs.glob(path)))
-        files = [as_url(p) for p in found if p.lower().endswith(suffixes)]
+        files = [as_url(p) for p in found if is_data_file(p)]
         if not files:
-            raise PromptDataError(url, [f"no .jsonl or .parquet files match {url}"], 1)
+            raise PromptDataError(url, [f"no .jsonl or .parquet files match {url} ({WANT})"], 1)
         return files
     if storage.with_retry("isdir", url, lambda: fs.isdir(path)):
-        files = [storage.join(url, rel) for rel in storage.list_files(url) if rel.lower().endswith(suffixes)]
+        files = [storage.join(url, rel) for rel in storage.list_files(url) if is_data_file(rel)]
         if not files:
-            raise PromptDataError(url, [f"no .jsonl or .parquet files under {url}"], 1)
+            raise PromptDataError(url, [f"no .jsonl or .parquet files under {url} ({WANT})"], 1)
         return files
-    if not path.lower().endswith(suffixes):
-        raise PromptDataError(url, [f"{url}: unknown extension (want .jsonl or .parquet)"], 1)
+    if not is_data_file(path):
+        kind = "a compression this reader lacks" if path.lower().endswith(OTHER_COMPRESSIONS) else "unknown extension"
+        raise PromptDataError(url, [f"{url}: {kind} ({WANT})"], 1)
     return [url]
 
 
@@ -107,10 +127,17 @@ def _read_file(url: str, config, errors: ErrorList) -> List[Record]:
     except FileNotFoundError:
         errors.add(f"{url}: file not found")
         return []
+    plain, compression = split_compression(url)
+    if compression:
+        try:
+            data = COMPRESSIONS[compression](data)
+        except (OSError, EOFError, lzma.LZMAError, ValueError) as err:
+            errors.add(f"{url}: not a readable {compression} file: {err}")
+            return []
     if not data.strip():
         errors.add(f"{url}: file is empty")
         return []
-    if url.lower().endswith(JSONL_SUFFIXES):
+    if plain.lower().endswith(JSONL_SUFFIXES):
         records = _read_jsonl(url, data, errors)
     else:
         records = _read_parquet(url, data, config.key_column, errors)
@@ -141,8 +168,11 @@ def load_hf_dataset(path: str, name: str = "", split: str = "train"):
     fsspec URL), a ``save_to_disk`` folder (``load_from_disk``), or a dataset folder or Hub name."""
     import datasets
 
-    suffix = os.path.splitext(path.split("?")[0])[1].lower()
-    if suffix in HF_FILE_BUILDERS:
+    stem, _ = split_compression(path.split("?")[0])
+    if stem.lower().endswith(OTHER_COMPRESSIONS):
+        raise ValueError(f"{path}: a compression this reader lacks ({WANT}, or .json/.csv likewise)")
+    suffix = os.path.splitext(stem)[1].lower()
+    if suffix in HF_FILE_BUILDERS:  # datasets decompresses .gz, .bz2, .xz data files itself
         return datasets.load_dataset(HF_FILE_BUILDERS[suffix], data_files={split: path}, split=split)
     if storage.is_local(path) and os.path.isfile(os.path.join(storage.local_path(path), "dataset_info.json")) \
             and os.path.isfile(os.path.join(storage.local_path(path), "state.json")):

@@ -20,7 +20,7 @@ reader (:mod:`tasks.run.data`), so data that validates is data that trains.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -41,7 +41,8 @@ class PromptDataConfig:
     source: str = "files"
     """``files``, ``hf`` or ``reasoning_gym`` (rows generated from ``reasoning_gym``)."""
     prompt_column: str = "prompt"
-    """Column (JSON key) holding the prompt text."""
+    """Column (JSON key) holding the prompt text; a column of message lists is read as conversations
+    (TRL's conversational format), as if ``messages_column`` named it."""
     messages_column: str = ""
     """Column of conversations (``[{"role", "content"}, ...]``) used instead of ``prompt_column``."""
     id_column: str = "prompt_id"
@@ -126,6 +127,18 @@ class PromptDataset:
         return [{k: v[i] for k, v in self.columns.items()} for i in range(len(self))]
 
 
+def conversational(config: PromptDataConfig, records: List[Record]) -> PromptDataConfig:
+    """``config`` reading ``prompt_column`` as conversations when its cells are lists (TRL's
+    conversational prompt-only format, ``{"prompt": [{"role": "user", "content": ...}]}``) and no
+    ``messages_column`` or ``prompt_template`` says otherwise; else ``config`` unchanged."""
+    col = config.prompt_column
+    if config.messages_column or config.prompt_template:
+        return config
+    if any(row is not None and isinstance(row.get(col), list) for _, row in records):
+        return replace(config, messages_column=col)
+    return config
+
+
 def _check_rows(records: List[Record], config: PromptDataConfig, errors: ErrorList) -> List[Record]:
     """The records with their row replaced by None where the prompt cell is missing or bad."""
     col, good = config.key_column, []
@@ -135,8 +148,14 @@ def _check_rows(records: List[Record], config: PromptDataConfig, errors: ErrorLi
             pass  # already reported
         elif col not in row:
             problem = f"{where}: missing column '{col}' (available columns: {sorted(row)})"
+            if config.messages_column and isinstance(row.get(config.prompt_column), list):
+                problem += (f"; its '{config.prompt_column}' column holds conversations, read as such when "
+                            f"data.messages_column is empty: set data.messages_column=''")
         elif config.messages_column:
             problem = check_messages(where, row[col], col)
+        elif isinstance(row[col], list):
+            problem = (f"{where}: '{col}' is a list (a conversation?), which data.prompt_template cannot fill; "
+                       f"leave data.prompt_template empty to read '{col}' as conversations")
         elif not isinstance(row[col], str):
             problem = f"{where}: '{col}' is {type(row[col]).__name__}, not a string"
         elif not row[col].strip():
@@ -194,7 +213,9 @@ def load_prompts(config: PromptDataConfig, tokenizer: Any = None) -> PromptDatas
     from models.rollout import encode_prompts
 
     errors = ErrorList(config.max_errors)
-    records = _check_rows(read_records(config, errors), config, errors)
+    raw = read_records(config, errors)
+    config = conversational(config, raw)
+    records = _check_rows(raw, config, errors)
     if not records and not errors.total:
         errors.add(f"{config.url or config.source}: no rows")
     wheres = [w for w, _ in records]

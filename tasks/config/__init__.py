@@ -21,6 +21,7 @@ from kernels.aggregation import LossAgg
 from kernels.kl import KLEstimator
 from models.engines import MIN_ENGINE_TEMPERATURE, VLLM_MAX_LORA_RANK
 from models.probe import effective_tolerance
+from models.rewards import RewardError, parse_spec
 from models.task import REWARD_SPEC
 from tasks import algorithms
 from tasks.algorithms import AlgorithmSpec
@@ -309,12 +310,17 @@ class RewardConfig:
     source: str = "function"
     """``function`` (``module:function`` rewards), ``model`` (reward-model checkpoint) or ``remote`` (HTTP)."""
     function: str = DEFAULT_REWARD_FUNCTION
-    """``module:function`` called as ``fn(prompts, responses, **columns) -> list[float]`` (each data
+    """``module:function``, or ``module:factory(key=value, ...)`` for the function a factory returns
+    (Python literal arguments, e.g. ``trl.rewards:get_soft_overlong_punishment(max_completion_len=256,
+    soft_punish_cache=32)``). Called as ``fn(prompts, responses, **columns) -> list[float]`` (each data
     column a list aligned with the samples; a function takes the columns it names, all with
-    ``**kwargs``, none in the two-argument form). Unused when ``functions`` is set."""
+    ``**kwargs``, none in the two-argument form), or in TRL's keyword form when it names
+    ``completions`` or ``completion_ids`` (``prompts=``, ``completions=``, ``completion_ids=`` and every
+    column by keyword; None in its result: no reward from it for that sample); docs/rewards.md.
+    Unused when ``functions`` is set."""
     functions: List[str] = field(default_factory=list)
-    """Several reward functions (``module:function`` each) whose weighted sum is the reward; each is
-    logged as ``reward/<function name>_mean``."""
+    """Several reward functions (each as in ``function``) whose weighted sum is the reward (a function's
+    None skipped, as TRL does); each is logged as ``reward/<function name>_mean``."""
     weights: List[float] = field(default_factory=list)
     """One weight per entry of ``functions``; empty: all 1."""
     module_paths: List[str] = field(default_factory=list)
@@ -351,9 +357,11 @@ class RewardConfig:
         _check_choice("reward.source", self.source, ["function", "model", "remote"])
         if self.source == "function":
             for i, spec in enumerate(self.specs):
-                _check(spec.count(":") == 1 and all(p.strip() for p in spec.split(":")),
-                       f"reward.function{'s[%d]' % i if self.functions else ''}={spec!r} must look like "
-                       f"'module:function'")
+                try:
+                    parse_spec(spec)
+                except RewardError as err:
+                    raise ConfigError(f"reward.function{'s[%d]' % i if self.functions else ''}={spec!r}: "
+                                      f"{err}") from None
         _check(not self.weights or len(self.weights) == len(self.functions),
                f"reward.weights has {len(self.weights)} entries for {len(self.functions)} reward.functions")
         _check(not self.functions or self.function == DEFAULT_REWARD_FUNCTION,

@@ -80,7 +80,11 @@ def read_run_prompts(url: str) -> PromptDataset:
 
 def sample_columns(data: PromptDataset, n: int) -> Dict[str, object]:
     """The batch columns that carry each prompt's data to its ``n`` samples (adjacent, prompt-major):
-    ``row_id`` and ``data_columns`` (:mod:`models.data.batch_schema`)."""
+    ``row_id``, ``data_columns`` and, for chat prompts, ``prompt_messages`` (:mod:`models.data.batch_schema`)."""
     encoded = encode_data_columns(data.row_columns())
-    return {"row_id": np.repeat(np.asarray(data.row_ids, dtype=np.int64), n),
+    cols = {"row_id": np.repeat(np.asarray(data.row_ids, dtype=np.int64), n),
             "data_columns": [e for e in encoded for _ in range(n)]}
+    if data.messages is not None:
+        cols["prompt_messages"] = [json.dumps(m, ensure_ascii=False) if m is not None else ""
+                                   for m in data.messages for _ in range(n)]
+    return cols

@@ -104,16 +104,18 @@ def check_vocab(tokenizer, model_url: str, what: str) -> None:
 def check_reward_functions(cfg: TrainConfig, probe) -> None:
     """Import every reward function in its worker and call it once on the ``probe`` rows (a few
     training prompts, with their data columns) with empty responses (a policy may stop at once, so
-    every reward function must take them): a missing function, one that hangs past
-    ``reward.timeout_s``, raises, takes a column the data lacks, returns the wrong number of values,
-    a string, NaN or inf fails now with a ``RewardError`` naming it."""
+    every reward function must take them; TRL's keyword form gets the rows' conversations and empty
+    ``completion_ids``): a missing function, one whose signature fits neither accepted form, one
+    that hangs past ``reward.timeout_s``, raises, takes a column the data lacks, returns the wrong
+    number of values, a string, NaN or inf fails now with a ``RewardError`` naming it."""
     from models.reward_sources import FunctionRewards
 
     columns = dict(probe.columns)
     if cfg.rollout.environment:  # episodes add their reward and conversation (an episode that ended at once)
         columns.update(episode_reward=[0.0] * len(probe), episode=["[]"] * len(probe))
     try:
-        FunctionRewards.from_config(cfg.reward)(probe.prompts, [""] * len(probe), columns=columns)
+        FunctionRewards.from_config(cfg.reward)(probe.prompts, [""] * len(probe), columns=columns,
+                                                messages=probe.messages, completion_ids=[[] for _ in range(len(probe))])
     except RewardError as err:
         raise type(err)(f"{err} (set-up check: the reward called on {len(probe)} training prompts with empty "
                         f"responses)") from err

@@ -90,3 +90,20 @@ def test_weighted_functions_and_their_names(user_dir):
     np.testing.assert_allclose(scores.parts["match"], [1.0, 0.0])
     np.testing.assert_allclose(scores.total, [1.0 + 0.25 * 1, 0.25 * 3])  # 1·match + (0.5 − 0.25)·len(answer)
     assert function_names(["a.b:score", "c:Judge.score", "d:other"]) == ["score", "score_2", "other"]
+
+
+def test_trl_reward_functions_in_workers_get_messages_columns_and_token_ids():
+    """TRL's own functions, a factory among them, in their keyword form; accuracy_reward's None (a
+    solution it cannot parse) is skipped by the weighted sum and by its mean."""
+    soft = "trl.rewards:get_soft_overlong_punishment(max_completion_len=4, soft_punish_cache=2)"
+    rewards = FunctionRewards(["trl.rewards:accuracy_reward", "trl.rewards:think_format_reward", soft],
+                              weights=[1.0, 0.5, 1.0], timeout_s=120, num_workers=2)
+    chat = [[{"role": "user", "content": "2 + 3?"}]] * 3
+    scores = rewards(["p"] * 3, [r"\boxed{5}", r"<think>2+3</think>\boxed{5}", r"\boxed{4}"],
+                     columns={"solution": ["5", r"\frac{", "5"]}, messages=chat,
+                     completion_ids=[[1, 2], [1, 2, 3], [1, 2, 3, 4, 5]])
+    assert list(scores.parts) == ["accuracy_reward", "think_format_reward", "get_soft_overlong_punishment"]
+    np.testing.assert_allclose(scores.parts["accuracy_reward"], [1.0, np.nan, 0.0])
+    np.testing.assert_allclose(scores.parts["get_soft_overlong_punishment"], [0.0, -0.5, -1.0])  # <=2, (2-3)/2, >4
+    np.testing.assert_allclose(scores.total, [1.0, 0.5 - 0.5, -1.0])
+    assert scores.part_means("reward/")["reward/accuracy_reward_mean"] == 0.5
