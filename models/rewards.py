@@ -69,6 +69,9 @@ def parse_spec(spec: str) -> RewardSpec:
     head, call = spec, ""
     if spec.rstrip().endswith(")") and "(" in spec:
         head, call = spec[:spec.index("(")], spec[spec.index("("):].strip()
+    if "(" in head or ")" in head:
+        raise RewardError(f"reward spec {spec!r}: a factory's arguments go in one pair of parentheses at the end, "
+                          f"{SPEC_FORMS}; in a YAML flow list ([...]) quote the spec, or its commas split it")
     parts = [part.strip() for part in head.split(":")]
     if len(parts) != 2 or not all(parts):
         raise RewardError(f"reward spec must look like {SPEC_FORMS}, got {spec!r}")

@@ -50,3 +50,8 @@ def hang_unless_empty(prompts, responses):
     while any(responses):
         time.sleep(1)
     return [0.0] * len(prompts)
+
+
+def one_argument(responses):
+    """Fits neither form: not two positional parameters, no ``completions``, no ``**kwargs``."""
+    return [0.0] * len(responses)

@@ -127,6 +127,10 @@ def _checked_data(cfg: TrainConfig, tokenizer, train_url: str = "", eval_url: st
     room = _prompt_room(cfg)
     train, held_out = load_run_data(cfg.data, tokenizer, train_url, eval_url,
                                     context=(room, cfg.rollout.max_new_tokens) if room else None)
+    if cfg.rollout.environment and (train.chat or held_out.chat):  # a prompt column of conversations (TRL's)
+        raise ConfigError(f"rollout.environment gets each row's plain text 'prompt' and writes the conversation "
+                          f"itself, but data.prompt_column={cfg.data.prompt_column!r} holds conversations; give "
+                          f"text prompts")
     check_sources(cfg, train.take(range(min(4, len(train)))), len(tokenizer))
     return train, held_out
 

@@ -228,6 +228,9 @@ CASES = [
         f"reward.function={REWARDS}:wants_missing_column"], "ppo", RewardError,
      r"wants_missing_column' takes \['solution'\], which the prompt data does not have as column\(s\) "
      r"\(its columns: \[\]\)"),
+    ("reward fits no accepted form", lambda w, a, r, m: base(w, a) + [f"reward.function={REWARDS}:one_argument"],
+     "ppo", RewardError, r"reward 'tests\.reward_fns:one_argument'\(responses\) fits no accepted form: fn\(prompts, "
+     r"responses, \*\*columns\) \(positional.*or TRL's keyword form fn\(completions, \*\*kwargs\)"),
     ("prompt template names a missing column", lambda w, a, r, m: base(w, a) + [
         "data.prompt_template='{prompt} {hint}'"], "ppo", PromptDataError,
      r"train\.jsonl line 1 \(row 0\): prompt_template names column 'hint', which this row lacks"),
@@ -258,7 +261,7 @@ INTEGRATION_CASES = {"reward module missing", "reward function missing", "reward
                      "reward of the wrong length", "reward NaN", "reward inf", "reward server unreachable",
                      "reward server answers 500", "critic server unreachable", "storage unreachable",
                      "reward hangs at set-up", "reward module hangs on import", "reward returns a string",
-                     "reward takes a column the data lacks"}
+                     "reward takes a column the data lacks", "reward fits no accepted form"}
 
 
 def hanging_module(ws: Path) -> Path:

@@ -62,6 +62,7 @@ def test_factories_are_named_in_the_config_with_literal_arguments():
     ("trl.rewards:get_soft_overlong_punishment(max_completion_len=)", "do not parse"),
     ("trl.rewards:get_soft_overlong_punishment(**{'a': 1})", "write the factory's arguments as"),
     ("trl.rewards.accuracy_reward", "must look like 'package.module:function' or 'package.module:factory"),
+    ("trl.rewards:get_soft_overlong_punishment(max_completion_len=256", "in a YAML flow list .* quote the spec"),
 ])
 def test_a_malformed_factory_spec_is_a_config_error(spec, match):
     with pytest.raises(ConfigError, match=match):

@@ -10,7 +10,6 @@ import gzip
 import json
 import lzma
 
-import numpy as np
 import pytest
 from transformers import AutoTokenizer
 from trl.rewards import accuracy_reward, think_format_reward
@@ -102,3 +101,17 @@ def test_a_messages_column_the_rows_lack_names_the_key_to_set(tmp_path, tokenize
     with pytest.raises(PromptDataError, match=r"'prompt' is a list \(a conversation\?\), which data.prompt_template "
                                               r"cannot fill"):
         load_prompts(PromptDataConfig(url=url, prompt_template="Q: {solution}"), tokenizer)
+
+
+def test_an_environment_run_refuses_a_conversational_prompt_column(tmp_path, tokenizer, qwen2_chat_dir):
+    """An environment writes the conversation itself from each row's text ``prompt``."""
+    from tasks.config import ConfigError
+    from tasks.config.io import load_config
+    from tasks.run.setup import _checked_data
+
+    url = write(tmp_path / "trl.jsonl", TRL_ROWS)
+    cfg = load_config("tiny_tools", [f"model.actor_path={qwen2_chat_dir}", f"data.train_prompts={url}",
+                                     "data.eval_prompts="])
+    with pytest.raises(ConfigError, match=r"rollout.environment gets each row's plain text 'prompt' .* "
+                                          r"data.prompt_column='prompt' holds conversations"):
+        _checked_data(cfg, tokenizer)
