@@ -2,10 +2,13 @@
 gradient accumulation over micro-batches, global-token normalisation across ranks,
 gradient clipping (as in PPO, Schulman et al. 2017, and the anchors' trainers).
 
-Finite or skip: a step whose loss or gradient norm is NaN or infinite on any rank takes no
-optimiser step (weights and AdamW's moments stay as they were, as a dynamic loss scaler skips an
-overflowing step) and is counted in ``nonfinite_steps``; an update with no finite step at all
-raises :class:`NonFiniteUpdate` before its caller can commit anything.
+Finite and bounded or skip: a step whose loss or gradient norm is NaN or infinite on any rank, or
+above the bounds of :class:`LoopSettings` (``max_loss``, ``max_grad_norm``: ``actor.guard`` and
+``critic.guard`` of the config), takes no optimiser step (weights and AdamW's moments stay as they
+were, as a dynamic loss scaler skips an overflowing step), is named on the console and counted in
+``skipped_steps`` (``nonfinite_steps``: those non-finite). An update with no finite step raises
+:class:`NonFiniteUpdate`, one that skipped more than ``max_skipped_fraction`` of its steps
+:class:`DivergedUpdate`, before its caller can commit anything.
 
 Losses are aggregated with the *global* token (or sequence) count of each minibatch, summed
 over every rank, and multiplied by the world size because DDP/FSDP average gradients: the
@@ -15,7 +18,7 @@ gradient is then exactly that of the one-process minibatch loss, whatever the ra
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
@@ -29,6 +32,10 @@ from models.faults import maybe_kill_rank
 
 class NonFiniteUpdate(FloatingPointError):
     """Every optimiser step of an update had a non-finite loss or gradient norm: nothing was trained."""
+
+
+class DivergedUpdate(FloatingPointError):
+    """More than ``max_skipped_fraction`` of an update's steps were skipped (non-finite or out of bound)."""
 
 
 class UpdateData(NamedTuple):
@@ -77,6 +84,14 @@ class LoopSettings:
     micro_batch_size: int
     grad_clip: float
     seed: int
+    max_loss: float = 0.0
+    """Skip a step whose |loss| exceeds this (0: no bound)."""
+    max_grad_norm: float = 0.0
+    """Skip a step whose gradient norm before clipping exceeds this (0: no bound)."""
+    max_skipped_fraction: float = 1.0
+    """Fail an update that skipped more than this fraction of its steps (one with no finite step always)."""
+    role: str = "update"
+    """Config section named in messages (``actor``, ``critic``): ``{role}.guard.max_loss``."""
 
 
 LossFn = Callable[[nn.Module, UpdateData, float, float], tuple]
@@ -85,48 +100,99 @@ LossFn = Callable[[nn.Module, UpdateData, float, float], tuple]
 
 def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, data: UpdateData, loss_fn: LossFn,
                settings: LoopSettings, info: DistInfo) -> Dict[str, float]:
-    """Train ``model`` on this rank's ``data``; returns statistics averaged over the finite steps and
-    the ranks, with ``steps`` (optimiser steps taken) and ``nonfinite_steps`` (steps skipped)."""
+    """Train ``model`` on this rank's ``data``; returns statistics averaged over the steps taken and the
+    ranks, with ``steps`` (optimiser steps taken), ``skipped_steps`` and ``nonfinite_steps`` (module docstring)."""
     n_local = data.input_ids.shape[0]
     local_mb = max(settings.minibatch_size // info.world_size, 1)
     gen = torch.Generator().manual_seed(settings.seed * 1_000_003 + info.rank)
     sums: Dict[str, float] = {}
-    steps = skipped = 0
-    first_bad: Dict[str, float] = {}
+    steps = 0
+    skips = Skips()
     params = [p for p in model.parameters() if p.requires_grad]
     seq_len = data.attention_mask.sum(1)  # [N] micro-batches of similar lengths carry little padding
     model.train()
     for _ in range(settings.epochs):
         perm = torch.randperm(n_local, generator=gen)
         for start in range(0, n_local, local_mb):
-            maybe_kill_rank(info.rank, steps + skipped)  # tests only: a rank dies mid-update
+            maybe_kill_rank(info.rank, steps + skips.total)  # tests only: a rank dies mid-update
             step_stats = _accumulate(model, optimizer, data, perm[start:start + local_mb], loss_fn, settings,
                                      info, seq_len)
             if step_stats is None:  # no token or no advantage to learn from: no step (AdamW would move weights)
                 continue
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
-            step_stats["grad_norm"] = float(grad_norm)
-            if not _finite_on_every_rank(step_stats["loss"], step_stats["grad_norm"]):
+            step_stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, settings.grad_clip))
+            reason = _skip_reason(step_stats["loss"], step_stats["grad_norm"], settings)
+            if reason:
                 optimizer.zero_grad(set_to_none=True)  # no step: weights and moments stay as they were
-                first_bad = first_bad or {"loss": step_stats["loss"], "grad_norm": step_stats["grad_norm"],
-                                          "step": float(steps + skipped)}
-                skipped += 1
+                skips.add(reason, steps, step_stats, settings, info)
                 continue
             optimizer.step()
             for k, v in step_stats.items():
                 sums[k] = sums.get(k, 0.0) + v
             steps += 1
-    if skipped and not steps:
-        raise NonFiniteUpdate(
-            f"all {skipped} optimiser steps of this update had a non-finite loss or gradient norm (first: step "
-            f"{int(first_bad['step'])}, loss {first_bad['loss']}, grad norm {first_bad['grad_norm']}); no step "
-            f"was taken and nothing is committed. Look for NaN/inf in the batch's advantages, log-probs and "
-            f"rewards, and at the learning rate")
+    skips.check(steps, settings)
     means = {k: v / max(steps, 1) for k, v in sums.items()}
     means["lr"] = float(optimizer.param_groups[0]["lr"])
     means["steps"] = float(steps)
-    means["nonfinite_steps"] = float(skipped)
+    means["skipped_steps"] = float(skips.total)
+    means["nonfinite_steps"] = float(skips.counts[NONFINITE])
     return all_reduce_mean_dict(means)
+
+
+NONFINITE, LOSS_BOUND, GRAD_BOUND = "non-finite", "max_loss", "max_grad_norm"
+"""Why a step is skipped, in the order they are checked."""
+
+
+def _skip_reason(loss: float, grad_norm: float, settings: LoopSettings) -> str:
+    """Why this step is skipped ("" if it is not), the same on every rank: each rank's verdict is summed
+    over the ranks, or their replicas (DDP) or shards (FSDP2) would step apart."""
+    flags = torch.tensor([not (math.isfinite(loss) and math.isfinite(grad_norm)),
+                          0 < settings.max_loss < abs(loss), 0 < settings.max_grad_norm < grad_norm],
+                         dtype=torch.float64)  # [3]: the reasons, NONFINITE first
+    flags = all_reduce_sum(flags)
+    return next((r for r, f in zip((NONFINITE, LOSS_BOUND, GRAD_BOUND), flags.tolist()) if f > 0), "")
+
+
+@dataclass
+class Skips:
+    """The steps an update skipped: how many for each reason, the first one's numbers."""
+
+    counts: Dict[str, int] = field(default_factory=lambda: {NONFINITE: 0, LOSS_BOUND: 0, GRAD_BOUND: 0})
+    first: str = ""
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def add(self, reason: str, steps: int, stats: Dict[str, float], settings: LoopSettings, info: DistInfo) -> None:
+        k = steps + self.total
+        what = f"loss {stats['loss']:.3g}, gradient norm {stats['grad_norm']:.3g}"
+        why = "non-finite" if reason == NONFINITE else \
+            f"above {settings.role}.guard.{reason}={getattr(settings, reason):g}"
+        self.first = self.first or f"step {k}, {what}" + ("" if reason == NONFINITE else f", {why}")
+        self.counts[reason] += 1
+        if info.rank == 0:
+            print(f"[{settings.role}] step {k} skipped ({what}: {why}); weights and AdamW's moments unchanged",
+                  flush=True)
+
+    def check(self, steps: int, settings: LoopSettings) -> None:
+        """Raise when no step was taken, or more than ``max_skipped_fraction`` of them were skipped."""
+        skipped, n = self.total, steps + self.total
+        if not skipped or (steps and skipped <= settings.max_skipped_fraction * n):
+            return
+        if not steps and self.counts[NONFINITE] == skipped:
+            raise NonFiniteUpdate(
+                f"all {skipped} optimiser steps of this update had a non-finite loss or gradient norm (first: "
+                f"{self.first}); no step was taken and nothing is committed. Look for NaN/inf in the batch's "
+                f"advantages, log-probs and rewards, and at the learning rate")
+        r = settings.role
+        raise DivergedUpdate(
+            f"{skipped} of {n} optimiser steps of this {r} update were skipped, more than "
+            f"{r}.guard.max_skipped_fraction={settings.max_skipped_fraction:g} ({self.counts[NONFINITE]} non-finite, "
+            f"{self.counts[LOSS_BOUND]} with |loss| above {r}.guard.max_loss={settings.max_loss:g}, "
+            f"{self.counts[GRAD_BOUND]} with a gradient norm above {r}.guard.max_grad_norm="
+            f"{settings.max_grad_norm:g}; first: {self.first}): the update diverged and nothing of this iteration "
+            f"is committed. Lower {r}.lr (or look for NaN/inf in the batch), or change the bounds (they may change "
+            f"on resume)")
 
 
 def _accumulate(model: nn.Module, optimizer: torch.optim.Optimizer, data: UpdateData, mb: torch.Tensor,
@@ -170,13 +236,6 @@ def _has_advantage(data: UpdateData, mb: torch.Tensor) -> bool:
         return True
     live = (data.adv[mb] != 0) & data.loss_tokens[mb]  # NaN counts: the finite check reports it
     return float(all_reduce_sum(live.any().double())) > 0
-
-
-def _finite_on_every_rank(loss: float, grad_norm: float) -> bool:
-    """Whether every rank's loss and gradient norm are finite: all ranks take the same decision, or
-    their replicas (DDP) or shards (FSDP2) would step apart."""
-    bad = 0.0 if math.isfinite(loss) and math.isfinite(grad_norm) else 1.0
-    return float(all_reduce_sum(torch.tensor(bad, dtype=torch.float64))) == 0.0
 
 
 def actor_loss_fn(cfg: PolicyLossConfig, temperature: float, kl_beta: float = 0.0,
@@ -252,5 +311,5 @@ def stat_keys(prefix: str, stats: Dict[str, float]) -> Dict[str, float]:
     return {f"{prefix}/{k}": v for k, v in stats.items()}
 
 
-__all__: List[str] = ["NonFiniteUpdate", "UpdateData", "LoopSettings", "run_update", "actor_loss_fn", "critic_loss_fn",
-                      "make_optimizer", "disable_dropout", "stat_keys"]
+__all__: List[str] = ["NonFiniteUpdate", "DivergedUpdate", "UpdateData", "LoopSettings", "run_update",
+                      "actor_loss_fn", "critic_loss_fn", "make_optimizer", "disable_dropout", "stat_keys"]

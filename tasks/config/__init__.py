@@ -481,6 +481,36 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class StepGuardConfig:
+    """Which optimiser steps are skipped, and when too many skipped fail the run (``models/update.py``).
+
+    A step whose loss or gradient norm is NaN or infinite, or above a bound here, takes no step: the
+    weights and AdamW's moments stay as they were (as a dynamic loss scaler skips an overflowing step),
+    a console line names the step and the bound, and ``<role>/skipped_steps`` counts it. An update
+    that skipped more than ``max_skipped_fraction`` of its steps fails the run before that iteration
+    commits anything, so a diverged policy is never committed nor registered. docs/algorithms.md"""
+
+    max_loss: float = 1e3
+    """Skip a step whose |loss| exceeds this; 0 = no bound. Healthy actor losses are O(1) (advantages
+    are normalised or whitened, the ratio clipped, k3 bounded, ``kernels/kl.py``): a loss past 1e3
+    means the update has diverged (GRPO at ``actor.lr=10``)."""
+    max_grad_norm: float = 1e5
+    """Skip a step whose gradient norm before clipping (``grad_clip``) exceeds this; 0 = no bound. This
+    is a skip, not the clip: a step below it is clipped to ``grad_clip`` as usual."""
+    max_skipped_fraction: float = 0.5
+    """An update that skipped more than this fraction of its optimiser steps fails the run, naming the
+    counts and the bound (an update with no finite step always fails). 1 = never (not with no finite step)."""
+
+    def check(self, section: str) -> None:
+        """Raise :class:`ConfigError` naming ``{section}.guard.<field>`` (called by the owning config)."""
+        _check(self.max_loss >= 0, f"{section}.guard.max_loss must be >= 0 (0 = no bound), got {self.max_loss}")
+        _check(self.max_grad_norm >= 0,
+               f"{section}.guard.max_grad_norm must be >= 0 (0 = no bound), got {self.max_grad_norm}")
+        _check(0 <= self.max_skipped_fraction <= 1,
+               f"{section}.guard.max_skipped_fraction must be in [0, 1], got {self.max_skipped_fraction}")
+
+
+@dataclass(frozen=True)
 class ActorConfig:
     """The policy update (an elastic torchrun job)."""
 
@@ -512,6 +542,9 @@ class ActorConfig:
     with ``actor.old_logprobs=sampler`` (the weight is then 1). docs/rlvr/truncated_is.md"""
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
+    guard: StepGuardConfig = field(default_factory=StepGuardConfig)
+    """Steps skipped for a non-finite or out-of-bound loss or gradient norm, and the share of skipped
+    steps that fails the run."""
     keep_optimizer_state: bool = True
     """Carry AdamW's moments from one iteration's update to the next (committed beside each
     checkpoint as ``<checkpoint>-optimizer/``, ``models/optimizer_state.py``), as one long-running
@@ -542,6 +575,7 @@ class ActorConfig:
 
     def __post_init__(self) -> None:
         self.lora.check("actor")
+        self.guard.check("actor")
         _check(self.lr > 0, "actor.lr must be > 0")
         _check(self.ppo_epochs >= 1, "actor.ppo_epochs must be >= 1")
         _check(self.minibatch_size >= 1 and self.micro_batch_size >= 1,
@@ -578,6 +612,11 @@ class CriticConfig:
     """Clip of the new value around the old one; 0 disables clipping."""
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
+    guard: StepGuardConfig = field(default_factory=lambda: StepGuardConfig(max_loss=0.0, max_grad_norm=0.0))
+    """As ``actor.guard``, with no loss or gradient-norm bound by default: the value loss grows with the
+    square of the returns, which nothing normalises, so no one bound fits every reward scale (non-finite
+    steps are skipped all the same). Not applied by the critic server (``critic.remote_url``), which
+    skips non-finite steps only."""
     keep_optimizer_state: bool = True
     """Carry AdamW's moments from one iteration's update to the next (as ``actor.keep_optimizer_state``;
     the critic server keeps its optimiser in memory instead)."""
@@ -594,6 +633,7 @@ class CriticConfig:
 
     def __post_init__(self) -> None:
         self.lora.check("critic")
+        self.guard.check("critic")
         _check(not (self.lora.enabled and self.remote_url),
                "critic.lora needs the critic inside the tasks: the critic server (critic.remote_url) "
                "trains its own critic")
