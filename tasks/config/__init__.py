@@ -28,10 +28,11 @@ from tasks.algorithms.checks import ignored_options
 
 MIN_TRAIN_TEMPERATURE = 0.1
 """Lowest ``rollout.temperature``: at τ a logit change of 88.7·τ between two policies overflows a
-float32 ratio exp(log π_θ − log π_old) (or the k3 KL term); at 0.1 that takes 8.9 logits. Measured on
-the tiny task (GRPO, actor.lr 1e-3, 3 iterations, HF engine): the first iteration's loss was finite at
-0.1 (2.5e26, as large as a clipped surrogate without dual clip gets) and inf at 0.05, whose next
-rollout failed on NaN probabilities; 0.3 at 1.0. vLLM clamps below 0.01 (``MIN_ENGINE_TEMPERATURE``)."""
+float32 ratio exp(log π_θ − log π_old); at 0.1 that takes 8.9 logits. Measured on the tiny task (GRPO,
+actor.lr 1e-3, 3 iterations, HF engine): the first iteration's loss was finite at 0.1 (2.5e26, as
+large as a clipped surrogate without dual clip gets) and inf at 0.05, whose next rollout failed on NaN
+probabilities; 0.3 at 1.0. That was before k3 was bounded (``kernels/kl.py``) and steps past
+``actor.guard`` were skipped. vLLM clamps below 0.01 (``MIN_ENGINE_TEMPERATURE``)."""
 
 
 class ConfigError(ValueError):
@@ -267,8 +268,8 @@ class RolloutConfig:
         _check(self.temperature >= MIN_TRAIN_TEMPERATURE,
                f"rollout.temperature={self.temperature} is below {MIN_TRAIN_TEMPERATURE}: log-probs at temperature "
                f"τ are logits/τ, so a logit change of Δ between π_old and π_θ (or π_ref) moves a log-ratio by Δ/τ, "
-               f"and exp() of it overflows float32 past 88.7 (at τ=0.01 a change of 0.9 logits does; GRPO's losses "
-               f"turn NaN); below {MIN_ENGINE_TEMPERATURE} vLLM also samples another temperature than the trainer "
+               f"and exp() of the ratio overflows float32 past 88.7 (at τ=0.01 a change of 0.9 logits does; GRPO's "
+               f"losses turn NaN); below {MIN_ENGINE_TEMPERATURE} vLLM also samples another temperature than the trainer "
                f"scores")
         _check(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
         _check(self.top_k >= 0, "rollout.top_k must be >= 0 (0 = all tokens)")
@@ -491,12 +492,13 @@ class StepGuardConfig:
     commits anything, so a diverged policy is never committed nor registered. docs/algorithms.md"""
 
     max_loss: float = 1e3
-    """Skip a step whose |loss| exceeds this; 0 = no bound. Healthy actor losses are O(1) (advantages
-    are normalised or whitened, the ratio clipped, k3 bounded, ``kernels/kl.py``): a loss past 1e3
-    means the update has diverged (GRPO at ``actor.lr=10``)."""
+    """Skip a step whose |loss| exceeds this; 0 = no bound. The actor's losses are O(1) when healthy
+    (advantages normalised or whitened, the ratio clipped, k3 bounded, ``kernels/kl.py``): past 1e3 its
+    update has diverged (GRPO at ``actor.lr=10`` gave 2.6e6). The critic has none by default."""
     max_grad_norm: float = 1e5
     """Skip a step whose gradient norm before clipping (``grad_clip``) exceeds this; 0 = no bound. This
-    is a skip, not the clip: a step below it is clipped to ``grad_clip`` as usual."""
+    is a skip, not the clip: a step below it is clipped to ``grad_clip`` as usual. The actor's was 4 at
+    temperature 1 and 7e3 at 0.1 on the tiny task, 2e5 at ``actor.lr=10``. The critic has none by default."""
     max_skipped_fraction: float = 0.5
     """An update that skipped more than this fraction of its optimiser steps fails the run, naming the
     counts and the bound (an update with no finite step always fails). 1 = never (not with no finite step)."""
