@@ -89,7 +89,8 @@ class LoopSettings:
     max_grad_norm: float = 0.0
     """Skip a step whose gradient norm before clipping exceeds this (0: no bound)."""
     max_skipped_fraction: float = 1.0
-    """Fail an update that skipped more than this fraction of its steps (one with no finite step always)."""
+    """Fail an update that skipped more than this fraction of its steps (one that skipped steps and took
+    none always fails)."""
     role: str = "update"
     """Config section named in messages (``actor``, ``critic``): ``{role}.guard.max_loss``."""
 

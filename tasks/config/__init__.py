@@ -501,7 +501,8 @@ class StepGuardConfig:
     temperature 1 and 7e3 at 0.1 on the tiny task, 2e5 at ``actor.lr=10``. The critic has none by default."""
     max_skipped_fraction: float = 0.5
     """An update that skipped more than this fraction of its optimiser steps fails the run, naming the
-    counts and the bound (an update with no finite step always fails). 1 = never (not with no finite step)."""
+    counts and the bound; so does a run that did over all its iterations (no policy is registered).
+    An update that skipped steps and took none always fails."""
 
     def check(self, section: str) -> None:
         """Raise :class:`ConfigError` naming ``{section}.guard.<field>`` (called by the owning config)."""
