@@ -248,15 +248,17 @@ def train_remote_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, ba
     return UpdateOutput(url, {**critic_stats(out.stats), "time/critic_update_s": time.perf_counter() - t0})
 
 
-CRITIC_STATS = ("loss", "explained_variance", "grad_norm", "value_clip_frac", "nonfinite_steps", "skipped_steps")
+CRITIC_STATS = ("loss", "explained_variance", "grad_norm", "value_clip_frac", "steps", "nonfinite_steps",
+                "skipped_steps")
 """Statistics of the critic update logged as ``critic/<name>``."""
 
 
 def critic_stats(stats: Dict[str, float]) -> Dict[str, float]:
     """``critic/<name>`` of :data:`CRITIC_STATS` (a server predating ``nonfinite_steps`` or ``skipped_steps``
-    counts none)."""
-    return {f"critic/{k}": float(stats.get(k, 0.0)) if k in ("nonfinite_steps", "skipped_steps") else stats[k]
-            for k in CRITIC_STATS}
+    counts none; one predating ``steps`` logs none, and ``finish_run`` cannot judge its share of skips)."""
+    counts = ("nonfinite_steps", "skipped_steps")
+    return {f"critic/{k}": float(stats.get(k, 0.0)) if k in counts else stats[k]
+            for k in CRITIC_STATS if k in stats or k in counts}
 
 
 @task(task_config=elastic_for(deployment_config()), cache=True, cache_version=CACHE_VERSION, retries=1,

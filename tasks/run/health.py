@@ -9,6 +9,8 @@ when most of its steps were skipped.
 
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 from tasks import tracking
 from tasks.config import TrainConfig
 
@@ -17,17 +19,24 @@ class UnhealthyRun(RuntimeError):
     """Most of the run's optimiser steps were skipped: its final policy is not registered."""
 
 
-def skipped_share(run_id: str, role: str) -> tuple:
-    """``(skipped, taken)`` optimiser steps of ``role`` over every iteration MLflow has logged."""
-    total = lambda key: sum(v for _, v in tracking.metric_history(run_id, f"{role}/{key}"))  # noqa: E731
-    return int(total("skipped_steps")), int(total("steps"))
+def skipped_share(run_id: str, role: str) -> Optional[Tuple[int, int]]:
+    """``(skipped, taken)`` optimiser steps of ``role`` over every iteration MLflow has logged; None when
+    ``role`` logged no ``steps`` (no critic, or a critic server predating them)."""
+    taken = tracking.metric_history(run_id, f"{role}/steps")
+    if not taken:
+        return None
+    skipped = tracking.metric_history(run_id, f"{role}/skipped_steps")
+    return int(sum(v for _, v in skipped)), int(sum(v for _, v in taken))
 
 
 def check_healthy(cfg: TrainConfig, run_id: str) -> None:
     """Raise :class:`UnhealthyRun` naming the counts and the bound when, for the actor or the critic,
     more than ``guard.max_skipped_fraction`` of the run's steps were skipped."""
     for role, section in (("actor", cfg.actor), ("critic", cfg.critic)):
-        skipped, taken = skipped_share(run_id, role)
+        share = skipped_share(run_id, role)
+        if share is None:
+            continue
+        skipped, taken = share
         fraction = section.guard.max_skipped_fraction
         if skipped and skipped > fraction * (skipped + taken):
             raise UnhealthyRun(

@@ -42,3 +42,27 @@ def test_half_skipped_is_healthy_and_the_bound_is_the_config_s(tmp_path, monkeyp
     check_healthy(TrainConfig(), run_id)  # 2 of 8
     with pytest.raises(UnhealthyRun, match="actor.guard.max_skipped_fraction=0.2:"):
         check_healthy(with_overrides(TrainConfig(), "actor.guard.max_skipped_fraction=0.2"), run_id)
+
+
+def test_the_critic_is_judged_from_what_its_update_logs(tmp_path, monkeypatch):
+    """The critic's share comes from ``critic_stats`` (what ``commit_iteration`` logs of its update)."""
+    from tasks.updates import critic_stats
+
+    run_id = logged_run(tmp_path, monkeypatch, [(4, 0)])
+    update = {"loss": 1.0, "explained_variance": 0.0, "grad_norm": 1.0, "value_clip_frac": 0.0, "steps": 1.0,
+              "nonfinite_steps": 3.0, "skipped_steps": 3.0}
+    tracking.log_metrics(run_id, critic_stats(update), step=0)
+    with pytest.raises(UnhealthyRun, match=r"^3 of the run's 4 critic optimiser steps were skipped .* "
+                                           r"critic.guard.max_skipped_fraction=0.5:"):
+        check_healthy(TrainConfig(), run_id)
+
+
+def test_a_critic_server_that_logs_no_steps_is_not_judged(tmp_path, monkeypatch):
+    from tasks.updates import critic_stats
+
+    run_id = logged_run(tmp_path, monkeypatch, [(4, 0)])
+    old_server = {"loss": 1.0, "explained_variance": 0.0, "grad_norm": 1.0, "value_clip_frac": 0.0,
+                  "nonfinite_steps": 1.0}
+    assert "critic/steps" not in critic_stats(old_server)
+    tracking.log_metrics(run_id, critic_stats(old_server), step=0)
+    check_healthy(TrainConfig(), run_id)
