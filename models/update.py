@@ -2,12 +2,10 @@
 gradient accumulation over micro-batches, global-token normalisation across ranks,
 gradient clipping (as in PPO, Schulman et al. 2017, and the anchors' trainers).
 
-Finite and bounded or skip: a step whose loss or gradient norm is NaN or infinite on any rank, or
-above the bounds of :class:`LoopSettings` (``max_loss``, ``max_grad_norm``: ``actor.guard`` and
-``critic.guard`` of the config), takes no optimiser step (weights and AdamW's moments stay as they
-were, as a dynamic loss scaler skips an overflowing step), is named on the console and counted in
-``skipped_steps`` (``nonfinite_steps``: those non-finite). An update with no finite step raises
-:class:`NonFiniteUpdate`, one that skipped more than ``max_skipped_fraction`` of its steps
+Finite and bounded or skip (:mod:`models.step_guard`): a step whose loss or gradient norm is NaN,
+infinite or above ``LoopSettings.max_loss`` / ``max_grad_norm`` on any rank takes no optimiser step and
+is counted in ``skipped_steps`` (``nonfinite_steps``: those non-finite); an update with no finite step
+raises :class:`NonFiniteUpdate`, one that skipped more than ``max_skipped_fraction`` of its steps
 :class:`DivergedUpdate`, before its caller can commit anything.
 
 Losses are aggregated with the *global* token (or sequence) count of each minibatch, summed
@@ -17,8 +15,7 @@ gradient is then exactly that of the one-process minibatch loss, whatever the ra
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
@@ -28,14 +25,7 @@ from kernels.kl import kl_loss
 from kernels.losses import PolicyLossConfig, PolicyLossInput, policy_loss, value_loss
 from models.distributed import DistInfo, all_reduce_mean_dict, all_reduce_sum, no_grad_sync
 from models.faults import maybe_kill_rank
-
-
-class NonFiniteUpdate(FloatingPointError):
-    """Every optimiser step of an update had a non-finite loss or gradient norm: nothing was trained."""
-
-
-class DivergedUpdate(FloatingPointError):
-    """More than ``max_skipped_fraction`` of an update's steps were skipped (non-finite or out of bound)."""
+from models.step_guard import NONFINITE, DivergedUpdate, NonFiniteUpdate, Skips, skip_reason
 
 
 class UpdateData(NamedTuple):
@@ -121,7 +111,7 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, data: UpdateD
             if step_stats is None:  # no token or no advantage to learn from: no step (AdamW would move weights)
                 continue
             step_stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, settings.grad_clip))
-            reason = _skip_reason(step_stats["loss"], step_stats["grad_norm"], settings)
+            reason = skip_reason(step_stats["loss"], step_stats["grad_norm"], settings)
             if reason:
                 optimizer.zero_grad(set_to_none=True)  # no step: weights and moments stay as they were
                 skips.add(reason, steps, step_stats, settings, info)
@@ -137,63 +127,6 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, data: UpdateD
     means["skipped_steps"] = float(skips.total)
     means["nonfinite_steps"] = float(skips.counts[NONFINITE])
     return all_reduce_mean_dict(means)
-
-
-NONFINITE, LOSS_BOUND, GRAD_BOUND = "non-finite", "max_loss", "max_grad_norm"
-"""Why a step is skipped, in the order they are checked."""
-
-
-def _skip_reason(loss: float, grad_norm: float, settings: LoopSettings) -> str:
-    """Why this step is skipped ("" if it is not), the same on every rank: each rank's verdict is summed
-    over the ranks, or their replicas (DDP) or shards (FSDP2) would step apart."""
-    flags = torch.tensor([not (math.isfinite(loss) and math.isfinite(grad_norm)),
-                          0 < settings.max_loss < abs(loss), 0 < settings.max_grad_norm < grad_norm],
-                         dtype=torch.float64)  # [3]: the reasons, NONFINITE first
-    flags = all_reduce_sum(flags)
-    return next((r for r, f in zip((NONFINITE, LOSS_BOUND, GRAD_BOUND), flags.tolist()) if f > 0), "")
-
-
-@dataclass
-class Skips:
-    """The steps an update skipped: how many for each reason, the first one's numbers."""
-
-    counts: Dict[str, int] = field(default_factory=lambda: {NONFINITE: 0, LOSS_BOUND: 0, GRAD_BOUND: 0})
-    first: str = ""
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    def add(self, reason: str, steps: int, stats: Dict[str, float], settings: LoopSettings, info: DistInfo) -> None:
-        k = steps + self.total
-        what = f"loss {stats['loss']:.3g}, gradient norm {stats['grad_norm']:.3g}"
-        why = "non-finite" if reason == NONFINITE else \
-            f"above {settings.role}.guard.{reason}={getattr(settings, reason):g}"
-        self.first = self.first or f"step {k}, {what}" + ("" if reason == NONFINITE else f", {why}")
-        self.counts[reason] += 1
-        if info.rank == 0:
-            print(f"[{settings.role}] step {k} skipped ({what}: {why}); weights and AdamW's moments unchanged",
-                  flush=True)
-
-    def check(self, steps: int, settings: LoopSettings) -> None:
-        """Raise when no step was taken, or more than ``max_skipped_fraction`` of them were skipped."""
-        skipped, n = self.total, steps + self.total
-        if not skipped or (steps and skipped <= settings.max_skipped_fraction * n):
-            return
-        if not steps and self.counts[NONFINITE] == skipped:
-            raise NonFiniteUpdate(
-                f"all {skipped} optimiser steps of this update had a non-finite loss or gradient norm (first: "
-                f"{self.first}); no step was taken and nothing is committed. Look for NaN/inf in the batch's "
-                f"advantages, log-probs and rewards, and at the learning rate")
-        r = settings.role
-        raise DivergedUpdate(
-            f"{skipped} of {n} optimiser steps of this {r} update were skipped, more than "
-            f"{r}.guard.max_skipped_fraction={settings.max_skipped_fraction:g} ({self.counts[NONFINITE]} non-finite, "
-            f"{self.counts[LOSS_BOUND]} with |loss| above {r}.guard.max_loss={settings.max_loss:g}, "
-            f"{self.counts[GRAD_BOUND]} with a gradient norm above {r}.guard.max_grad_norm="
-            f"{settings.max_grad_norm:g}; first: {self.first}): the update diverged and nothing of this iteration "
-            f"is committed. Lower {r}.lr (or look for NaN/inf in the batch), or change the bounds (they may change "
-            f"on resume)")
 
 
 def _accumulate(model: nn.Module, optimizer: torch.optim.Optimizer, data: UpdateData, mb: torch.Tensor,

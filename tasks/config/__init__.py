@@ -483,7 +483,7 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class StepGuardConfig:
-    """Which optimiser steps are skipped, and when too many skipped fail the run (``models/update.py``).
+    """Which optimiser steps are skipped, and when too many skipped fail the run (``models/step_guard.py``).
 
     A step whose loss or gradient norm is NaN or infinite, or above a bound here, takes no step: the
     weights and AdamW's moments stay as they were (as a dynamic loss scaler skips an overflowing step),

@@ -1,7 +1,7 @@
 """Whether a run ended healthy, checked by ``finish_run`` before it registers the final policy.
 
 Each update already fails when more than ``<role>.guard.max_skipped_fraction`` of its steps were
-skipped (``models/update.py``); this is the same rule over the whole run, from what MLflow holds
+skipped (``models/step_guard.py``); this is the same rule over the whole run, from what MLflow holds
 (``<role>/steps`` and ``<role>/skipped_steps`` of every iteration), so a run whose bounds were
 loosened on resume, or whose updates each stayed just under the share, registers no policy either
 when most of its steps were skipped.

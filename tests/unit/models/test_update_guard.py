@@ -1,4 +1,4 @@
-"""The step guard (models/update.py, ``actor.guard`` / ``critic.guard``): a step whose |loss| or gradient
+"""The step guard (models/step_guard.py, ``actor.guard`` / ``critic.guard``): a step whose |loss| or gradient
 norm is above its bound is skipped like a non-finite one (no step, AdamW's moments untouched), named on
 the console and counted; an update that skipped more than ``max_skipped_fraction`` of its steps fails."""
 
