@@ -8,6 +8,15 @@ Estimators of KL from samples y ~ π, with ``lr = log π(y) − log π_ref(y)``
 k1 is unbiased but can be negative per token, k3 is unbiased and >= 0, k2 is biased
 with low variance. Chosen by :class:`KLEstimator` through the ``KL_ESTIMATORS`` registry.
 
+k3's ``e^(−lr)`` grows without bound where the policy makes a sampled token far less likely than
+π_ref does, and so does its gradient ``(1 − e^(−lr))·∇log π``. At temperature τ a logit change of Δ
+moves ``lr`` by Δ/τ while AdamW's step in the logits does not shrink with τ: GRPO on the tiny task at
+τ = 0.1 took a token 30.6 nats below π_ref in one iteration (3.7 at τ = 1), k3 = e^30.6 ≈ 2e13, and
+the actor's loss and gradient norm rose to 1.7e11 and 3.4e14. Beyond ``lr = −K3_EXP_LIMIT`` k3 goes on
+as its tangent there (:func:`k3`): the same value and gradient up to it, a pull back towards π_ref of
+at most ``e^K3_EXP_LIMIT − 1`` per token past it, never an overflow (veRL clamps k3 at 10 instead,
+which leaves such tokens without any pull).
+
 The KL enters either the reward (:func:`kl_shaped_rewards`, the default: ``−β·kl_t`` on
 every response token, the sequence reward added at each row's last response token) or
 the loss (:func:`kl_loss`, ``β·agg(kl_t)``, as in GRPO). β is ``kl.coef``, fixed, or steered by
@@ -31,6 +40,8 @@ from kernels.masked import as_bool_mask, masked_mean
 __all__ = [
     "KLEstimator",
     "KL_ESTIMATORS",
+    "K3_EXP_LIMIT",
+    "k3",
     "kl_penalty",
     "AdaptiveKLController",
     "KLShapedRewards",
@@ -47,11 +58,25 @@ class KLEstimator(str, Enum):
     K3 = "k3"
 
 
+K3_EXP_LIMIT = 10.0
+"""``−lr`` (nats) past which :func:`k3` is linear: e^10 − 1 ≈ 2.2e4 is its largest slope."""
+
+
+def k3(lr: Tensor) -> Tensor:
+    """``e^(−lr) − 1 + lr`` for ``lr >= −K3_EXP_LIMIT``, continued as its tangent below (module docstring).
+
+    Shape: any; differentiable, with ``|∂k3/∂lr| <= e^K3_EXP_LIMIT − 1`` everywhere."""
+    x = -lr
+    xc = x.clamp(max=K3_EXP_LIMIT)
+    e = torch.expm1(xc)  # expm1 keeps precision for small lr
+    return e - xc + e * (x - xc)
+
+
 KL_ESTIMATORS: dict[KLEstimator, Callable[[Tensor], Tensor]] = {
     KLEstimator.K1: lambda lr: lr,
     KLEstimator.ABS: torch.abs,
     KLEstimator.K2: lambda lr: 0.5 * lr * lr,
-    KLEstimator.K3: lambda lr: torch.expm1(-lr) + lr,  # expm1 keeps precision for small lr
+    KLEstimator.K3: k3,
 }
 
 

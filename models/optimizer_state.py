@@ -15,6 +15,10 @@ for every trainable parameter, by its name in the unwrapped training module, as 
 carried: learning rate, betas and weight decay come from the run's config each iteration. A state
 that does not fit the model (other trainable parameters or shapes: the LoRA settings changed, say)
 is reported and AdamW starts from zero.
+
+A parameter the optimizer has not stepped yet (an update that took no step: every advantage zero)
+is saved as AdamW would start it, zero moments at step 0, so the next update starts where a fresh
+AdamW would, without a "does not fit" notice; a state loaded and not stepped is saved as loaded.
 """
 
 from __future__ import annotations
@@ -65,12 +69,24 @@ def gather(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, torc
     return out
 
 
+def fill_unstepped(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Give every trainable parameter without optimizer state the state a fresh AdamW starts from: zero
+    moments (sharded like the parameter) and step 0, where its first step would make it 1."""
+    capturable = _capturable(optimizer)
+    for p in _trainable(model).values():
+        if not optimizer.state.get(p):
+            step = torch.zeros((), dtype=torch.float32, device=p.device if capturable else "cpu")
+            optimizer.state[p] = {"step": step, **{key: torch.zeros_like(p, memory_format=torch.preserve_format)
+                                                   for key in MOMENTS}}
+
+
 def save(model: nn.Module, optimizer: torch.optim.Optimizer, url: str, info: DistInfo, sharded: bool = False) -> None:
     """Commit the optimizer's state at ``url`` (rank 0 writes; every rank must call). ``sharded``: under
     FSDP2 with more than one rank, each rank writes its own shard instead (``models/optimizer_shards.py``);
     otherwise (DDP, one process: every rank holds the whole state) the whole state as usual."""
     from safetensors.torch import save_file
 
+    fill_unstepped(model, optimizer)
     if sharded and info.world_size > 1 and is_sharded(model):
         from models import optimizer_shards
 

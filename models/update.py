@@ -2,10 +2,11 @@
 gradient accumulation over micro-batches, global-token normalisation across ranks,
 gradient clipping (as in PPO, Schulman et al. 2017, and the anchors' trainers).
 
-Finite or skip: a step whose loss or gradient norm is NaN or infinite on any rank takes no
-optimiser step (weights and AdamW's moments stay as they were, as a dynamic loss scaler skips an
-overflowing step) and is counted in ``nonfinite_steps``; an update with no finite step at all
-raises :class:`NonFiniteUpdate` before its caller can commit anything.
+Finite and bounded or skip (:mod:`models.step_guard`): a step whose loss or gradient norm is NaN,
+infinite or above ``LoopSettings.max_loss`` / ``max_grad_norm`` on any rank takes no optimiser step and
+is counted in ``skipped_steps`` (``nonfinite_steps``: those non-finite); an update with no finite step
+raises :class:`NonFiniteUpdate`, one that skipped more than ``max_skipped_fraction`` of its steps
+:class:`DivergedUpdate`, before its caller can commit anything.
 
 Losses are aggregated with the *global* token (or sequence) count of each minibatch, summed
 over every rank, and multiplied by the world size because DDP/FSDP average gradients: the
@@ -14,7 +15,6 @@ gradient is then exactly that of the one-process minibatch loss, whatever the ra
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, NamedTuple, Optional
 
@@ -25,10 +25,7 @@ from kernels.kl import kl_loss
 from kernels.losses import PolicyLossConfig, PolicyLossInput, policy_loss, value_loss
 from models.distributed import DistInfo, all_reduce_mean_dict, all_reduce_sum, no_grad_sync
 from models.faults import maybe_kill_rank
-
-
-class NonFiniteUpdate(FloatingPointError):
-    """Every optimiser step of an update had a non-finite loss or gradient norm: nothing was trained."""
+from models.step_guard import NONFINITE, DivergedUpdate, NonFiniteUpdate, Skips, skip_reason
 
 
 class UpdateData(NamedTuple):
@@ -77,6 +74,15 @@ class LoopSettings:
     micro_batch_size: int
     grad_clip: float
     seed: int
+    max_loss: float = 0.0
+    """Skip a step whose |loss| exceeds this (0: no bound)."""
+    max_grad_norm: float = 0.0
+    """Skip a step whose gradient norm before clipping exceeds this (0: no bound)."""
+    max_skipped_fraction: float = 1.0
+    """Fail an update that skipped more than this fraction of its steps (one that skipped steps and took
+    none always fails)."""
+    role: str = "update"
+    """Config section named in messages (``actor``, ``critic``): ``{role}.guard.max_loss``."""
 
 
 LossFn = Callable[[nn.Module, UpdateData, float, float], tuple]
@@ -85,47 +91,41 @@ LossFn = Callable[[nn.Module, UpdateData, float, float], tuple]
 
 def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, data: UpdateData, loss_fn: LossFn,
                settings: LoopSettings, info: DistInfo) -> Dict[str, float]:
-    """Train ``model`` on this rank's ``data``; returns statistics averaged over the finite steps and
-    the ranks, with ``steps`` (optimiser steps taken) and ``nonfinite_steps`` (steps skipped)."""
+    """Train ``model`` on this rank's ``data``; returns statistics averaged over the steps taken and the
+    ranks, with ``steps`` (optimiser steps taken), ``skipped_steps`` and ``nonfinite_steps`` (module docstring)."""
     n_local = data.input_ids.shape[0]
     local_mb = max(settings.minibatch_size // info.world_size, 1)
     gen = torch.Generator().manual_seed(settings.seed * 1_000_003 + info.rank)
     sums: Dict[str, float] = {}
-    steps = skipped = 0
-    first_bad: Dict[str, float] = {}
+    steps = 0
+    skips = Skips()
     params = [p for p in model.parameters() if p.requires_grad]
     seq_len = data.attention_mask.sum(1)  # [N] micro-batches of similar lengths carry little padding
     model.train()
     for _ in range(settings.epochs):
         perm = torch.randperm(n_local, generator=gen)
         for start in range(0, n_local, local_mb):
-            maybe_kill_rank(info.rank, steps + skipped)  # tests only: a rank dies mid-update
+            maybe_kill_rank(info.rank, steps + skips.total)  # tests only: a rank dies mid-update
             step_stats = _accumulate(model, optimizer, data, perm[start:start + local_mb], loss_fn, settings,
                                      info, seq_len)
             if step_stats is None:  # no token or no advantage to learn from: no step (AdamW would move weights)
                 continue
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
-            step_stats["grad_norm"] = float(grad_norm)
-            if not _finite_on_every_rank(step_stats["loss"], step_stats["grad_norm"]):
+            step_stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, settings.grad_clip))
+            reason = skip_reason(step_stats["loss"], step_stats["grad_norm"], settings)
+            if reason:
                 optimizer.zero_grad(set_to_none=True)  # no step: weights and moments stay as they were
-                first_bad = first_bad or {"loss": step_stats["loss"], "grad_norm": step_stats["grad_norm"],
-                                          "step": float(steps + skipped)}
-                skipped += 1
+                skips.add(reason, steps, step_stats, settings, info)
                 continue
             optimizer.step()
             for k, v in step_stats.items():
                 sums[k] = sums.get(k, 0.0) + v
             steps += 1
-    if skipped and not steps:
-        raise NonFiniteUpdate(
-            f"all {skipped} optimiser steps of this update had a non-finite loss or gradient norm (first: step "
-            f"{int(first_bad['step'])}, loss {first_bad['loss']}, grad norm {first_bad['grad_norm']}); no step "
-            f"was taken and nothing is committed. Look for NaN/inf in the batch's advantages, log-probs and "
-            f"rewards, and at the learning rate")
+    skips.check(steps, settings)
     means = {k: v / max(steps, 1) for k, v in sums.items()}
     means["lr"] = float(optimizer.param_groups[0]["lr"])
     means["steps"] = float(steps)
-    means["nonfinite_steps"] = float(skipped)
+    means["skipped_steps"] = float(skips.total)
+    means["nonfinite_steps"] = float(skips.counts[NONFINITE])
     return all_reduce_mean_dict(means)
 
 
@@ -170,13 +170,6 @@ def _has_advantage(data: UpdateData, mb: torch.Tensor) -> bool:
         return True
     live = (data.adv[mb] != 0) & data.loss_tokens[mb]  # NaN counts: the finite check reports it
     return float(all_reduce_sum(live.any().double())) > 0
-
-
-def _finite_on_every_rank(loss: float, grad_norm: float) -> bool:
-    """Whether every rank's loss and gradient norm are finite: all ranks take the same decision, or
-    their replicas (DDP) or shards (FSDP2) would step apart."""
-    bad = 0.0 if math.isfinite(loss) and math.isfinite(grad_norm) else 1.0
-    return float(all_reduce_sum(torch.tensor(bad, dtype=torch.float64))) == 0.0
 
 
 def actor_loss_fn(cfg: PolicyLossConfig, temperature: float, kl_beta: float = 0.0,
@@ -252,5 +245,5 @@ def stat_keys(prefix: str, stats: Dict[str, float]) -> Dict[str, float]:
     return {f"{prefix}/{k}": v for k, v in stats.items()}
 
 
-__all__: List[str] = ["NonFiniteUpdate", "UpdateData", "LoopSettings", "run_update", "actor_loss_fn", "critic_loss_fn",
-                      "make_optimizer", "disable_dropout", "stat_keys"]
+__all__: List[str] = ["NonFiniteUpdate", "DivergedUpdate", "UpdateData", "LoopSettings", "run_update",
+                      "actor_loss_fn", "critic_loss_fn", "make_optimizer", "disable_dropout", "stat_keys"]

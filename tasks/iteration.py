@@ -31,6 +31,7 @@ from tasks.deploy import deployment_config, resources_for
 from tasks.tracking.redact import redact
 from tasks.rollout import engine_for, sample_data, sampling_spec
 from tasks.run.data import sample_columns
+from tasks.run.health import check_healthy
 from tasks.score import batch_rewards
 from tasks.run.setup import DEFAULT_PRESETS
 from tasks.types import PolicyState, RunHandle
@@ -137,9 +138,11 @@ def progress_line(cfg: TrainConfig, i: int, m: Dict[str, float]) -> str:
 
 def _actor(m: Dict[str, float]) -> str:
     """The actor's loss and clip fraction, or that it took no step (no token or no advantage to learn from)."""
+    skipped = f"{m['actor/skipped_steps']:.0f} skipped  " if m.get("actor/skipped_steps") else ""
     if m.get("actor/steps") == 0:
         return "actor: no step (no advantage or token to learn from)  "
-    return f"actor_loss {m.get('actor/loss', float('nan')):+.3f}  clip {m.get('actor/clip_frac', float('nan')):.2f}  "
+    return f"actor_loss {m.get('actor/loss', float('nan')):+.3f}  clip {m.get('actor/clip_frac', float('nan')):.2f}  " \
+           f"{skipped}"
 
 
 def _gap(m: Dict[str, float]) -> str:
@@ -215,6 +218,7 @@ class TrainingSummary:
 
 
 def run_finish(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> TrainingSummary:
+    check_healthy(cfg, run.mlflow_run_id)  # before anything is registered (tasks/run/health.py)
     hist = [v for _, v in tracking.metric_history(run.mlflow_run_id, "rollout/reward_mean")]
     first = hist[0] if hist else float("nan")
     last = float(np.mean(hist[-2:])) if hist else float("nan")

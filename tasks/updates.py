@@ -66,6 +66,13 @@ def policy_loss_config(cfg: TrainConfig) -> PolicyLossConfig:
                             tis_cap=a.tis_cap or None)
 
 
+def loop_settings(epochs: int, section, seed: int, role: str) -> LoopSettings:
+    """The update loop's shape and step guard from the ``actor`` or ``critic`` section."""
+    g = section.guard
+    return LoopSettings(epochs, section.minibatch_size, section.micro_batch_size, section.grad_clip, seed,
+                        g.max_loss, g.max_grad_norm, g.max_skipped_fraction, role)
+
+
 def load_trainable(url: str, auto_cls, dtype: str, lora: LoraConfig, task_type: str):
     """The model to train from checkpoint ``url``: all its weights, or with ``lora`` its adapter
     (fresh, seeded by the caller's RNG, when ``url`` holds full weights: the first iteration).
@@ -154,8 +161,7 @@ def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rol
     with timed(times, "time/actor_train_s"):
         stats = run_update(model, optimizer, data,
                            actor_loss_fn(policy_loss_config(cfg), cfg.rollout.temperature, kl_beta, cfg.kl.estimator),
-                           LoopSettings(a.ppo_epochs, a.minibatch_size, a.micro_batch_size, a.grad_clip,
-                                        cfg.run.seed * 1000 + state.iteration), info)
+                           loop_settings(a.ppo_epochs, a, cfg.run.seed * 1000 + state.iteration, "actor"), info)
     pause_point(f"actor_update/iter-{state.iteration:06d}")  # tests only: kill the run mid-update
     url = run.layout.actor_url(state.iteration)
     full = full_state_dict(model)
@@ -193,8 +199,7 @@ def train_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
                                                "critic")
     with timed(times, "time/critic_train_s"):
         stats = run_update(model, optimizer, data, critic_loss_fn(c.value_clip or None),
-                           LoopSettings(c.epochs, c.minibatch_size, c.micro_batch_size, c.grad_clip,
-                                        cfg.run.seed * 1000 + state.iteration + 1), info)
+                           loop_settings(c.epochs, c, cfg.run.seed * 1000 + state.iteration + 1, "critic"), info)
     url = run.layout.critic_url(state.iteration)
     with naming_a_full_disk(url, model):
         save_trained(model.critic, tok, url, state.critic_url)
@@ -243,13 +248,17 @@ def train_remote_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, ba
     return UpdateOutput(url, {**critic_stats(out.stats), "time/critic_update_s": time.perf_counter() - t0})
 
 
-CRITIC_STATS = ("loss", "explained_variance", "grad_norm", "value_clip_frac", "nonfinite_steps")
+CRITIC_STATS = ("loss", "explained_variance", "grad_norm", "value_clip_frac", "steps", "nonfinite_steps",
+                "skipped_steps")
 """Statistics of the critic update logged as ``critic/<name>``."""
 
 
 def critic_stats(stats: Dict[str, float]) -> Dict[str, float]:
-    """``critic/<name>`` of :data:`CRITIC_STATS` (a server predating ``nonfinite_steps`` counts none)."""
-    return {f"critic/{k}": float(stats.get(k, 0.0)) if k == "nonfinite_steps" else stats[k] for k in CRITIC_STATS}
+    """``critic/<name>`` of :data:`CRITIC_STATS` (a server predating ``nonfinite_steps`` or ``skipped_steps``
+    counts none; one predating ``steps`` logs none, and ``finish_run`` cannot judge its share of skips)."""
+    counts = ("nonfinite_steps", "skipped_steps")
+    return {f"critic/{k}": float(stats.get(k, 0.0)) if k in counts else stats[k]
+            for k in CRITIC_STATS if k in stats or k in counts}
 
 
 @task(task_config=elastic_for(deployment_config()), cache=True, cache_version=CACHE_VERSION, retries=1,

@@ -29,10 +29,11 @@ from tasks.algorithms.checks import ignored_options
 
 MIN_TRAIN_TEMPERATURE = 0.1
 """Lowest ``rollout.temperature``: at τ a logit change of 88.7·τ between two policies overflows a
-float32 ratio exp(log π_θ − log π_old) (or the k3 KL term); at 0.1 that takes 8.9 logits. Measured on
-the tiny task (GRPO, actor.lr 1e-3, 3 iterations, HF engine): the first iteration's loss was finite at
-0.1 (2.5e26, as large as a clipped surrogate without dual clip gets) and inf at 0.05, whose next
-rollout failed on NaN probabilities; 0.3 at 1.0. vLLM clamps below 0.01 (``MIN_ENGINE_TEMPERATURE``)."""
+float32 ratio exp(log π_θ − log π_old); at 0.1 that takes 8.9 logits. Measured on the tiny task (GRPO,
+actor.lr 1e-3, 3 iterations, HF engine): the first iteration's loss was finite at 0.1 (2.5e26, as
+large as a clipped surrogate without dual clip gets) and inf at 0.05, whose next rollout failed on NaN
+probabilities; 0.3 at 1.0. That was before k3 was bounded (``kernels/kl.py``) and steps past
+``actor.guard`` were skipped. vLLM clamps below 0.01 (``MIN_ENGINE_TEMPERATURE``)."""
 
 
 class ConfigError(ValueError):
@@ -271,8 +272,8 @@ class RolloutConfig:
         _check(self.temperature >= MIN_TRAIN_TEMPERATURE,
                f"rollout.temperature={self.temperature} is below {MIN_TRAIN_TEMPERATURE}: log-probs at temperature "
                f"τ are logits/τ, so a logit change of Δ between π_old and π_θ (or π_ref) moves a log-ratio by Δ/τ, "
-               f"and exp() of it overflows float32 past 88.7 (at τ=0.01 a change of 0.9 logits does; GRPO's losses "
-               f"turn NaN); below {MIN_ENGINE_TEMPERATURE} vLLM also samples another temperature than the trainer "
+               f"and exp() of the ratio overflows float32 past 88.7 (at τ=0.01 a change of 0.9 logits does; GRPO's "
+               f"losses turn NaN); below {MIN_ENGINE_TEMPERATURE} vLLM also samples another temperature than the trainer "
                f"scores")
         _check(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
         _check(self.top_k >= 0, "rollout.top_k must be >= 0 (0 = all tokens)")
@@ -492,6 +493,38 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class StepGuardConfig:
+    """Which optimiser steps are skipped, and when too many skipped fail the run (``models/step_guard.py``).
+
+    A step whose loss or gradient norm is NaN or infinite, or above a bound here, takes no step: the
+    weights and AdamW's moments stay as they were (as a dynamic loss scaler skips an overflowing step),
+    a console line names the step and the bound, and ``<role>/skipped_steps`` counts it. An update
+    that skipped more than ``max_skipped_fraction`` of its steps fails the run before that iteration
+    commits anything, so a diverged policy is never committed nor registered. docs/algorithms.md"""
+
+    max_loss: float = 1e3
+    """Skip a step whose |loss| exceeds this; 0 = no bound. The actor's losses are O(1) when healthy
+    (advantages normalised or whitened, the ratio clipped, k3 bounded, ``kernels/kl.py``): past 1e3 its
+    update has diverged (GRPO at ``actor.lr=10`` gave 2.6e6). The critic has none by default."""
+    max_grad_norm: float = 1e5
+    """Skip a step whose gradient norm before clipping (``grad_clip``) exceeds this; 0 = no bound. This
+    is a skip, not the clip: a step below it is clipped to ``grad_clip`` as usual. The actor's was 4 at
+    temperature 1 and 7e3 at 0.1 on the tiny task, 2e5 at ``actor.lr=10``. The critic has none by default."""
+    max_skipped_fraction: float = 0.5
+    """An update that skipped more than this fraction of its optimiser steps fails the run, naming the
+    counts and the bound; so does a run that did over all its iterations (no policy is registered).
+    An update that skipped steps and took none always fails."""
+
+    def check(self, section: str) -> None:
+        """Raise :class:`ConfigError` naming ``{section}.guard.<field>`` (called by the owning config)."""
+        _check(self.max_loss >= 0, f"{section}.guard.max_loss must be >= 0 (0 = no bound), got {self.max_loss}")
+        _check(self.max_grad_norm >= 0,
+               f"{section}.guard.max_grad_norm must be >= 0 (0 = no bound), got {self.max_grad_norm}")
+        _check(0 <= self.max_skipped_fraction <= 1,
+               f"{section}.guard.max_skipped_fraction must be in [0, 1], got {self.max_skipped_fraction}")
+
+
+@dataclass(frozen=True)
 class ActorConfig:
     """The policy update (an elastic torchrun job)."""
 
@@ -523,6 +556,9 @@ class ActorConfig:
     with ``actor.old_logprobs=sampler`` (the weight is then 1). docs/rlvr/truncated_is.md"""
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
+    guard: StepGuardConfig = field(default_factory=StepGuardConfig)
+    """Steps skipped for a non-finite or out-of-bound loss or gradient norm, and the share of skipped
+    steps that fails the run."""
     keep_optimizer_state: bool = True
     """Carry AdamW's moments from one iteration's update to the next (committed beside each
     checkpoint as ``<checkpoint>-optimizer/``, ``models/optimizer_state.py``), as one long-running
@@ -553,6 +589,7 @@ class ActorConfig:
 
     def __post_init__(self) -> None:
         self.lora.check("actor")
+        self.guard.check("actor")
         _check(self.lr > 0, "actor.lr must be > 0")
         _check(self.ppo_epochs >= 1, "actor.ppo_epochs must be >= 1")
         _check(self.minibatch_size >= 1 and self.micro_batch_size >= 1,
@@ -589,6 +626,11 @@ class CriticConfig:
     """Clip of the new value around the old one; 0 disables clipping."""
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
+    guard: StepGuardConfig = field(default_factory=lambda: StepGuardConfig(max_loss=0.0, max_grad_norm=0.0))
+    """As ``actor.guard``, with no loss or gradient-norm bound by default: the value loss grows with the
+    square of the returns, which nothing normalises, so no one bound fits every reward scale (non-finite
+    steps are skipped all the same). Not applied by the critic server (``critic.remote_url``), which
+    skips non-finite steps only."""
     keep_optimizer_state: bool = True
     """Carry AdamW's moments from one iteration's update to the next (as ``actor.keep_optimizer_state``;
     the critic server keeps its optimiser in memory instead)."""
@@ -605,6 +647,7 @@ class CriticConfig:
 
     def __post_init__(self) -> None:
         self.lora.check("critic")
+        self.guard.check("critic")
         _check(not (self.lora.enabled and self.remote_url),
                "critic.lora needs the critic inside the tasks: the critic server (critic.remote_url) "
                "trains its own critic")

@@ -64,13 +64,14 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def rows(cls, prefix: str) -> Iterator[Tuple[str, str, str, str]]:
-    """``(key, type, default, docstring)`` per leaf field of ``cls``; nested sections recurse."""
+def rows(cls, prefix: str, defaults=None) -> Iterator[Tuple[str, str, str, str]]:
+    """``(key, type, default, docstring)`` per leaf field of ``cls``; nested sections recurse, their
+    defaults those of the enclosing field's (``critic.guard`` differs from ``actor.guard``)."""
     docs = field_docstrings(cls)
     for f in dataclasses.fields(cls):
-        value = _default(f)
+        value = _default(f) if defaults is None else getattr(defaults, f.name)
         if dataclasses.is_dataclass(value):
-            yield from rows(type(value), f"{prefix}{f.name}.")
+            yield from rows(type(value), f"{prefix}{f.name}.", value)
             continue
         tp = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         yield f"{prefix}{f.name}", tp, _show(value), docs.get(f.name, "")

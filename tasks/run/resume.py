@@ -37,6 +37,12 @@ RESUMABLE: Dict[str, str] = {
     "critic.lr": "as actor.lr",
     "actor.grad_clip": "the gradient-norm clip: a guard on the step size, no state depends on it",
     "critic.grad_clip": "as actor.grad_clip",
+    "actor.guard.max_loss": "which steps are skipped from now on: a guard, no state depends on it",
+    "actor.guard.max_grad_norm": "as actor.guard.max_loss",
+    "actor.guard.max_skipped_fraction": "when skipped steps fail the run: a guard, no state depends on it",
+    "critic.guard.max_loss": "as actor.guard.max_loss",
+    "critic.guard.max_grad_norm": "as actor.guard.max_loss",
+    "critic.guard.max_skipped_fraction": "as actor.guard.max_skipped_fraction",
     "actor.micro_batch_size": "memory only: the minibatch gradient is the same whatever the micro-batch",
     "critic.micro_batch_size": "as actor.micro_batch_size",
     "actor.nnodes": "more or fewer ranks: the update's gradient is normalised by global token counts and "

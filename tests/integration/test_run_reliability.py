@@ -3,6 +3,8 @@
 - a run whose update goes non-finite skips the spoiled steps (counted in MLflow) and, when no step of an
   update is finite, fails before that iteration commits anything: exit code not 0, no NaN checkpoint,
   nothing registered, the MLflow run FAILED, the lock released;
+- a run whose steps diverge (``actor.lr=10``: |loss| above ``actor.guard.max_loss``) skips them, says so
+  one line per step, and fails when most of an update's steps were skipped: nothing registered;
 - a second launch of a live run is refused naming the holder, and leaves the live run alone;
 - Ctrl-C (SIGINT to the process group, during the elastic actor update) stops the run with one line,
   marks it KILLED, releases its lock, and the same command resumes it to the end;
@@ -93,6 +95,22 @@ def test_a_run_that_goes_nan_never_ends_well(launches):
     assert client.search_model_versions("name = 'reliability'") == []
     assert launches.lease("nan")["released_at"]
     assert "[flyte-rlhf] run nan failed: " in out
+
+
+def test_a_run_whose_steps_are_mostly_skipped_fails_and_registers_nothing(launches):
+    """The issue's case: GRPO at ``actor.lr=10`` took its first step, then every later step of the first
+    update had a loss in the millions (or NaN): skipped, named, and the run fails before committing it."""
+    run = launches.start("diverged", "0", overrides=["actor.lr=10"])
+    code, out = ended(run), run.output()
+    assert code != 0, out[-4000:]
+    assert re.search(r"DivergedUpdate: [34] of 4 optimiser steps of this actor update were skipped, more than "
+                     r"actor.guard.max_skipped_fraction=0.5", out), out[-4000:]
+    assert re.search(r"\[actor\] step \d skipped \(loss .*(above actor.guard.max_|non-finite)", out), out[-4000:]
+    layout = launches.layout("diverged")
+    assert layout.read_state() is None and not is_committed(layout.actor_url(0))
+    client, mlflow_run = launches.mlflow_run("diverged")
+    assert mlflow_run.info.status == "FAILED" and "DivergedUpdate" in mlflow_run.data.tags["end_reason"]
+    assert launches.registered("diverged") == []
 
 
 def test_a_second_launch_is_refused_and_ctrl_c_stops_a_run_that_resumes(launches):

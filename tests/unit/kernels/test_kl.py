@@ -97,3 +97,16 @@ def test_kl_loss_value_and_gradient_by_hand():
     (grad,) = torch.autograd.grad(out.loss, logp)
     torch.testing.assert_close(grad, torch.tensor([[0.1580302, -0.1621803, 0.0]]), atol=1e-6, rtol=0)
     assert not math.isnan(kl_loss(logp, ref, torch.zeros(1, 3), 0.5).loss.item())
+
+
+def test_k3_is_exact_up_to_its_limit_and_its_tangent_past_it():
+    """e^(-lr) - 1 + lr up to lr = -10; past it the tangent there: at lr = -30 (float32, where e^30 is
+    1e13 and e^100 overflows) 2.2e4 - 1 - 10 + 2.2e4·20, slope -(e^10 - 1)."""
+    e10 = math.expm1(10.0)
+    lr = torch.tensor([[-9.5, -30.0, -100.0]], dtype=torch.float32, requires_grad=True)
+    k3 = kl_penalty(lr, torch.zeros_like(lr), "k3")
+    want = [math.exp(9.5) - 1 - 9.5, e10 - 10 + e10 * 20, e10 - 10 + e10 * 90]
+    torch.testing.assert_close(k3.detach()[0].double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0)
+    k3.sum().backward()
+    torch.testing.assert_close(lr.grad[0].double(), torch.tensor([1 - math.exp(9.5), -e10, -e10],
+                                                                 dtype=torch.float64), rtol=1e-6, atol=0)

@@ -58,3 +58,9 @@ def test_an_update_without_a_step_says_so():
                          {"actor/steps": 0.0})
     assert "actor: no step" in line and "nan" not in line
     assert "actor_loss +0.100  clip 0.00" in progress_line(TrainConfig(), 0, {**BASE, "actor/steps": 4.0})
+
+
+def test_skipped_steps_show_on_the_progress_line():
+    line = progress_line(TrainConfig(), 0, {**BASE, "actor/steps": 1.0, "actor/skipped_steps": 7.0})
+    assert "actor_loss +0.100  clip 0.00  7 skipped  (" in line
+    assert "skipped" not in progress_line(TrainConfig(), 0, {**BASE, "actor/steps": 4.0, "actor/skipped_steps": 0.0})
