@@ -67,6 +67,19 @@ def check_model_dir(url: str, field: str, needs_tokenizer: bool = False) -> None
                           f"tokenizer the model was trained with into it (tokenizer.save_pretrained)")
 
 
+def check_eval_prompts_exist(cfg: TrainConfig) -> None:
+    """``data.eval_prompts`` names files that exist. A run on the demo's training prompts reads its
+    held-out prompts only after the demo models are built; a missing file fails here instead."""
+    from models.data.prompt_sources import PromptDataError, resolve_files
+
+    url = cfg.data.eval_prompts
+    if cfg.data.source != "files" or not url:
+        return
+    missing = [f for f in resolve_files(url) if not storage.exists(f)]
+    if missing:
+        raise PromptDataError(url, [f"{f}: file not found (data.eval_prompts)" for f in missing], len(missing))
+
+
 def check_model_dirs(cfg: TrainConfig) -> None:
     """Every user checkpoint folder the config names (the actor's with its tokenizer)."""
     m = cfg.model

@@ -18,8 +18,8 @@ from tasks import tracking
 from tasks.algorithms import WORKFLOWS
 from tasks.config import ConfigError, TrainConfig
 from tasks.config.io import config_from_json_dict, flatten, given_keys, load_config, to_dict
-from tasks.run.preflight import (check_model_dirs, check_resume_point, check_reward_functions, check_sources,
-                             check_storage, check_vocab, model_context)
+from tasks.run.preflight import (check_eval_prompts_exist, check_model_dirs, check_resume_point,
+                             check_reward_functions, check_sources, check_storage, check_vocab, model_context)
 from tasks.run.resume import ConfigChange, change_records, check_resume_workflow, plan_resume
 from tasks.run.data import load_run_data, read_run_prompts, write_run_prompts
 from tasks.run.layout import RunInfo, RunLayout
@@ -150,6 +150,9 @@ def new_run(cfg: TrainConfig, layout: RunLayout, preset: str) -> RunSetup:
     work = tempfile.mkdtemp(prefix="run-setup-")
     data_dir = storage.join(layout.url, "data")
     demo = not cfg.model.actor_path
+    demo_data = cfg.data.source == "files" and not cfg.data.train_prompts
+    if demo_data:  # before the demo models are built
+        check_eval_prompts_exist(cfg)
     assets = {}
     if demo and cfg.model.demo_task == "math":  # the tokenizer is the warm-started checkpoint's (cached)
         assets = _demo_assets(cfg, work)
@@ -165,7 +168,6 @@ def new_run(cfg: TrainConfig, layout: RunLayout, preset: str) -> RunSetup:
         from tasks.rollout import check_rollout_setup
 
         check_rollout_setup(cfg, storage.read_json(storage.join(cfg.model.actor_path, "config.json")))
-    demo_data = cfg.data.source == "files" and not cfg.data.train_prompts
     if not demo_data:  # user data: every row is checked before any model is loaded
         train, held_out = _checked_data(cfg, tokenizer)
     if demo and not assets:
@@ -173,7 +175,8 @@ def new_run(cfg: TrainConfig, layout: RunLayout, preset: str) -> RunSetup:
     if demo_data:  # the demo's own prompts, checked like user data
         if not assets.get("train_prompts"):
             raise ValueError("data.train_prompts is empty and no demo prompts were built")
-        train, held_out = _checked_data(cfg, tokenizer, assets["train_prompts"], assets.get("eval_prompts", ""))
+        demo_eval = "" if cfg.data.eval_prompts else assets.get("eval_prompts", "")  # the user's, if named
+        train, held_out = _checked_data(cfg, tokenizer, assets["train_prompts"], demo_eval)
     run_train = storage.join(data_dir, "train_prompts.jsonl")
     run_eval = storage.join(data_dir, "eval_prompts.jsonl")
     write_run_prompts(train, run_train)

@@ -247,6 +247,13 @@ CASES = [
         "data.train_prompts=", "data.source=reasoning_gym", "data.reasoning_gym.task=chain_summ",
         "reward.function=models.reasoning_gym_tasks:reasoning_gym_reward"], "ppo", PromptDataError,
      r"reasoning-gym has no task 'chain_summ' \(did you mean \['chain_sum'"),
+    ("registered model name MLflow refuses", lambda w, a, r, m: base(w, a) + [
+        "run.registered_model_name=my team/policy:v1"], "ppo", ConfigError,
+     r"run\.registered_model_name='my team/policy:v1' is not a name the MLflow Model Registry accepts \(it may not "
+     r"contain '/' or ':'\): e\.g\. 'my team-policy-v1'"),
+    ("eval prompts missing beside the demo's prompts", lambda w, a, r, m: [
+        f"run.storage_root={w}/runs", f"data.eval_prompts={w}/held-out.jsonl"], "ppo", PromptDataError,
+     r"held-out\.jsonl: file not found \(data\.eval_prompts\)"),
     ("resume point not committed", lambda w, a, r, m: uncommitted_resume_point(w, a), "ppo", CheckpointError,
      r"state\.json points at .*/runs/case/iter-000003/actor, which is not committed"),
 ]
