@@ -212,6 +212,9 @@ CASES = [
     ("storage unreachable", lambda w, a, r, m: s3_endpoint(m, f"http://127.0.0.1:{free_port()}") + base(w, a) + [
         "run.storage_root=s3://rlhf-test/runs"], "ppo", StorageError,
      r"write failed for s3://rlhf-test/runs/case/\.write-check-\w+ after 4 attempt"),
+    ("storage root is a file", lambda w, a, r, m: base(w, a) + [
+        f"run.storage_root={write_lines(w / 'runs-file', ['x'])}"], "ppo", NotADirectoryError,
+     r"write: .*/runs-file/case/\.write-check-\w+: .*/runs-file is a file, not a folder"),
     ("storage without permission", lambda w, a, r, m: s3_endpoint(m, denying_proxy(r)) + base(w, a) + [
         "run.storage_root=s3://rlhf-test/runs"], "ppo", PermissionError,
      r"permission denied for s3://rlhf-test/runs/case/\.write-check-\w+"),
