@@ -47,7 +47,13 @@ def check_model_dir(url: str, field: str, needs_tokenizer: bool = False) -> None
         raise ConfigError(f"{field}={url}: no such folder. Give a local folder or an fsspec URL (s3://...) holding a "
                           f"Hugging Face checkpoint; Hub repo ids are not downloaded, so fetch one first, e.g. "
                           f"`huggingface-cli download <repo> --local-dir <folder>`")
-    names = {rel for rel in storage.list_files(url) if "/" not in rel}
+    listed = storage.list_files(url)
+    if set(listed) == {""}:  # fsspec lists a file as itself
+        parent = url.rstrip("/").rsplit("/", 1)[0]
+        hint = f" (its folder {parent} holds one)" if storage.exists(storage.join(parent, "config.json")) else ""
+        raise ConfigError(f"{field}={url} is a file, not a checkpoint folder: give the folder that holds its "
+                          f"config.json, *.safetensors weights{' and tokenizer' if needs_tokenizer else ''}{hint}")
+    names = {rel for rel in listed if "/" not in rel}
     weights = sorted(n for n in names if n.endswith(".safetensors"))
     pickled = sorted(n for n in names if n.lower().endswith(PICKLE_SUFFIXES))
     if pickled and not weights:

@@ -155,6 +155,9 @@ CASES = [
     ("eval prompts not JSON", lambda w, a, r, m: base(w, a) + [
         f"data.eval_prompts={write_lines(w / 'eval.jsonl', ['{not json'])}"], "ppo", PromptDataError,
      r"eval\.jsonl line 1 \(row 0\): invalid JSON"),
+    ("actor path is a file", lambda w, a, r, m: base(w, a / "model.safetensors"), "ppo", ConfigError,
+     r"model\.actor_path=.*/actor/model\.safetensors is a file, not a checkpoint folder: give the folder that holds "
+     r"its config\.json, \*\.safetensors weights and tokenizer \(its folder .*/actor holds one\)"),
     ("tokenizer larger than the model's vocabulary", lambda w, a, r, m: base(w, shrunk_vocab(a, w)), "ppo",
      ConfigError, r"model\.actor_path .*: the tokenizer has 4 tokens but the model's embedding has 2 rows"),
     ("minibatch not divisible by micro-batch x ranks", lambda w, a, r, m: base(w, a) + [
