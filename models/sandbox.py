@@ -123,8 +123,8 @@ def bwrap_command(scratch: str, python: str) -> list:
     bwrap = bwrap_path()
     executable = interpreter_paths(python)[0]
     return [bwrap, *interpreter_binds(python), "--dev", "/dev", "--proc", "/proc", "--bind", scratch,
-            "/tmp", "--remount-ro", "/", "--chdir", "/tmp", "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534",
-            "--cap-drop", "ALL", "--die-with-parent",
+            "/tmp", "--remount-ro", "/", "--chdir", "/tmp", "--unshare-all", "--unshare-user", "--uid", "65534",
+            "--gid", "65534", "--cap-drop", "ALL", "--die-with-parent",
             "--new-session", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
             executable, "-I", "-S", "-c"]
 

@@ -1,6 +1,7 @@
-"""The Python tool's sandbox contains what untrusted code does: no network, nothing of the host read
-but the interpreter (no secrets, project, home folders), no writes outside its scratch folder, fork bombs stopped at the process limit, infinite loops and sleeps killed at the
-wall-clock limit, memory capped; and each is reported in what the model reads back."""
+"""The Python tool's sandbox contains what untrusted code does: no network, nothing of the host read but the
+interpreter (no secrets, project, home folders), no writes outside its scratch folder, fork bombs stopped at
+the process limit, infinite loops and sleeps killed at the wall-clock limit, memory capped; and each is
+reported in what the model reads back."""
 
 from __future__ import annotations
 
