@@ -193,3 +193,12 @@ def test_registered_model_names_follow_mlflows_own_rules(name):
         ours = False
         assert f"run.registered_model_name={name!r} is not a name the MLflow Model Registry accepts" in str(err)
     assert ours == mlflow_accepts
+
+
+@pytest.mark.parametrize("preset", ["configs/tiny_math.yaml", "configs/tiny_tools.yaml"])
+def test_the_demo_presets_evaluate_their_starting_policy(preset):
+    """The demos' curves start at the warm start: the workflow evaluates step -1, as it does after the last."""
+    from workflows.common import eval_due
+
+    cfg = load_config(preset, [])
+    assert eval_due(cfg, -1) and eval_due(cfg, cfg.run.num_iterations - 1)
