@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.flyte_runs import isolated_env
+
 pytestmark = pytest.mark.integration  # real `pyflyte run` and reward worker processes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,8 +24,9 @@ BAD = ["run", "workflows/reinforce.py", "reinforce_training", "--preset", "confi
 
 
 def pyflyte(tmp_path, *args, verbose: bool = False):
-    environ = {k: v for k, v in os.environ.items() if k != "RLHF_VERBOSE"}
-    environ.update(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", **({"RLHF_VERBOSE": "1"} if verbose else {}))
+    environ = isolated_env(tmp_path / "home", {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"})
+    environ.pop("RLHF_VERBOSE", None)
+    environ.update({"RLHF_VERBOSE": "1"} if verbose else {})
     return subprocess.run([str(PYFLYTE), *args], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300)
 
 
