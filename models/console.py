@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import warnings
 from typing import Iterator
@@ -57,6 +58,13 @@ QUIET_LOGGERS = {
 }
 """Loggers of libraries already imported (the environment above comes too late for them)."""
 
+QUIET_MESSAGES = {
+    "torch.distributed.elastic.agent.server.api": r"Received \S+ death signal",
+    "torch.distributed.elastic.multiprocessing.api": r"Closing process \d+ via signal",
+}
+"""Warnings dropped by message: torch elastic's notes on Ctrl-C or SIGTERM during an update, which the
+run says once itself ("run ... interrupted by SIGINT", ``tasks/run/end.py``)."""
+
 OWN_PACKAGES = r"(tasks|models|kernels|workflows|benchmarks)(\.|$)"
 
 
@@ -80,11 +88,26 @@ def quiet_libraries() -> None:
         logger = logging.getLogger(name)
         if logger.level < level:
             logger.setLevel(level)
+    for name, pattern in QUIET_MESSAGES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages(pattern))
     if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
+
+
+class _DropMessages(logging.Filter):
+    """Drops the records whose message matches ``pattern``."""
+
+    def __init__(self, pattern: str):
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -227,4 +228,7 @@ def serve(fd_in: int, fd_out: int) -> None:
 
 
 if __name__ == "__main__":
+    # Ctrl-C reaches the terminal's whole process group: the run stops (and stops its workers, whose
+    # input then ends); a worker that took it too would print a KeyboardInterrupt traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve(int(sys.argv[1]), int(sys.argv[2]))

@@ -1,7 +1,10 @@
 """Python code run in a real sandbox: bubblewrap (Debian's ``bubblewrap``, ``bwrap``).
 
 The child runs in fresh user, PID, network (no interface but loopback: no network), IPC and UTS
-namespaces, sees the host file system read-only, and writes only to its own scratch
+namespaces. Of the host it sees only what the interpreter needs, read-only (:func:`interpreter_binds`:
+its executable, its standard library and the system's shared libraries), with a fresh ``/dev`` and
+``/proc``: nothing of ``/etc`` (Flyte mounts secrets at ``/etc/secrets``), home folders, the project or
+the run's storage. It writes only to its own scratch
 folder mounted at ``/tmp`` (a new temporary directory per run, deleted afterwards; the host's
 ``/tmp`` is not visible), and is its own session
 (``--new-session``: it cannot inject input into the caller's terminal). Inside, before the code runs,
@@ -15,12 +18,15 @@ Without ``bwrap`` on the path :func:`run_python` raises :class:`SandboxUnavailab
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass
+from typing import List, Tuple
 
 SANDBOX_PRELUDE = """\
 import resource, sys
@@ -72,13 +78,55 @@ def bwrap_path() -> str:
     return path
 
 
+SYSTEM_LIBRARIES = ("/lib", "/lib64", "/lib32", "/usr/lib", "/usr/lib64", "/usr/lib32")
+"""Where the dynamic loader finds the shared libraries the interpreter and its extension modules link."""
+
+INTERPRETER_LAYOUT = ("import json, sys, sysconfig; print(json.dumps([sys.executable, *sys.path, "
+                      "sysconfig.get_config_var('LIBDIR') or '']))")
+"""Asked of the interpreter on the host (fixed code, not the model's): its executable, the standard
+library's folders (``-I -S``: no site-packages) and the folder of ``libpython``."""
+
+
+@functools.lru_cache(maxsize=8)
+def interpreter_paths(python: str) -> Tuple[str, ...]:
+    """The real paths the interpreter ``python`` reads: its executable first, then its folders."""
+    try:
+        out = subprocess.run([python, "-I", "-S", "-c", INTERPRETER_LAYOUT], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SandboxUnavailable(f"the sandbox's interpreter {python} does not run: {e}") from e
+    paths = [os.path.realpath(p) for p in json.loads(out) if p]
+    return tuple(dict.fromkeys(p for p in paths if os.path.exists(p)))
+
+
+def interpreter_binds(python: str) -> List[str]:
+    """``bwrap`` arguments that show the sandbox the interpreter and nothing else of the host: the
+    system library folders (symlinks kept as symlinks, as on merged-/usr systems), then the
+    interpreter's executable and folders not already inside one of them."""
+    args, bound = [], []
+    for path in SYSTEM_LIBRARIES:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+            bound.append(path)
+    for path in interpreter_paths(python):
+        if not any(path == b or path.startswith(b + "/") for b in bound):
+            args += ["--ro-bind", path, path]
+            bound.append(path)
+    return args
+
+
 def bwrap_command(scratch: str, python: str) -> list:
-    """The ``bwrap`` command line: host read-only, ``/tmp`` (the scratch folder) writable, no network."""
-    return [bwrap_path(), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--bind", scratch, "/tmp",
-            "--chdir", "/tmp", "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534",
-            "--cap-drop", "ALL", "--die-with-parent",
+    """The ``bwrap`` command line: the interpreter read-only, ``/tmp`` (the scratch folder) writable and
+    nothing else (the new root is remounted read-only), a fresh ``/dev`` and ``/proc``, no network."""
+    bwrap = bwrap_path()
+    executable = interpreter_paths(python)[0]
+    return [bwrap, *interpreter_binds(python), "--dev", "/dev", "--proc", "/proc", "--bind", scratch,
+            "/tmp", "--remount-ro", "/", "--chdir", "/tmp", "--unshare-all", "--unshare-user", "--uid", "65534",
+            "--gid", "65534", "--cap-drop", "ALL", "--die-with-parent",
             "--new-session", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
-            python, "-I", "-S", "-c"]
+            executable, "-I", "-S", "-c"]
 
 
 def run_python(code: str, wall_s: float = 5.0, cpu_s: int = 0, memory_mb: int = 256, max_procs: int = 16,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import errno
 import json
 import os
 import time
@@ -36,6 +37,9 @@ _S3_ENDPOINT_ENV = ("FSSPEC_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOI
 # Never retried: retrying cannot fix them.
 _PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
               NotADirectoryError, ValueError, TypeError, KeyError)
+_DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
+"""OS errors that deny the write however often it is tried: a read-only file system is one (a plain
+``OSError``, not a ``PermissionError``)."""
 
 
 class StorageError(OSError):
@@ -110,7 +114,7 @@ def utc_now_iso(timespec: str = "seconds") -> str:
 
 def is_transient(err: BaseException) -> bool:
     """True for errors worth retrying: network/timeouts/5xx, not missing files or bad input."""
-    if isinstance(err, _PERMANENT):
+    if isinstance(err, _PERMANENT) or getattr(err, "errno", None) in _DENIED:
         return False
     if isinstance(err, (OSError, ConnectionError, TimeoutError)):
         return True
@@ -130,8 +134,11 @@ def with_retry(op: str, url: str, fn: Callable[[], T], retry: RetryPolicy = DEFA
         except Exception as err:  # noqa: BLE001 - classified below
             if isinstance(err, FileNotFoundError):
                 raise FileNotFoundError(f"{op}: not found: {url}") from err
-            if isinstance(err, PermissionError):
+            if isinstance(err, PermissionError) or getattr(err, "errno", None) in _DENIED:
                 raise PermissionError(f"{op}: permission denied for {url}: {err}") from err
+            if isinstance(err, NotADirectoryError):
+                raise NotADirectoryError(f"{op}: {url}: {_file_in_the_way(err.filename or url)} is a file, "
+                                         f"not a folder") from err
             if not is_transient(err):
                 if hasattr(err, "add_note"):  # Python >= 3.11
                     err.add_note(f"while trying to {op} {url}")
@@ -142,6 +149,14 @@ def with_retry(op: str, url: str, fn: Callable[[], T], retry: RetryPolicy = DEFA
             time.sleep(delay)
             delay = min(delay * retry.multiplier, retry.max_delay_s)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _file_in_the_way(path) -> str:
+    """The nearest ancestor of local ``path`` that exists (the file a folder was expected at)."""
+    path = os.path.abspath(os.fspath(path))
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
 
 
 def fs_and_path(url: str, **storage_options: Any) -> Tuple[fsspec.AbstractFileSystem, str]:

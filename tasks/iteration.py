@@ -254,12 +254,14 @@ def summary_text(cfg: TrainConfig, run: RunHandle, s: TrainingSummary, curve: st
     saved = ", ".join(f"iter-{i:06d}" for i in range(cfg.run.num_iterations)
                       if (i + 1) % cfg.run.save_interval == 0 or i + 1 == cfg.run.num_iterations)
     return "\n".join([
-        f"Run {run.run_name} finished: {s.iterations} iterations of {cfg.run.algorithm}.",
+        f"Run {run.run_name} finished: {s.iterations} iteration{'' if s.iterations == 1 else 's'} of "
+        f"{cfg.run.algorithm}.",
         f"  rollout reward: {s.reward_first:.3f} (iteration 1) -> {s.reward_last:.3f} (mean of the last two), "
         f"gain {s.reward_last - s.reward_first:+.3f}",
         f"  run folder:     {s.run_url}  (run.json, state.json, data/, reference/)",
         f"  batches:        {s.run_url}/iter-*/{{rollouts,score,advantages}}.arrow",
-        f"  checkpoints:    {saved} (actor/ and critic/ under each); final actor {s.final_actor_url}",
+        f"  checkpoints:    {saved} ({'actor/ and critic/' if cfg.uses_critic else 'actor/'} under each); "
+        f"final actor {s.final_actor_url}",
         f"  reward curve:   {curve or '(remote storage: see MLflow)'}",
         "  policy:         " + (f"models:/{s.registered_model}/{s.model_version} (alias {registry.CANDIDATE})"
                                 if s.model_version else "logged to the MLflow run (not registered)"),

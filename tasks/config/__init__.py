@@ -50,6 +50,25 @@ def _check_choice(name: str, value: str, choices) -> None:
     _check(value in allowed, f"{name}={value!r} is not one of {allowed}")
 
 
+REGISTERED_NAME_FORBIDDEN = "/:%"
+"""Characters MLflow refuses in a registered model name (``mlflow.utils.validation._validate_model_name``:
+``/`` and ``:``; its file store also ``%``)."""
+
+
+def _check_registered_model_name(name: str) -> None:
+    """MLflow's rules for a registered model name, checked before training rather than by the
+    registration at the run's end: not blank, none of :data:`REGISTERED_NAME_FORBIDDEN`, and not a
+    name a path would resolve elsewhere (``.``, ``..x``)."""
+    if not name:
+        return
+    bad = sorted(set(name) & set(REGISTERED_NAME_FORBIDDEN))
+    why = ("it is blank" if not name.strip() else f"it may not contain {' or '.join(map(repr, bad))}" if bad
+           else "a path would resolve it to another name" if name == "." or name.startswith("..") else "")
+    fix = re.sub(f"[{re.escape(REGISTERED_NAME_FORBIDDEN)}]+", "-", name).strip(" -.") or "my-policy"
+    _check(not why, f"run.registered_model_name={name!r} is not a name the MLflow Model Registry accepts ({why}): "
+                    f"e.g. {fix!r}, or empty to log the final policy without registering it")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Where the policy, reference, critic and reward model come from."""
@@ -135,8 +154,9 @@ class DataConfig:
     """URL (``files``) or dataset (``hf``) of the training prompts. Empty with ``files``: generate the
     demo task's prompts under the run."""
     eval_prompts: str = ""
-    """URL or dataset of held-out prompts for evaluation. Empty: the demo task's eval split, the
-    ``eval_split`` of ``train_prompts`` (``hf``), or the training prompts."""
+    """URL or dataset of held-out prompts for evaluation (used with the demo's training prompts too; a
+    missing file is refused at set-up). Empty: the demo task's eval split, the ``eval_split`` of
+    ``train_prompts`` (``hf``), or the training prompts."""
     hf_name: str = ""
     """``hf``: the dataset's configuration (subset) name, e.g. ``main`` for ``openai/gsm8k``."""
     train_split: str = "train"
@@ -702,7 +722,8 @@ class RunConfig:
     """Sample generations logged to MLflow per iteration."""
     registered_model_name: str = "flyte-rlhf-policy"
     """MLflow Model Registry name the final policy is registered under (alias ``candidate``);
-    empty: log the final policy without registering it."""
+    empty: log the final policy without registering it. A name MLflow refuses (``/``, ``:``, ``%``)
+    is refused when the config is read, not after training."""
     checkpoint_artifact_max_mb: float = 512.0
     """Checkpoints kept at ``save_interval`` up to this size are copied into the MLflow run as
     artifacts; larger ones are recorded by reference (a ``checkpoint.*`` tag with their URL)."""
@@ -728,6 +749,7 @@ class RunConfig:
                f"run.name={self.name!r} must not contain '/' or spaces")
         _check(self.checkpoint_artifact_max_mb >= 0, "run.checkpoint_artifact_max_mb must be >= 0")
         _check(self.lock_ttl_s > 0, "run.lock_ttl_s must be > 0")
+        _check_registered_model_name(self.registered_model_name)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from typing import Dict, Optional
 from tasks.run import lock as run_lock
 
 from tasks import tracking
+from tasks.run.errors import root_cause
 from tasks.run.layout import RunLayout
 
 log = logging.getLogger(__name__)
@@ -153,14 +154,6 @@ def mark_failed(mlflow_experiment: str, message: str, execution=None) -> Optiona
         log.warning("failure handler: no run found for this execution: %s", err)
         return None
     return None if run is None else end(run, FAILED, why)
-
-
-def root_cause(message: str, limit: int = 500) -> str:
-    """The innermost error of a Flyte error message: Flyte wraps a task's error once per enclosing
-    workflow (``USER:RuntimeError: error=Error encountered while executing '...': ...``)."""
-    inner = message.rsplit("error=", 1)[-1].strip()
-    first = next((line.strip() for line in inner.splitlines() if line.strip()), inner)
-    return first[:limit]
 
 
 def _run_of(experiment: str, ex) -> Optional[LiveRun]:

@@ -39,6 +39,9 @@ class RunInfo:
     """The full training config as a JSON-able dict."""
     mlflow_run_id: Optional[str] = None
     """MLflow run that tracks this run (None before MLflow starts)."""
+    mlflow_tracking_uri: str = ""
+    """Tracking URI the MLflow run lives at (credentials masked), so a resume against another one can say
+    which to set; empty in runs started before it was recorded."""
     started_at: str = field(default_factory=lambda: storage.utc_now_iso("milliseconds"))
     """Start time, ISO 8601 UTC."""
     config_changes: List[Mapping[str, Any]] = field(default_factory=list)

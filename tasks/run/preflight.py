@@ -47,7 +47,13 @@ def check_model_dir(url: str, field: str, needs_tokenizer: bool = False) -> None
         raise ConfigError(f"{field}={url}: no such folder. Give a local folder or an fsspec URL (s3://...) holding a "
                           f"Hugging Face checkpoint; Hub repo ids are not downloaded, so fetch one first, e.g. "
                           f"`huggingface-cli download <repo> --local-dir <folder>`")
-    names = {rel for rel in storage.list_files(url) if "/" not in rel}
+    listed = storage.list_files(url)
+    if set(listed) == {""}:  # fsspec lists a file as itself
+        parent = url.rstrip("/").rsplit("/", 1)[0]
+        hint = f" (its folder {parent} holds one)" if storage.exists(storage.join(parent, "config.json")) else ""
+        raise ConfigError(f"{field}={url} is a file, not a checkpoint folder: give the folder that holds its "
+                          f"config.json, *.safetensors weights{' and tokenizer' if needs_tokenizer else ''}{hint}")
+    names = {rel for rel in listed if "/" not in rel}
     weights = sorted(n for n in names if n.endswith(".safetensors"))
     pickled = sorted(n for n in names if n.lower().endswith(PICKLE_SUFFIXES))
     if pickled and not weights:
@@ -65,6 +71,19 @@ def check_model_dir(url: str, field: str, needs_tokenizer: bool = False) -> None
     if needs_tokenizer and not names & set(TOKENIZER_FILES):
         raise ConfigError(f"{field}={url} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the "
                           f"tokenizer the model was trained with into it (tokenizer.save_pretrained)")
+
+
+def check_eval_prompts_exist(cfg: TrainConfig) -> None:
+    """``data.eval_prompts`` names files that exist. A run on the demo's training prompts reads its
+    held-out prompts only after the demo models are built; a missing file fails here instead."""
+    from models.data.prompt_sources import PromptDataError, resolve_files
+
+    url = cfg.data.eval_prompts
+    if cfg.data.source != "files" or not url:
+        return
+    missing = [f for f in resolve_files(url) if not storage.exists(f)]
+    if missing:
+        raise PromptDataError(url, [f"{f}: file not found (data.eval_prompts)" for f in missing], len(missing))
 
 
 def check_model_dirs(cfg: TrainConfig) -> None:

@@ -18,11 +18,12 @@ from tasks import tracking
 from tasks.algorithms import WORKFLOWS
 from tasks.config import ConfigError, TrainConfig
 from tasks.config.io import config_from_json_dict, flatten, given_keys, load_config, to_dict
-from tasks.run.preflight import (check_model_dirs, check_resume_point, check_reward_functions, check_sources,
-                             check_storage, check_vocab, model_context)
+from tasks.run.preflight import (check_eval_prompts_exist, check_model_dirs, check_resume_point,
+                             check_reward_functions, check_sources, check_storage, check_vocab, model_context)
 from tasks.run.resume import ConfigChange, change_records, check_resume_workflow, plan_resume
 from tasks.run.data import load_run_data, read_run_prompts, write_run_prompts
 from tasks.run.layout import RunInfo, RunLayout
+from tasks.tracking.redact import redact
 from tasks.types import PolicyState, RunHandle
 
 log = logging.getLogger(__name__)
@@ -154,6 +155,9 @@ def new_run(cfg: TrainConfig, layout: RunLayout, preset: str) -> RunSetup:
     work = tempfile.mkdtemp(prefix="run-setup-")
     data_dir = storage.join(layout.url, "data")
     demo = not cfg.model.actor_path
+    demo_data = cfg.data.source == "files" and not cfg.data.train_prompts
+    if demo_data:  # before the demo models are built
+        check_eval_prompts_exist(cfg)
     assets = {}
     if demo and cfg.model.demo_task == "math":  # the tokenizer is the warm-started checkpoint's (cached)
         assets = _demo_assets(cfg, work)
@@ -169,7 +173,6 @@ def new_run(cfg: TrainConfig, layout: RunLayout, preset: str) -> RunSetup:
         from tasks.rollout import check_rollout_setup
 
         check_rollout_setup(cfg, storage.read_json(storage.join(cfg.model.actor_path, "config.json")))
-    demo_data = cfg.data.source == "files" and not cfg.data.train_prompts
     if not demo_data:  # user data: every row is checked before any model is loaded
         train, held_out = _checked_data(cfg, tokenizer)
     if demo and not assets:
@@ -177,7 +180,8 @@ def new_run(cfg: TrainConfig, layout: RunLayout, preset: str) -> RunSetup:
     if demo_data:  # the demo's own prompts, checked like user data
         if not assets.get("train_prompts"):
             raise ValueError("data.train_prompts is empty and no demo prompts were built")
-        train, held_out = _checked_data(cfg, tokenizer, assets["train_prompts"], assets.get("eval_prompts", ""))
+        demo_eval = "" if cfg.data.eval_prompts else assets.get("eval_prompts", "")  # the user's, if named
+        train, held_out = _checked_data(cfg, tokenizer, assets["train_prompts"], demo_eval)
     run_train = storage.join(data_dir, "train_prompts.jsonl")
     run_eval = storage.join(data_dir, "eval_prompts.jsonl")
     write_run_prompts(train, run_train)
@@ -198,7 +202,7 @@ def new_run(cfg: TrainConfig, layout: RunLayout, preset: str) -> RunSetup:
             "registered_model_name": cfg.run.registered_model_name or "(not registered)"}
     run_id = tracking.start_run(cfg.run.mlflow_experiment, layout.run_name, flatten(cfg), tags)
     layout.write_run_info(RunInfo(run_name=layout.run_name, algorithm=cfg.run.algorithm, config=to_dict(cfg),
-                                  mlflow_run_id=run_id))
+                                  mlflow_run_id=run_id, mlflow_tracking_uri=_where_tracked()))
     handle = RunHandle(layout.root, layout.run_name, run_id, ref, run_train, run_eval, rm_url)
     return RunSetup(cfg, handle, PolicyState(0, ref, critic_url, cfg.kl.coef))
 
@@ -240,6 +244,7 @@ def resume_run(layout: RunLayout, cfg_now: TrainConfig, keys: Iterable[str] = ()
     info = layout.read_run_info()
     stored = config_from_json_dict(info.config)
     check_resume_workflow(stored, workflow, layout.url)
+    check_tracked_here(layout, info)
     state = layout.read_state()
     done = 0 if state is None else state.iteration + 1
     cfg, changes = plan_resume(stored, cfg_now, keys, done, layout.url, layout.root)
@@ -264,6 +269,34 @@ def resume_run(layout: RunLayout, cfg_now: TrainConfig, keys: Iterable[str] = ()
     if start.behaviour_url:
         check_resume_point(layout.url, start.behaviour_url, "")
     return RunSetup(cfg, handle, start)
+
+
+def _where_tracked() -> str:
+    """This process's tracking URI, credentials masked, a relative SQLite path made absolute (the same
+    ``sqlite:///mlflow.db`` is another database in another folder)."""
+    uri = tracking.tracking_uri()
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        uri = "sqlite:///" + os.path.abspath(uri[len("sqlite:///"):])
+    return redact(uri)
+
+
+def check_tracked_here(layout: RunLayout, info: RunInfo) -> None:
+    """The run's MLflow run is at this tracking URI: a resume against another server or database is
+    refused naming the URI the run started with, before anything is touched."""
+    from mlflow.exceptions import MlflowException
+
+    if not info.mlflow_run_id:
+        return
+    try:
+        tracking.client().get_run(info.mlflow_run_id)
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        now = _where_tracked()
+        started = info.mlflow_tracking_uri or "the tracking URI it was started with"
+        raise ConfigError(f"run {layout.url} is tracked as MLflow run {info.mlflow_run_id} at {started}, and "
+                          f"MLFLOW_TRACKING_URI={now} has no such run: set MLFLOW_TRACKING_URI to {started} to "
+                          f"resume it (run.json)") from None
 
 
 def _record_changes(layout: RunLayout, info: RunInfo, cfg: TrainConfig, changes: List[ConfigChange]) -> None:

@@ -60,5 +60,5 @@ def library_lines(out: str) -> dict:
 
 def test_the_demo_prints_its_own_lines_only(tmp_path):
     quiet = demo_run(tmp_path, "quiet")
-    assert "[ppo] iter 1/1" in quiet and "Run quiet finished: 1 iterations of ppo." in quiet
+    assert "[ppo] iter 1/1" in quiet and "Run quiet finished: 1 iteration of ppo." in quiet
     assert {what: lines for what, lines in library_lines(quiet).items() if lines} == {}, quiet[-4000:]

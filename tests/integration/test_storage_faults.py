@@ -9,7 +9,11 @@ botocore's own retries are switched off (``AWS_MAX_ATTEMPTS=1``) so that what re
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +29,7 @@ from tests.unit.models.test_checkpoint import tiny_model_and_tokenizer
 from tests.unit.tasks.test_batch import rollout_batch
 
 pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -167,3 +172,17 @@ def test_truncated_or_corrupted_checkpoint_is_reported_with_its_url(proxy, s3_ur
     with pytest.raises(CheckpointError, match=rf"checkpoint {url}: file 'model.safetensors' has {len(data) - 10} "
                                               rf"bytes, COMMITTED.json says {len(data)}"):
         download_checkpoint(url, str(tmp_path / "c"))
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap missing: `make sandbox`")
+def test_a_read_only_storage_root_fails_at_once_naming_the_url(tmp_path):
+    """A read-only file system denies every try (``EROFS``, a plain ``OSError``): the run's first storage
+    check says so at once, as a missing permission, instead of retrying it."""
+    root = tmp_path / "runs"
+    root.mkdir()
+    code = ("import sys\nfrom tasks.run.preflight import check_storage\ntry:\n    check_storage(sys.argv[1])\n"
+            "except Exception as err:\n    print(f'{type(err).__name__}: {err}')")
+    out = subprocess.run(["bwrap", "--dev-bind", "/", "/", "--ro-bind", str(root), str(root), sys.executable, "-c",
+                          code, str(root / "r")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith(f"PermissionError: write: permission denied for {root}/r/.write-check-"), out
+    assert "Read-only file system" in out.stdout and "attempt" not in out.stdout

@@ -155,6 +155,9 @@ CASES = [
     ("eval prompts not JSON", lambda w, a, r, m: base(w, a) + [
         f"data.eval_prompts={write_lines(w / 'eval.jsonl', ['{not json'])}"], "ppo", PromptDataError,
      r"eval\.jsonl line 1 \(row 0\): invalid JSON"),
+    ("actor path is a file", lambda w, a, r, m: base(w, a / "model.safetensors"), "ppo", ConfigError,
+     r"model\.actor_path=.*/actor/model\.safetensors is a file, not a checkpoint folder: give the folder that holds "
+     r"its config\.json, \*\.safetensors weights and tokenizer \(its folder .*/actor holds one\)"),
     ("tokenizer larger than the model's vocabulary", lambda w, a, r, m: base(w, shrunk_vocab(a, w)), "ppo",
      ConfigError, r"model\.actor_path .*: the tokenizer has 4 tokens but the model's embedding has 2 rows"),
     ("minibatch not divisible by micro-batch x ranks", lambda w, a, r, m: base(w, a) + [
@@ -212,6 +215,9 @@ CASES = [
     ("storage unreachable", lambda w, a, r, m: s3_endpoint(m, f"http://127.0.0.1:{free_port()}") + base(w, a) + [
         "run.storage_root=s3://rlhf-test/runs"], "ppo", StorageError,
      r"write failed for s3://rlhf-test/runs/case/\.write-check-\w+ after 4 attempt"),
+    ("storage root is a file", lambda w, a, r, m: base(w, a) + [
+        f"run.storage_root={write_lines(w / 'runs-file', ['x'])}"], "ppo", NotADirectoryError,
+     r"write: .*/runs-file/case/\.write-check-\w+: .*/runs-file is a file, not a folder"),
     ("storage without permission", lambda w, a, r, m: s3_endpoint(m, denying_proxy(r)) + base(w, a) + [
         "run.storage_root=s3://rlhf-test/runs"], "ppo", PermissionError,
      r"permission denied for s3://rlhf-test/runs/case/\.write-check-\w+"),
@@ -250,6 +256,13 @@ CASES = [
         "data.train_prompts=", "data.source=reasoning_gym", "data.reasoning_gym.task=chain_summ",
         "reward.function=models.reasoning_gym_tasks:reasoning_gym_reward"], "ppo", PromptDataError,
      r"reasoning-gym has no task 'chain_summ' \(did you mean \['chain_sum'"),
+    ("registered model name MLflow refuses", lambda w, a, r, m: base(w, a) + [
+        "run.registered_model_name=my team/policy:v1"], "ppo", ConfigError,
+     r"run\.registered_model_name='my team/policy:v1' is not a name the MLflow Model Registry accepts \(it may not "
+     r"contain '/' or ':'\): e\.g\. 'my team-policy-v1'"),
+    ("eval prompts missing beside the demo's prompts", lambda w, a, r, m: [
+        f"run.storage_root={w}/runs", f"data.eval_prompts={w}/held-out.jsonl"], "ppo", PromptDataError,
+     r"held-out\.jsonl: file not found \(data\.eval_prompts\)"),
     ("resume point not committed", lambda w, a, r, m: uncommitted_resume_point(w, a), "ppo", CheckpointError,
      r"state\.json points at .*/runs/case/iter-000003/actor, which is not committed"),
 ]

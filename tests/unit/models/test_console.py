@@ -88,3 +88,23 @@ def test_importing_the_project_leaves_tqdm_alone():
     ``TQDM_DISABLE=1``) keep working after ``import tasks`` / ``import workflows``."""
     got = probe()
     assert got["tqdm_disable"] is None and got["tqdm_bar_disabled"] is False
+
+
+ELASTIC_ON_CTRL_C = r'''
+import tasks
+from torch.distributed.elastic.agent.server import api as agent
+from torch.distributed.elastic.multiprocessing import api as procs
+agent.logger.warning("Received %s death signal, shutting down workers", "SIGINT")  # as torch logs Ctrl-C
+procs.logger.warning("Closing process %s via signal %s", 4242, "SIGINT")
+agent.logger.warning("a worker failed")  # any other warning stays
+'''
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_ctrl_c_during_an_update_is_said_once_not_by_torch_elastic_too(verbose):
+    env = {k: v for k, v in os.environ.items() if k != console.VERBOSE_ENV}
+    env.update(PYTHONPATH=str(ROOT), **({console.VERBOSE_ENV: "1"} if verbose else {}))
+    err = subprocess.run([sys.executable, "-c", ELASTIC_ON_CTRL_C], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300, check=True).stderr
+    assert "a worker failed" in err
+    assert ("death signal" in err, "Closing process 4242 via signal SIGINT" in err) == (verbose, verbose)

@@ -1,5 +1,6 @@
 """fsspec storage helpers: URLs, atomic writes, directories, retries, error messages."""
 
+import errno
 import os
 
 import pytest
@@ -114,7 +115,8 @@ def test_retries_give_up_with_the_url_and_count():
     assert len(calls) == 3
 
 
-@pytest.mark.parametrize("err", [FileNotFoundError("x"), PermissionError("denied"), ValueError("bad")])
+@pytest.mark.parametrize("err", [FileNotFoundError("x"), PermissionError("denied"), ValueError("bad"),
+                                 OSError(errno.EROFS, "Read-only file system")])
 def test_permanent_errors_are_not_retried(err):
     calls = []
 

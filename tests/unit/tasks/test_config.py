@@ -166,3 +166,39 @@ def test_critic_optimizer_state_sharded_needs_the_critic_inside_the_tasks():
     assert load_config("tiny_ppo", ["critic.optimizer_state_sharded=true"]).critic.optimizer_state_sharded
     with pytest.raises(ConfigError, match="critic.optimizer_state_sharded needs the critic inside the tasks"):
         load_config("tiny_ppo", ["critic.optimizer_state_sharded=true", "critic.remote_url=http://127.0.0.1:1"])
+
+
+NAMES = ["flyte-rlhf-policy", "my team policy", "Policy_v1.2", "π-policy", "a\\b", "x..", "my team/policy:v1",
+         "a:b", "a/b", "a%b", ".", "..", "..x", "   "]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_registered_model_names_follow_mlflows_own_rules(name):
+    """Refused before training exactly when MLflow's registries (its SQL and file stores' validators)
+    would refuse it at the run's end."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.store.model_registry.file_store import _validate_model_name as file_store_rules
+    from mlflow.utils.validation import _validate_model_name as sql_store_rules
+
+    try:
+        sql_store_rules(name)
+        file_store_rules(name)
+        mlflow_accepts = True
+    except MlflowException:
+        mlflow_accepts = False
+    try:
+        dataclasses.replace(TrainConfig().run, registered_model_name=name)
+        ours = True
+    except ConfigError as err:
+        ours = False
+        assert f"run.registered_model_name={name!r} is not a name the MLflow Model Registry accepts" in str(err)
+    assert ours == mlflow_accepts
+
+
+@pytest.mark.parametrize("preset", ["configs/tiny_math.yaml", "configs/tiny_tools.yaml"])
+def test_the_demo_presets_evaluate_their_starting_policy(preset):
+    """The demos' curves start at the warm start: the workflow evaluates step -1, as it does after the last."""
+    from workflows.common import eval_due
+
+    cfg = load_config(preset, [])
+    assert eval_due(cfg, -1) and eval_due(cfg, cfg.run.num_iterations - 1)

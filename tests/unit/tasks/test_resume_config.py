@@ -133,3 +133,23 @@ def test_a_new_reward_function_is_checked_before_the_run_goes_on(run):
     with pytest.raises(RewardError, match=r"reward_raises' raised on a batch of 3 .* ValueError\('broken'\)"):
         setup_run("tiny_ppo", overrides + [f"reward.function={__name__}:reward_raises"], "r", "ppo")
     assert run_json(layout) == before
+
+
+def test_resuming_against_another_tracking_uri_names_the_one_the_run_started_with(tmp_path, monkeypatch):
+    """A run set up at one tracking URI and resumed with another: refused, naming the URI to set, before
+    run.json is touched."""
+    first = f"sqlite:///{tmp_path}/first.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", first)
+    overrides = [f"run.storage_root={tmp_path}/runs", "run.num_iterations=10"]
+    layout = RunLayout(f"{tmp_path}/runs", "r")
+    run_id = tracking.start_run("flyte-rlhf", "r", {}, {})
+    layout.write_run_info(RunInfo(run_name="r", algorithm="ppo", config=to_dict(load_config("tiny_ppo", overrides)),
+                                  mlflow_run_id=run_id, mlflow_tracking_uri=first))
+    before = run_json(layout)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/second.db")
+    with pytest.raises(ConfigError, match=rf"run .*/runs/r is tracked as MLflow run {run_id} at sqlite:///"
+                                          rf"{tmp_path}/first\.db, and MLFLOW_TRACKING_URI=sqlite:///{tmp_path}/"
+                                          rf"second\.db has no such run: set MLFLOW_TRACKING_URI to sqlite:///"
+                                          rf"{tmp_path}/first\.db to resume it"):
+        setup_run("tiny_ppo", overrides, "r", "ppo")
+    assert run_json(layout) == before

@@ -8,9 +8,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import List, Optional
 
 import pytest
+from flytekit import dynamic, task, workflow
+from flytekit.types.error import FlyteError
 
+from models.rewards import RewardError
 from tasks.run import end as run_end, lock as run_lock
 
 from tasks import tracking
@@ -69,3 +73,48 @@ def test_the_failure_handler_finds_a_cluster_run_by_its_execution(tmp_path, monk
     assert tracking.client().get_run(other).info.status == "RUNNING"  # another execution's run is left alone
     assert json.loads(Path(layout.lock_url).read_text())["released_at"]
     assert run_end.mark_failed("flyte-rlhf", "again", execution=ex) is None  # nothing RUNNING any more
+
+
+# A training workflow's shape: a task failing inside a dynamic chunk, the workflow's on_failure handler
+# given the error as flytekit reports it.
+@task
+def failing_score(i: int) -> int:
+    if i >= 0:
+        raise RewardError(f"reward 'myrewards:judge' raised on sample {i}: ZeroDivisionError('division by zero')")
+    return i
+
+
+@dynamic
+def chunk(i: int) -> int:
+    return failing_score(i=i)
+
+
+HANDLED: List[str] = []
+
+
+@task
+def on_failure(i: int, err: Optional[FlyteError] = None) -> None:
+    HANDLED.append(err.message)
+
+
+@workflow(on_failure=on_failure)
+def training(i: int = 3) -> int:
+    return chunk(i=i)
+
+
+def test_a_failed_iteration_is_reported_with_its_innermost_error(tmp_path, monkeypatch):
+    from flytekit.models.core.identifier import WorkflowExecutionIdentifier
+
+    with pytest.raises(RewardError):
+        training(i=3)
+    message = HANDLED[-1]
+    assert message.startswith(f"Error encountered while executing '{__name__}.chunk':")  # flytekit's wrappers
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    ex = WorkflowExecutionIdentifier("proj", "development", "exec-c")
+    layout = RunLayout(str(tmp_path / "runs"), "r")
+    run_id = tracking.start_run("flyte-rlhf", "r", {}, {"storage": layout.url, "flyte_execution_id": "exec-c"})
+    run_lock.acquire(layout.lock_url, ttl_s=3600, owner=run_lock.execution_owner(ex))
+    line = run_end.mark_failed("flyte-rlhf", message, execution=ex)
+    why = "failed: reward 'myrewards:judge' raised on sample 3: ZeroDivisionError('division by zero')"
+    assert line.startswith(f"[flyte-rlhf] run r {why}: MLflow run {run_id} marked FAILED")
+    assert tracking.client().get_run(run_id).data.tags["end_reason"] == why
