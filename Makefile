@@ -11,6 +11,8 @@ BENCH_STAMP := $(VENV)/.installed-bench
 QUICK ?=
 BENCH_ARGS ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers of `make test`: whole files per worker (tests/conftest.py); 0 runs in this process.
+TEST_WORKERS ?= 2
 ALGO ?= ppo
 # ppo and ppo_* presets (e.g. ppo_lora) train a critic: the ppo workflow; the rest are critic-free.
 ALGO_WORKFLOW := $(if $(filter ppo ppo_%,$(ALGO)),ppo,reinforce)
@@ -36,7 +38,7 @@ AWS_ENDPOINT_URL ?=
 PACKAGE_ENV = --env "RLHF_DEPLOY_PRESET=$(DEPLOY_PRESET)" --env "RLHF_DEPLOY_OVERRIDES=$(DEPLOY_OVERRIDES)" \
   $(foreach v,MLFLOW_TRACKING_URI RLHF_MLFLOW_ARTIFACT_LOCATION AWS_ENDPOINT_URL,$(if $($(v)),--env "$(v)=$($(v))"))
 
-.PHONY: install demo test test-unit docs bench bench-server clean browser sandbox package image
+.PHONY: install demo test test-run test-unit docs bench bench-server clean browser sandbox package image
 
 install: $(STAMP)
 
@@ -66,8 +68,14 @@ endif
 
 # Unit and integration tests (integration ones start real servers on 127.0.0.1, headless
 # Chromium for the MLflow UI test, and TRL from the bench extra for the TRL benchmark's test).
-test: $(BENCH_STAMP) browser sandbox
-	$(PY) -m pytest tests --durations=40 $(PYTEST_ARGS)
+# It ends with the suite's budget figures (tests/timing.py): the 20 slowest tests and files, the wall time
+# in tests and of `make test` itself since it started, install included (at most 30 minutes on the 2-core
+# machine from a fresh clone: docs/development.md#the-test-budget).
+test:
+	@RLHF_TEST_STARTED=$$(date +%s) $(MAKE) --no-print-directory test-run
+
+test-run: $(BENCH_STAMP) browser sandbox
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # Debian's Chromium and its WebDriver for tests/integration/test_mlflow_ui.py (as root, or via sudo).
 browser:

@@ -13,9 +13,24 @@ import uuid
 import pytest
 
 from tests.processes import S3_ENV_TO_UNSET, free_port, moto_s3_server, s3_client_env
+from tests.timing import SuiteTiming
 
 BUCKET = "rlhf-test"
 _free_port = free_port  # other test modules import it from here
+
+
+def pytest_configure(config):
+    """The suite's cost at its end (``tests/timing.py``): total wall time, slowest tests and files."""
+    config.pluginmanager.register(SuiteTiming(), "suite-timing")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) a worker takes whole files, so
+    a module's fixtures (a trained run, a started engine) are made once; ``tests/cluster`` is one group,
+    so the compiled packages and the tracking server of its session fixtures are made once too."""
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group("tests/cluster" if path.startswith("tests/cluster/") else path))
 
 
 def _clear_s3fs_cache() -> None:
