@@ -11,7 +11,8 @@ BENCH_STAMP := $(VENV)/.installed-bench
 QUICK ?=
 BENCH_ARGS ?=
 PYTEST_ARGS ?=
-# pytest-xdist workers of `make test`: whole files per worker (tests/conftest.py); 0 runs in this process.
+# pytest-xdist workers of `make test`: whole files per worker, tests/cluster on one (tests/conftest.py);
+# 0 runs every test in pytest's own process.
 TEST_WORKERS ?= 2
 ALGO ?= ppo
 # ppo and ppo_* presets (e.g. ppo_lora) train a critic: the ppo workflow; the rest are critic-free.
@@ -75,7 +76,7 @@ test:
 	@RLHF_TEST_STARTED=$$(date +%s) $(MAKE) --no-print-directory test-run
 
 test-run: $(BENCH_STAMP) browser sandbox
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # Debian's Chromium and its WebDriver for tests/integration/test_mlflow_ui.py (as root, or via sudo).
 browser:

@@ -24,13 +24,23 @@ def pytest_configure(config):
     config.pluginmanager.register(SuiteTiming(), "suite-timing")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) a worker takes whole files, so
-    a module's fixtures (a trained run, a started engine) are made once; ``tests/cluster`` is one group,
-    so the compiled packages and the tracking server of its session fixtures are made once too."""
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group("tests/cluster" if path.startswith("tests/cluster/") else path))
+def worker_group(nodeid: str) -> str:
+    """What one pytest-xdist worker runs as a whole: a file (its module fixtures, e.g. a trained run or a
+    started engine, are made once), and all of ``tests/cluster`` (its session fixtures, the compiled
+    packages and the servers they are registered with, are made once)."""
+    path = nodeid.split("::", 1)[0]
+    return "tests/cluster" if path.startswith("tests/cluster/") else path
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: `make test` runs `-n 2`
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TestGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    return TestGroups(config, log)
 
 
 def _clear_s3fs_cache() -> None:
