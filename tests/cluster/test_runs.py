@@ -27,10 +27,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 COMMON = ["run.num_iterations=2", "run.iterations_per_chunk=1", "run.eval_interval=2", "run.save_interval=1",
           "rollout.prompts_per_iteration=8", "actor.minibatch_size=16", "data.num_demo_eval_prompts=8"]
-RUN = {"ppo": COMMON + ["critic.minibatch_size=16", "critic.micro_batch_size=16"],
+RUN = {"ppo": COMMON + ["critic.minibatch_size=16", "critic.micro_batch_size=16", "rollout.engine=hf"],
        "grpo": [o for o in COMMON if not o.startswith("run.iterations_per_chunk")]
        + ["run.iterations_per_chunk=2", "run.off_policy_steps=1", "actor.tis_cap=2"]}
-"""The critic's options only where there is a critic (an option the algorithm ignores is refused). GRPO
+"""The critic's options only where there is a critic (an option the algorithm ignores is refused); PPO samples
+with the HF engine (its rollout and evaluation pods start in seconds: nothing here depends on the engine),
+GRPO with vLLM, so vLLM runs in pods from the package too. GRPO
 runs pipelined (``run.off_policy_steps=1``, docs/off_policy.md) with two ready nodes at a time, as
 propeller runs them: the same checkpoints and metrics as the local run, which executes nodes one after
 another, and its rollout of iteration 1 beside iteration 0's chain (both iterations in one chunk: the
