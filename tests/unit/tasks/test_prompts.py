@@ -269,8 +269,16 @@ def test_parquet_with_a_non_default_column_keeps_it_through_the_copy(tmp_path):
 # --- Hugging Face datasets ----------------------------------------------------------------------------
 @pytest.fixture
 def hf_cache(tmp_path, monkeypatch):
+    """Offline, with a private cache, for this test only. ``datasets`` reads its offline switch once, at
+    import: imported first here, under the variable, it would keep every later test of the process
+    offline (an xdist worker's ``test_user_data.py`` then failed), so it is imported before the variable
+    is set and its module values are patched (and restored) too."""
+    import datasets.config
+
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
 
 
 def test_hf_datasets_from_files_and_save_to_disk(tmp_path, hf_cache):
