@@ -239,8 +239,8 @@ def resume_run(layout: RunLayout, cfg_now: TrainConfig, keys: Iterable[str] = ()
 
     Everything is checked before anything is touched: the workflow, the config changes, the resume
     point's checkpoints (a finished run's: every file against its checksum, so a relaunch that cannot go
-    on leaves the finished MLflow run FINISHED), a changed reward function. The next iteration starts from the committed
-    checkpoints ``state.json`` names. With fixed seeds on the same CPU machine the resumed run is
+    on leaves the finished MLflow run FINISHED), a changed reward function. The next iteration starts from
+    the committed checkpoints ``state.json`` names. With fixed seeds on the same CPU machine the resumed run is
     bit-identical to an uninterrupted one (every seed depends on ``run.seed`` and the iteration only;
     ``tests/integration/test_resume.py``, docs/reliability_faults.md)."""
     info = layout.read_run_info()
