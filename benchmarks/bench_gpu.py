@@ -44,7 +44,8 @@ from kernels.logprobs import (token_logprobs_and_entropy, token_logprobs_and_ent
                               token_logprobs_and_entropy_from_hidden_reference,
                               token_logprobs_and_entropy_reference)
 from kernels.losses import PolicyLossConfig  # noqa: E402
-from models.distributed import DistInfo, is_sharded, shutdown_distributed, wrap_for_training  # noqa: E402
+from models.distributed import (DistInfo, is_sharded, join_process_group, shutdown_distributed,  # noqa: E402
+                                wrap_for_training)
 from models.policy import PolicyLogprobs, with_packing  # noqa: E402
 from models.update import LoopSettings, UpdateData, actor_loss_fn, make_optimizer, run_update  # noqa: E402
 
@@ -120,7 +121,7 @@ def join(device: torch.device) -> DistInfo:
         device = torch.device(f"cuda:{local}")
         torch.cuda.set_device(device)
     if "MASTER_ADDR" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
+        join_process_group(backend="nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
     return DistInfo(rank, world, local, device)
 
 

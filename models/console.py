@@ -15,8 +15,9 @@ weight it could not load, which ``models/vllm_engine.py`` captures whatever the 
 into a failed reload (the engine restarts, with a warning naming the weights).
 
 It is called where a process starts using the project: on import of :mod:`tasks` and
-:mod:`workflows` (``pyflyte run``, a task pod's ``pyflyte-execute``, the elastic workers) and by the
-servers (``python -m models.server``). Environment variables are set with ``setdefault``, so a value
+:mod:`workflows` (``pyflyte run``, a task pod's ``pyflyte-execute``, the elastic workers), by the
+servers (``python -m models.server``) and by the demos' model builders (``python -m models.math_demo``,
+``python -m models.tool_demo``). Environment variables are set with ``setdefault``, so a value
 the user exported wins, and child processes (elastic workers, vLLM's) inherit them.
 """
 

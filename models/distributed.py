@@ -33,6 +33,17 @@ class DistInfo:
         return self.rank == 0
 
 
+_JOINED = False
+"""Whether this process made the default process group (:func:`join_process_group`), and so leaves it."""
+
+
+def join_process_group(**kwargs) -> None:
+    """``dist.init_process_group(**kwargs)``, remembered: :func:`shutdown_distributed` leaves only this group."""
+    global _JOINED
+    dist.init_process_group(**kwargs)
+    _JOINED = True
+
+
 def init_distributed() -> DistInfo:
     """Join the process group torchrun/elastic set up (``RANK``/``WORLD_SIZE`` in the env), if any."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -46,9 +57,9 @@ def init_distributed() -> DistInfo:
         backend = "nccl" if cuda else "gloo"
         store = _attempt_store(world)
         if store is None:
-            dist.init_process_group(backend=backend)
+            join_process_group(backend=backend)
         else:
-            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
+            join_process_group(backend=backend, store=store, rank=rank, world_size=world)
     return DistInfo(rank, world, local_rank, device)
 
 
@@ -68,11 +79,16 @@ def _attempt_store(world: int):
 
 
 def shutdown_distributed(failed: bool = False) -> None:
-    """Leave the process group; after a failure skip the barrier so the error surfaces."""
-    if dist.is_initialized():
+    """Leave the process group :func:`join_process_group` made; after a failure skip the barrier so the
+    error surfaces. A group this process did not make is its maker's: the single-worker actor update runs
+    in the process of a local run, whose in-process vLLM engine made a world of one, and destroying it
+    made the engine's own shutdown fail ("vLLM shutdown: Invalid process group specified")."""
+    global _JOINED
+    if _JOINED and dist.is_initialized():
         if not failed:
             dist.barrier()
         dist.destroy_process_group()
+    _JOINED = False
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

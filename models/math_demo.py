@@ -26,6 +26,7 @@ from typing import Dict, List, Sequence
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from models import console
 from models.hub_models import HubModelConfig, build_qwen2_chat
 from models.math_task import MathTaskConfig, ProblemGenerator, write_rows_jsonl
 from models.verifiers import math_reward
@@ -110,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=DEMO_WARM_START.steps)
     parser.add_argument("--max-new-tokens", type=int, default=24, help="as rollout.max_new_tokens of the preset")
     args = parser.parse_args(argv)
+    console.quiet_libraries()  # as a run's processes: no "Writing model shards" bar (RLHF_VERBOSE=1 keeps it)
     start = time.perf_counter()
     paths = build_math_demo(args.out, args.cache_dir, cfg=dataclasses.replace(DEMO_WARM_START, steps=args.steps))
     print(f"built in {time.perf_counter() - start:.1f} s")

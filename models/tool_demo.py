@@ -27,6 +27,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from models.chat_tokens import ChatTokens
+from models import console
 from models.hub_models import HubModelConfig, build_qwen2_chat
 from models.tool_tasks import ArithmeticEnv, demonstration, problems
 from models.tools import CALCULATOR
@@ -224,6 +225,7 @@ def main(argv=None) -> None:
     parser.add_argument("--evaluate", default="", help="a checkpoint to evaluate greedily on the held-out prompts "
                                                         "(instead of building)")
     args = parser.parse_args(argv)
+    console.quiet_libraries()  # as a run's processes: no "Writing model shards" bar (RLHF_VERBOSE=1 keeps it)
     if args.evaluate:
         cfg = ToolDemoConfig()
         print(json.dumps(evaluate(args.evaluate, problems(cfg.num_eval, cfg.seed + 1)), indent=1))

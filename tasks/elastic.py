@@ -53,8 +53,9 @@ class ActorElasticTask(PytorchElasticFunctionTask):
 
     def _run_in_process(self, kwargs) -> Any:
         """One worker on one node: this process is the worker (no launch: 0.7 s less per iteration, and
-        no store, rendezvous or result file). It has no process group, as a single launched worker has
-        none; torch gets the threads a launched worker would get, and the caller's afterwards.
+        no store, rendezvous or result file). It makes no process group, as a single launched worker makes
+        none, and leaves the one of this process's vLLM engine to the engine (``shutdown_distributed``);
+        torch gets the threads a launched worker would get, and the caller's afterwards.
 
         Through ``torch._C.set_num_threads``: vLLM's CPU worker replaces ``torch.set_num_threads`` with
         a no-op (after binding its OpenMP threads) in every process that hosts an in-process engine,

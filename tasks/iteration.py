@@ -94,7 +94,7 @@ def run_commit(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List
     kl = next_kl_coef(cfg, state, merged)
     prev = run.layout.read_state()
     if prev is not None and prev.iteration == i - 1:  # end to end, orchestration included
-        merged["time/iteration_s"] = seconds_since(prev.updated_at)
+        merged["time/iteration_s"] = iteration_wall_s(prev.updated_at, run_lock.acquired_at(run.layout.lock_url))
     # MLflow first (idempotent per step and file), state.json last: a crash in between redoes
     # this commit on resume instead of losing the iteration's metrics.
     tracking.log_metrics(run.mlflow_run_id, merged, step=i)
@@ -123,6 +123,15 @@ def next_reward_norm(state: PolicyState, batch: RolloutBatch) -> Dict[str, float
 
 def seconds_since(iso: str) -> float:
     return (dt.datetime.now(dt.timezone.utc) - dt.datetime.fromisoformat(iso)).total_seconds()
+
+
+def iteration_wall_s(prev_commit: str, launch_took_run: str) -> float:
+    """Seconds since the previous commit, or since this launch took the run when that came later (the
+    first iteration after a resume: never the time the run was down)."""
+    since = prev_commit
+    if launch_took_run and dt.datetime.fromisoformat(launch_took_run) > dt.datetime.fromisoformat(prev_commit):
+        since = launch_took_run
+    return seconds_since(since)
 
 
 def progress_line(cfg: TrainConfig, i: int, m: Dict[str, float]) -> str:

@@ -128,7 +128,22 @@ def end(run: LiveRun, status: str, why: str) -> str:
             f"iterations up to iter-{state.iteration:06d} committed (state.json)"
     except Exception:  # noqa: BLE001
         done = "state.json unreadable"
-    return f"[flyte-rlhf] run {run.name} {why}: {marked}, {released}, {done}; rerun the same command to resume"
+    return f"[flyte-rlhf] run {run.name} {why}: {marked}, {released}, {done}; {next_step(why)}"
+
+
+DAMAGE = ("fails its blake3 check", "fails its sha256 check", "listed in COMMITTED.json is missing",
+          "COMMITTED.json says")
+"""What :func:`models.checkpoint.verify_local` says of a committed checkpoint whose files changed."""
+
+
+def next_step(why: str) -> str:
+    """How to go on after ``why``: a resume, unless a committed checkpoint is damaged (a resume would load it
+    again)."""
+    if any(d in why for d in DAMAGE):
+        from tasks.run.preflight import DAMAGED_ADVICE
+
+        return DAMAGED_ADVICE
+    return "rerun the same command to resume"
 
 
 def _at_exit() -> None:

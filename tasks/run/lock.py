@@ -178,6 +178,12 @@ def acquire(url: str, ttl_s: float, owner: str = "", attempts: int = 5) -> Lease
     raise RunLocked(f"run lock {url}: still contended after {attempts} attempts; launch again")
 
 
+def acquired_at(url: str) -> str:
+    """When the launch that holds the run now took it (ISO 8601 UTC; "" without a lease)."""
+    cur = _read(url)
+    return "" if cur is None else cur[0].acquired_at
+
+
 def renew(url: str, owner: str = "") -> Lease:
     """A new heartbeat for ``owner``'s lease; :class:`LostLock` if someone else holds the run now."""
     owner = owner or current_owner()

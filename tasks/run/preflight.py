@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import os
 import uuid
+from typing import Iterable
 
 from models import storage
-from models.checkpoint import PICKLE_SUFFIXES, CheckpointError, is_committed
+from models.checkpoint import PICKLE_SUFFIXES, CheckpointError, download_checkpoint, is_committed
 from models.rewards import RewardError
 from tasks import secrets
 from tasks.config import ConfigError, TrainConfig
@@ -174,6 +175,23 @@ def check_resume_point(run_url: str, actor_url: str, critic_url: str) -> None:
         if url and not is_committed(url):
             raise CheckpointError(f"run {run_url}: state.json points at {url}, which is not committed "
                                   f"(no COMMITTED.json); the run's storage was changed by hand or is damaged")
+
+
+DAMAGED_ADVICE = ("a resume cannot repair it (the run would go on from this checkpoint): restore the file from a "
+                  "copy (the run's MLflow artifacts hold the checkpoints it logged), or train under a new --run_name")
+"""What a user can do about a committed checkpoint that fails its verification."""
+
+
+def check_finished_intact(run_url: str, mlflow_run_id: str, urls: Iterable[str]) -> None:
+    """The checkpoints a finished run would go on from still match their commit markers (every file's size
+    and BLAKE3), checked before its MLflow run is reopened: a relaunch that met the damage later would
+    leave the finished run marked FAILED. :class:`CheckpointError` naming the file and what to do."""
+    for url in (u for u in urls if u):
+        try:
+            download_checkpoint(url)  # local: checked in place; remote: checked into the node's cache
+        except CheckpointError as err:
+            raise CheckpointError(f"run {run_url} finished, and {err}; MLflow run {mlflow_run_id} stays FINISHED. "
+                                  f"{DAMAGED_ADVICE[0].upper()}{DAMAGED_ADVICE[1:]}") from None
 
 
 # --- remote executions: what each pod must reach, checked before prepare_run creates anything ----

@@ -18,8 +18,9 @@ from tasks import tracking
 from tasks.algorithms import WORKFLOWS
 from tasks.config import ConfigError, TrainConfig
 from tasks.config.io import config_from_json_dict, flatten, given_keys, load_config, to_dict
-from tasks.run.preflight import (check_eval_prompts_exist, check_model_dirs, check_resume_point,
-                             check_reward_functions, check_sources, check_storage, check_vocab, model_context)
+from tasks.run.preflight import (check_eval_prompts_exist, check_finished_intact, check_model_dirs,
+                             check_resume_point, check_reward_functions, check_sources, check_storage, check_vocab,
+                             model_context)
 from tasks.run.resume import ConfigChange, change_records, check_resume_workflow, plan_resume
 from tasks.run.data import load_run_data, read_run_prompts, write_run_prompts
 from tasks.run.layout import RunInfo, RunLayout
@@ -237,19 +238,23 @@ def resume_run(layout: RunLayout, cfg_now: TrainConfig, keys: Iterable[str] = ()
     fields the user's preset and overrides set) that may change on resume (:mod:`tasks.run.resume`).
 
     Everything is checked before anything is touched: the workflow, the config changes, the resume
-    point's checkpoints, a changed reward function. The next iteration starts from the committed
-    checkpoints ``state.json`` names. With fixed seeds on the same CPU machine the resumed run is
+    point's checkpoints (a finished run's: every file against its checksum, so a relaunch that cannot go
+    on leaves the finished MLflow run FINISHED), a changed reward function. The next iteration starts from
+    the committed checkpoints ``state.json`` names. With fixed seeds on the same CPU machine the resumed run is
     bit-identical to an uninterrupted one (every seed depends on ``run.seed`` and the iteration only;
     ``tests/integration/test_resume.py``, docs/reliability_faults.md)."""
     info = layout.read_run_info()
     stored = config_from_json_dict(info.config)
     check_resume_workflow(stored, workflow, layout.url)
-    check_tracked_here(layout, info)
+    status = check_tracked_here(layout, info)
     state = layout.read_state()
     done = 0 if state is None else state.iteration + 1
     cfg, changes = plan_resume(stored, cfg_now, keys, done, layout.url, layout.root)
     if state is not None:
         check_resume_point(layout.url, state.actor_url, state.critic_url or "")
+        if status == "FINISHED":  # its end state stands unless the run can really go on
+            check_finished_intact(layout.url, info.mlflow_run_id or "", (
+                state.actor_url, state.critic_url or "", state.extras.get("behaviour_url", "")))
     base = storage.join(layout.url, "data")
     rm = storage.join(layout.url, "reward-model") if cfg.reward.source == "model" else ""
     handle = RunHandle(layout.root, layout.run_name, info.mlflow_run_id or "", layout.reference_url(),
@@ -280,15 +285,16 @@ def _where_tracked() -> str:
     return redact(uri)
 
 
-def check_tracked_here(layout: RunLayout, info: RunInfo) -> None:
+def check_tracked_here(layout: RunLayout, info: RunInfo) -> str:
     """The run's MLflow run is at this tracking URI: a resume against another server or database is
-    refused naming the URI the run started with, before anything is touched."""
+    refused naming the URI the run started with, before anything is touched. Its status
+    (``FINISHED``, ``FAILED``, ...; "" without an MLflow run)."""
     from mlflow.exceptions import MlflowException
 
     if not info.mlflow_run_id:
-        return
+        return ""
     try:
-        tracking.client().get_run(info.mlflow_run_id)
+        return tracking.client().get_run(info.mlflow_run_id).info.status
     except MlflowException as err:
         if err.error_code != "RESOURCE_DOES_NOT_EXIST":
             raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +109,19 @@ def test_ctrl_c_during_an_update_is_said_once_not_by_torch_elastic_too(verbose):
                          text=True, timeout=300, check=True).stderr
     assert "a worker failed" in err
     assert ("death signal" in err, "Closing process 4242 via signal SIGINT" in err) == (verbose, verbose)
+
+
+def test_the_tool_demo_builder_saves_its_model_without_a_bar(tmp_path):
+    """``make demo TASK=tools`` builds its model with ``python -m models.tool_demo`` before the run, a
+    process that imports nothing of ``tasks``: its ``save_pretrained`` printed transformers' "Writing
+    model shards" bar."""
+    env = {k: v for k, v in os.environ.items()  # a user's shell: none of the quieting variables
+           if k not in console.QUIET_ENV and k not in ("PYTHONWARNINGS", "TQDM_DISABLE", console.VERBOSE_ENV)}
+    env.update(PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "models.tool_demo", "--steps", "0", "--out", str(tmp_path / "demo"),
+                           "--cache-dir", str(tmp_path / "cache")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list((tmp_path / "demo" / "actor").glob("*.safetensors"))  # it did save the model
+    assert "Writing model shards" not in proc.stderr + proc.stdout
+    assert not re.search(r"\d+%\|", proc.stderr), proc.stderr[-2000:]  # nor any other bar

@@ -84,3 +84,30 @@ def test_optimizer_state_stays_with_the_newest_checkpoint_only(run, tmp_path, sa
     run_commit(cfg, handle, state, [], batch, actor1, "")
     assert not storage.exists(optimizer_url(actor0)) and is_committed(optimizer_url(actor1))
     assert is_committed(actor0) == (save_interval == 1)  # iteration 0 is kept only at save_interval 1
+
+
+def test_the_first_iteration_after_a_resume_does_not_count_the_downtime(run, tmp_path, capsys):
+    """The run crashed an hour after its last commit and was resumed (the fixture's launch took the run
+    now): the resumed iteration's wall time starts when this launch took the run, not at the commit before
+    the crash; the iteration after it counts from its own previous commit again."""
+    import datetime as dt
+
+    from tasks.iteration import seconds_since
+    from tasks.run.layout import RunState
+
+    handle, actor0, batch = run
+    crashed = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=1)
+    handle.layout.write_state(RunState(0, actor0, updated_at=crashed.isoformat(timespec="milliseconds")))
+    took = json.loads(open(handle.layout.lock_url).read())["acquired_at"]
+    actor1, actor2 = handle.layout.actor_url(1), handle.layout.actor_url(2)
+    for url in (actor1, actor2):
+        save_checkpoint(hf_dir(tmp_path / url.rsplit("/", 2)[1]), url)
+    stats = [{"rollout/reward_mean": 0.5}]
+    state = run_commit(TrainConfig(), handle, PolicyState(1, actor0, "", 0.01), stats, batch, actor1, "")
+    committed = handle.layout.read_state().updated_at
+    run_commit(TrainConfig(), handle, state, stats, batch, actor2, "")
+    (s1, wall1), (s2, wall2) = tracking.metric_history(handle.mlflow_run_id, "time/iteration_s")
+    assert (s1, s2) == (1, 2)
+    assert 0 <= wall1 <= seconds_since(took) < 3000  # not the hour the run was down
+    assert 0 <= wall2 <= seconds_since(committed)
+    assert f"({wall1:.1f} s wall, " in capsys.readouterr().out  # the progress line says the same

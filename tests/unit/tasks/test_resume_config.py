@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from models.checkpoint import save_checkpoint
+from models.checkpoint import CheckpointError, save_checkpoint
 from models.rewards import RewardError
 from tasks import tracking
 from tasks.config import ConfigError
@@ -153,3 +153,24 @@ def test_resuming_against_another_tracking_uri_names_the_one_the_run_started_wit
                                           rf"{tmp_path}/first\.db to resume it"):
         setup_run("tiny_ppo", overrides, "r", "ppo")
     assert run_json(layout) == before
+
+
+def test_a_damaged_checkpoint_of_a_finished_run_leaves_it_finished(run):
+    """The relaunch of a finished run whose resume point no longer matches its checksums is refused before
+    its MLflow run is reopened: the run stays FINISHED, and the message names the file and what can be done
+    (a resume cannot repair it), not "rerun the same command"."""
+    layout, overrides, run_id = run
+    weights = f"{layout.actor_url(DONE - 1)}/model.safetensors"
+    with open(weights, "r+b") as f:  # same size, other bytes: only the BLAKE3 check sees it
+        f.write(b"\x01")
+    before = run_json(layout)
+    with pytest.raises(CheckpointError) as err:
+        setup_run("tiny_ppo", overrides, "r", "ppo")
+    msg = str(err.value)
+    assert f"run {layout.url} finished, and checkpoint {layout.actor_url(DONE - 1)}: file 'model.safetensors' " \
+           f"fails its blake3 check" in msg
+    assert f"MLflow run {run_id} stays FINISHED" in msg and "a resume cannot repair it" in msg.lower()
+    assert "--run_name" in msg and "rerun the same command" not in msg
+    assert tracking.client().get_run(run_id).info.status == "FINISHED"
+    assert run_json(layout) == before
+    assert json.loads(open(layout.lock_url).read())["released_at"]  # the launch let go of the run

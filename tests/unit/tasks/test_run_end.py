@@ -118,3 +118,28 @@ def test_a_failed_iteration_is_reported_with_its_innermost_error(tmp_path, monke
     why = "failed: reward 'myrewards:judge' raised on sample 3: ZeroDivisionError('division by zero')"
     assert line.startswith(f"[flyte-rlhf] run r {why}: MLflow run {run_id} marked FAILED")
     assert tracking.client().get_run(run_id).data.tags["end_reason"] == why
+
+
+def test_a_damaged_checkpoint_is_not_answered_with_a_resume(tmp_path, monkeypatch):
+    """A committed checkpoint that fails its check in an iteration: a resume would load it again, so the line
+    says what can be done instead."""
+    from flytekit.models.core.identifier import WorkflowExecutionIdentifier
+
+    from models.checkpoint import CheckpointError, download_checkpoint, save_checkpoint
+    from tests.unit.models.test_checkpoint import hf_dir
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    layout = RunLayout(str(tmp_path / "runs"), "r")
+    save_checkpoint(hf_dir(tmp_path / "src"), layout.actor_url(0))
+    (Path(layout.actor_url(0)) / "config.json").write_text('{"model_type": "llamb"}')  # same size
+    with pytest.raises(CheckpointError) as err:
+        download_checkpoint(layout.actor_url(0))
+    ex = WorkflowExecutionIdentifier("proj", "development", "exec-d")
+    run_id = tracking.start_run("flyte-rlhf", "r", {}, {"storage": layout.url, "flyte_execution_id": "exec-d"})
+    run_lock.acquire(layout.lock_url, ttl_s=3600, owner=run_lock.execution_owner(ex))
+    wrapped = f"Error encountered while executing 'tasks.rollout.rollout':\n  {err.value}"  # as flytekit says it
+    line = run_end.mark_failed("flyte-rlhf", wrapped, execution=ex)
+    assert "file 'config.json' fails its blake3 check" in line
+    assert line.endswith("no iteration committed yet; a resume cannot repair it (the run would go on from this "
+                         "checkpoint): restore the file from a copy (the run's MLflow artifacts hold the checkpoints "
+                         "it logged), or train under a new --run_name")
