@@ -48,8 +48,8 @@ import sys, time
 from models.reward_workers import score_function
 assert score_function("myrewards:match", ["q"] * 2, ["1", "2"], {"answer": ["1", "x"]}, timeout_s=60,
                       num_workers=2) == [1.0, 0.0]
-print("ready", flush=True)
-try:
+try:  # "ready" inside the try: the signal follows it at once, before a statement after it could begin
+    print("ready", flush=True)
     time.sleep(60)
 except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)
