@@ -19,7 +19,7 @@ ALGO ?= ppo
 ALGO_WORKFLOW := $(if $(filter ppo ppo_%,$(ALGO)),ppo,reinforce)
 # TASK=math: the RLVR demo (configs/tiny_math.yaml, GRPO, docs/math_demo.md); TASK=tools: the multi-turn
 # tool-use demo (configs/tiny_tools.yaml, GRPO, docs/multi_turn.md), its model and prompts built first by
-# models/tool_demo.py (cached by content). Empty: ALGO's preset on the string-reversal task.
+# models/demos/tool_demo.py (cached by content). Empty: ALGO's preset on the string-reversal task.
 TASK ?=
 DEMO_PRESET := $(if $(TASK),configs/tiny_$(TASK).yaml,configs/tiny_$(ALGO).yaml)
 DEMO_WORKFLOW := $(if $(TASK),reinforce,$(ALGO_WORKFLOW))
@@ -60,7 +60,7 @@ $(STAMP): pyproject.toml constraints.txt
 # TASK=tools: the multi-turn calculator demo (docs/multi_turn.md).
 ifeq ($(TASK),tools)
 demo: $(STAMP) sandbox
-	$(PY) -m models.tool_demo --out runs/tools-demo
+	$(PY) -m models.demos.tool_demo --out runs/tools-demo
 	$(VENV)/bin/pyflyte run workflows/reinforce.py reinforce_training --preset configs/tiny_tools.yaml
 else
 demo: $(STAMP)
@@ -86,7 +86,7 @@ browser:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver; \
 	fi
 
-# Debian's bubblewrap for the sandboxed Python tool (models/sandbox.py) and its tests (as root, or via sudo).
+# Debian's bubblewrap for the sandboxed Python tool (models/environments/sandbox.py) and its tests (as root, or via sudo).
 sandbox:
 	@if ! command -v bwrap >/dev/null; then \
 	  command -v apt-get >/dev/null || { echo "no apt-get: install bubblewrap (bwrap) for the Python tool"; exit 0; }; \
@@ -113,10 +113,10 @@ image:
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit -m "not slow and not integration" $(PYTEST_ARGS)
 
-# The documentation site (mkdocs.yml): the configuration reference regenerated from tasks/config/__init__.py's
+# The documentation site (mkdocs.yml): the configuration reference regenerated from models/config/__init__.py's
 # field docstrings, then `mkdocs build --strict` into site/ (a broken link or page fails).
 docs: $(STAMP)
-	$(PY) -m tasks.config.reference docs/reference/config.md
+	$(PY) -m models.config.reference docs/reference/config.md
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # One table of figures and ratios measured in this run (benchmarks/run_all.py): rollout engines,

@@ -48,8 +48,8 @@ def bench(quick: bool, repeats: int) -> List[Row]:
     from transformers.utils import logging as hf_logging
 
     from models.checkpoint import save_model_checkpoint, shard_bytes
-    from models.tiny import TinyModelConfig, build_actor
-    from models.tokenizer import build_char_tokenizer
+    from models.demos.tiny import TinyModelConfig, build_actor
+    from models.demos.tokenizer import build_char_tokenizer
 
     hf_logging.disable_progress_bar()
     layers, hidden = (4, 512) if quick else (8, 1024)

@@ -44,10 +44,10 @@ from kernels.logprobs import (token_logprobs_and_entropy, token_logprobs_and_ent
                               token_logprobs_and_entropy_from_hidden_reference,
                               token_logprobs_and_entropy_reference)
 from kernels.losses import PolicyLossConfig  # noqa: E402
-from models.distributed import (DistInfo, is_sharded, join_process_group, shutdown_distributed,  # noqa: E402
+from models.training.distributed import (DistInfo, is_sharded, join_process_group, shutdown_distributed,  # noqa: E402
                                 wrap_for_training)
-from models.policy import PolicyLogprobs, with_packing  # noqa: E402
-from models.update import LoopSettings, UpdateData, actor_loss_fn, make_optimizer, run_update  # noqa: E402
+from models.training.policy import PolicyLogprobs, with_packing  # noqa: E402
+from models.training.update import LoopSettings, UpdateData, actor_loss_fn, make_optimizer, run_update  # noqa: E402
 
 SHAPES: Dict[str, dict] = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -123,7 +123,7 @@ def per_iteration(events, metrics: Dict[int, Dict[str, float]]) -> List[Dict[str
 
 def run_workflow(preset: str, iterations: int, root: str) -> Tuple[str, TaskTimer, float]:
     """The preset's training workflow in this process, as ``pyflyte run`` runs it locally."""
-    from tasks.config.io import load_config
+    from models.config.io import load_config
 
     timer = TaskTimer()
     timer.install()
@@ -140,7 +140,7 @@ def run_workflow(preset: str, iterations: int, root: str) -> Tuple[str, TaskTime
 
 
 def logged_metrics(run_id: str) -> Dict[int, Dict[str, float]]:
-    from tasks import tracking
+    from models import tracking
 
     out: Dict[int, Dict[str, float]] = defaultdict(dict)
     for key in tracking.run_metric_keys(run_id):

@@ -1,7 +1,7 @@
 """LoRA against full fine-tuning: seconds and extra peak memory per actor update.
 
 Both sides update the bench model (random Llama, 8 layers x 512 hidden, MLP 2048, 8 heads; see
-benchmarks/bench_trl.py) with the real update loop (``models.update.run_update``, clipped
+benchmarks/bench_trl.py) with the real update loop (``models.training.update.run_update``, clipped
 surrogate, AdamW, one optimiser step over two micro-batches) on the same random batch, with the
 same torch thread count. LoRA: rank 16 on every attention and MLP projection (the default
 ``actor.lora.target_modules``).
@@ -50,13 +50,13 @@ def worker(variant: str, quick: bool, threads: int) -> dict:
     import torch
 
     from kernels.losses import PolicyLossConfig
-    from models.distributed import DistInfo
-    from models.lora import CAUSAL_LM, add_adapter
-    from models.policy import PolicyLogprobs
-    from models.tiny import TinyModelConfig, build_actor
-    from models.tokenizer import build_char_tokenizer
-    from models.update import LoopSettings, UpdateData, actor_loss_fn, make_optimizer, run_update
-    from tasks.config import LoraConfig
+    from models.training.distributed import DistInfo
+    from models.training.lora import CAUSAL_LM, add_adapter
+    from models.training.policy import PolicyLogprobs
+    from models.demos.tiny import TinyModelConfig, build_actor
+    from models.demos.tokenizer import build_char_tokenizer
+    from models.training.update import LoopSettings, UpdateData, actor_loss_fn, make_optimizer, run_update
+    from models.config import LoraConfig
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_rollout.py [--quick] [--threads N] [--json PATH]
 
-Both parts use random-init Llama checkpoints built by ``models/tiny.py`` with the character
+Both parts use random-init Llama checkpoints built by ``models/demos/tiny.py`` with the character
 tokenizer's vocabulary: 8 layers x 512 hidden (8 heads of 64, MLP 1536, 27M parameters),
 float32; quick: 4 x 256.
 
@@ -60,9 +60,9 @@ def build_checkpoints(size: Size, root: Path) -> Tuple[str, str, List[List[int]]
     """Two random actors of one shape (seeds 0 and 1) and the prompts as token ids."""
     from transformers.utils import logging as hf_logging
 
-    from models.task import PromptGenerator, ReverseTaskConfig
-    from models.tiny import TinyModelConfig, build_actor, save_model
-    from models.tokenizer import build_char_tokenizer
+    from models.demos.reverse_task import PromptGenerator, ReverseTaskConfig
+    from models.demos.tiny import TinyModelConfig, build_actor, save_model
+    from models.demos.tokenizer import build_char_tokenizer
 
     hf_logging.disable_progress_bar()
     tok = build_char_tokenizer()

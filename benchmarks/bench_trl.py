@@ -1,7 +1,7 @@
 """This project's pipeline against TRL on the same work: seconds per iteration and reward.
 
-Both sides get the same warm-started checkpoint (models/tiny.py + models/warm_start.py), the same
-reversal prompts in the same order, the reward `models.task:reverse_reward`, the same samples per
+Both sides get the same warm-started checkpoint (models/demos/tiny.py + models/demos/warm_start.py), the same
+reversal prompts in the same order, the reward `models.demos.reverse_task:reverse_reward`, the same samples per
 prompt, token cap, optimiser, clip and KL settings, and the same CPU budget: one training process
 and `threads` torch threads (OMP_NUM_THREADS in every process of the pyflyte run,
 `torch.set_num_threads` in TRL's). Ours is the real pipeline, `pyflyte run workflows/{reinforce,ppo}.py`
@@ -47,15 +47,15 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from benchmarks.rows import Row, add_bench_args, print_rows, row, write_rows  # noqa: E402
-from models.task import ReverseTaskConfig, read_prompts_jsonl, reverse_reward  # noqa: E402
-from models.tiny import TinyModelConfig  # noqa: E402
-from models.tokenizer import load_tokenizer  # noqa: E402
-from models.warm_start import WarmStartConfig, build_demo_models, generate_responses  # noqa: E402
+from models.demos.reverse_task import ReverseTaskConfig, read_prompts_jsonl, reverse_reward  # noqa: E402
+from models.demos.tiny import TinyModelConfig  # noqa: E402
+from models.demos.tokenizer import load_tokenizer  # noqa: E402
+from models.demos.warm_start import WarmStartConfig, build_demo_models, generate_responses  # noqa: E402
 from tasks.common import iteration_indices  # noqa: E402
-from tasks.config import TrainConfig  # noqa: E402
-from tasks.config.io import load_config  # noqa: E402
-from tasks.run.layout import RunLayout  # noqa: E402
-from tasks.run.setup import cache_dir  # noqa: E402
+from models.config import TrainConfig  # noqa: E402
+from models.config.io import load_config  # noqa: E402
+from models.run.layout import RunLayout  # noqa: E402
+from models.run.setup import cache_dir  # noqa: E402
 
 SECTION = "trl"
 PROGRESS = re.compile(r"^\[(?:ppo|reinforce|rloo|grpo|reinforce_pp)\] iter (\d+)/(\d+)")

@@ -126,7 +126,7 @@ def measure(root_url: str, workdir: Path, overrides: Sequence[str] = ()) -> Meas
     import torch
 
     from models import storage
-    from models.distributed import DistInfo
+    from models.training.distributed import DistInfo
     from tasks.advantages import run_advantages
     from models.data.batch import RolloutBatch
     from tasks.iteration import run_commit

@@ -29,8 +29,8 @@ from transformers import (AutoModelForCausalLM, AutoModelForTokenClassification,
 from transformers.modeling_outputs import BaseModelOutput  # noqa: E402
 
 import trl  # noqa: E402
-from models.task import SEPARATOR, reverse_reward  # noqa: E402
-from models.tiny import save_model  # noqa: E402
+from models.demos.reverse_task import SEPARATOR, reverse_reward  # noqa: E402
+from models.demos.tiny import save_model  # noqa: E402
 
 
 class IterationClock(TrainerCallback):
@@ -44,7 +44,7 @@ class IterationClock(TrainerCallback):
 
 
 def reversal_reward(prompts: List[str], completions: List[str], **_: Any) -> List[float]:
-    """``models.task:reverse_reward`` in TRL's ``reward_funcs`` signature (text prompts and completions)."""
+    """``models.demos.reverse_task:reverse_reward`` in TRL's ``reward_funcs`` signature (text prompts and completions)."""
     return reverse_reward(prompts, completions)
 
 

@@ -2,7 +2,7 @@
 
 Each estimator maps the scored batch (:class:`AdvantageInput`) to KL-shaped token rewards,
 advantages and returns (:class:`AdvantageOutput`), all ``[B, T]`` on response tokens. Which
-algorithm uses which estimator, loss and options is declared in ``tasks/algorithms/``.
+algorithm uses which estimator, loss and options is declared in ``models/algorithms/``.
 
 - :func:`ppo_advantages`: ``r_t = −β·kl_t + 1[t = last]·R`` (KL in the reward, Ziegler et al.
   2019), GAE (Schulman et al. 2016) with the critic's values, whitened over the batch if asked.

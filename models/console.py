@@ -11,13 +11,13 @@ third-party ``DeprecationWarning``/``FutureWarning``s. :func:`quiet_libraries` t
 
 What is never hidden: a warning or error the project emits itself (``tasks``, ``models``,
 ``kernels``, ``workflows`` loggers and warnings), errors of any library, and vLLM's reports of a
-weight it could not load, which ``models/vllm_engine.py`` captures whatever the log level and turns
+weight it could not load, which ``models/engines/vllm_engine.py`` captures whatever the log level and turns
 into a failed reload (the engine restarts, with a warning naming the weights).
 
 It is called where a process starts using the project: on import of :mod:`tasks` and
 :mod:`workflows` (``pyflyte run``, a task pod's ``pyflyte-execute``, the elastic workers), by the
-servers (``python -m models.server``) and by the demos' model builders (``python -m models.math_demo``,
-``python -m models.tool_demo``). Environment variables are set with ``setdefault``, so a value
+servers (``python -m models.server``) and by the demos' model builders (``python -m models.demos.math_demo``,
+``python -m models.demos.tool_demo``). Environment variables are set with ``setdefault``, so a value
 the user exported wins, and child processes (elastic workers, vLLM's) inherit them.
 """
 
@@ -46,7 +46,7 @@ QUIET_ENV = {
 """Environment read by the libraries at import (or at their children's start). Each library's own
 switch, never tqdm's global ``TQDM_DISABLE``: that would reach the user's own bars too, and vLLM 0.32's
 ``LLM.generate`` bar divides by zero under it. vLLM's bars are off where the project calls it
-(``use_tqdm_on_load``, ``use_tqdm=False`` in ``models/vllm_engine.py``)."""
+(``use_tqdm_on_load``, ``use_tqdm=False`` in ``models/engines/vllm_engine.py``)."""
 
 QUIET_LOGGERS = {
     "vllm": logging.ERROR,
@@ -64,7 +64,7 @@ QUIET_MESSAGES = {
     "torch.distributed.elastic.multiprocessing.api": r"Closing process \d+ via signal",
 }
 """Warnings dropped by message: torch elastic's notes on Ctrl-C or SIGTERM during an update, which the
-run says once itself ("run ... interrupted by SIGINT", ``tasks/run/end.py``)."""
+run says once itself ("run ... interrupted by SIGINT", ``models/run/end.py``)."""
 
 OWN_PACKAGES = r"(tasks|models|kernels|workflows|benchmarks)(\.|$)"
 

@@ -4,10 +4,10 @@ docs/development.md). Importing any of them quiets the libraries' console chatte
 (``models/console.py``; ``RLHF_VERBOSE=1`` keeps it): this runs first in every process that runs a
 task (``pyflyte run``, a pod's ``pyflyte-execute``, an elastic worker), before torch, transformers
 or vLLM load. Under ``pyflyte`` it also makes a config error print its one-line reason
-(``tasks/run/errors.py``)."""
+(``models/run/errors.py``)."""
 
 from models.console import quiet_libraries
-from tasks.run.errors import short_config_errors
+from models.run.errors import short_config_errors
 
 quiet_libraries()
 short_config_errors()

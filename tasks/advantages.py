@@ -1,5 +1,5 @@
 """``advantages`` task (no GPU): KL-shaped token rewards, advantages and returns from kernels/, by the
-estimator ``run.algorithm`` declares (``tasks/algorithms/``), and the ``loss_mask`` of the samples the
+estimator ``run.algorithm`` declares (``models/algorithms/``), and the ``loss_mask`` of the samples the
 loss learns from (DAPO's dynamic sampling and overlong filtering, docs/rlvr/)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from kernels.dapo import informative_groups, overlong_penalty
 from models.data.batch import RolloutBatch
 from tasks.common import CACHE_VERSION, timed
 from tasks import secrets
-from tasks.config import TrainConfig
-from tasks.types import PolicyState, RunHandle
+from models.config import TrainConfig
+from models.run.types import PolicyState, RunHandle
 
 
 class AdvantagesOutput(NamedTuple):

@@ -2,7 +2,7 @@
 
 Tasks declare ``RolloutBatch`` inputs and outputs; Flyte moves only the URI, never the
 rows. A batch already written (the usual case: tasks write to the run's storage prefix,
-:class:`tasks.run.layout.RunLayout`) passes its own URI unchanged. An unwritten batch is
+:class:`models.run.layout.RunLayout`) passes its own URI unchanged. An unwritten batch is
 written once to Flyte's raw-output prefix. The receiving task gets a lazy batch that reads
 the file (memory-mapped when local) on first use.
 

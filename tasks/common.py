@@ -22,7 +22,7 @@ _IN_PLACE: Dict[str, str] = {}
 def local_checkpoint(url: str) -> str:
     """A verified local folder of the committed checkpoint at ``url``: a local one in place (verified
     once per process), a remote one from the node's checkpoint cache (downloaded once per node and
-    shared by its ranks, keyed by content, bounded: ``models/checkpoint_cache.py``)."""
+    shared by its ranks, keyed by content, bounded: ``models/checkpoint/cache.py``)."""
     if not storage.is_local(url):
         return download_checkpoint(url)
     if url not in _IN_PLACE:
@@ -32,17 +32,17 @@ def local_checkpoint(url: str) -> str:
 
 def load_hf(url: str, auto_cls, dtype: str = "float32", trainable: bool = False):
     """The model of the committed checkpoint at ``url``: full weights, or a LoRA adapter on its base
-    (``models.lora``); ``trainable``: the adapter's parameters require gradients."""
+    (``models.training.lora``); ``trainable``: the adapter's parameters require gradients."""
     import torch
 
-    from models.lora import load_pretrained
+    from models.training.lora import load_pretrained
 
     return load_pretrained(local_checkpoint(url), auto_cls, getattr(torch, dtype), local_checkpoint, trainable)
 
 
 def base_checkpoint_url(url: str) -> str:
     """The full checkpoint behind ``url``: the base of a LoRA adapter, else ``url`` itself."""
-    from models.lora import base_url, is_adapter
+    from models.training.lora import base_url, is_adapter
 
     local = local_checkpoint(url)
     return base_url(local) if is_adapter(local) else url
@@ -57,7 +57,7 @@ def load_tokenizer(url: str):
 def read_prompts(url: str):
     """The run's validated prompts (its copy under ``data/``), read by the reader that validated
     them: a :class:`models.data.prompts.PromptDataset` (texts as the model sees them, row ids, columns)."""
-    from tasks.run.data import read_run_prompts
+    from models.run.data import read_run_prompts
 
     return read_run_prompts(url)
 
@@ -91,22 +91,3 @@ def timed(stats: Dict[str, float], key: str) -> Iterator[None]:
         yield
     finally:
         stats[key] = stats.get(key, 0.0) + time.perf_counter() - t0
-
-
-SERVER_TOKEN_ENV = "RLHF_SERVER_TOKEN"
-"""Environment variable (a Flyte secret on a cluster) holding the bearer token of the reward/critic
-and the rollout server."""
-
-
-def server_token() -> Optional[str]:
-    """The servers' bearer token from :data:`SERVER_TOKEN_ENV`; None if unset or empty."""
-    import os
-
-    return os.environ.get(SERVER_TOKEN_ENV) or None
-
-
-def server_client(url: str, timeout_s: float = 60.0):
-    """A client of the reward/critic server at ``url`` (token from :data:`SERVER_TOKEN_ENV`)."""
-    from models.server.client import RewardCriticClient
-
-    return RewardCriticClient(url, token=server_token(), timeout_s=timeout_s)

@@ -25,12 +25,11 @@ from typing import Any, Dict
 from flytekit import Resources
 from flytekit.extras.accelerators import GPUAccelerator
 
-from tasks.config import ConfigError, TrainConfig
-from tasks.config.io import load_config
+from models.config import ConfigError, TrainConfig
+from models.config.io import load_config
 from tasks.elastic import FORKSERVER, ActorElastic
 
-DEPLOY_PRESET_ENV = "RLHF_DEPLOY_PRESET"
-DEPLOY_OVERRIDES_ENV = "RLHF_DEPLOY_OVERRIDES"
+from models.run.preflight import DEPLOY_OVERRIDES_ENV, DEPLOY_PRESET_ENV, check_topology  # noqa: F401
 
 
 @functools.lru_cache(maxsize=1)
@@ -81,13 +80,3 @@ def use_local_topology(elastic_task, cfg: TrainConfig) -> None:
     that override sets (``Node.with_overrides`` assigns the task's ``_task_config`` too).
     """
     elastic_task._task_config = elastic_for(cfg, local=True)
-
-
-def check_topology(cfg: TrainConfig, registered: TrainConfig) -> None:
-    """On a cluster the actor's topology is the registered one; say how to change it if the run asks for another."""
-    a, b = cfg.actor, registered.actor
-    if (a.nnodes, a.nproc_per_node) != (b.nnodes, b.nproc_per_node):
-        raise ConfigError(
-            f"actor.nnodes × actor.nproc_per_node = {a.nnodes} × {a.nproc_per_node}, but the registered actor_update "
-            f"runs {b.nnodes} × {b.nproc_per_node}: register the workflows (and build the image) with "
-            f"{DEPLOY_PRESET_ENV}/{DEPLOY_OVERRIDES_ENV} naming this topology (docs/howto/cluster.md)")

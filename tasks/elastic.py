@@ -29,7 +29,7 @@ from flytekit.extend import TaskPlugins
 from flytekitplugins.kfpytorch import Elastic
 from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask, is_recoverable_worker_error, spawn_helper
 
-from tasks.run import end as run_end
+from models.run import end as run_end
 
 FORKSERVER = "forkserver"
 

@@ -16,25 +16,26 @@ from flytekit.types.error import FlyteError
 from kernels.kl import AdaptiveKLController
 from models import storage
 from models.checkpoint import is_committed
-from models.optimizer_state import optimizer_url
+from models.checkpoint.optimizer_state import optimizer_url
 from models.engines import close_engines
-from tasks.tracking import registry
-from tasks.run import end as run_end, lock as run_lock
-from tasks import secrets, tracking
+from models.tracking import registry
+from models.run import end as run_end, lock as run_lock
+from tasks import secrets
+from models import tracking
 from tasks.decks import conversation_text
 from models.data.batch import BatchMetadata, RolloutBatch
 from models.data.batch_schema import REWARD_NORM_KEY, decode_data_columns
 from tasks.common import read_prompts, load_tokenizer
-from tasks.config import RunConfig, TrainConfig
-from tasks.config.io import load_config
+from models.config import RunConfig, TrainConfig
+from models.config.io import load_config
 from tasks.deploy import deployment_config, resources_for
-from tasks.tracking.redact import redact
+from models.tracking.redact import redact
 from tasks.rollout import engine_for, sample_data, sampling_spec
-from tasks.run.data import sample_columns
-from tasks.run.health import check_healthy
+from models.run.data import sample_columns
+from models.run.health import check_healthy
 from tasks.score import batch_rewards
-from tasks.run.setup import DEFAULT_PRESETS
-from tasks.types import PolicyState, RunHandle
+from models.run.setup import DEFAULT_PRESETS
+from models.run.types import PolicyState, RunHandle
 
 
 def next_kl_coef(cfg: TrainConfig, state: PolicyState, stats: Dict[str, float]) -> float:
@@ -227,7 +228,7 @@ class TrainingSummary:
 
 
 def run_finish(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> TrainingSummary:
-    check_healthy(cfg, run.mlflow_run_id)  # before anything is registered (tasks/run/health.py)
+    check_healthy(cfg, run.mlflow_run_id)  # before anything is registered (models/run/health.py)
     hist = [v for _, v in tracking.metric_history(run.mlflow_run_id, "rollout/reward_mean")]
     first = hist[0] if hist else float("nan")
     last = float(np.mean(hist[-2:])) if hist else float("nan")
@@ -253,7 +254,7 @@ def _write_curve(run: RunHandle) -> str:
     """The reward curve as a PNG next to the run's files (local runs), made from the MLflow data."""
     if not storage.is_local(run.layout.url):
         return ""
-    from tasks.tracking.report import plot, reward_curves
+    from models.tracking.report import plot, reward_curves
 
     out = f"{storage.local_path(run.layout.url)}/reward_curve.png"
     return plot(reward_curves([run.mlflow_run_id]), out, f"{run.run_name}: mean rollout reward")
@@ -291,7 +292,7 @@ def finish_run(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Training
 @task(retries=1, secret_requests=secrets.requests(secrets.S3, secrets.MLFLOW))
 def training_failed(preset: str, overrides: List[str], run_name: str, err: Optional[FlyteError] = None) -> None:
     """``on_failure`` of the training workflows: the run this execution trained is marked FAILED in MLflow
-    (the error as its ``end_reason`` tag) and its lock released (``tasks/run/end.py``)."""
+    (the error as its ``end_reason`` tag) and its lock released (``models/run/end.py``)."""
     secrets.load(secrets.S3, secrets.MLFLOW)
     try:
         experiment = load_config(preset or DEFAULT_PRESETS["ppo"], overrides).run.mlflow_experiment

@@ -15,13 +15,14 @@ from typing import List, NamedTuple
 from flytekit import Resources, task
 
 from models import storage
-from tasks.tracking import registry
-from tasks import secrets, tracking
-from tasks.config import TrainConfig
-from tasks.config.io import load_config
+from models.tracking import registry
+from tasks import secrets
+from models import tracking
+from models.config import TrainConfig
+from models.config.io import load_config
 from tasks.deploy import deployment_config, resources_for
 from tasks.iteration import TrainingSummary, eval_reward
-from tasks.types import RunHandle
+from models.run.types import RunHandle
 
 UNSET_DATE = dt.datetime(1970, 1, 1)
 """Default of ``run_date``: the schedule sets it to the kickoff time; left unset, today (UTC)."""

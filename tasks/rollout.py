@@ -12,22 +12,23 @@ from flytekit import task
 
 from models.engines import SamplingSpec, eos_token_ids, get_engine, stream_seed
 from models.faults import pause_point
-from models.lora import base_url, is_adapter, merged_copy
-from models.probe import ensure_serves
-from models.vllm_engine import unsupported_lora_targets
-from models.episode_rollout import sample_episodes
-from models.episodes import EpisodeLimits, load_environment
-from models.rollout import RolloutColumns, sample
-from models.tools import get_parser
+from models.training.lora import base_url, is_adapter, merged_copy
+from models.training.probe import ensure_serves
+from models.engines.vllm_engine import unsupported_lora_targets
+from models.environments.episode_rollout import sample_episodes
+from models.environments.episodes import EpisodeLimits, load_environment
+from models.engines.rollout import RolloutColumns, sample
+from models.environments.tools import get_parser
 from models.server.rollout_client import RemoteEngine, RolloutClient
 from models.data.batch import BatchMetadata, RolloutBatch
+from models.server.client import server_client, server_token  # noqa: F401
 from tasks.common import (CACHE_VERSION, base_checkpoint_url, draw_ids, iteration_indices, load_tokenizer,
-                          local_checkpoint, read_prompts, server_token, timed)
-from tasks.run.data import sample_columns
+                          local_checkpoint, read_prompts, timed)
+from models.run.data import sample_columns
 from tasks import decks, secrets
-from tasks.config import ConfigError, TrainConfig
+from models.config import ConfigError, TrainConfig
 from tasks.deploy import deployment_config, resources_for
-from tasks.types import PolicyState, RunHandle
+from models.run.types import PolicyState, RunHandle
 
 
 SAMPLING_KEY = "sampling"
@@ -63,7 +64,7 @@ def engine_for(cfg: TrainConfig, actor_url: str):
     (``rollout.lora_mode=adapter``), or the adapter merged into the base (``merged``).
 
     After every weight change the engine is probed against the trainer's forward
-    (:func:`models.probe.ensure_serves`; the rollout server probes its own)."""
+    (:func:`models.training.probe.ensure_serves`; the rollout server probes its own)."""
     r = cfg.rollout
     if r.remote_url:
         return remote_engine_for(cfg, actor_url)
@@ -90,20 +91,6 @@ def engine_for(cfg: TrainConfig, actor_url: str):
     return engine
 
 
-def check_rollout_setup(cfg: TrainConfig, actor_config: Dict) -> None:
-    """Set-up check (before any model loads) of the rollout settings against the actor checkpoint's
-    ``config.json``: a LoRA target vLLM cannot serve as an adapter is refused with what to do."""
-    r, lora = cfg.rollout, cfg.actor.lora
-    if not (lora.enabled and r.engine == "vllm" and r.lora_mode == "adapter" and not r.remote_url):
-        return
-    bad = unsupported_lora_targets(actor_config, lora.target_modules)
-    if bad:
-        tied = " (its embeddings are tied: the merge unties lm_head, so the merged model is the trained one)" \
-            if actor_config.get("tie_word_embeddings") else ""
-        raise ConfigError(
-            f"actor.lora.target_modules has {bad}, which vLLM cannot serve as a LoRA adapter for "
-            f"{actor_config.get('architectures')}: use rollout.lora_mode=merged{tied}, or rollout.engine=hf, "
-            f"or drop {bad} from actor.lora.target_modules")
 
 
 def sampling_spec(cfg: TrainConfig, run: RunHandle, seed: int, n: int, temperature: float) -> SamplingSpec:
@@ -130,7 +117,7 @@ def sample_data(cfg: TrainConfig, engine, tokenizer, data, prompt_ids: Sequence[
                 spec: SamplingSpec) -> Tuple[RolloutColumns, Dict[str, Any], Dict[str, float]]:
     """``spec.n`` samples of every prompt of ``data`` (a ``PromptDataset``): one response each, or with
     ``rollout.environment`` one multi-turn episode each (its environment built from the row's columns
-    and ``prompt``; :mod:`models.episodes`). Returns the rollout columns, the episode columns (none
+    and ``prompt``; :mod:`models.environments.episodes`). Returns the rollout columns, the episode columns (none
     single-turn) and the ``episode/*`` metrics."""
     r = cfg.rollout
     if not r.environment:

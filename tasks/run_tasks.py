@@ -6,24 +6,24 @@ from typing import List
 
 from flytekit import Resources, task
 
-from tasks.run import end as run_end
+from models.run import end as run_end
 
 from tasks import secrets
-from tasks.run.setup import RunSetup, setup_run
+from models.run.setup import RunSetup, setup_run
 
 
 def check_before_setup(preset: str, overrides: List[str], run_name: str, workflow: str = "") -> None:
     """Every check that can fail the run and needs nothing created first: in a remote execution the
-    cluster-facing ones of :func:`tasks.run.preflight.check_remote_run` (for a resumed run, against the
+    cluster-facing ones of :func:`models.run.preflight.check_remote_run` (for a resumed run, against the
     config it was started with), in any run that the tracking server answers."""
     from models import storage
-    from tasks import tracking
-    from tasks.config.io import config_from_json_dict, load_config
+    from models import tracking
+    from models.config.io import config_from_json_dict, load_config
     from tasks.deploy import check_topology, deployment_config, is_local_execution
-    from tasks.run.preflight import check_remote_run, check_tracking
-    from tasks.run.layout import RunLayout
+    from models.run.preflight import check_remote_run, check_tracking
+    from models.run.layout import RunLayout
 
-    from tasks.run.setup import DEFAULT_PRESETS
+    from models.run.setup import DEFAULT_PRESETS
 
     cfg = load_config(preset or DEFAULT_PRESETS.get(workflow, DEFAULT_PRESETS["ppo"]), list(overrides))
     if is_local_execution():

@@ -9,21 +9,22 @@ import numpy as np
 import pyarrow as pa
 from flytekit import task
 
-from models.policy import CriticValues, PolicyLogprobs, with_packing
-from models.reward_scaling import RunningMoments, ShapedRewards, out_of_range, shape_rewards
-from models.reward_sources import FunctionRewards, ModelReward, PlainSource, RewardScores, check_rewards
-from models.scoring import score_microbatches
-from models import ragged
-from models.batch_tensors import model_inputs
-from models.ragged import list_lengths
+from models.training.policy import CriticValues, PolicyLogprobs, with_packing
+from models.rewards.scaling import RunningMoments, ShapedRewards, out_of_range, shape_rewards
+from models.rewards.sources import FunctionRewards, ModelReward, PlainSource, RewardScores, check_rewards
+from models.training.scoring import score_microbatches
+from models.data import ragged
+from models.data.batch_tensors import model_inputs
+from models.data.ragged import list_lengths
 from models.data.batch import RolloutBatch
 from models.data.batch_schema import REWARD_NORM_KEY, decode_data_columns
-from models.lora import canonical_url, without_adapter
-from tasks.common import CACHE_VERSION, base_checkpoint_url, load_hf, load_tokenizer, server_client, timed
+from models.training.lora import canonical_url, without_adapter
+from models.server.client import server_client, server_token  # noqa: F401
+from tasks.common import CACHE_VERSION, base_checkpoint_url, load_hf, load_tokenizer, timed
 from tasks import decks, secrets
-from tasks.config import TrainConfig
+from models.config import TrainConfig
 from tasks.deploy import deployment_config, resources_for
-from tasks.types import PolicyState, RunHandle
+from models.run.types import PolicyState, RunHandle
 
 
 class ScoreOutput(NamedTuple):

@@ -11,25 +11,11 @@ environment, and an empty secret leaves the variable unset (e.g. S3 access from 
 from __future__ import annotations
 
 import os
-from typing import Iterable, List, NamedTuple, Tuple
+from typing import Iterable, List
 
 from flytekit import Secret
 
-GROUP = "flyte-rlhf"
-"""Flyte secret group (Kubernetes secret name)."""
-
-
-class SecretSpec(NamedTuple):
-    key: str
-    """Key inside :data:`GROUP`."""
-    env: str
-    """Environment variable it is exported to."""
-
-
-S3: Tuple[SecretSpec, ...] = (SecretSpec("aws-access-key-id", "AWS_ACCESS_KEY_ID"),
-                              SecretSpec("aws-secret-access-key", "AWS_SECRET_ACCESS_KEY"))
-MLFLOW: Tuple[SecretSpec, ...] = (SecretSpec("mlflow-tracking-token", "MLFLOW_TRACKING_TOKEN"),)
-SERVER: Tuple[SecretSpec, ...] = (SecretSpec("server-token", "RLHF_SERVER_TOKEN"),)
+from models.run.secrets import GROUP, MLFLOW, S3, SERVER, SecretSpec  # noqa: F401  (the keys, Flyte-free)
 
 
 def requests(*groups: Iterable[SecretSpec]) -> List[Secret]:

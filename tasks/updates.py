@@ -17,23 +17,24 @@ from flytekit import task
 from kernels.losses import PolicyLossConfig
 from models import storage
 from models.checkpoint import save_model_checkpoint
-from models.distributed import (DistInfo, barrier, full_state_dict, init_distributed, shutdown_distributed, unwrap,
+from models.training.distributed import (DistInfo, barrier, full_state_dict, init_distributed, shutdown_distributed, unwrap,
                                 wrap_for_training)
-from models import optimizer_state
+from models.checkpoint import optimizer_state
 from models.faults import nan_advantages, pause_point
-from models.lora import CAUSAL_LM, TOKEN_CLS, add_adapter, is_peft, save_adapter_checkpoint, trainable_in_float32
-from models.optimizer_state import optimizer_url
-from models.policy import CriticValues, PolicyLogprobs, with_packing
-from models.update import (LoopSettings, UpdateData, actor_loss_fn, critic_loss_fn, disable_dropout, make_optimizer,
+from models.training.lora import CAUSAL_LM, TOKEN_CLS, add_adapter, is_peft, save_adapter_checkpoint, trainable_in_float32
+from models.checkpoint.optimizer_state import optimizer_url
+from models.training.policy import CriticValues, PolicyLogprobs, with_packing
+from models.training.update import (LoopSettings, UpdateData, actor_loss_fn, critic_loss_fn, disable_dropout, make_optimizer,
                            run_update, stat_keys)
 from models.data.batch import RolloutBatch
-from tasks.common import (CACHE_VERSION, base_checkpoint_url, load_hf, load_tokenizer, local_checkpoint, server_client,
+from models.server.client import server_client, server_token  # noqa: F401
+from tasks.common import (CACHE_VERSION, base_checkpoint_url, load_hf, load_tokenizer, local_checkpoint,
                           timed)
-from tasks.run import lock as run_lock
+from models.run import lock as run_lock
 from tasks import secrets
-from tasks.config import LoraConfig, TrainConfig
+from models.config import LoraConfig, TrainConfig
 from tasks.deploy import deployment_config, elastic_for, resources_for
-from tasks.types import PolicyState, RunHandle
+from models.run.types import PolicyState, RunHandle
 
 
 class UpdateOutput(NamedTuple):

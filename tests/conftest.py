@@ -86,10 +86,10 @@ def s3_url(s3_env, request):
 
 @pytest.fixture(scope="session")
 def qwen2_chat_dir(tmp_path_factory):
-    """A Qwen2-shaped chat checkpoint as users download them (``models/hub_models.py``): tied
+    """A Qwen2-shaped chat checkpoint as users download them (``models/demos/hub_models.py``): tied
     embeddings, byte-level BPE, ChatML template, two eos ids and sampling defaults in
     ``generation_config.json``, LICENSE/README.md/.gitattributes. Read-only: copy it to change it."""
-    from models.hub_models import build_qwen2_chat
+    from models.demos.hub_models import build_qwen2_chat
 
     return build_qwen2_chat(tmp_path_factory.mktemp("hub") / "qwen2-chat")
 
@@ -97,7 +97,7 @@ def qwen2_chat_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_bpe_dir(tmp_path_factory):
     """A Llama-shaped checkpoint with a byte-level BPE tokenizer that has no pad token (untied head)."""
-    from models.hub_models import HubModelConfig, build_llama_bpe
+    from models.demos.hub_models import HubModelConfig, build_llama_bpe
 
     return build_llama_bpe(tmp_path_factory.mktemp("hub") / "llama-bpe", HubModelConfig(num_kv_heads=2))
 
@@ -106,6 +106,6 @@ def llama_bpe_dir(tmp_path_factory):
 def qwen2_sharp_dir(tmp_path_factory):
     """The Qwen2-shaped chat checkpoint with its head scaled ×10 (``HubModelConfig.logit_scale``): peaked
     next-token distributions, so sampling settings and stale weights make clear differences."""
-    from models.hub_models import HubModelConfig, build_qwen2_chat
+    from models.demos.hub_models import HubModelConfig, build_qwen2_chat
 
     return build_qwen2_chat(tmp_path_factory.mktemp("hub") / "qwen2-sharp", HubModelConfig(logit_scale=10.0))

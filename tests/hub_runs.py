@@ -1,4 +1,4 @@
-"""Runs on the Hub-shaped checkpoints (``models/hub_models.py``) as a user starts them: their own
+"""Runs on the Hub-shaped checkpoints (``models/demos/hub_models.py``) as a user starts them: their own
 ``model.actor_path`` and ``data.train_prompts`` (the reversal task's prompts, written as JSONL), the
 reversal reward, whole iterations in-process (rollout, score, advantages, a one-process actor
 update, the critic update, the commit)."""
@@ -11,8 +11,8 @@ from typing import Dict, Iterator, List, Sequence
 
 import torch
 
-from models.distributed import DistInfo
-from models.task import REWARD_SPEC, PromptGenerator, ReverseTaskConfig, write_prompts_jsonl
+from models.training.distributed import DistInfo
+from models.demos.reverse_task import REWARD_SPEC, PromptGenerator, ReverseTaskConfig, write_prompts_jsonl
 from tests.stages import tiny_run, to_advantages
 
 SMALL = ["run.num_iterations=3", "rollout.prompts_per_iteration=4", "rollout.n_samples_per_prompt=4",
@@ -34,7 +34,7 @@ def prompt_files(root: Path, n_train: int = 32, n_eval: int = 4) -> List[str]:
 @contextlib.contextmanager
 def hub_run(root: Path, model_dir: Path | str, preset: str, overrides: Sequence[str], name: str) -> Iterator:
     """``tiny_run`` of ``preset`` on the checkpoint ``model_dir`` with prompt files under ``root``."""
-    from tasks.config.io import load_config
+    from models.config.io import load_config
 
     critic = CRITIC_SMALL if load_config(preset).uses_critic else []
     extra = [f"model.actor_path={model_dir}", *prompt_files(root), *SMALL, *critic, *overrides]

@@ -10,8 +10,8 @@ from typing import Iterator, Sequence
 
 import pytest
 
-from tasks.config.io import parse_override
-from tasks.run.setup import RunSetup, setup_run
+from models.config.io import parse_override
+from models.run.setup import RunSetup, setup_run
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 from tasks.advantages import advantages
-from tasks.config import TrainConfig
+from models.config import TrainConfig
 from tasks.deploy import is_local_execution, resources_for, use_local_topology
 from tasks.iteration import commit_iteration, evaluate
 from tasks.rollout import rollout

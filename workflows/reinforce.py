@@ -10,10 +10,10 @@ from typing import List
 
 from flytekit import dynamic, workflow
 
-from tasks.config import TrainConfig
+from models.config import TrainConfig
 from tasks.iteration import TrainingSummary, finish_run, training_failed
 from tasks.run_tasks import prepare_run
-from tasks.types import PolicyState, RunHandle
+from models.run.types import PolicyState, RunHandle
 from workflows.common import chain_iterations, wire_iteration
 
 

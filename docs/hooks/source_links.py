@@ -1,4 +1,4 @@
-"""MkDocs hook: links from a page to the project's code (``../tasks/config/__init__.py``).
+"""MkDocs hook: links from a page to the project's code (``../models/config/__init__.py``).
 
 Such links are right on GitHub, where the Markdown is read next to the code, but point outside
 the site. Here each one is checked (a link to a file that does not exist is a warning, which

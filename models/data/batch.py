@@ -35,12 +35,14 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from models import ragged, storage
+from models.data import ragged
+
+from models import storage
 from models.checkpoint import buffer_digest
 from models.data.batch_schema import (ADVANTAGE_COLUMNS, COLUMN_TYPES, RESPONSE_ALIGNED, ROLLOUT_COLUMNS,
                                 SCORE_COLUMNS, BatchMetadata, BatchSchemaError, list_lengths,
                                 validate_table)
-from models.batch_tensors import ModelInputs, model_inputs, padded_tensors
+from models.data.batch_tensors import ModelInputs, model_inputs, padded_tensors
 
 __all__ = ["RolloutBatch", "BatchMetadata", "BatchSchemaError", "BatchCorruptError", "ModelInputs",
            "ROLLOUT_COLUMNS", "SCORE_COLUMNS", "ADVANTAGE_COLUMNS", "RESPONSE_ALIGNED", "COLUMN_TYPES",
@@ -86,7 +88,7 @@ class RolloutBatch:
     def read(cls, uri: str, columns: Optional[Sequence[str]] = None,
              shard: Optional[Tuple[int, int]] = None, required: Iterable[str] = ()) -> "RolloutBatch":
         """Read the batch at ``uri``; optionally only ``columns`` and only rows of
-        ``shard=(rank, world_size)`` (see :func:`models.ragged.shard_bounds`).
+        ``shard=(rank, world_size)`` (see :func:`models.data.ragged.shard_bounds`).
 
         Local files are memory-mapped (zero-copy); remote files are fetched once.
         A partial read (columns or shard) has no ``uri``.
@@ -251,7 +253,7 @@ class RolloutBatch:
     def to_padded(self, columns: Sequence[str], pad_value: float = 0,
                   shard: Optional[Tuple[int, int]] = None,
                   prompt_padding: str = "left") -> Dict[str, torch.Tensor]:
-        """Padded tensors of ``columns`` (see :func:`models.batch_tensors.padded_tensors`)."""
+        """Padded tensors of ``columns`` (see :func:`models.data.batch_tensors.padded_tensors`)."""
         batch = self.shard(*shard) if shard is not None else self
         batch.validate(required=columns)
         return padded_tensors(batch.table, columns, pad_value, prompt_padding)
@@ -259,7 +261,7 @@ class RolloutBatch:
     def to_model_inputs(self, pad_token_id: int = 0,
                         shard: Optional[Tuple[int, int]] = None) -> ModelInputs:
         """``prompt + response`` per row, right-padded, for a forward pass
-        (see :func:`models.batch_tensors.model_inputs`)."""
+        (see :func:`models.data.batch_tensors.model_inputs`)."""
         batch = self.shard(*shard) if shard is not None else self
         batch.validate(required=("prompt_tokens", "response_tokens"))
         return model_inputs(batch.table, pad_token_id)

@@ -23,8 +23,8 @@ import numpy as np
 import pyarrow as pa
 
 from models.storage import utc_now_iso
-from models.batch_tensors import RESPONSE_ALIGNED  # one definition, shared with the tensor side
-from models.ragged import list_lengths  # noqa: F401  (re-exported)
+from models.data.batch_tensors import RESPONSE_ALIGNED  # one definition, shared with the tensor side
+from models.data.ragged import list_lengths  # noqa: F401  (re-exported)
 
 LIST_INT32 = pa.list_(pa.int32())
 LIST_FLOAT32 = pa.list_(pa.float32())
@@ -102,7 +102,7 @@ class BatchMetadata:
     policy_version: int
     """Version of the actor checkpoint that generated the responses (k for iteration k)."""
     algorithm: str
-    """Algorithm name, e.g. ``"ppo"``, ``"grpo"`` (the names of ``tasks/algorithms/``)."""
+    """Algorithm name, e.g. ``"ppo"``, ``"grpo"`` (the names of ``models/algorithms/``)."""
     created_at: str = field(default_factory=utc_now_iso)
     """Creation time, ISO 8601 UTC."""
     extras: Mapping[str, str] = field(default_factory=dict)

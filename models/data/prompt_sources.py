@@ -201,11 +201,11 @@ def eval_seed(cfg) -> int:
 
 
 def reasoning_gym_records(cfg, split: str, errors) -> List[Record]:
-    """Rows of ``cfg`` (a :class:`tasks.config.ReasoningGymConfig`): ``train`` drawn with ``cfg.seed``,
+    """Rows of ``cfg`` (a :class:`models.config.ReasoningGymConfig`): ``train`` drawn with ``cfg.seed``,
     ``eval`` with ``cfg.seed + cfg.size`` minus any question the training rows have. (reasoning-gym
     makes entry i of seed s from ``Random(s + i)``: seed + 1 would repeat the training entries shifted
     by one; seed + size shares no generator with them.)"""
-    from models.reasoning_gym_tasks import generate_rows
+    from models.data.reasoning_gym import generate_rows
 
     options = cfg.option_values()
     try:

@@ -14,7 +14,7 @@ in one :class:`PromptDataError` (up to ``max_errors`` listed)::
 Row numbers are 0-based; JSONL errors also give the 1-based line number (blank lines are
 skipped). A row's id comes from the ``id_column`` if the data has it (integers, unique), else it
 is the row's index over all files. The run reads its own copy of the data back through this same
-reader (:mod:`tasks.run.data`), so data that validates is data that trains.
+reader (:mod:`models.run.data`), so data that validates is data that trains.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from models.ragged import shard_bounds
+from models.data.ragged import shard_bounds
 from models.data.prompt_render import check_messages, render_prompts, report_unknown_chars
 from models.data.prompt_sources import ErrorList, PromptDataError, Record, read_records, resolve_files  # noqa: F401
 
@@ -66,7 +66,7 @@ class PromptDataConfig:
     split: str = "train"
     """``hf``: the split to read; ``reasoning_gym``: ``train`` or ``eval``."""
     reasoning_gym: Any = None
-    """``reasoning_gym``: a :class:`tasks.config.ReasoningGymConfig`."""
+    """``reasoning_gym``: a :class:`models.config.ReasoningGymConfig`."""
     context_room: Optional[Tuple[int, int]] = None
     """(tokens a prompt may take in the model's context, the longest response ``rollout.max_new_tokens``
     that leaves them): prompts longer than the first are errors (checked with a tokenizer)."""
@@ -210,7 +210,7 @@ def load_prompts(config: PromptDataConfig, tokenizer: Any = None) -> PromptDatas
     """Read, render and validate every row of the configured source; raise one
     :class:`PromptDataError` listing all problems, or return the prompts as the model sees them.
     Call this before loading any model (it needs only the tokenizer)."""
-    from models.rollout import encode_prompts
+    from models.engines.rollout import encode_prompts
 
     errors = ErrorList(config.max_errors)
     raw = read_records(config, errors)

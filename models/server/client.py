@@ -15,13 +15,14 @@ server (connection refused) or the server answered 5xx. Errors read, for example
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Iterable, List, Optional, Sequence
 
 import httpx
 import numpy as np
 
-from models.reward_sources import check_rewards
+from models.rewards.sources import check_rewards
 from models.rewards import RewardError
 from models.server.schemas import (HealthResponse, InferResponse, InferResult, SaveResponse, TrainResponse,
                                    TrainSettings)
@@ -193,3 +194,18 @@ class RemoteReward:
                 raise RewardError(f"reward server {self.name} has no reward model loaded")
             rewards += [r.reward for r in results]
         return check_rewards(rewards, f"server {self.name}").astype(float).tolist()
+
+
+SERVER_TOKEN_ENV = "RLHF_SERVER_TOKEN"
+"""Environment variable (a Flyte secret on a cluster) holding the bearer token of the reward/critic
+and the rollout server."""
+
+
+def server_token() -> Optional[str]:
+    """The servers' bearer token from :data:`SERVER_TOKEN_ENV`; None if unset or empty."""
+    return os.environ.get(SERVER_TOKEN_ENV) or None
+
+
+def server_client(url: str, timeout_s: float = 60.0):
+    """A client of the reward/critic server at ``url`` (token from :data:`SERVER_TOKEN_ENV`)."""
+    return RewardCriticClient(url, token=server_token(), timeout_s=timeout_s)

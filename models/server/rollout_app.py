@@ -5,7 +5,7 @@ token and body-size guard before any route, the same limits (``--max-samples`` c
 prompts × n, ``--max-tokens`` a prompt plus ``max_new_tokens``) and status codes: 401 token
 missing/wrong, 413 over a limit, 422 malformed request, token ids outside the vocabulary or a
 checkpoint that is not committed, 409 an adapter for a server started without LoRA or an engine
-whose log-probs still differ from the trainer's after a restart (``models/probe.py``), 500
+whose log-probs still differ from the trainer's after a restart (``models/training/probe.py``), 500
 anything else (message in ``detail``). ``/generate`` waits in a worker thread; the service's
 engine thread serialises requests, while ``/health`` answers at once.
 """
@@ -20,7 +20,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
 from models.engines import SamplingSpec
-from models.probe import EngineMismatchError
+from models.training.probe import EngineMismatchError
 from models.server.app import ServerSettings, TooLarge, check_limits, guarded_app, json_response
 from models.server.rollout_schemas import GenerateRequest, GenerateResponse, GenerationOut, RolloutHealth
 from models.server.rollout_service import RolloutService

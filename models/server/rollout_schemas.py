@@ -10,7 +10,7 @@ from typing import List, Literal, Optional
 
 from pydantic import BaseModel, Field, StrictInt, model_validator
 
-from models.engine_base import MIN_ENGINE_TEMPERATURE
+from models.engines.base import MIN_ENGINE_TEMPERATURE
 from models.server.schemas import _REQUEST, _RESPONSE
 
 
@@ -50,7 +50,7 @@ class GenerateRequest(BaseModel):
     """Committed LoRA adapter on top of ``checkpoint_url``; None: the base weights alone."""
     probe_tolerance: float = Field(1e-3, ge=0)
     """After loading new weights the server checks its engine against the trainer's forward
-    (``models/probe.py``): above this many nats it restarts the engine, and answers 409 if the gap
+    (``models/training/probe.py``): above this many nats it restarts the engine, and answers 409 if the gap
     persists; 0: no check. A server whose engine is not float32 raises it to at least 0.5."""
     trainer_dtype: Literal["float32", "bfloat16"] = "float32"
     """The dtype the trainer loads weights in (``model.dtype``): the probe's forward uses it."""

@@ -7,9 +7,9 @@ in place (:meth:`models.engines.GenerationEngine.load_weights`: vLLM ``reload_we
 cluster the engine start-up is paid once per run instead of once per rollout pod.
 
 After every weight change the engine is checked against the trainer's forward on a few fixed
-sequences (:func:`models.probe.ensure_serves`, as the rollout task does for an engine in its own
+sequences (:func:`models.training.probe.ensure_serves`, as the rollout task does for an engine in its own
 process): above the request's ``probe_tolerance`` the engine restarts from the checkpoint, and a
-gap that persists fails the request (:class:`models.probe.EngineMismatchError`, 409).
+gap that persists fails the request (:class:`models.training.probe.EngineMismatchError`, 409).
 
 Every engine call (start, loads, generation, close) runs on one dedicated thread: that
 serialises requests (one engine, and a request must be sampled from the weights it named), and
@@ -33,8 +33,8 @@ import torch
 from models import storage
 from models.checkpoint import CheckpointError, download_checkpoint
 from models.engines import Generation, SamplingSpec, make_engine
-from models.lora import canonical_url
-from models.probe import ProbeResult, effective_tolerance, ensure_serves
+from models.training.lora import canonical_url
+from models.training.probe import ProbeResult, effective_tolerance, ensure_serves
 from models.server.service import InvalidRequest, NotLoaded, check_token_ids
 
 

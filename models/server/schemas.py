@@ -1,7 +1,7 @@
 """Request and response bodies of the reward/critic server (pydantic), shared by app and client.
 
 A sample is a prompt and a response as token ids; the server builds ``prompt ++ response``
-right-padded rows itself (``models.batch_tensors.model_inputs``). Response-aligned lists
+right-padded rows itself (``models.data.batch_tensors.model_inputs``). Response-aligned lists
 (``values``, ``returns``, ``old_values``) have one entry per response token: entry t is the
 action that produced response token t (the index convention of docs/concepts/rollout_batch.md).
 
@@ -58,7 +58,7 @@ class TrainSample(Sample):
 
 
 class TrainSettings(BaseModel):
-    """Shape of one critic update (``models.update.LoopSettings`` plus the value clip)."""
+    """Shape of one critic update (``models.training.update.LoopSettings`` plus the value clip)."""
 
     model_config = _REQUEST
     epochs: int = Field(1, ge=1, le=100)

@@ -2,16 +2,16 @@
 server: infer / train / save, with the reward model co-located).
 
 - ``infer``: per sample the critic's values ``[R]`` (read at position ``P+t-1``, as
-  :class:`models.policy.CriticValues`) and the reward model's sequence score
-  (:func:`models.policy.reward_model_scores`);
-- ``train``: one clipped value-regression update (:func:`models.update.run_update` with
-  :func:`models.update.critic_loss_fn`), AdamW state kept across calls; non-finite steps are
+  :class:`models.training.policy.CriticValues`) and the reward model's sequence score
+  (:func:`models.training.policy.reward_model_scores`);
+- ``train``: one clipped value-regression update (:func:`models.training.update.run_update` with
+  :func:`models.training.update.critic_loss_fn`), AdamW state kept across calls; non-finite steps are
   skipped and counted (``nonfinite_steps``), and an update with no finite step is refused (422)
   with the critic and its optimiser unchanged;
 - ``save``: commit the critic (+ tokenizer) as a checkpoint inside the storage root.
 
 One lock serialises every use of the models, so a train or save never overlaps an infer
-batch. Rows are built by :func:`models.batch_tensors.model_inputs` (right-padded
+batch. Rows are built by :func:`models.data.batch_tensors.model_inputs` (right-padded
 ``prompt ++ response``), the same function the ``score`` and update tasks use.
 """
 
@@ -32,13 +32,13 @@ from torch import nn
 
 from models import storage
 from models.checkpoint import download_checkpoint, save_model_checkpoint
-from models.distributed import DistInfo, wrap_for_training
-from models.policy import CriticValues, inputs_to, reward_model_scores, with_packing
+from models.training.distributed import DistInfo, wrap_for_training
+from models.training.policy import CriticValues, inputs_to, reward_model_scores, with_packing
 from models.server.paths import check_save_url
 from models.server.schemas import InferResult, TrainSettings
-from models.update import (LoopSettings, NonFiniteUpdate, UpdateData, critic_loss_fn, disable_dropout, make_optimizer,
+from models.training.update import (LoopSettings, NonFiniteUpdate, UpdateData, critic_loss_fn, disable_dropout, make_optimizer,
                            run_update)
-from models.batch_tensors import ModelInputs, model_inputs, padded_tensors
+from models.data.batch_tensors import ModelInputs, model_inputs, padded_tensors
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -93,7 +93,7 @@ class ServiceConfig:
     """Rows per forward during ``infer`` (a larger batch runs in slices)."""
     pack_sequences: bool = True
     """The critic's forwards run rows packed end to end instead of padded (``model.pack_sequences``
-    of training, :mod:`models.packing`), when its model keeps packed rows apart."""
+    of training, :mod:`models.training.packing`), when its model keeps packed rows apart."""
 
     def __post_init__(self) -> None:
         if not (self.critic_url or self.reward_model_url):

@@ -17,8 +17,8 @@ def chunk_inputs(cfg):
     from flytekit import FlyteContextManager
     from flytekit.core.type_engine import TypeEngine
 
-    from tasks.config import TrainConfig
-    from tasks.types import PolicyState, RunHandle
+    from models.config import TrainConfig
+    from models.run.types import PolicyState, RunHandle
 
     ctx = FlyteContextManager.current_context()
     values = {"cfg": (cfg, TrainConfig),
@@ -30,7 +30,7 @@ def chunk_inputs(cfg):
 
 
 def test_the_largest_preset_chunk_fits_the_download_limit(packages, make_cluster, s3_server, mlflow_url):
-    from tasks.config.io import load_config
+    from models.config.io import load_config
 
     cluster = make_cluster(packages(*DEPLOY, registration_env(s3_server, mlflow_url)))
     sizes = {}

@@ -15,7 +15,7 @@ import pytest
 from models.checkpoint import is_committed
 from models.server.launch import ServerProcess
 from models.data.batch import ADVANTAGE_COLUMNS, RolloutBatch
-from tasks.run.layout import RunLayout
+from models.run.layout import RunLayout
 from tests.integration.console_lines import demo_env, library_lines
 
 pytestmark = pytest.mark.integration
@@ -102,9 +102,9 @@ def test_learns_the_tiny_task(algo, workflow, tmp_path):
     variables of this pytest process), registers its policy as the demo does, and its stdout and stderr
     hold the project's own lines only (``console_lines.py``)."""
     from models.engines import close_engines
-    from tasks.config.io import config_from_json_dict
+    from models.config.io import config_from_json_dict
     from tasks.iteration import eval_reward
-    from tasks.types import RunHandle
+    from models.run.types import RunHandle
 
     quick = ["run.num_iterations=15", "run.eval_interval=15", "rollout.eval_temperature=1.0",
              "data.num_demo_eval_prompts=512", "run.save_interval=100"]
@@ -146,7 +146,7 @@ def test_reinforce_workflow_refuses_ppo(tmp_path):
 def ppo_run(tmp_path_factory):
     """A tiny PPO run (HF engine, one process) set up in-process, and its first rollout."""
     from tasks.rollout import run_rollout
-    from tasks.run.setup import setup_run
+    from models.run.setup import setup_run
 
     root = tmp_path_factory.mktemp("remote")
     mp = pytest.MonkeyPatch()
@@ -158,7 +158,7 @@ def ppo_run(tmp_path_factory):
 
 
 def _with(cfg, **sections):
-    from tasks.config.io import config_from_json_dict, to_dict
+    from models.config.io import config_from_json_dict, to_dict
 
     data = to_dict(cfg)
     for section, values in sections.items():
@@ -194,8 +194,8 @@ def test_remote_critic_matches_in_task_critic(ppo_run, tmp_path):
 def test_remote_reward_model_matches_local(ppo_run, tmp_path):
     from tasks.iteration import eval_reward
     from models.checkpoint import save_checkpoint
-    from models.tiny import TinyModelConfig, build_reward_model, save_model
-    from models.tokenizer import build_char_tokenizer
+    from models.demos.tiny import TinyModelConfig, build_reward_model, save_model
+    from models.demos.tokenizer import build_char_tokenizer
     from tasks.score import run_score
 
     root, _, setup, ro = ppo_run

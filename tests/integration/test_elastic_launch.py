@@ -8,7 +8,7 @@ from typing import NamedTuple
 import pytest
 from flytekit import task
 
-from tasks.config.io import load_config
+from models.config.io import load_config
 from tasks.deploy import elastic_for, use_local_topology
 
 pytestmark = pytest.mark.integration
@@ -26,7 +26,7 @@ def _seen(x: int) -> Seen:
     import torch
     import torch.distributed as dist
 
-    from models.distributed import init_distributed, shutdown_distributed
+    from models.training.distributed import init_distributed, shutdown_distributed
 
     info = init_distributed()
     t = torch.tensor([float(info.rank + 1)])

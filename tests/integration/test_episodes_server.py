@@ -13,10 +13,10 @@ from transformers import AutoTokenizer
 
 from models.checkpoint import save_checkpoint
 from models.engines import HFEngine, SamplingSpec
-from models.episodes import EpisodeLimits, run_episodes
+from models.environments.episodes import EpisodeLimits, run_episodes
 from models.server.launch import ServerProcess
 from models.server.rollout_client import RemoteEngine, RolloutClient
-from models.tools import HermesParser
+from models.environments.tools import HermesParser
 from tests.unit.episodes.test_episodes import TalkEnv
 
 pytestmark = pytest.mark.integration

@@ -10,8 +10,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from models.engines import SamplingSpec
-from models.episodes import EpisodeLimits, run_episodes, turn_stops
-from models.tools import HermesParser
+from models.environments.episodes import EpisodeLimits, run_episodes, turn_stops
+from models.environments.tools import HermesParser
 from tests.unit.episodes.test_episodes import TalkEnv
 from tests.unit.models.hub_copies import hf_logprobs, load
 

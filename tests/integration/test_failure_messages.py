@@ -45,7 +45,7 @@ def test_a_config_error_prints_its_reason_on_one_line(tmp_path):
 
 INTERRUPTED = """
 import sys, time
-from models.reward_workers import score_function
+from models.rewards.workers import score_function
 assert score_function("myrewards:match", ["q"] * 2, ["1", "2"], {"answer": ["1", "x"]}, timeout_s=60,
                       num_workers=2) == [1.0, 0.0]
 try:  # "ready" inside the try: the signal follows it at once, before a statement after it could begin

@@ -1,4 +1,4 @@
-"""vLLM's CPU engine on the Hub-shaped checkpoints (``models/hub_models.py``): one sampling rule,
+"""vLLM's CPU engine on the Hub-shaped checkpoints (``models/demos/hub_models.py``): one sampling rule,
 every eos id, a stream per sample, and weights that are the trainer's after an in-place reload of a
 tied model — with the probe catching (and a restart repairing) a stale ``lm_head``.
 
@@ -100,8 +100,8 @@ def test_sample_streams_do_not_collide_across_prompts(vllm_engine_cls, qwen2_cha
 
 def test_tied_weights_reload_in_place_and_the_probe_repairs_a_stale_head(vllm_engine_cls, qwen2_chat_dir, tmp_path,
                                                                         monkeypatch, capsys):
-    import models.vllm_engine as vllm_engine
-    from models.probe import verify
+    import models.engines.vllm_engine as vllm_engine
+    from models.training.probe import verify
 
     trained = [str(trained_copy(qwen2_chat_dir, tmp_path / f"t{i}", seed=i)) for i in (1, 2)]
     prompts = [_prompt(qwen2_chat_dir, "Reverse: abc"), _prompt(qwen2_chat_dir, "What is 12*13?")]
@@ -135,7 +135,7 @@ def test_a_reload_vllm_reports_as_incomplete_restarts_the_engine(vllm_engine_cls
     """Any weight the loader says it could not load fails the reload, whatever the log level."""
     import logging
 
-    import models.vllm_engine as vllm_engine
+    import models.engines.vllm_engine as vllm_engine
 
     monkeypatch.setattr(vllm_engine, "_tied_modules", lambda model: [])  # no repair: the head's report stands
     logging.getLogger("vllm").setLevel(logging.ERROR)  # as a user silencing vLLM would
@@ -178,7 +178,7 @@ def test_a_resumed_rollout_is_bit_identical_to_the_warm_one(vllm_engine_cls, qwe
     from models.engines import close_engines
     from models.data.batch import RolloutBatch
     from tasks.rollout import run_rollout
-    from tasks.types import PolicyState
+    from models.run.types import PolicyState
     from tests.hub_runs import hub_run, iterate
 
     with hub_run(tmp_path, qwen2_chat_dir, "tiny_grpo", ["rollout.engine=vllm", "run.save_interval=1"],
@@ -203,9 +203,9 @@ def test_vllm_serves_an_lm_head_adapter_on_a_tied_llama(vllm_engine_cls, tmp_pat
 
     from models.checkpoint import save_checkpoint
     from models.engines import close_engines
-    from models.hub_models import HubModelConfig, build_llama_bpe
-    from models.lora import load_pretrained
-    from tasks.config.io import load_config
+    from models.demos.hub_models import HubModelConfig, build_llama_bpe
+    from models.training.lora import load_pretrained
+    from models.config.io import load_config
     from tasks.rollout import check_rollout_setup, engine_for
     from tests.unit.models.hub_copies import adapter_checkpoint
 

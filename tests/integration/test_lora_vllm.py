@@ -12,17 +12,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from models.batch_tensors import model_inputs
+from models.data.batch_tensors import model_inputs
 from models.checkpoint import save_checkpoint
 from models.engines import SamplingSpec, close_engines
-from models.lora import CAUSAL_LM, add_adapter, load_pretrained, save_adapter_checkpoint
-from models.policy import PolicyLogprobs
-from models.task import PromptGenerator, ReverseTaskConfig
-from models.tokenizer import load_tokenizer
-from models.warm_start import warm_start
-from tasks.config.io import load_config
+from models.training.lora import CAUSAL_LM, add_adapter, load_pretrained, save_adapter_checkpoint
+from models.training.policy import PolicyLogprobs
+from models.demos.reverse_task import PromptGenerator, ReverseTaskConfig
+from models.demos.tokenizer import load_tokenizer
+from models.demos.warm_start import warm_start
+from models.config.io import load_config
 from tasks.rollout import engine_for
-from tasks.run.setup import cache_dir
+from models.run.setup import cache_dir
 
 pytestmark = pytest.mark.integration
 TOL = 1e-3  # as test_models_vllm.py: vLLM's CPU kernels against an HF forward, float32

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from models.checkpoint import read_marker
-from models.lora import canonical_url
+from models.training.lora import canonical_url
 from models.data.batch import RolloutBatch
-from tasks.run.layout import RunLayout
+from models.run.layout import RunLayout
 from tests.integration.test_algorithms import CRITIC_SMALL, SMALL, _pyflyte
 from tests.integration.test_elastic_faults import elastic_update
 from tests.reference import token_logprobs
@@ -64,7 +64,7 @@ def iteration_one(tmp_path_factory):
     """Iteration 0 in-process (HF engine, one process) so iteration 1 starts from an adapter."""
     from tasks.iteration import run_commit
     from tasks.updates import train_actor
-    from models.distributed import DistInfo
+    from models.training.distributed import DistInfo
     from tests.stages import tiny_run, to_advantages
 
     overrides = ["rollout.engine=hf", "actor.nproc_per_node=1", "actor.lora.rank=8", "actor.lora.alpha=16",

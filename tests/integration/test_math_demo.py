@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 from trl.rewards import accuracy_reward, think_format_reward
 
-from models.math_demo import DEMO_TASK
-from models.math_task import FORMAT_PATTERN, ProblemGenerator
-from models.verifiers import format_reward
+from models.demos.math_demo import DEMO_TASK
+from models.demos.math_task import FORMAT_PATTERN, ProblemGenerator
+from models.rewards.verifiers import format_reward
 from models.data.batch import RolloutBatch
 from models.data.batch_schema import decode_data_columns
-from tasks.run.layout import RunLayout
+from models.run.layout import RunLayout
 from tests.integration.flyte_runs import ROOT, isolated_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -34,7 +34,7 @@ SMALL = ["run.num_iterations=2", "run.eval_interval=2", "run.storage_root=runs",
 
 TRL = ["data.train_prompts=train.jsonl.gz", "data.eval_prompts=eval.jsonl.gz", "data.messages_column=",
        "reward.functions=[trl.rewards:accuracy_reward, trl.rewards:think_format_reward, "
-       "models.verifiers:format_reward]", "reward.weights=[1.0, 0.1, 0.1]"]
+       "models.rewards.verifiers:format_reward]", "reward.weights=[1.0, 0.1, 0.1]"]
 """What a TRL user changes: the data, and the preset's own ``messages`` column cleared; the rewards."""
 
 

@@ -38,12 +38,12 @@ CHARTS = "rollout/(reward_mean|init_policy_kl|response_length_mean)|actor/loss"
 
 def _train(tmp) -> str:
     """A tiny PPO run through the tasks' own functions (one process, HF engine); its MLflow run id."""
-    from models.distributed import DistInfo
+    from models.training.distributed import DistInfo
     from tasks.advantages import run_advantages
     from tasks.iteration import run_commit, run_evaluate, run_finish
     from tasks.rollout import run_rollout
     from tasks.score import run_score
-    from tasks.run.setup import setup_run
+    from models.run.setup import setup_run
     from tasks.updates import train_actor, train_critic
 
     setup = setup_run("tiny_ppo", [f"run.storage_root={tmp}/runs"] + OVERRIDES, "tiny-review", "ppo")
@@ -69,7 +69,7 @@ def server(tmp_path_factory):
     db, artifacts = f"sqlite:///{tmp}/mlflow.db", tmp / "artifacts"
     mp = pytest.MonkeyPatch()
     mp.setenv("MLFLOW_TRACKING_URI", db)
-    from tasks import tracking
+    from models import tracking
 
     exp = tracking.client().create_experiment("flyte-rlhf", artifact_location=str(artifacts))
     run_id = _train(tmp)

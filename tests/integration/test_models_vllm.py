@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from models.task import PromptGenerator, ReverseTaskConfig
-from models.tokenizer import load_tokenizer
-from models.warm_start import warm_start
+from models.demos.reverse_task import PromptGenerator, ReverseTaskConfig
+from models.demos.tokenizer import load_tokenizer
+from models.demos.warm_start import warm_start
 
 pytestmark = pytest.mark.integration
 

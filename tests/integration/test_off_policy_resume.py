@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from models.checkpoint import read_marker
-from models.distributed import DistInfo
+from models.training.distributed import DistInfo
 from models.data.batch import RolloutBatch
 from tests.hub_runs import hub_run
 

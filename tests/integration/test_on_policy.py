@@ -17,7 +17,7 @@ import math
 import pytest
 
 from models.engines import _CACHE, close_engines
-from models.probe import compare_policies
+from models.training.probe import compare_policies
 from tasks.common import local_checkpoint
 from tests.hub_runs import hub_run, iterate
 

@@ -12,10 +12,10 @@ import pytest
 
 from models import storage
 from models.checkpoint import download_checkpoint, is_committed
-from models.optimizer_state import optimizer_url
+from models.checkpoint.optimizer_state import optimizer_url
 from models.data.batch import ADVANTAGE_COLUMNS, RolloutBatch
-from tasks.config.io import load_config
-from tasks.run.layout import RunLayout
+from models.config.io import load_config
+from models.run.layout import RunLayout
 
 pytestmark = pytest.mark.integration
 

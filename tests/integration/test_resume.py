@@ -19,7 +19,7 @@ import pytest
 from models import storage
 from models.checkpoint import is_committed, read_marker
 from models.data.batch import RolloutBatch
-from tasks.run.layout import RunLayout
+from models.run.layout import RunLayout
 from tests.conftest import BUCKET
 from tests.integration.flyte_runs import FlyteRun, isolated_env
 

@@ -14,7 +14,7 @@ import pytest
 
 from models import storage
 from models.checkpoint import file_digest
-from models.task import PromptGenerator, ReverseTaskConfig, write_prompts_jsonl
+from models.demos.reverse_task import PromptGenerator, ReverseTaskConfig, write_prompts_jsonl
 
 pytestmark = pytest.mark.integration
 

@@ -7,8 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from models.reward_sources import FunctionRewards, function_names
-from models.reward_workers import RewardTimeout, chunk_bounds, score_function
+from models.rewards.sources import FunctionRewards, function_names
+from models.rewards.workers import RewardTimeout, chunk_bounds, score_function
 from models.rewards import RewardError
 
 pytestmark = pytest.mark.integration  # every test starts reward worker processes

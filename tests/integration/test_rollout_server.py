@@ -149,10 +149,10 @@ def test_killed_server_gives_a_clear_error_after_the_retries(ckpts, tmp_path):
 def test_rollout_and_eval_tasks_through_the_server_match_the_engine_in_the_task(server, tmp_path, monkeypatch):
     """``rollout.remote_url``: the rollout task writes the batch the in-task engine writes, and the
     evaluation gets the same reward (both get their engine from ``engine_for``)."""
-    from tasks.config.io import config_from_json_dict, to_dict
+    from models.config.io import config_from_json_dict, to_dict
     from tasks.iteration import eval_reward
     from tasks.rollout import run_rollout
-    from tasks.run.setup import setup_run
+    from models.run.setup import setup_run
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     monkeypatch.setenv("RLHF_SERVER_TOKEN", TOKEN)

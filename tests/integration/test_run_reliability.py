@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from models.checkpoint import is_committed, read_marker
-from tasks.run.layout import RunLayout
+from models.run.layout import RunLayout
 from tests.integration.flyte_runs import FlyteRun, isolated_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

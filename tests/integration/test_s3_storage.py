@@ -12,7 +12,7 @@ from models.checkpoint import CheckpointError, download_checkpoint, is_committed
     save_model_checkpoint
 from models.data.batch import RolloutBatch
 from models.data.prompts import PromptDataConfig, PromptDataError, load_prompts
-from tasks.run.layout import RunInfo, RunLayout, RunState
+from models.run.layout import RunInfo, RunLayout, RunState
 from tests.unit.models.test_checkpoint import hf_dir, tiny_model_and_tokenizer
 from tests.unit.tasks.test_batch import META, PROMPTS, RESPONSES, rollout_batch
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from models.sandbox import SandboxUnavailable, run_python
+from models.environments.sandbox import SandboxUnavailable, run_python
 from tasks import secrets
 
 pytestmark = [pytest.mark.integration,  # each test starts a sandboxed interpreter

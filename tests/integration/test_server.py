@@ -18,12 +18,12 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
 from models.checkpoint import is_committed, load_model
-from models.policy import CriticValues, reward_model_scores
+from models.training.policy import CriticValues, reward_model_scores
 from models.server.client import RewardCriticClient, ServerError
 from models.server.launch import ServerProcess
 from models.server.schemas import TrainSettings
 from models.server.service import token_table
-from models.batch_tensors import model_inputs
+from models.data.batch_tensors import model_inputs
 from tests.unit.server.tiny_checkpoints import commit_tiny_models, samples
 
 pytestmark = pytest.mark.integration

@@ -180,7 +180,7 @@ def test_a_read_only_storage_root_fails_at_once_naming_the_url(tmp_path):
     check says so at once, as a missing permission, instead of retrying it."""
     root = tmp_path / "runs"
     root.mkdir()
-    code = ("import sys\nfrom tasks.run.preflight import check_storage\ntry:\n    check_storage(sys.argv[1])\n"
+    code = ("import sys\nfrom models.run.preflight import check_storage\ntry:\n    check_storage(sys.argv[1])\n"
             "except Exception as err:\n    print(f'{type(err).__name__}: {err}')")
     out = subprocess.run(["bwrap", "--dev-bind", "/", "/", "--ro-bind", str(root), str(root), sys.executable, "-c",
                           code, str(root / "r")], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -14,9 +14,9 @@ import mlflow
 import numpy as np
 import pytest
 
-from models.tool_tasks import problems
+from models.demos.tool_tasks import problems
 from models.data.batch import RolloutBatch
-from tasks.run.layout import RunLayout
+from models.run.layout import RunLayout
 from tests.integration.flyte_runs import FlyteRun, isolated_env
 
 pytestmark = pytest.mark.integration
@@ -26,8 +26,8 @@ SMALL = ["run.storage_root={root}/runs", "run.num_iterations=2", "run.eval_inter
          "rollout.max_new_tokens=12", "actor.nproc_per_node=1", "actor.minibatch_size=8", "actor.micro_batch_size=8",
          "rollout.max_turns=2", "rollout.max_episode_tokens=48", "data.train_prompts={root}/train.jsonl",
          "data.eval_prompts={root}/eval.jsonl", "model.actor_path={root}/actor"]
-ENV = ["rollout.environment=models.tool_tasks:ArithmeticEnv",
-       "reward.function=models.episode_rollout:environment_reward"]
+ENV = ["rollout.environment=models.demos.tool_tasks:ArithmeticEnv",
+       "reward.function=models.environments.episode_rollout:environment_reward"]
 
 
 @pytest.fixture(scope="module")

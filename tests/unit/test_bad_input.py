@@ -19,15 +19,15 @@ import pytest
 
 from models import storage
 from models.checkpoint import CheckpointError
-from models.reward_workers import RewardTimeout
+from models.rewards.workers import RewardTimeout
 from models.rewards import RewardError
 from models.server.client import ServerError
 from models.storage import StorageError
-from tasks.run import setup as run_setup
-from tasks.config import ConfigError
-from tasks.config.io import load_config, to_dict
+from models.run import setup as run_setup
+from models.config import ConfigError
+from models.config.io import load_config, to_dict
 from models.data.prompts import PromptDataError
-from tasks.run.layout import RunInfo, RunLayout
+from models.run.layout import RunInfo, RunLayout
 from tests.processes import free_port
 from tests.fault_proxy import FaultProxy
 from tests.unit.models.test_checkpoint import tiny_model_and_tokenizer
@@ -182,7 +182,7 @@ CASES = [
                   r"critic trains one \(used by ppo\); leave it out"),
     ("reward module missing", lambda w, a, r, m: base(w, a) + ["reward.function=no_such_module:score"], "ppo",
      RewardError, r"reward spec 'no_such_module:score': cannot import module 'no_such_module'"),
-    ("reward function missing", lambda w, a, r, m: base(w, a) + ["reward.function=models.task:no_such_fn"], "ppo",
+    ("reward function missing", lambda w, a, r, m: base(w, a) + ["reward.function=models.demos.reverse_task:no_such_fn"], "ppo",
      RewardError, r"module 'models\.task' has no attribute 'no_such_fn'"),
     ("reward function raises", lambda w, a, r, m: base(w, a) + [f"reward.function={REWARDS}:reward_raises"],
      "ppo", RewardError, r"reward_raises' raised on a batch of 4 \(first failing sample: 0\): KeyError\('answer'\)"),
@@ -254,7 +254,7 @@ CASES = [
      r"become '\[UNK\]'\): 'é' U\+00E9.*line 3 \(row 2\): .*U\+1F600.*data\.allow_unknown_chars=true"),
     ("reasoning-gym task unknown", lambda w, a, r, m: base(w, a, "") + [
         "data.train_prompts=", "data.source=reasoning_gym", "data.reasoning_gym.task=chain_summ",
-        "reward.function=models.reasoning_gym_tasks:reasoning_gym_reward"], "ppo", PromptDataError,
+        "reward.function=models.data.reasoning_gym:reasoning_gym_reward"], "ppo", PromptDataError,
      r"reasoning-gym has no task 'chain_summ' \(did you mean \['chain_sum'"),
     ("registered model name MLflow refuses", lambda w, a, r, m: base(w, a) + [
         "run.registered_model_name=my team/policy:v1"], "ppo", ConfigError,

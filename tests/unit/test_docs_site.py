@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tasks.config import reference as config_reference
+from models.config import reference as config_reference
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -69,14 +69,14 @@ def test_a_page_outside_the_nav_fails_the_build(site_copy, tmp_path):
 def test_the_config_reference_is_generated_from_the_docstrings():
     page = (ROOT / "docs" / "reference" / "config.md").read_text()
     assert page == config_reference.markdown(), \
-        "docs/reference/config.md is stale: run python -m tasks.config.reference docs/reference/config.md"
+        "docs/reference/config.md is stale: run python -m models.config.reference docs/reference/config.md"
 
 
 def test_every_config_key_is_documented_with_its_default():
     assert config_reference.missing_docstrings() == []
     rows = {key: (tp, default, doc) for key, tp, default, doc in config_reference.rows(
         type(config_reference.TrainConfig().actor), "actor.")}
-    # Hand-checked against tasks/config/__init__.py: a nested section's keys are dotted, defaults are shown as written.
+    # Hand-checked against models/config/__init__.py: a nested section's keys are dotted, defaults are shown as written.
     assert rows["actor.lora.rank"][:2] == ("int", "`0`")
     assert rows["actor.old_logprobs"][1] == '`"recompute"`'
     assert rows["actor.old_logprobs"][2].startswith("π_old:")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.run import setup as run_setup
-from tasks.config import ConfigError
+from models.run import setup as run_setup
+from models.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,11 +83,11 @@ def test_a_folder_without_a_tokenizer_says_so(ws, llama_bpe_dir):
 
 DRIVER = """
 import subprocess, sys
-from models.distributed import DistInfo
+from models.training.distributed import DistInfo
 from models.data.batch import RolloutBatch
-from tasks.config.io import config_from_json_dict
-from tasks.run.layout import RunLayout
-from tasks.types import PolicyState, RunHandle
+from models.config.io import config_from_json_dict
+from models.run.layout import RunLayout
+from models.run.types import PolicyState, RunHandle
 from tasks.updates import DiskFull, train_actor
 import torch
 root, name = sys.argv[1], sys.argv[2]

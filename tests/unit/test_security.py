@@ -6,7 +6,7 @@
   naming the file and URL, and the sentinel never appears.
 - The project's code never calls an unpickler (``torch.load`` only with ``weights_only=True``,
   no ``pickle``/``joblib``/``np.load(allow_pickle=True)``, no ``trust_remote_code=True``).
-- MLflow params and tags are masked (:mod:`tasks.tracking.redact`).
+- MLflow params and tags are masked (:mod:`models.tracking.redact`).
 
 The server's token, size caps and save-path checks are tested in ``tests/unit/server``
 (``test_app.py``, ``test_paths.py``) and ``tests/integration/test_server.py``.
@@ -24,7 +24,7 @@ import pytest
 
 from models.checkpoint import CheckpointError, download_checkpoint, file_digest, load_model, save_checkpoint
 from models.data.batch import BatchSchemaError, RolloutBatch
-from tasks.tracking.redact import redact
+from models.tracking.redact import redact
 
 REPO = Path(__file__).resolve().parents[2]
 CODE_DIRS = ("models", "tasks", "kernels", "workflows", "benchmarks")
@@ -173,7 +173,7 @@ SECRET = "s3cr3t-value-9f8e7d"
     ("http://h/?api_key=k1&page=2", "http://h/?api_key=***&page=2"),
     (f"the key is {SECRET}.", "the key is ***."),
     ("s3://bucket/runs/ppo-1", "s3://bucket/runs/ppo-1"),
-    ("models.task:reverse_reward", "models.task:reverse_reward"),
+    ("models.demos.reverse_task:reverse_reward", "models.demos.reverse_task:reverse_reward"),
 ])
 def test_redact_masks_credentials_and_keeps_the_rest(text, expected):
     assert redact(text, env={"AWS_SECRET_ACCESS_KEY": SECRET, "HOME": "/root", "AWS_ACCESS_KEY_ID": "short"}) \
@@ -181,7 +181,7 @@ def test_redact_masks_credentials_and_keeps_the_rest(text, expected):
 
 
 def test_mlflow_params_and_tags_are_masked(tmp_path, monkeypatch):
-    from tasks import tracking
+    from models import tracking
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", SECRET)

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import bench_trl  # noqa: E402
-from tasks.config.io import load_config  # noqa: E402
+from models.config.io import load_config  # noqa: E402
 
 pytestmark = pytest.mark.slow  # starts processes (make test-unit leaves it to make test)
 

@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks.project_iteration import (LLAMA_8B, LLAMA_70B, NEMO_70B, Assumptions, Shape, compute_seconds,
                                          llama_params, project, rows, state_bytes)
-from tasks.config.io import load_config
+from models.config.io import load_config
 
 TINY = Shape("tiny", params=1000, samples=2, prompt_tokens=3, response_tokens=5, actor_nodes=2, gpus_per_node=2,
              critic_gpus=2)

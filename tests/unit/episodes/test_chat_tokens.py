@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from models.chat_tokens import ChatTokens
-from models.tool_tasks import ArithmeticEnv, demonstration
-from models.tools import CALCULATOR
+from models.environments.chat_tokens import ChatTokens
+from models.demos.tool_tasks import ArithmeticEnv, demonstration
+from models.environments.tools import CALCULATOR
 
 ROW = {"prompt": "What is 48213 * 9127?", "expression": "48213*9127", "answer": str(48213 * 9127)}
 

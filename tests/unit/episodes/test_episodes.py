@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from models.engine_base import Generation, SamplingSpec
-from models.episode_rollout import sample_episodes
-from models.episodes import Environment, EpisodeLimits, Step, run_episodes
-from models.hf_engine import HFEngine
-from models.tool_tasks import ArithmeticEnv
-from models.tools import HermesParser
+from models.engines.base import Generation, SamplingSpec
+from models.environments.episode_rollout import sample_episodes
+from models.environments.episodes import Environment, EpisodeLimits, Step, run_episodes
+from models.engines.hf_engine import HFEngine
+from models.demos.tool_tasks import ArithmeticEnv
+from models.environments.tools import HermesParser
 
 
 class TalkEnv(Environment):
@@ -99,8 +99,8 @@ def test_tool_calls_run_and_their_results_are_rendered(qwen):
     bad = enc('<tool_call>\n{"name": "calculator", "arguments": {"expression": 48213*}}\n</tool_call>')
     rows = [{"prompt": "What is 48213 * 9127?", "answer": str(48213 * 9127), "expression": "48213*9127"},
             {"prompt": "What is 12 + 30?", "answer": "42", "expression": "12+30"}]
-    from models.chat_tokens import ChatTokens
-    from models.tools import CALCULATOR
+    from models.environments.chat_tokens import ChatTokens
+    from models.environments.tools import CALCULATOR
     prefixes = [ChatTokens(tok, [CALCULATOR.schema()]).first_prompt(ArithmeticEnv(r).start()) for r in rows]
     engine = ReplayEngine([{"prefix": prefixes[0], "turns": [good, enc(rows[0]["answer"]) + [im_end]]},
                            {"prefix": prefixes[1], "turns": [bad, enc("41") + [im_end]]}])

@@ -8,11 +8,11 @@ import re
 
 from transformers import AutoTokenizer
 
-from models.chat_tokens import ChatTokens
-from models.tool_demo import demonstration_ids
-from models.tool_tasks import (ArithmeticEnv, called_tool_correctly, demonstration, final_number, problems,
+from models.environments.chat_tokens import ChatTokens
+from models.demos.tool_demo import demonstration_ids
+from models.demos.tool_tasks import (ArithmeticEnv, called_tool_correctly, demonstration, final_number, problems,
                                used_calculator_correctly)
-from models.tools import CALCULATOR
+from models.environments.tools import CALCULATOR
 
 
 def test_problems_are_exact_and_long():
@@ -59,7 +59,7 @@ def test_demonstrations_are_tokenised_as_episodes_are(qwen2_chat_dir):
 def test_gold_demonstrations_are_right():
     """The gold call's calculator result is the gold answer, and the environment gives the gold
     episode reward 1 (so the warm start imitates episodes that RL rewards)."""
-    from models.tools import HermesParser, calculate
+    from models.environments.tools import HermesParser, calculate
 
     for row in problems(40, 5):
         conv = demonstration(row)
@@ -75,7 +75,7 @@ def test_gold_demonstrations_are_right():
 
 
 def test_direct_demonstrations_and_their_share(qwen2_chat_dir):
-    from models.tool_demo import ToolDemoConfig, demonstrations
+    from models.demos.tool_demo import ToolDemoConfig, demonstrations
 
     tok = AutoTokenizer.from_pretrained(qwen2_chat_dir)
     chat = ChatTokens(tok, [CALCULATOR.schema()])
@@ -101,7 +101,7 @@ def test_shared_prefix_loss_equals_the_full_loss(qwen2_chat_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from models.tool_demo import ToolDemoConfig, _batch, demonstrations, sft_loss, shared_prefix
+    from models.demos.tool_demo import ToolDemoConfig, _batch, demonstrations, sft_loss, shared_prefix
 
     tok = AutoTokenizer.from_pretrained(qwen2_chat_dir)
     chat = ChatTokens(tok, [CALCULATOR.schema()])
@@ -118,17 +118,17 @@ def test_shared_prefix_loss_equals_the_full_loss(qwen2_chat_dir):
 def test_config_refuses_what_episodes_cannot_do():
     import pytest
 
-    from tasks.config import ConfigError
-    from tasks.config.io import load_config
+    from models.config import ConfigError
+    from models.config.io import load_config
 
     cfg = load_config("tiny_tools", [])
-    assert cfg.rollout.environment == "models.tool_tasks:ArithmeticEnv" and cfg.rollout.max_turns == 3
+    assert cfg.rollout.environment == "models.demos.tool_tasks:ArithmeticEnv" and cfg.rollout.max_turns == 3
     with pytest.raises(ConfigError, match="data.apply_chat_template"):
         load_config("tiny_tools", ["data.apply_chat_template=true"])
     with pytest.raises(ConfigError, match="critic.remote_url"):
-        load_config("tiny_ppo", ["rollout.environment=models.tool_tasks:ArithmeticEnv",
+        load_config("tiny_ppo", ["rollout.environment=models.demos.tool_tasks:ArithmeticEnv",
                                  "critic.remote_url=http://127.0.0.1:1"])
     with pytest.raises(ConfigError, match="rollout.environment"):
-        load_config("tiny_tools", ["rollout.environment=models.tool_tasks.ArithmeticEnv"])
+        load_config("tiny_tools", ["rollout.environment=models.demos.tool_tasks.ArithmeticEnv"])
     with pytest.raises(ConfigError, match="rollout.max_turns"):
         load_config("tiny_tools", ["rollout.max_turns=0"])

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from models.tools import CALCULATOR, HermesParser, Tool, calculate, run_tool_calls, tools_by_name
+from models.environments.tools import CALCULATOR, HermesParser, Tool, calculate, run_tool_calls, tools_by_name
 
 
 def test_a_well_formed_call():

@@ -16,12 +16,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kernels.kl import kl_penalty
-from models.chat_tokens import ChatTokens
-from models.distributed import DistInfo
-from models.policy import PolicyLogprobs
-from models.tool_demo import demonstration_ids
-from models.tool_tasks import ArithmeticEnv, problems
-from models.update import LoopSettings, actor_loss_fn, disable_dropout, make_optimizer, run_update
+from models.environments.chat_tokens import ChatTokens
+from models.training.distributed import DistInfo
+from models.training.policy import PolicyLogprobs
+from models.demos.tool_demo import demonstration_ids
+from models.demos.tool_tasks import ArithmeticEnv, problems
+from models.training.update import LoopSettings, actor_loss_fn, disable_dropout, make_optimizer, run_update
 from kernels.losses import PolicyLossConfig
 from models.data.batch import BatchMetadata, RolloutBatch
 from tasks.updates import _ACTOR_COLS, update_data

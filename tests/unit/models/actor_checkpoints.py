@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.tiny import TinyModelConfig, build_actor, save_model
-from models.tokenizer import build_char_tokenizer
+from models.demos.tiny import TinyModelConfig, build_actor, save_model
+from models.demos.tokenizer import build_char_tokenizer
 
 PROMPTS = [[1, 10, 11, 12, 13], [1, 40, 41], [1, 70, 71, 72, 73, 74, 75], [1, 20]]
 

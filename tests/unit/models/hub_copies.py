@@ -57,7 +57,7 @@ def load(path: Path | str):
 def adapter_checkpoint(base: str, spec, tokenizer, url: str, std: float):
     """A committed adapter on the committed checkpoint ``base`` whose B matrices are N(0, std²) (seed 0),
     as after training; returns the peft model."""
-    from models.lora import CAUSAL_LM, add_adapter, save_adapter_checkpoint
+    from models.training.lora import CAUSAL_LM, add_adapter, save_adapter_checkpoint
 
     model = add_adapter(AutoModelForCausalLM.from_pretrained(base), spec, CAUSAL_LM)
     with torch.no_grad(), torch.random.fork_rng():

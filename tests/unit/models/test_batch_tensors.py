@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models import ragged
+from models.data import ragged
 from models.data.batch import RolloutBatch
 from tests.unit.tasks.test_batch import rollout_batch
 
@@ -120,7 +120,7 @@ def test_batch_shards_cover_all_rows(tmp_path):
 
 
 def test_unpermute_flat_restores_row_order():
-    from models.ragged import unpermute_flat
+    from models.data.ragged import unpermute_flat
 
     # rows 0..3 hold [a], [b b], [], [c c c]; scored in order 3, 0, 2, 1
     flat_in_order = np.array([30, 31, 32, 0, 10, 11])

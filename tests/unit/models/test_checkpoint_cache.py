@@ -9,7 +9,7 @@ import os
 import pytest
 
 from models.checkpoint import MARKER, download_checkpoint, read_marker, save_checkpoint
-from models.checkpoint_cache import READY, cached, content_digest, entries
+from models.checkpoint.cache import READY, cached, content_digest, entries
 from tests.unit.models.test_checkpoint import hf_dir
 
 

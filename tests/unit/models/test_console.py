@@ -46,7 +46,7 @@ out = {
     "hf_progress": hf_logging.is_progress_bar_enabled(),
     "hf_verbosity": hf_logging.get_verbosity(),
     "vllm_level": logging.getLogger("vllm").level,
-    "ours_warns": logging.getLogger("models.engine_base").isEnabledFor(logging.WARNING),
+    "ours_warns": logging.getLogger("models.engines.base").isEnabledFor(logging.WARNING),
 }
 print("RESULT " + json.dumps(out))
 '''
@@ -112,13 +112,13 @@ def test_ctrl_c_during_an_update_is_said_once_not_by_torch_elastic_too(verbose):
 
 
 def test_the_tool_demo_builder_saves_its_model_without_a_bar(tmp_path):
-    """``make demo TASK=tools`` builds its model with ``python -m models.tool_demo`` before the run, a
+    """``make demo TASK=tools`` builds its model with ``python -m models.demos.tool_demo`` before the run, a
     process that imports nothing of ``tasks``: its ``save_pretrained`` printed transformers' "Writing
     model shards" bar."""
     env = {k: v for k, v in os.environ.items()  # a user's shell: none of the quieting variables
            if k not in console.QUIET_ENV and k not in ("PYTHONWARNINGS", "TQDM_DISABLE", console.VERBOSE_ENV)}
     env.update(PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "models.tool_demo", "--steps", "0", "--out", str(tmp_path / "demo"),
+    proc = subprocess.run([sys.executable, "-m", "models.demos.tool_demo", "--steps", "0", "--out", str(tmp_path / "demo"),
                            "--cache-dir", str(tmp_path / "cache")], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -97,7 +97,7 @@ def test_get_engine_drops_an_engine_that_cannot_serve_the_new_checkpoint(ckpts, 
         close_engines()
 
 
-# --- the Hub-shaped checkpoints (models/hub_models.py): one sampling rule, eos ids, streams, the probe ---
+# --- the Hub-shaped checkpoints (models/demos/hub_models.py): one sampling rule, eos ids, streams, the probe ---
 
 def _chat_prompt(path, text: str):
     from transformers import AutoTokenizer
@@ -136,7 +136,7 @@ def test_hf_engine_samples_what_the_trainer_scores_not_the_checkpoint_defaults(q
 
 def test_hf_engine_stops_on_every_eos_id_of_generation_config(qwen2_chat_dir, tmp_path):
     from models.engines import eos_token_ids
-    from models.hub_models import ENDOFTEXT, IM_END
+    from models.demos.hub_models import ENDOFTEXT, IM_END
     from tests.unit.models.hub_copies import with_eos
 
     from transformers import AutoTokenizer
@@ -171,7 +171,7 @@ def test_sample_streams_are_per_prompt_and_sample_and_survive_a_restart(qwen2_ch
 
 
 def test_probe_detects_a_stale_lm_head_and_restarts_the_engine(qwen2_chat_dir, tmp_path, capsys):
-    from models.probe import ensure_serves, verify
+    from models.training.probe import ensure_serves, verify
     from tests.unit.models.hub_copies import trained_copy
 
     trained = str(trained_copy(qwen2_chat_dir, tmp_path / "trained", seed=1))
@@ -188,7 +188,7 @@ def test_probe_detects_a_stale_lm_head_and_restarts_the_engine(qwen2_chat_dir, t
 
 
 def test_probe_stops_the_run_when_a_restart_does_not_help(qwen2_chat_dir, tmp_path, monkeypatch):
-    from models.probe import EngineMismatchError, verify
+    from models.training.probe import EngineMismatchError, verify
     from tests.unit.models.hub_copies import trained_copy
 
     trained = str(trained_copy(qwen2_chat_dir, tmp_path / "trained", seed=1))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from models.hub_models import (ENDOFTEXT, IM_END, HubModelConfig, build_llama_bpe, build_qwen2_chat,
+from models.demos.hub_models import (ENDOFTEXT, IM_END, HubModelConfig, build_llama_bpe, build_qwen2_chat,
                                padded_vocab, qwen2_tokenizer)
 
 TEXTS = ["Grüße aus München: 12345 + 678 = ?", "中文 😀 🚀", "  leading spaces\n\ttabs\r\n", "x² ≈ π", ""]
@@ -117,7 +117,7 @@ def test_padded_vocab_adds_rows():
 
 
 def test_tie_word_embeddings_overrides_the_builders_default(tmp_path):
-    from models.hub_models import llama_tokenizer
+    from models.demos.hub_models import llama_tokenizer
 
     def shares(path):
         model = AutoModelForCausalLM.from_pretrained(path)

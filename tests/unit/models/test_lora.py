@@ -14,10 +14,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from models.checkpoint import CheckpointError, is_committed, read_marker, save_checkpoint
-from models.lora import (CAUSAL_LM, add_adapter, base_url, canonical_url, load_pretrained, merge_command,
+from models.training.lora import (CAUSAL_LM, add_adapter, base_url, canonical_url, load_pretrained, merge_command,
                          save_adapter_checkpoint, without_adapter)
-from models.tiny import TinyModelConfig, build_actor, save_model
-from models.tokenizer import build_char_tokenizer
+from models.demos.tiny import TinyModelConfig, build_actor, save_model
+from models.demos.tokenizer import build_char_tokenizer
 from tests.unit.models.hub_copies import adapter_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -67,7 +67,7 @@ def test_loaded_adapter_equals_the_trained_one_and_off_equals_base(ckpts):
 @pytest.mark.slow
 def test_merge_command_writes_a_full_checkpoint_with_the_same_logits(ckpts):
     out = str(ckpts.root / "merged")
-    proc = subprocess.run([sys.executable, "-m", "models.lora", "merge", "--adapter", ckpts.adapter, "--out", out],
+    proc = subprocess.run([sys.executable, "-m", "models.training.lora", "merge", "--adapter", ckpts.adapter, "--out", out],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert is_committed(out) and "model.safetensors" in read_marker(out)["files"]
@@ -94,9 +94,9 @@ def test_save_checkpoint_still_refuses_a_folder_that_is_neither(tmp_path):
 def test_mlflow_logs_the_adapter_and_the_merged_policy(ckpts, tmp_path, monkeypatch):
     import mlflow
 
-    from tasks.tracking import registry
+    from models.tracking import registry
 
-    from tasks import tracking
+    from models import tracking
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     exp = tracking.client().create_experiment("lora", artifact_location=str(tmp_path / "artifacts"))
@@ -114,8 +114,8 @@ def test_mlflow_logs_the_adapter_and_the_merged_policy(ckpts, tmp_path, monkeypa
 
 def test_policy_logprobs_use_an_adapted_output_head(ckpts):
     """With ``lm_head`` among the targets the head is a LoRA layer: its adapter must be in the log-probs."""
-    from models.batch_tensors import ModelInputs
-    from models.policy import PolicyLogprobs
+    from models.data.batch_tensors import ModelInputs
+    from models.training.policy import PolicyLogprobs
 
     spec = SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "lm_head"])
     model = add_adapter(AutoModelForCausalLM.from_pretrained(ckpts.base), spec, CAUSAL_LM).eval()
@@ -133,7 +133,7 @@ def test_policy_logprobs_use_an_adapted_output_head(ckpts):
     torch.testing.assert_close(logp, expected, rtol=0, atol=1e-5)
 
 
-# --- a tied model (Qwen2-shaped, models/hub_models.py) with lm_head among the targets ---
+# --- a tied model (Qwen2-shaped, models/demos/hub_models.py) with lm_head among the targets ---
 
 TIED_SPEC = SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj", "lm_head"])
 
@@ -154,8 +154,8 @@ def tied(qwen2_chat_dir, tmp_path_factory):
 def test_merging_a_tied_head_unties_it_and_gives_the_trained_model(tied):
     from peft import PeftModel
 
-    from models.lora import merge_adapter
-    from models.probe import compare_policies
+    from models.training.lora import merge_adapter
+    from models.training.probe import compare_policies
 
     merged = merge_adapter(tied.adapter, str(tied.root / "merged"))
     gap = compare_policies(tied.adapter, merged)  # the trainer's forward on both, float32
@@ -169,7 +169,7 @@ def test_merging_a_tied_head_unties_it_and_gives_the_trained_model(tied):
 
 
 def test_a_merge_that_changes_the_model_is_refused(tied, monkeypatch):
-    import models.lora as lora
+    import models.training.lora as lora
 
     monkeypatch.setattr(lora, "untie_for_adapter", lambda model, targets: False)
     with pytest.raises(ValueError, match=r"merging adapter .*adapter changed the model: merged vs base \+ adapter "
@@ -179,9 +179,9 @@ def test_a_merge_that_changes_the_model_is_refused(tied, monkeypatch):
 
 @pytest.mark.integration  # MLflow model logging starts processes
 def test_the_registered_policy_of_a_tied_adapter_is_the_trained_model(tied, tmp_path, monkeypatch):
-    from models.probe import compare_policies
-    from tasks.tracking import registry
-    from tasks import tracking
+    from models.training.probe import compare_policies
+    from models.tracking import registry
+    from models import tracking
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     exp = tracking.client().create_experiment("tied", artifact_location=str(tmp_path / "artifacts"))
@@ -194,8 +194,8 @@ def test_the_registered_policy_of_a_tied_adapter_is_the_trained_model(tied, tmp_
 @pytest.mark.integration  # vLLM's model registry inspects the architecture in a subprocess
 def test_vllm_adapter_mode_with_an_unsupported_head_target_is_refused_at_set_up(tied):
     pytest.importorskip("vllm")
-    from tasks.config import ConfigError
-    from tasks.config.io import load_config
+    from models.config import ConfigError
+    from models.config.io import load_config
     from tasks.rollout import check_rollout_setup
 
     config = json.load(open(os.path.join(tied.base, "config.json")))

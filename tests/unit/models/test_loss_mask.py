@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kernels.losses import PolicyLossConfig
-from models.policy import PolicyLogprobs
-from models.update import LoopSettings, UpdateData, actor_loss_fn, make_optimizer, run_update
+from models.training.policy import PolicyLogprobs
+from models.training.update import LoopSettings, UpdateData, actor_loss_fn, make_optimizer, run_update
 from tests.unit.models.test_update import CPU, tiny_policy
 from tests.unit.models.update_rows import padded_rows
 

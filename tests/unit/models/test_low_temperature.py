@@ -10,9 +10,9 @@ import torch
 
 from kernels.kl import K3_EXP_LIMIT
 from kernels.losses import PolicyLossConfig
-from models.batch_tensors import ModelInputs
-from models.scoring import score_microbatches
-from models.update import actor_loss_fn
+from models.data.batch_tensors import ModelInputs
+from models.training.scoring import score_microbatches
+from models.training.update import actor_loss_fn
 from tests.unit.models.test_sharded_update import LENGTHS, policy
 from tests.unit.models.update_rows import padded_rows
 

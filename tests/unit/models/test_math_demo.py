@@ -8,10 +8,10 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-import models.math_demo as md
-from models.hub_models import HubModelConfig
-from models.math_task import MathTaskConfig, ProblemGenerator
-from models.warm_start import WarmStartConfig
+import models.demos.math_demo as md
+from models.demos.hub_models import HubModelConfig
+from models.demos.math_task import MathTaskConfig, ProblemGenerator
+from models.demos.warm_start import WarmStartConfig
 
 SMALL = HubModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
 TASK = MathTaskConfig(max_number=9)

@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from models.math_task import (ADD_TEMPLATES, FORMAT_PATTERN, MathTaskConfig, ProblemGenerator, solution,
+from models.demos.math_task import (ADD_TEMPLATES, FORMAT_PATTERN, MathTaskConfig, ProblemGenerator, solution,
                               write_rows_jsonl)
-from models.verifiers import format_reward, math_reward
+from models.rewards.verifiers import format_reward, math_reward
 
 CFG = MathTaskConfig(max_number=12)
 

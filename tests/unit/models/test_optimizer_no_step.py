@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from kernels.losses import PolicyLossConfig
-from models.distributed import DistInfo
-from models.update import LoopSettings, actor_loss_fn, run_update
+from models.training.distributed import DistInfo
+from models.training.update import LoopSettings, actor_loss_fn, run_update
 from tasks.updates import carried_optimizer, commit_optimizer
 from tests.unit.models.test_sharded_update import LENGTHS, policy
 from tests.unit.models.update_rows import padded_rows

@@ -1,5 +1,5 @@
 """AdamW's state committed per rank (``actor.optimizer_state_sharded`` and ``critic.optimizer_state_sharded``,
-one code path: ``models/optimizer_shards.py``) on two gloo ranks under FSDP2, on S3 (moto), for the policy
+one code path: ``models/checkpoint/optimizer_shards.py``) on two gloo ranks under FSDP2, on S3 (moto), for the policy
 and for a critic (value head on a token-classification trunk): the bytes each rank writes and reads
 (``storage.count_bytes``) with the cut and without, the reloaded state and the next update equal to the
 whole state's, and a clear error when another number of ranks loads it."""
@@ -13,11 +13,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from models import optimizer_state, storage
+from models.checkpoint import optimizer_state
+
+from models import storage
 from models.checkpoint import CheckpointError
-from models.distributed import DistInfo, full_state_dict, wrap_for_training
-from models.policy import CriticValues
-from models.update import critic_loss_fn, disable_dropout, make_optimizer, run_update
+from models.training.distributed import DistInfo, full_state_dict, wrap_for_training
+from models.training.policy import CriticValues
+from models.training.update import critic_loss_fn, disable_dropout, make_optimizer, run_update
 from tests.processes import free_port
 from tests.unit.models.test_sharded_update import SETTINGS, join_gloo, policy, rows, train
 

@@ -1,4 +1,4 @@
-"""Pad-free forwards (models/packing.py, models/policy.py ``packed``): the plan against hand-worked
+"""Pad-free forwards (models/training/packing.py, models/training/policy.py ``packed``): the plan against hand-worked
 costs, the packed layout, and packed forwards and updates against padded ones."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import copy
 import pytest
 import torch
 
-from models import packing
-from models.distributed import DistInfo
-from models.policy import CriticValues, PolicyLogprobs, packing_supported, with_packing
-from models.update import (LoopSettings, UpdateData, actor_loss_fn, critic_loss_fn, disable_dropout, make_optimizer,
+from models.training import packing
+from models.training.distributed import DistInfo
+from models.training.policy import CriticValues, PolicyLogprobs, packing_supported, with_packing
+from models.training.update import (LoopSettings, UpdateData, actor_loss_fn, critic_loss_fn, disable_dropout, make_optimizer,
                            run_update)
 from kernels.losses import PolicyLossConfig
 from tests.unit.models.update_rows import padded_rows
@@ -110,9 +110,9 @@ def test_packed_updates_equal_padded_updates():
 def test_a_model_whose_attention_mixes_packed_rows_is_refused(capsys, monkeypatch):
     """A trunk that drops the position ids (so one causal mask spans the packed row) fails the check;
     with_packing then pads, and says so (once)."""
-    import models.policy
+    import models.training.policy
 
-    monkeypatch.setattr(models.policy, "_SAID_PADS", set())  # whatever earlier tests of this process said
+    monkeypatch.setattr(models.training.policy, "_SAID_PADS", set())  # whatever earlier tests of this process said
     good = policy(False)
     assert packing_supported(good) and packing_supported(critic(False))
 

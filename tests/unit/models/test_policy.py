@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from models import policy
-from models.batch_tensors import model_inputs
-from models.tiny import TinyModelConfig, build_actor
-from models.tokenizer import build_char_tokenizer
+from models.training import policy
+from models.data.batch_tensors import model_inputs
+from models.demos.tiny import TinyModelConfig, build_actor
+from models.demos.tokenizer import build_char_tokenizer
 
 
 def _inputs(tok):

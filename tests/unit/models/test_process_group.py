@@ -1,4 +1,4 @@
-"""The actor update leaves only the process group it made (models/distributed.py).
+"""The actor update leaves only the process group it made (models/training/distributed.py).
 
 In a local run the single-worker actor update runs in the ``pyflyte`` process, beside the in-process
 vLLM engine, which made a gloo world of one and its tensor-parallel group there. The update used to
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from models.distributed import init_distributed, join_process_group, shutdown_distributed
+from models.training.distributed import init_distributed, join_process_group, shutdown_distributed
 
 
 @pytest.fixture

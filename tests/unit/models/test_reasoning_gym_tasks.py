@@ -2,7 +2,7 @@
 
 import pytest
 
-from models.reasoning_gym_tasks import extract_answer, generate_rows, reasoning_gym_reward
+from models.data.reasoning_gym import extract_answer, generate_rows, reasoning_gym_reward
 
 
 def score(rows, responses):

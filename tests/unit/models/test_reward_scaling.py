@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from models.reward_scaling import RunningMoments, out_of_range, shape_rewards
+from models.rewards.scaling import RunningMoments, out_of_range, shape_rewards
 
 
 def test_running_moments_equal_the_moments_of_everything_seen():
@@ -47,10 +47,10 @@ def test_out_of_range_warning_names_the_numbers_and_the_settings():
 
 def test_score_warns_and_logs_when_raw_rewards_leave_the_expected_range(capsys):
     """Rewards up to 1e6 were trained on silently; now the score task says so and logs the share."""
-    from models.reward_sources import as_scores
-    from tasks.config import TrainConfig
+    from models.rewards.sources import as_scores
+    from models.config import TrainConfig
     from tasks.score import shaped_rewards
-    from tasks.types import PolicyState
+    from models.run.types import PolicyState
     from tests.stages import with_overrides
 
     cfg = with_overrides(TrainConfig(), "reward.clip=5.0")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.rewards import RewardError, RewardSource, compute_rewards, resolve_reward_fn
-from models.task import reverse_reward
+from models.demos.reverse_task import reverse_reward
 
 HERE = "tests.unit.models.test_rewards"
 NOT_CALLABLE = 3.0
@@ -32,7 +32,7 @@ class Scorer:
 
 
 def test_resolve_the_task_reward_and_a_test_module_function():
-    assert resolve_reward_fn("models.task:reverse_reward") is reverse_reward
+    assert resolve_reward_fn("models.demos.reverse_task:reverse_reward") is reverse_reward
     fn = resolve_reward_fn(f"{HERE}:length_reward")
     assert compute_rewards(fn, ["a=", "b="], ["xyz", ""]) == [3.0, 0.0]
     assert resolve_reward_fn(f"{HERE}:Scorer.score")(["p"], ["r"]) == [1.0]
@@ -43,7 +43,7 @@ def test_functions_satisfy_the_protocol():
     assert not isinstance(NOT_CALLABLE, RewardSource)
 
 
-@pytest.mark.parametrize("spec", ["models.task.reverse_reward", "a:b:c", ":fn", "models.task:", "", None])
+@pytest.mark.parametrize("spec", ["models.demos.reverse_task.reverse_reward", "a:b:c", ":fn", "models.demos.reverse_task:", "", None])
 def test_malformed_spec(spec):
     with pytest.raises(RewardError, match="must look like 'package.module:function'"):
         resolve_reward_fn(spec)
@@ -115,8 +115,8 @@ def test_raising_function_names_spec_and_first_failing_sample():
 
 
 def test_task_reward_on_malformed_prompt_is_a_reward_error():
-    with pytest.raises(RewardError, match=r"'models.task:reverse_reward'.*first failing sample: 1"):
-        compute_rewards(reverse_reward, ["ab=", "no separator"], ["ba", "x"], spec="models.task:reverse_reward")
+    with pytest.raises(RewardError, match=r"'models.demos.reverse_task:reverse_reward'.*first failing sample: 1"):
+        compute_rewards(reverse_reward, ["ab=", "no separator"], ["ba", "x"], spec="models.demos.reverse_task:reverse_reward")
 
 
 # --- data columns (TRL's convention) -------------------------------------------------------------------

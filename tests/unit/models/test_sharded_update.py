@@ -15,10 +15,10 @@ import torch
 import torch.multiprocessing as mp
 
 from kernels.losses import PolicyLossConfig
-from models import optimizer_state
-from models.distributed import DistInfo, full_state_dict, is_sharded, unwrap, uses_fsdp2, wrap_for_training
-from models.policy import PolicyLogprobs
-from models.update import LoopSettings, UpdateData, actor_loss_fn, make_optimizer, run_update
+from models.checkpoint import optimizer_state
+from models.training.distributed import DistInfo, full_state_dict, is_sharded, unwrap, uses_fsdp2, wrap_for_training
+from models.training.policy import PolicyLogprobs
+from models.training.update import LoopSettings, UpdateData, actor_loss_fn, make_optimizer, run_update
 from tests.processes import free_port
 from tests.unit.models.update_rows import padded_rows
 

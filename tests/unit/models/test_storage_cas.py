@@ -1,4 +1,4 @@
-"""Compare-and-swap writes (models/storage_cas.py) on a local folder and on S3 (moto): a create succeeds
+"""Compare-and-swap writes (models/storage/cas.py) on a local folder and on S3 (moto): a create succeeds
 once, a replace only from the version read, and of two writers that read the same version one wins."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from models import storage
-from models.storage_cas import read_versioned, write_if
+from models.storage.cas import read_versioned, write_if
 
 
 def check_cas(url: str) -> None:

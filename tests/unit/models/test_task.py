@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from models.task import (
+from models.demos.reverse_task import (
     PromptGenerator,
     ReverseTaskConfig,
     ideal_response,

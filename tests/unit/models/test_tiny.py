@@ -9,13 +9,13 @@ from transformers import (
     AutoTokenizer,
 )
 
-from models.tiny import (
+from models.demos.tiny import (
     TinyModelConfig,
     build_actor,
     build_tiny_models,
     critic_from_actor,
 )
-from models.tokenizer import build_char_tokenizer
+from models.demos.tokenizer import build_char_tokenizer
 
 CFG = TinyModelConfig()
 
@@ -77,7 +77,7 @@ def test_saved_dirs_are_hf_safetensors_with_tokenizer(saved):
     ],
 )
 def test_reload_with_auto_class_gives_identical_outputs(saved, tok, role, auto_cls, out_shape):
-    from models import tiny
+    from models.demos import tiny
 
     builder = {"actor": tiny.build_actor, "critic": tiny.build_critic, "reward_model": tiny.build_reward_model}
     original = builder[role](CFG, tok)  # same seed as the saved one

@@ -8,7 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from models.tokenizer import DEFAULT_ALPHABET, SPECIAL_TOKENS, build_char_tokenizer, save_tokenizer
+from models.demos.tokenizer import DEFAULT_ALPHABET, SPECIAL_TOKENS, build_char_tokenizer, save_tokenizer
 
 
 _TOK = build_char_tokenizer()  # shared by the hypothesis test, which cannot take fixtures

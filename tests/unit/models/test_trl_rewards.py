@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from trl.rewards import accuracy_reward, think_format_reward
 
-from models.reward_sources import function_names, weighted_total
+from models.rewards.sources import function_names, weighted_total
 from models.rewards import RewardError, compute_rewards, parse_spec, resolve_reward_fn
-from models.reward_signatures import column_params
-from tasks.config import ConfigError, RewardConfig
+from models.rewards.signatures import column_params
+from models.config import ConfigError, RewardConfig
 
 CHAT = [[{"role": "user", "content": "Ava has 2 apples and finds 3 more. How many apples does Ava have now?"}]] * 3
 RESPONSES = [r"2 + 3 = 5. The answer is \boxed{5}.", r"<think>2 + 3</think> The answer is \boxed{6}.",

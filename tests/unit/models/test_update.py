@@ -1,4 +1,4 @@
-"""The update loop (models/update.py): micro-batches cut from length-sorted rows give the gradient of
+"""The update loop (models/training/update.py): micro-batches cut from length-sorted rows give the gradient of
 the whole minibatch, with less padding than rows taken in their stored order; the fused AdamW;
 no dropout in updates."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from kernels.losses import PolicyLossConfig
-from models.distributed import DistInfo
-from models.policy import PolicyLogprobs
-from models.update import LoopSettings, UpdateData, actor_loss_fn, run_update
+from models.training.distributed import DistInfo
+from models.training.policy import PolicyLogprobs
+from models.training.update import LoopSettings, UpdateData, actor_loss_fn, run_update
 from tests.unit.models.update_rows import padded_rows
 
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))
@@ -58,7 +58,7 @@ def test_micro_batches_give_the_whole_minibatch_gradient_with_less_padding():
 def test_optimizer_is_fused_and_steps_as_torchs_adamw():
     """make_optimizer takes the fused AdamW where the device has it; its steps equal the default
     (multi-tensor) AdamW's up to rounding, with weight decay and over several steps."""
-    from models.update import make_optimizer
+    from models.training.update import make_optimizer
 
     fused_model, ref_model = tiny_policy(), tiny_policy()
     fused = make_optimizer(fused_model, 1e-2, weight_decay=0.1)
@@ -79,7 +79,7 @@ def test_optimizer_is_fused_and_steps_as_torchs_adamw():
 
 def test_optimizer_falls_back_where_no_fused_kernel():
     """Parameters on a device without the fused kernel (here ``meta``) get the default AdamW."""
-    from models.update import make_optimizer
+    from models.training.update import make_optimizer
 
     model = torch.nn.Linear(4, 4, device="meta")
     opt = make_optimizer(model, 1e-3)
@@ -93,7 +93,7 @@ def test_updates_train_without_dropout_except_loras():
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForTokenClassification
 
-    from models.update import disable_dropout
+    from models.training.update import disable_dropout
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,

@@ -1,4 +1,4 @@
-"""Finite or skip (models/update.py): a step whose loss or gradient norm is NaN/inf takes no optimiser
+"""Finite or skip (models/training/update.py): a step whose loss or gradient norm is NaN/inf takes no optimiser
 step and is counted; an update with no finite step fails before anything could be committed."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kernels.losses import PolicyLossConfig
-from models.distributed import DistInfo
-from models.update import LoopSettings, NonFiniteUpdate, UpdateData, actor_loss_fn, make_optimizer, run_update
+from models.training.distributed import DistInfo
+from models.training.update import LoopSettings, NonFiniteUpdate, UpdateData, actor_loss_fn, make_optimizer, run_update
 from tests.unit.models.test_sharded_update import LENGTHS, policy
 from tests.unit.models.update_rows import padded_rows
 

@@ -1,4 +1,4 @@
-"""The step guard (models/step_guard.py, ``actor.guard`` / ``critic.guard``): a step whose |loss| or gradient
+"""The step guard (models/training/step_guard.py, ``actor.guard`` / ``critic.guard``): a step whose |loss| or gradient
 norm is above its bound is skipped like a non-finite one (no step, AdamW's moments untouched), named on
 the console and counted; an update that skipped more than ``max_skipped_fraction`` of its steps fails."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels.losses import PolicyLossConfig
-from models.update import DivergedUpdate, LoopSettings, actor_loss_fn, make_optimizer, run_update
+from models.training.update import DivergedUpdate, LoopSettings, actor_loss_fn, make_optimizer, run_update
 from tests.unit.models.test_sharded_update import LENGTHS, policy
 from tests.unit.models.test_update_finite import CPU, minibatches, subset, train
 from tests.unit.models.update_rows import padded_rows

@@ -2,7 +2,7 @@
 
 import pytest
 
-from models.verifiers import (exact_match_reward, extract_final_answer, format_reward, math_reward,
+from models.rewards.verifiers import (exact_match_reward, extract_final_answer, format_reward, math_reward,
                               normalize_text)
 
 GSM8K_SOLUTION = ("Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\n"

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from models import warm_start as ws
-from models.task import ReverseTaskConfig
-from models.tiny import TinyModelConfig, build_actor
-from models.tokenizer import build_char_tokenizer
+from models.demos import warm_start as ws
+from models.demos.reverse_task import ReverseTaskConfig
+from models.demos.tiny import TinyModelConfig, build_actor
+from models.demos.tokenizer import build_char_tokenizer
 
 TOK = build_char_tokenizer()
 

@@ -6,7 +6,7 @@ from typing import Sequence, Tuple
 
 import torch
 
-from models.update import UpdateData
+from models.training.update import UpdateData
 
 
 def padded_rows(lengths: Sequence[Tuple[int, int]], vocab: int = 16, seed: int = 1) -> UpdateData:

@@ -7,12 +7,12 @@ from fastapi.testclient import TestClient
 from transformers import AutoModelForSequenceClassification
 
 from models.checkpoint import is_committed, load_model
-from models.policy import reward_model_scores
+from models.training.policy import reward_model_scores
 from models.rewards import RewardError
 from models.server.app import ServerSettings, create_app
 from models.server.client import RemoteReward, RewardCriticClient, ServerError, tokens_from_inputs
 from models.server.service import RewardCriticService, ServiceConfig, token_table
-from models.batch_tensors import model_inputs
+from models.data.batch_tensors import model_inputs
 from tests.unit.server.tiny_checkpoints import commit_tiny_models, plant_nan_embedding, samples
 
 TOKEN = "s3cret-token"

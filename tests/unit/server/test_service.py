@@ -11,12 +11,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
 from models.checkpoint import is_committed, load_model
-from models.policy import CriticValues, reward_model_scores, with_packing
+from models.training.policy import CriticValues, reward_model_scores, with_packing
 from models.server.paths import SaveRefused
 from models.server.schemas import TrainSettings
 from models.server.service import (AlreadyCommitted, InvalidRequest, NotLoaded, RewardCriticService, ServiceConfig,
                                    token_table)
-from models.batch_tensors import model_inputs
+from models.data.batch_tensors import model_inputs
 from tests.unit.server.tiny_checkpoints import commit_tiny_models, samples
 
 

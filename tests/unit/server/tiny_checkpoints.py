@@ -8,8 +8,8 @@ from typing import Dict
 import torch
 
 from models.checkpoint import save_checkpoint
-from models.tiny import TinyModelConfig, build_critic, build_reward_model, save_model
-from models.tokenizer import build_char_tokenizer
+from models.demos.tiny import TinyModelConfig, build_critic, build_reward_model, save_model
+from models.demos.tokenizer import build_char_tokenizer
 
 CFG = TinyModelConfig(max_position_embeddings=128)
 

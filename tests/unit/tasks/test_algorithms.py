@@ -1,4 +1,4 @@
-"""Algorithms declared once (tasks/algorithms/): what the config accepts and refuses, the workflow,
+"""Algorithms declared once (models/algorithms/): what the config accepts and refuses, the workflow,
 the actor loss and the docs' table all follow the declaration."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import pytest
 
 from kernels.aggregation import LossAgg
 from kernels.losses import PolicyLossKind
-from tasks import algorithms
-from tasks.algorithms.docs_table import markdown_table, with_table
-from tasks.config import AdvantageConfig, ConfigError, CriticConfig, LoraConfig, RolloutConfig, RunConfig, TrainConfig
-from tasks.config.io import config_from_json_dict, load_config, to_dict
-from tasks.run.setup import check_workflow
+from models import algorithms
+from models.algorithms.docs_table import markdown_table, with_table
+from models.config import AdvantageConfig, ConfigError, CriticConfig, LoraConfig, RolloutConfig, RunConfig, TrainConfig
+from models.config.io import config_from_json_dict, load_config, to_dict
+from models.run.setup import check_workflow
 from tasks.updates import policy_loss_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -180,7 +180,7 @@ def test_a_declaration_that_contradicts_itself_is_refused():
 
 def test_the_docs_table_is_rendered_from_the_declarations():
     page = (ROOT / "docs" / "algorithms.md").read_text()
-    assert with_table(page) == page, "docs/algorithms.md is stale: run python -m tasks.algorithms docs/algorithms.md"
+    assert with_table(page) == page, "docs/algorithms.md is stale: run python -m models.algorithms docs/algorithms.md"
     table = markdown_table()
     for name, spec in algorithms.ALGORITHMS.items():
         assert f"| [`{name}`](algorithms/{name}.md) | `workflows/{spec.workflow}.py` |" in table

@@ -10,11 +10,12 @@ import json
 import pytest
 
 from models.checkpoint import save_checkpoint
-from tasks import iteration, tracking
-from tasks.run import lock as run_lock
-from tasks.config import TrainConfig
+from tasks import iteration
+from models import tracking
+from models.run import lock as run_lock
+from models.config import TrainConfig
 from tasks.iteration import run_commit, run_evaluate
-from tasks.types import PolicyState, RunHandle
+from models.run.types import PolicyState, RunHandle
 from tests.unit.models.test_checkpoint import hf_dir
 from tests.unit.tasks.test_batch import LOGP, rollout_batch
 
@@ -71,7 +72,7 @@ def test_optimizer_state_stays_with_the_newest_checkpoint_only(run, tmp_path, sa
 
     from models import storage
     from models.checkpoint import is_committed
-    from models.optimizer_state import optimizer_url
+    from models.checkpoint.optimizer_state import optimizer_url
 
     handle, actor0, batch = run
     cfg = TrainConfig()
@@ -93,7 +94,7 @@ def test_the_first_iteration_after_a_resume_does_not_count_the_downtime(run, tmp
     import datetime as dt
 
     from tasks.iteration import seconds_since
-    from tasks.run.layout import RunState
+    from models.run.layout import RunState
 
     handle, actor0, batch = run
     crashed = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=1)

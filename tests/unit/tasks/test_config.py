@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from tasks.config import ConfigError, TrainConfig
-from tasks.config.io import config_from_json_dict, flatten, load_config, to_dict
+from models.config import ConfigError, TrainConfig
+from models.config.io import config_from_json_dict, flatten, load_config, to_dict
 
 
 def test_a_preset_naming_only_the_algorithm_trains_with_the_papers_settings(tmp_path):
@@ -17,7 +17,7 @@ def test_a_preset_naming_only_the_algorithm_trains_with_the_papers_settings(tmp_
     from kernels.kl import kl_shaped_rewards
     from kernels.losses import ppo_clip_token_loss, value_loss
     from tasks.iteration import next_kl_coef
-    from tasks.types import PolicyState
+    from models.run.types import PolicyState
     from tasks.updates import policy_loss_config
 
     (tmp_path / "bare.yaml").write_text("run:\n  algorithm: ppo\n")
@@ -58,7 +58,7 @@ def test_the_math_preset_rewards_the_demo_rows_it_writes():
     """The preset's reward (its functions, weights and format pattern, combined as the score task does,
     in-process here) on the demo's rows: a worked solution 1 + 0.1, the right number alone 1, a wrong
     one in the worked format 0.1. A backslash lost to YAML quoting would fail the format part."""
-    from models.math_task import MathTaskConfig, ProblemGenerator
+    from models.demos.math_task import MathTaskConfig, ProblemGenerator
     from models.rewards import compute_rewards, resolve_reward_fn
 
     cfg = load_config("configs/tiny_math.yaml", [])

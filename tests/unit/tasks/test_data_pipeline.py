@@ -11,10 +11,10 @@ import json
 import numpy as np
 import pytest
 
-from models.verifiers import math_reward
+from models.rewards.verifiers import math_reward
 from models.data.batch_schema import decode_data_columns
 from tasks.iteration import eval_rewards, run_commit, sample_table
-from tasks.run.setup import setup_run
+from models.run.setup import setup_run
 from tests.stages import tiny_run, to_advantages
 
 pytestmark = pytest.mark.slow  # whole tasks on a tiny run, tens of seconds each (make test-unit leaves them to make test)
@@ -33,7 +33,7 @@ def overrides(root, actor_dir, extra=()):
     assert "\u2028" in train.read_text(encoding="utf-8")
     return [f"model.actor_path={actor_dir}", f"data.train_prompts={train}", "data.prompt_column=question",
             "data.apply_chat_template=true", f"data.system_prompt='{SYSTEM}'", "run.algorithm=grpo",
-            "reward.functions=[tests.reward_fns:answer_length, models.verifiers:math_reward]",
+            "reward.functions=[tests.reward_fns:answer_length, models.rewards.verifiers:math_reward]",
             "reward.weights=[0.1, 1.0]", "rollout.engine=hf", "rollout.prompts_per_iteration=8",
             "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=6", "actor.minibatch_size=16",
             "actor.micro_batch_size=8", "actor.nproc_per_node=1", "run.num_iterations=2", *extra]
@@ -106,7 +106,7 @@ def test_a_reward_that_hangs_in_score_fails_the_task_naming_it(run):
     function and the samples of the first worker that did not answer."""
     import time
 
-    from models.reward_workers import RewardTimeout
+    from models.rewards.workers import RewardTimeout
     from tasks.score import run_score
     from tests.stages import with_overrides
 

@@ -9,8 +9,8 @@ from flytekit.configuration import Image, ImageConfig, SerializationSettings
 from flytekit.tools.translator import get_serializable
 
 from tasks import deploy
-from tasks.config import ConfigError
-from tasks.config.io import load_config
+from models.config import ConfigError
+from models.config.io import load_config
 
 GPU = ["resources.rollout_gpu=1", "resources.rollout_mem=64Gi", "resources.accelerator=nvidia-h100",
        "resources.actor_gpu=2", "resources.actor_cpu=16"]

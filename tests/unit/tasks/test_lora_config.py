@@ -2,8 +2,8 @@
 
 import pytest
 
-from tasks.config import ConfigError, LoraConfig, TrainConfig
-from tasks.config.io import config_from_json_dict, load_config, parse_override, to_dict
+from models.config import ConfigError, LoraConfig, TrainConfig
+from models.config.io import config_from_json_dict, load_config, parse_override, to_dict
 
 
 def test_by_default_every_weight_trains_and_a_rank_alone_adapts_every_projection(tmp_path):
@@ -13,9 +13,9 @@ def test_by_default_every_weight_trains_and_a_rank_alone_adapts_every_projection
     from transformers import AutoModelForCausalLM
 
     from models.checkpoint import save_checkpoint
-    from models.lora import CAUSAL_LM, is_peft
-    from models.tiny import TinyModelConfig, build_actor, save_model
-    from models.tokenizer import build_char_tokenizer
+    from models.training.lora import CAUSAL_LM, is_peft
+    from models.demos.tiny import TinyModelConfig, build_actor, save_model
+    from models.demos.tokenizer import build_char_tokenizer
     from tasks.updates import load_trainable
 
     tok = build_char_tokenizer()

@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file
 
 from models.checkpoint import read_marker
-from models.distributed import DistInfo
-from models.lora import CAUSAL_LM, canonical_url
-from models.policy import PolicyLogprobs
-from models.update import make_optimizer
+from models.training.distributed import DistInfo
+from models.training.lora import CAUSAL_LM, canonical_url
+from models.training.policy import PolicyLogprobs
+from models.training.update import make_optimizer
 from tasks.iteration import run_commit
 from tasks.rollout import run_rollout
 from tasks.score import run_score
@@ -131,7 +131,7 @@ def test_update_changes_only_adapter_tensors(run):
     """In-process update from the iteration-1 adapter: every base tensor is bit-identical after it."""
     from transformers import AutoModelForCausalLM
 
-    from models.update import LoopSettings, actor_loss_fn, run_update
+    from models.training.update import LoopSettings, actor_loss_fn, run_update
     from tasks.updates import _ACTOR_COLS, policy_loss_config, update_data
 
     cfg, ad = run["cfg"], run["ad0"]
@@ -167,7 +167,7 @@ def test_bfloat16_compute_loads_the_adapter_in_float32_on_a_bfloat16_base(run):
     float32 adapter committed at iteration 1, so no update is lost to rounding between iterations."""
     from transformers import AutoModelForTokenClassification
 
-    from models.lora import TOKEN_CLS
+    from models.training.lora import TOKEN_CLS
 
     url = run["s1"].critic_url
     saved = load_file(os.path.join(_path(url), "adapter_model.safetensors"))

@@ -14,10 +14,10 @@ from flytekit import workflow
 from kernels.losses import PolicyLossConfig, PolicyLossInput, policy_loss
 from models import storage
 from models.checkpoint import is_committed, save_checkpoint
-from tasks.config.io import load_config
+from models.config.io import load_config
 from tasks.iteration import prune_checkpoints
 from tasks.score import policy_lag
-from tasks.types import PolicyState, RunHandle
+from models.run.types import PolicyState, RunHandle
 from tests.unit.models.test_checkpoint import hf_dir
 from tests.unit.tasks.test_batch import rollout_batch
 from workflows.common import chain_iterations

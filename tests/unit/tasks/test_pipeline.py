@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from kernels.gae import compute_gae_reference
-from models.distributed import DistInfo
-from models.task import reverse_reward
+from models.training.distributed import DistInfo
+from models.demos.reverse_task import reverse_reward
 from models.data.batch import ADVANTAGE_COLUMNS, ROLLOUT_COLUMNS, SCORE_COLUMNS, RolloutBatch
 from tasks.iteration import run_commit
 from tasks.score import run_score
-from tasks.run.setup import setup_run
+from models.run.setup import setup_run
 from tasks.updates import policy_loss_config, train_actor, train_critic, update_data
 from tests.stages import tiny_run, to_advantages
 
@@ -103,7 +103,7 @@ def _surrogate(actor_dir, setup, batch):
     from transformers import AutoModelForCausalLM
 
     from kernels.losses import PolicyLossInput, policy_loss
-    from models.policy import PolicyLogprobs
+    from models.training.policy import PolicyLogprobs
 
     model = PolicyLogprobs(AutoModelForCausalLM.from_pretrained(actor_dir)).eval()
     d = update_data(batch, 0, ("old_logprobs", "advantages"), None)
@@ -129,7 +129,7 @@ def test_critic_update_lowers_value_error(run):
     setup, _, _, ad = run
     from transformers import AutoModelForTokenClassification
 
-    from models.policy import CriticValues
+    from models.training.policy import CriticValues
 
     def err(url):
         model = CriticValues(AutoModelForTokenClassification.from_pretrained(url)).eval()
@@ -144,7 +144,7 @@ def test_critic_update_lowers_value_error(run):
 
 def test_commit_writes_resume_point_and_metrics(run):
     setup, ro, sc, ad = run
-    from tasks import tracking
+    from models import tracking
 
     actor = train_actor(setup.cfg, setup.run, setup.state, ad.batch, CPU)
     critic = train_critic(setup.cfg, setup.run, setup.state, ad.batch)

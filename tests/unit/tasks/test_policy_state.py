@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from tasks.run.layout import RunState
-from tasks.types import PolicyState
+from models.run.layout import RunState
+from models.run.types import PolicyState
 
 
 def test_the_resume_point_is_numbered_by_the_completed_iteration_with_extras_only_when_set():

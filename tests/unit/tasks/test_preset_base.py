@@ -1,12 +1,12 @@
-"""Presets built on a base (``base:`` in tasks/config/io.py): merged key by key, refusals see the
+"""Presets built on a base (``base:`` in models/config/io.py): merged key by key, refusals see the
 base's keys as written, and a missing base or a cycle is an error naming the preset."""
 
 from __future__ import annotations
 
 import pytest
 
-from tasks.config import ConfigError
-from tasks.config.io import given_keys, load_config
+from models.config import ConfigError
+from models.config.io import given_keys, load_config
 
 
 def write(folder, name, text):

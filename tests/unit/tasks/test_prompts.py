@@ -168,7 +168,7 @@ def test_text_column_with_template_system_prompt_and_chatml(tmp_path, qwen_tok):
                                               {"role": "user", "content": GSM_ROWS[1]["question"] +
                                                "\nGive the final answer after ####."}]
     assert data.columns == {"answer": ["7", "7"], "level": [1, 2]}  # the prompt column is the prompt
-    from models.rollout import encode_prompts
+    from models.engines.rollout import encode_prompts
 
     ids = encode_prompts(qwen_tok, data.prompts, add_special_tokens=False)
     assert ids[0] == list(qwen_tok.apply_chat_template(data.messages[0], tokenize=True, add_generation_prompt=True,
@@ -187,7 +187,7 @@ def test_messages_column_on_llama_writes_one_bos(tmp_path, llama_tok):
                                "<|start_header_id|>user<|end_header_id|>\n\n2 + 2?<|eot_id|>"
                                "<|start_header_id|>assistant<|end_header_id|>\n\n")
     assert data.messages[0][0]["content"] == "Be brief."  # a conversation's own system turn stays
-    from models.rollout import encode_prompts
+    from models.engines.rollout import encode_prompts
 
     bos = llama_tok.convert_tokens_to_ids("<|begin_of_text|>")
     ids = encode_prompts(llama_tok, data.prompts, add_special_tokens=not data.chat)
@@ -208,7 +208,7 @@ def test_byte_level_bpe_represents_every_character(tmp_path, qwen_tok):
 
 
 def test_char_tokenizer_unknown_characters_refused_or_allowed(tmp_path, capsys):
-    from models.tokenizer import build_char_tokenizer
+    from models.demos.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     rows = [{"prompt": "abc="}, {"prompt": "café="}, {"prompt": "😀="}, {"prompt": "<unk> literal="},
@@ -226,7 +226,7 @@ def test_char_tokenizer_unknown_characters_refused_or_allowed(tmp_path, capsys):
 
 
 def test_chat_template_missing_is_reported(tmp_path):
-    from models.tokenizer import build_char_tokenizer
+    from models.demos.tokenizer import build_char_tokenizer
 
     with pytest.raises(PromptDataError, match="the tokenizer has no chat template"):
         load(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}]), build_char_tokenizer(), apply_chat_template=True)
@@ -236,7 +236,7 @@ def test_chat_template_missing_is_reported(tmp_path):
 def test_run_copy_round_trips_what_validated(tmp_path, qwen_tok):
     """U+2028/U+2029 and other line separators inside a JSON string validate and come back intact
     (``str.splitlines`` would have cut the line); ids and columns survive."""
-    from tasks.run.data import read_run_prompts, write_run_prompts
+    from models.run.data import read_run_prompts, write_run_prompts
 
     tricky = "line\u2028sep\u2029para\x85nel\x1c and \r in one"
     path = tmp_path / "u.jsonl"
@@ -256,7 +256,7 @@ def test_run_copy_round_trips_what_validated(tmp_path, qwen_tok):
 
 
 def test_parquet_with_a_non_default_column_keeps_it_through_the_copy(tmp_path):
-    from tasks.run.data import read_run_prompts, write_run_prompts
+    from models.run.data import read_run_prompts, write_run_prompts
 
     path = tmp_path / "p.parquet"
     pq.write_table(pa.table({"question": ["a?", "b?"], "answer": ["1", "2"]}), path)
@@ -304,7 +304,7 @@ def test_hf_dataset_problems_are_reported(tmp_path, hf_cache):
 
 
 def test_reasoning_gym_rows(tmp_path):
-    from tasks.config import ReasoningGymConfig
+    from models.config import ReasoningGymConfig
 
     cfg = ReasoningGymConfig(task="chain_sum", size=20, eval_size=10, seed=5, options=["max_terms=2"])
     train = load("", source="reasoning_gym", prompt_column="question", reasoning_gym=cfg)

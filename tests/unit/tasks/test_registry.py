@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from models.checkpoint import file_digest, is_committed, save_checkpoint
-from models.tiny import TinyModelConfig, build_actor, save_model
-from models.tokenizer import build_char_tokenizer
-from tasks.tracking import registry
-from tasks import tracking
+from models.demos.tiny import TinyModelConfig, build_actor, save_model
+from models.demos.tokenizer import build_char_tokenizer
+from models.tracking import registry
+from models import tracking
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.run import preflight
+from models.run import preflight
 
-from tasks import tracking
-from tasks.config import ConfigError
-from tasks.config.io import load_config
+from models import tracking
+from models.config import ConfigError
+from models.config.io import load_config
 from tests.processes import free_port
 
 S3 = ["run.storage_root=s3://bucket/runs"]
@@ -69,7 +69,7 @@ def test_the_topology_is_checked_with_the_rest():
 
 
 def test_the_image_commit_wins_over_git(monkeypatch):
-    from tasks.run.setup import GIT_COMMIT_ENV, git_commit
+    from models.run.setup import GIT_COMMIT_ENV, git_commit
 
     monkeypatch.setenv(GIT_COMMIT_ENV, "0123abcd")
     assert git_commit() == "0123abcd"

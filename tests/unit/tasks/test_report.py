@@ -1,8 +1,8 @@
-"""Figure labels of tasks/tracking/report.py: one curve per run or per metric."""
+"""Figure labels of models/tracking/report.py: one curve per run or per metric."""
 
 from __future__ import annotations
 
-import tasks.tracking.report as report
+import models.tracking.report as report
 
 
 def test_metric_curves_label_by_run_or_by_key(monkeypatch):

@@ -1,4 +1,4 @@
-"""Resume says what it does (tasks/run/resume.py): the stored config wins over what the user did not write;
+"""Resume says what it does (models/run/resume.py): the stored config wins over what the user did not write;
 what the user wrote may change a listed field (recorded in run.json, MLflow and the output), and any
 other change, or the other workflow, is refused before anything is touched."""
 
@@ -10,11 +10,11 @@ import pytest
 
 from models.checkpoint import CheckpointError, save_checkpoint
 from models.rewards import RewardError
-from tasks import tracking
-from tasks.config import ConfigError
-from tasks.config.io import config_from_json_dict, load_config, to_dict
-from tasks.run.layout import RunInfo, RunLayout, RunState
-from tasks.run.setup import setup_run
+from models import tracking
+from models.config import ConfigError
+from models.config.io import config_from_json_dict, load_config, to_dict
+from models.run.layout import RunInfo, RunLayout, RunState
+from models.run.setup import setup_run
 from tests.unit.models.test_checkpoint import hf_dir
 
 DONE = 4  # iterations completed before the relaunch
@@ -83,7 +83,7 @@ def test_listed_changes_take_effect_and_are_recorded(run, capsys):
     assert config_from_json_dict(info.config) == setup.cfg  # the next resume compares with these values
     assert info.config_changes == [
         {"key": "actor.lr", "old": 0.0001, "new": 0.05, "iteration": DONE},
-        {"key": "reward.function", "old": "models.task:reverse_reward", "new": f"{__name__}:reward_len",
+        {"key": "reward.function", "old": "models.demos.reverse_task:reverse_reward", "new": f"{__name__}:reward_len",
          "iteration": DONE},
         {"key": "run.num_iterations", "old": 10, "new": 12, "iteration": DONE}]
     tags = tracking.client().get_run(run_id).data.tags

@@ -8,8 +8,8 @@ import pytest
 
 from tasks.advantages import run_advantages
 from models.data.batch import BatchMetadata, RolloutBatch
-from tasks.config.io import load_config
-from tasks.types import PolicyState, RunHandle
+from models.config.io import load_config
+from models.run.types import PolicyState, RunHandle
 
 # 3 prompts × 2 samples, max_new_tokens = 4: rewards, response lengths, and whether the response ended
 REWARD = [1.0, 0.0, 1.0, 1.0, 0.5, 0.2]

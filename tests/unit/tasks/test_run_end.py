@@ -1,5 +1,5 @@
 """A run that does not finish is marked in MLflow (KILLED after SIGINT/SIGTERM, FAILED after an error),
-its lock released, and one line says so (tasks/run/end.py): in the process of a local execution at exit,
+its lock released, and one line says so (models/run/end.py): in the process of a local execution at exit,
 and by the workflows' failure handler for a cluster execution."""
 
 from __future__ import annotations
@@ -15,17 +15,17 @@ from flytekit import dynamic, task, workflow
 from flytekit.types.error import FlyteError
 
 from models.rewards import RewardError
-from tasks.run import end as run_end, lock as run_lock
+from models.run import end as run_end, lock as run_lock
 
-from tasks import tracking
-from tasks.run.layout import RunLayout
+from models import tracking
+from models.run.layout import RunLayout
 
 ROOT = Path(__file__).resolve().parents[3]
 HOLDER = """
 import os, signal, sys, time
-from tasks.run import end as run_end, lock as run_lock
-from tasks import tracking
-from tasks.run.layout import RunLayout
+from models.run import end as run_end, lock as run_lock
+from models import tracking
+from models.run.layout import RunLayout
 root, how = sys.argv[1], sys.argv[2]
 layout = RunLayout(root, "r")
 run_id = tracking.start_run("flyte-rlhf", "r", {}, {"storage": layout.url})

@@ -1,4 +1,4 @@
-"""The innermost error of a failure, however flytekit wrapped it (tasks/run/errors.py); the failure
+"""The innermost error of a failure, however flytekit wrapped it (models/run/errors.py); the failure
 handler's line and ``pyflyte run``'s one line for a config error are shown through their callers in
 test_run_end.py and tests/integration/test_failure_messages.py."""
 
@@ -8,9 +8,9 @@ import sys
 
 from flytekit.exceptions.scopes import FlyteScopedUserException
 
-from tasks.config import ConfigError
-from tasks.config.io import load_config
-from tasks.run.errors import _user_error, innermost_error, one_line, root_cause
+from models.config import ConfigError
+from models.config.io import load_config
+from models.run.errors import _user_error, innermost_error, one_line, root_cause
 
 
 def test_root_cause_peels_every_wrapper_and_keeps_a_multi_line_reason():

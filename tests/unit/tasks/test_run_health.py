@@ -1,16 +1,16 @@
 """A run whose optimiser steps were mostly skipped registers no policy: ``run_finish`` (the body of the
 ``finish_run`` task every training workflow ends with) refuses it, naming the counts and the bound,
-before anything is logged or registered (tasks/run/health.py)."""
+before anything is logged or registered (models/run/health.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tasks import tracking
-from tasks.config import TrainConfig
+from models import tracking
+from models.config import TrainConfig
 from tasks.iteration import run_finish
-from tasks.run.health import UnhealthyRun, check_healthy
-from tasks.types import PolicyState, RunHandle
+from models.run.health import UnhealthyRun, check_healthy
+from models.run.types import PolicyState, RunHandle
 from tests.stages import with_overrides
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from models.checkpoint import CheckpointError, save_checkpoint
-from tasks.run.layout import RunInfo, RunLayout, RunState
+from models.run.layout import RunInfo, RunLayout, RunState
 
 
 def commit(url, tmp_path):

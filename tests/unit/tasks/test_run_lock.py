@@ -1,4 +1,4 @@
-"""One run per name (tasks/run/lock.py): a live holder refuses every other launch and is named; the same
+"""One run per name (models/run/lock.py): a live holder refuses every other launch and is named; the same
 execution takes its lock again; a released, stale or dead holder's lock is taken over, and the old holder
 then finds it lost. On a local folder and on S3 (moto)."""
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from models import storage
-from tasks.run import lock as run_lock
-from tasks.run.lock import LostLock, RunLocked
+from models.run import lock as run_lock
+from models.run.lock import LostLock, RunLocked
 
 A, B = "flyte:proj/development/exec-a", "flyte:proj/development/exec-b"
 ROOT = Path(__file__).resolve().parents[3]
@@ -59,7 +59,7 @@ def test_a_stale_lock_is_taken_over_and_its_old_holder_stops(lock_url, caplog):
 def test_a_lock_whose_local_process_died_is_taken_over_at_once(lock_url):
     """A ``pyflyte run`` on this host holds the run while it lives; SIGKILLed, its lock is taken over at
     once, without waiting for its hour-long TTL."""
-    code = (f"import sys, time; from tasks.run import lock; print(lock.acquire({lock_url!r}, ttl_s=3600).owner, "
+    code = (f"import sys, time; from models.run import lock; print(lock.acquire({lock_url!r}, ttl_s=3600).owner, "
             f"flush=True); time.sleep(600)")
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
@@ -109,7 +109,7 @@ def test_a_heartbeat_keeps_the_lease_fresh_and_notices_a_takeover(lock_url):
 
 
 def test_a_second_launch_is_refused_before_it_touches_the_run(tmp_path, monkeypatch):
-    from tasks.run.setup import setup_run
+    from models.run.setup import setup_run
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     lock_url = str(tmp_path / "runs" / "r" / "lock.json")

@@ -8,8 +8,8 @@ import pytest
 
 from models.engines import SamplingSpec
 from models.data.batch import BatchMetadata, RolloutBatch
-from tasks.config import TrainConfig
-from tasks.config.io import load_config
+from models.config import TrainConfig
+from models.config.io import load_config
 from tasks.iteration import progress_line
 from tasks.rollout import SAMPLING_KEY, sampling_record
 from tasks.score import check_sampling_temperature, logprob_gap

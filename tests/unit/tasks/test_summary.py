@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.config.io import load_config
+from models.config.io import load_config
 from tasks.iteration import TrainingSummary, summary_text
-from tasks.types import RunHandle
+from models.run.types import RunHandle
 
 
 @pytest.mark.parametrize("preset, iterations, head, checkpoints", [

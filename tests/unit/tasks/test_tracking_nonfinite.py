@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from tasks import tracking
+from models import tracking
 
 
 def test_nonfinite_metrics_are_logged_flagged_and_tagged_once(tmp_path, monkeypatch):

@@ -16,11 +16,11 @@ from trl.rewards import accuracy_reward, think_format_reward
 
 from models.data.batch_schema import decode_data_columns
 from models.data.prompts import PromptDataConfig, PromptDataError, load_prompts
-from models.math_demo import DEMO_TASK
-from models.math_task import ProblemGenerator
+from models.demos.math_demo import DEMO_TASK
+from models.demos.math_task import ProblemGenerator
 from models.rewards import compute_rewards
-from models.verifiers import math_reward
-from tasks.run.data import sample_columns
+from models.rewards.verifiers import math_reward
+from models.run.data import sample_columns
 
 ROWS = ProblemGenerator(DEMO_TASK, "train", 0).rows(6)
 """The math demo's first training rows: ``messages`` (one user turn), ``question``, ``answer``."""
@@ -105,9 +105,9 @@ def test_a_messages_column_the_rows_lack_names_the_key_to_set(tmp_path, tokenize
 
 def test_an_environment_run_refuses_a_conversational_prompt_column(tmp_path, tokenizer, qwen2_chat_dir):
     """An environment writes the conversation itself from each row's text ``prompt``."""
-    from tasks.config import ConfigError
-    from tasks.config.io import load_config
-    from tasks.run.setup import _checked_data
+    from models.config import ConfigError
+    from models.config.io import load_config
+    from models.run.setup import _checked_data
 
     url = write(tmp_path / "trl.jsonl", TRL_ROWS)
     cfg = load_config("tiny_tools", [f"model.actor_path={qwen2_chat_dir}", f"data.train_prompts={url}",

@@ -1,0 +1,150 @@
+"""The transformers engine: ``generate`` for the model plumbing (KV cache, padding, stop criteria),
+every sampling decision ours (:class:`_SampleStep`), so it draws from the distribution the spec
+names and nothing from the checkpoint's ``generation_config.json`` (its ``repetition_penalty``,
+``top_k``, ``temperature``, ... would change the distribution the trainer scores)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from typing import List, Optional, Sequence
+
+import torch
+
+from kernels.sampling import exponential_race, processed_logprobs
+from models.engines.base import EngineLoadError, Generation, SamplingSpec, SwappableEngine, sample_seed
+
+
+class _SampleStep:
+    """A logits processor that *is* the sampler: it turns the step's logits into the processed
+    log-probs (temperature, top-k/top-p; stop tokens masked before ``min_new_tokens``), draws each
+    row's token from that row's own generator, records its log-prob, and leaves only that token
+    possible, so ``generate``'s greedy step picks it."""
+
+    def __init__(self, spec: SamplingSpec, seeds: Sequence[int], prompt_len: int, stop_ids: Sequence[int],
+                 device: torch.device):
+        self.spec, self.prompt_len, self.stop_ids = spec, prompt_len, list(stop_ids)
+        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        self.logprobs: List[torch.Tensor] = []  # per step [N]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        z = scores.float()  # [N, V]
+        if input_ids.shape[1] - self.prompt_len < s.min_new_tokens and self.stop_ids:
+            z[:, self.stop_ids] = float("-inf")
+        logp = processed_logprobs(z, s.temperature, s.top_k, s.top_p)  # [N, V]
+        token = z.argmax(dim=-1) if s.temperature == 0 else exponential_race(logp, self.generators)  # [N]
+        self.logprobs.append(logp.gather(1, token[:, None]).squeeze(1))
+        only = torch.full_like(scores, float("-inf"))
+        return only.scatter_(1, token[:, None], 0.0)
+
+
+def _ends_in_stop_string(tokenizer, tokens: List[int], stop_strings: Sequence[str]) -> bool:
+    """Whether the text of ``tokens`` holds a stop string that its last token completed."""
+    if not stop_strings:
+        return False
+    text, before = tokenizer.decode(tokens), tokenizer.decode(tokens[:-1])
+    return any(s in text and s not in before for s in stop_strings)
+
+
+class HFEngine(SwappableEngine):
+    """Transformers ``generate``; fast for tiny models on CPU, and the debugging reference."""
+
+    def __init__(self, checkpoint_dir: str, dtype: str = "float32", device: Optional[str] = None):
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = getattr(torch, dtype)
+        self.model = None
+        self._begin(checkpoint_dir)
+
+    def _start(self, checkpoint_dir: str) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        self.model = AutoModelForCausalLM.from_pretrained(
+            checkpoint_dir, dtype=self.dtype, use_safetensors=True
+        ).to(self.device).eval()
+        # generate() fills every setting a call leaves unset from the model's generation config:
+        # a neutral one keeps the checkpoint's sampling defaults out of the distribution
+        self.model.generation_config = GenerationConfig()
+        self.tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
+
+    def _reload_in_place(self, checkpoint_dir: str) -> None:
+        from safetensors.torch import load_file
+
+        self.set_adapter(None)  # the state dict below is the plain model's
+
+        state = {}
+        for f in sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors"))):
+            state.update(load_file(f, device=self.device))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
+            raise RuntimeError(f"weights of {checkpoint_dir} do not fit the engine's model: "
+                               f"missing={missing[:5]} unexpected={unexpected[:5]}")
+        if "lm_head.weight" in missing:
+            self.model.tie_weights()
+
+    def set_adapter(self, adapter_dir: Optional[str]) -> None:
+        from peft import PeftModel
+
+        t0 = time.perf_counter()
+        if isinstance(self.model, PeftModel):
+            self.model = self.model.unload()  # the base model, LoRA layers removed (weights untouched)
+        if adapter_dir is not None:
+            self.model = PeftModel.from_pretrained(self.model, adapter_dir).to(self.device).eval()
+        self.stats.reload_s += time.perf_counter() - t0
+
+    def _model(self):
+        if self.model is None:
+            raise EngineLoadError("HFEngine is closed (closed by its owner, or its last restart failed)")
+        return self.model
+
+    @torch.no_grad()
+    def prompt_logprobs(self, sequences: List[List[int]]) -> List[List[float]]:
+        model = self._model()
+        out = []
+        for seq in sequences:  # one at a time: no padding to get wrong
+            logits = model(input_ids=torch.tensor([seq], device=self.device)).logits[0, :-1].float()  # [L-1, V]
+            logp = logits.log_softmax(-1).gather(-1, torch.tensor(seq[1:], device=self.device)[:, None])
+            out.append(logp.squeeze(-1).cpu().tolist())
+        return out
+
+    @torch.no_grad()
+    def generate(self, prompts: List[List[int]], spec: SamplingSpec) -> List[List[Generation]]:
+        model = self._model()
+        t0 = time.perf_counter()
+        tok = self.tokenizer
+        stop_ids = self.stop_ids(spec)
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else stop_ids[0] if stop_ids else 0
+        expanded = [p for p in prompts for _ in range(spec.n)]
+        max_len = max(len(p) for p in expanded)
+        input_ids = torch.full((len(expanded), max_len), pad_id, dtype=torch.long)  # [N, P] left-padded
+        attn = torch.zeros_like(input_ids)
+        for i, p in enumerate(expanded):
+            input_ids[i, max_len - len(p):] = torch.tensor(p)
+            attn[i, max_len - len(p):] = 1
+        seeds = [sample_seed(spec.seed, i, j) for i in range(len(prompts)) for j in range(spec.n)]
+        step = _SampleStep(spec, seeds, max_len, stop_ids, torch.device(self.device))
+        kwargs = dict(do_sample=False, max_new_tokens=spec.max_new_tokens, pad_token_id=pad_id,
+                      eos_token_id=stop_ids or None, logits_processor=[step])
+        if spec.stop_strings:
+            kwargs.update(stop_strings=list(spec.stop_strings), tokenizer=tok)
+        seqs = model.generate(input_ids=input_ids.to(self.device), attention_mask=attn.to(self.device),
+                              **kwargs)[:, max_len:].cpu()  # [N, R]
+        logp = torch.stack(step.logprobs, dim=1).cpu()  # [N, R]
+        results: List[List[Generation]] = [[] for _ in prompts]
+        stops = set(stop_ids)
+        for i in range(len(expanded)):
+            toks, lps, ended = [], [], False
+            for t in range(seqs.shape[1]):  # up to the first stop (generate pads finished rows after it)
+                toks.append(int(seqs[i, t]))
+                lps.append(float(logp[i, t]))
+                ended = toks[-1] in stops or _ends_in_stop_string(tok, toks, spec.stop_strings)
+                if ended:
+                    break
+            results[i // spec.n].append(Generation(toks, lps, ended))
+            self.stats.generated_tokens += len(toks)
+        self.stats.generate_s += time.perf_counter() - t0
+        return results
+
+    def close(self) -> None:
+        self.model = None

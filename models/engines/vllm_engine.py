@@ -1,0 +1,235 @@
+"""vLLM's offline ``LLM`` as a generation engine: every sampling setting passed explicitly, one request
+per sample with its own seed, and in-place reloads that fail loudly.
+
+- ``generation_config="vllm"``: vLLM's neutral defaults, not the checkpoint's sampling settings
+  (we pass every setting anyway; eos ids still come from the checkpoint, and we pass them too).
+- vLLM gives the j-th of ``n`` samples of a request seeded s the stream ``s + j``, so requests seeded
+  ``base + i`` share streams across prompts; here each sample is its own request (``n=1``) seeded
+  :func:`models.engines.base.sample_seed` (prompts share their KV blocks through the prefix cache).
+- ``reload_weights`` only *logs* what it could not load ("ParallelLMHead: Failed to load weights" for
+  a tied ``lm_head`` on CPU, whose packed copy keeps the old values; "Following weights were not
+  loaded from checkpoint"). :func:`_reload_reporting` runs in the worker, captures those reports
+  whatever the user's log level, re-derives the packed copies of tied modules, and returns any other
+  report, which :class:`VLLMEngine` treats as a failed reload (a restart follows).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from models import console
+from models.engines.base import EngineLoadError, Generation, SamplingSpec, SwappableEngine, sample_seed
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""``max_lora_rank`` values vLLM accepts (``vllm.config.lora.MaxLoRARanks``)."""
+VLLM_MAX_LORA_RANK = VLLM_LORA_RANKS[-1]
+EMBEDDING_TARGETS = ("lm_head", "embed_tokens")
+"""LoRA targets vLLM adapts only for architectures that list them in ``embedding_modules``."""
+
+_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
+                   "vllm.model_executor.model_loader.reload.inplace")
+_NOT_LOADED = ": Failed to load weights"
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _own_params(module: torch.nn.Module) -> List[torch.nn.Parameter]:
+    return list(module.parameters(recurse=False))
+
+
+def _tied_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """Modules every one of whose parameters is also another module's (a tied ``lm_head``)."""
+    owners: Dict[int, int] = {}
+    for module in model.modules():
+        for p in _own_params(module):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return [m for m in model.modules() if _own_params(m) and all(owners[id(p)] > 1 for p in _own_params(m))]
+
+
+def _reload_reporting(worker: Any, weights_path: str) -> List[str]:
+    """In the worker: ``reload_weights`` from ``weights_path``; returns what the loader reported it
+    could not load and that is not repaired here (empty: every weight is the checkpoint's)."""
+    capture = _Capture()
+    loggers = [logging.getLogger(name) for name in _RELOAD_LOGGERS]
+    saved = [(lg.level, lg.disabled) for lg in loggers]
+    for lg in loggers:  # a report must not depend on the log level the user chose
+        lg.setLevel(logging.WARNING)
+        lg.disabled = False
+        lg.addHandler(capture)
+    try:
+        worker.reload_weights(weights_path=weights_path)
+    finally:
+        for lg, (level, disabled) in zip(loggers, saved):
+            lg.removeHandler(capture)
+            lg.setLevel(level)
+            lg.disabled = disabled
+    model = worker.model_runner.get_model()
+    repaired = set()
+    for module in _tied_modules(model):  # the shared weight is new; its derived (packed) copy is not
+        method = getattr(module, "quant_method", None)
+        if method is not None and type(method).__name__.startswith("Unquantized"):
+            method.process_weights_after_loading(module)
+            repaired.add(type(module).__name__)
+    owning = {type(m).__name__ for m in model.modules() if _own_params(m)}
+    benign = repaired | ({type(m).__name__ for m in model.modules()} - owning)  # + buffers only (rotary caches)
+    failures = [msg for msg in capture.messages if "Failed to load" in msg or "not loaded" in msg]
+    return [msg for msg in failures if not (msg.endswith(_NOT_LOADED) and msg[:-len(_NOT_LOADED)] in benign)]
+
+
+def unsupported_lora_targets(model_config: Dict[str, Any], target_modules: Sequence[str]) -> List[str]:
+    """The LoRA ``target_modules`` vLLM cannot serve as an adapter on the architecture of a checkpoint
+    (its ``config.json`` as a dict): ``lm_head``/``embed_tokens`` where the architecture's vLLM class
+    does not list them in ``embedding_modules`` (Qwen2: no; Llama: yes)."""
+    asked = [t for t in target_modules if t in EMBEDDING_TARGETS]
+    if not asked:
+        return []
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    archs = model_config.get("architectures") or []
+    supported: set = set()
+    for arch in archs:
+        if arch in ModelRegistry.models:
+            supported |= set(getattr(ModelRegistry.models[arch].load_model_cls(), "embedding_modules", {}) or {})
+    return [t for t in asked if t not in supported]
+
+
+def _read_json(folder: str, name: str) -> Dict[str, Any]:
+    with open(os.path.join(folder, name), encoding="utf-8") as f:
+        return json.load(f)
+
+
+class VLLMEngine(SwappableEngine):
+    """vLLM's offline ``LLM`` in this process (no engine subprocesses), prompts as token ids."""
+
+    def __init__(self, checkpoint_dir: str, dtype: str = "float32", kv_cache_gib: float = 1.0,
+                 gpu_memory_utilization: float = 0.5, max_model_len: Optional[int] = None, seed: int = 0,
+                 max_lora_rank: int = 0):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
+        kwargs: Dict[str, Any] = dict(dtype=dtype, enforce_eager=True, seed=seed, logprobs_mode="processed_logprobs",
+                                      generation_config="vllm", use_tqdm_on_load=console.verbose())
+        if max_model_len:  # default: the model's own limit
+            kwargs["max_model_len"] = max_model_len
+        if torch.cuda.is_available():
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        else:  # a prefill split across steps rewinds each seeded request's generator, which a CPU
+            # generator cannot ("CPU Generator does not use offset"): prefill every prompt whole
+            model_len = max_model_len or _read_json(checkpoint_dir, "config.json").get("max_position_embeddings", 0)
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(int(model_len), 2048))
+        if max_lora_rank:  # one adapter at a time, of rank up to the next size vLLM accepts
+            rank = next((r for r in VLLM_LORA_RANKS if r >= max_lora_rank), None)
+            if rank is None:
+                raise ValueError(f"vLLM serves LoRA adapters up to rank {VLLM_MAX_LORA_RANK}, got {max_lora_rank}")
+            kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
+        self._lora = None  # vllm.lora.request.LoRARequest of the adapter being served
+        self._lora_ids = 0
+        self._llm_kwargs = kwargs
+        self._checkpoint = checkpoint_dir
+        self.llm = None
+        self._begin(checkpoint_dir)
+
+    def _start(self, checkpoint_dir: str) -> None:
+        from vllm import LLM, SamplingParams, TokensPrompt
+
+        self._lora = None
+        self._checkpoint = checkpoint_dir
+        self.llm = LLM(model=checkpoint_dir, **self._llm_kwargs)
+        eos = self.llm.get_tokenizer().eos_token_id
+        self.llm.generate([TokensPrompt(prompt_token_ids=[eos])], SamplingParams(max_tokens=1),
+                          use_tqdm=False)  # warm-up
+
+    def _reload_in_place(self, checkpoint_dir: str) -> None:
+        problems = [p for reports in self.llm.collective_rpc(_reload_reporting, kwargs={"weights_path": checkpoint_dir})
+                    for p in reports]
+        self.llm.reset_prefix_cache()  # stale prefixes would give old-weight results
+        self._lora = None
+        if problems:
+            raise RuntimeError(f"vLLM's loader reported: {'; '.join(problems)[:500]}")
+        self._checkpoint = checkpoint_dir
+
+    def set_adapter(self, adapter_dir: Optional[str]) -> None:
+        from vllm.lora.request import LoRARequest
+
+        llm = self._llm()
+        if adapter_dir is not None and not llm.llm_engine.vllm_config.lora_config:
+            raise RuntimeError("this vLLM engine was started without LoRA (max_lora_rank=0)")
+        if adapter_dir is not None:
+            bad = unsupported_lora_targets(_read_json(self._checkpoint, "config.json"),
+                                           _read_json(adapter_dir, "adapter_config.json").get("target_modules") or [])
+            if bad:
+                raise EngineLoadError(f"vLLM cannot serve LoRA on {bad} for this architecture; serve the adapter "
+                                      f"merged (rollout.lora_mode=merged) or with the HF engine")
+        if self._lora is not None:
+            llm.llm_engine.remove_lora(self._lora.lora_int_id)
+        self._lora = None
+        if adapter_dir is not None:  # a new id each time: vLLM caches adapters (and prefixes) by id
+            self._lora_ids += 1
+            self._lora = LoRARequest(f"adapter-{self._lora_ids}", self._lora_ids, adapter_dir)
+
+    def _llm(self):
+        if self.llm is None:
+            raise EngineLoadError("VLLMEngine is closed (closed by its owner, or its last restart failed)")
+        return self.llm
+
+    def prompt_logprobs(self, sequences: List[List[int]]) -> List[List[float]]:
+        """Through the decode step that samples (vLLM's ``prompt_logprobs`` path fails with a LoRA
+        request): one request per prefix ``seq[:t]`` asking the log-prob of ``seq[t]``
+        (``logprob_token_ids``); greedy requests report the plain log-softmax, temperature 1."""
+        from vllm import SamplingParams, TokensPrompt
+
+        prefixes = [(list(s[:t]), s[t]) for s in sequences for t in range(1, len(s))]
+        params = [SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=[int(tok)]) for _, tok in prefixes]
+        outs = self._llm().generate([TokensPrompt(prompt_token_ids=p) for p, _ in prefixes], params,
+                                    use_tqdm=False, lora_request=self._lora)
+        flat = [float(out.outputs[0].logprobs[0][tok].logprob) for out, (_, tok) in zip(outs, prefixes)]
+        out, k = [], 0
+        for s in sequences:
+            out.append(flat[k:k + len(s) - 1])
+            k += len(s) - 1
+        return out
+
+    def generate(self, prompts: List[List[int]], spec: SamplingSpec) -> List[List[Generation]]:
+        from vllm import SamplingParams, TokensPrompt
+
+        llm = self._llm()
+        t0 = time.perf_counter()
+        greedy = spec.temperature == 0
+        stop_ids = self.stop_ids(spec)
+        params = [SamplingParams(
+            n=1, temperature=spec.temperature, top_p=1.0 if greedy else spec.top_p,
+            top_k=0 if greedy else spec.top_k, max_tokens=spec.max_new_tokens, min_tokens=spec.min_new_tokens,
+            seed=sample_seed(spec.seed, i, j), logprobs=0, stop_token_ids=stop_ids,
+            stop=list(spec.stop_strings) or None,
+        ) for i in range(len(prompts)) for j in range(spec.n)]
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(spec.n)]
+        outs = llm.generate(requests, params, use_tqdm=False, lora_request=self._lora)
+        results: List[List[Generation]] = [[] for _ in prompts]
+        for k, out in enumerate(outs):
+            c = out.outputs[0]
+            toks = list(c.token_ids)
+            lps = [float(step[t].logprob) for step, t in zip(c.logprobs or [], toks)]
+            results[k // spec.n].append(Generation(toks, lps, c.finish_reason == "stop"))
+            self.stats.generated_tokens += len(toks)
+        self.stats.generate_s += time.perf_counter() - t0
+        return results
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception as e:  # shutting down must not hide the real outcome
+                logging.getLogger(__name__).warning("vLLM shutdown: %s", e)

@@ -1,0 +1,181 @@
+"""Multi-turn episodes: the environment protocol and the loop that advances every episode of a batch
+turn by turn with ONE batched generate call per turn (any engine: vLLM, HF, the rollout service).
+
+An environment (``rollout.environment=module:Class``) is built from one dataset row (its columns as
+a dict, plus ``prompt``), gives the first messages (:meth:`Environment.start`) and its tools
+(:attr:`Environment.tools`), and answers each assistant turn (:meth:`Environment.step`, given the
+parsed message and the results of its tool calls) with more messages, a reward and whether the
+episode is done. Per turn:
+
+1. every active episode's ids (first prompt + everything since) go to the engine in one call;
+   generation stops at the template's end-of-turn (every eos id) or at the end of a tool call
+   (``</tool_call>``, as a stop token when the tokenizer has it as one, else a stop string), and the
+   stop token is kept, with its log-prob, as the trainer scores it;
+2. the turn is parsed (content, tool calls); the calls of all episodes run concurrently in a thread
+   pool, each with ``tool_timeout_s``; errors are ``tool`` messages the model reads;
+3. the environment answers; the new messages are appended as token ids
+   (:class:`models.environments.chat_tokens.ChatTokens`), the sampled ones kept as sampled.
+
+An episode ends when the environment says done, or truncated (``is_end = False``): a turn that hit
+``max_new_tokens``, ``max_turns`` turns, or ``max_episode_tokens`` tokens after the first prompt.
+Its row: ``response_tokens`` = everything after the first prompt, ``loss_mask`` 1 on sampled tokens
+and 0 on template, tool and user tokens, sampler log-probs on sampled tokens (0 elsewhere).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, List, Mapping, Sequence
+
+from models.environments.chat_tokens import ChatTokens
+from models.engines.base import SamplingSpec, stream_seed
+from models.rewards import resolve_reward_fn
+from models.environments.tools import Tool, ToolCallParser, run_tool_calls, tools_by_name
+
+
+@dataclass
+class Step:
+    """An environment's answer to one assistant turn."""
+
+    messages: List[Dict[str, Any]] = field(default_factory=list)
+    """Messages after the tool results (e.g. a user turn); rendered by the chat template."""
+    reward: float = 0.0
+    """This turn's reward; an episode's reward is the sum over its turns."""
+    done: bool = False
+
+
+class Environment:
+    """Base class of environments (subclass it, or implement the same three members).
+
+    ``row``: the dataset row's columns (e.g. ``{"prompt": ..., "answer": "42"}``)."""
+
+    tools: Sequence[Tool] = ()
+    """Tools the model may call; their schemas go to the chat template (``tools=``)."""
+
+    def __init__(self, row: Mapping[str, Any]):
+        self.row = dict(row)
+
+    def start(self) -> List[Dict[str, Any]]:
+        """The first messages (system and user turns), before the first assistant turn."""
+        return [{"role": "user", "content": str(self.row["prompt"])}]
+
+    def step(self, assistant: Dict[str, Any], tool_results: List[Dict[str, Any]]) -> Step:
+        """Answer an assistant turn (``{"role": "assistant", "content", "tool_calls"}``) whose calls gave
+        ``tool_results`` (``tool`` messages). Default: done when the turn called no tool, reward 0."""
+        return Step(done=not tool_results)
+
+
+def load_environment(spec: str) -> type:
+    """The class named by ``module:Class`` (errors name the spec)."""
+    return resolve_reward_fn(spec)
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int = 4
+    max_episode_tokens: int = 256
+    tool_timeout_s: float = 10.0
+
+
+@dataclass
+class Episode:
+    """One episode's row and what happened in it."""
+
+    env: Any
+    prompt_ids: List[int]
+    messages: List[Dict[str, Any]]
+    response_ids: List[int] = field(default_factory=list)
+    loss_mask: List[bool] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    done: bool = False
+    truncated: bool = False
+
+    def append(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] = ()) -> None:
+        self.response_ids += list(ids)
+        self.loss_mask += [sampled] * len(ids)
+        self.logprobs += list(logprobs) if sampled else [0.0] * len(ids)
+
+    @property
+    def active(self) -> bool:
+        return not (self.done or self.truncated)
+
+
+def turn_stops(tokenizer, parser: ToolCallParser, spec: SamplingSpec) -> SamplingSpec:
+    """``spec`` plus the parser's end-of-call text: a stop token when it is one token of the vocabulary
+    (kept in the output with its log-prob by both engines), else a stop string."""
+    ids, strings = list(spec.stop_token_ids), list(spec.stop_strings)
+    for text in parser.stop_strings:
+        encoded = tokenizer(text, add_special_tokens=False)["input_ids"]
+        (ids.extend(encoded) if len(encoded) == 1 else strings.append(text))
+    return replace(spec, n=1, stop_token_ids=tuple(sorted(set(ids))), stop_strings=tuple(dict.fromkeys(strings)))
+
+
+def _assistant_message(tokenizer, parser: ToolCallParser, tokens: Sequence[int]):
+    content, calls = parser.parse(tokenizer.decode(list(tokens), skip_special_tokens=True))
+    message = {"role": "assistant", "content": content}
+    if any(not c.error for c in calls):
+        message["tool_calls"] = [c.as_message_call() for c in calls if not c.error]
+    return message, calls
+
+
+def run_episodes(engine, tokenizer, envs: Sequence[Any], spec: SamplingSpec, limits: EpisodeLimits,
+                 parser: ToolCallParser, pool: ThreadPoolExecutor) -> List[Episode]:
+    """Run one episode per environment; ``spec.seed`` seeds turn t's call with ``stream_seed(seed, t)``."""
+    env_tools = [tuple(getattr(env, "tools", ())) for env in envs]  # a class of its own may have none
+    chats = [ChatTokens(tokenizer, [t.schema() for t in tools] or None) for tools in env_tools]
+    episodes = []
+    for env, chat in zip(envs, chats):
+        messages = list(env.start())
+        episodes.append(Episode(env, chat.first_prompt(messages), messages))
+    tools = [tools_by_name(t) for t in env_tools]
+    turn_spec = turn_stops(tokenizer, parser, spec)
+    for turn in range(limits.max_turns):
+        active = [k for k, ep in enumerate(episodes) if ep.active]
+        if not active:
+            break
+        gens = engine.generate([episodes[k].prompt_ids + episodes[k].response_ids for k in active],
+                               replace(turn_spec, seed=stream_seed(spec.seed, turn)))
+        calls, assistants = [], {}
+        for k, per_prompt in zip(active, gens):
+            ep, g = episodes[k], per_prompt[0]
+            room = limits.max_episode_tokens - len(ep.response_ids)
+            ep.append(g.tokens[:room], True, g.logprobs[:room])
+            ep.turns += 1
+            message, parsed = _assistant_message(tokenizer, parser, g.tokens[:room])
+            ep.tool_calls += len(parsed)
+            if not g.is_end or len(g.tokens) > room:
+                ep.truncated = True
+                ep.messages.append(message)
+                continue
+            assistants[k] = message
+            calls += [(k, c) for c in parsed]
+        results = run_tool_calls(calls, tools, limits.tool_timeout_s, pool)
+        for k, message in assistants.items():
+            _answer(episodes[k], chats[k], message, results.get(k, []), limits)
+    for ep in episodes:
+        ep.truncated = ep.truncated or not ep.done
+    return episodes
+
+
+def _answer(ep: Episode, chat: ChatTokens, message: Dict[str, Any], results, limits: EpisodeLimits) -> None:
+    """The environment's answer to ``ep``'s turn ``message``, appended as template tokens."""
+    tool_messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+    ep.tool_errors += sum(r.error for r in results)
+    step = ep.env.step(message, tool_messages)
+    ep.reward += float(step.reward)
+    history, ep.messages = ep.messages, ep.messages + [message]
+    new = tool_messages + list(step.messages)
+    ep.messages += new
+    if step.done:
+        ep.done = True
+        return
+    ids = chat.continuation(history, new, ep.response_ids)
+    if len(ep.response_ids) + len(ids) >= limits.max_episode_tokens:
+        ep.truncated = True  # no room for the observation and a next turn
+        return
+    ep.append(ids, False)

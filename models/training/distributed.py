@@ -1,0 +1,204 @@
+"""Process-group set-up and model wrapping for the elastic update (torchrun / Flyte ``Elastic``).
+
+Sharding (``actor.sharding``): FSDP2 (``fully_shard`` per decoder layer, then the root) or DDP;
+``auto`` picks FSDP2 on GPUs (NCCL) and DDP on CPU (gloo), where FSDP2 runs too. Lower-precision
+compute keeps float32 master weights: FSDP2 casts the gathered parameters to the compute dtype
+(``MixedPrecisionPolicy``, gradients reduced in float32); DDP and one process run the forward
+under ``torch.autocast``. Outside a launcher (plain calls, unit tests) everything degrades to a
+single process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import os
+from dataclasses import dataclass
+from typing import Dict, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_JOINED = False
+"""Whether this process made the default process group (:func:`join_process_group`), and so leaves it."""
+
+
+def join_process_group(**kwargs) -> None:
+    """``dist.init_process_group(**kwargs)``, remembered: :func:`shutdown_distributed` leaves only this group."""
+    global _JOINED
+    dist.init_process_group(**kwargs)
+    _JOINED = True
+
+
+def init_distributed() -> DistInfo:
+    """Join the process group torchrun/elastic set up (``RANK``/``WORLD_SIZE`` in the env), if any."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{local_rank}") if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if cuda else "gloo"
+        store = _attempt_store(world)
+        if store is None:
+            join_process_group(backend=backend)
+        else:
+            join_process_group(backend=backend, store=store, rank=rank, world_size=world)
+    return DistInfo(rank, world, local_rank, device)
+
+
+def _attempt_store(world: int):
+    """The elastic agent's store under a prefix per worker-group attempt, or None (plain env://).
+
+    Torch elastic keeps one agent-hosted store across restarts of the worker group, and the
+    process group's keys carry no attempt in their names: a restarted rank could read the
+    address a dead rank of the previous attempt published and fail ("Gloo connectFullMesh
+    failed ... Connection refused") or hang. The prefix keeps each attempt to itself.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=dt.timedelta(minutes=30))
+    return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def shutdown_distributed(failed: bool = False) -> None:
+    """Leave the process group :func:`join_process_group` made; after a failure skip the barrier so the
+    error surfaces. A group this process did not make is its maker's: the single-worker actor update runs
+    in the process of a local run, whose in-process vLLM engine made a world of one, and destroying it
+    made the engine's own shutdown fail ("vLLM shutdown: Invalid process group specified")."""
+    global _JOINED
+    if _JOINED and dist.is_initialized():
+        if not failed:
+            dist.barrier()
+        dist.destroy_process_group()
+    _JOINED = False
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (identity in a single process). Works on a copy."""
+    t = t.detach().clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        backend_cpu = dist.get_backend() == "gloo"
+        moved = t.cpu() if backend_cpu else t
+        dist.all_reduce(moved, op=dist.ReduceOp.SUM)
+        t = moved.to(t.device)
+    return t
+
+
+def all_reduce_mean_dict(stats: Dict[str, float]) -> Dict[str, float]:
+    """Average scalar statistics over ranks, keys in a fixed order."""
+    if not stats:
+        return {}
+    keys = sorted(stats)
+    vec = all_reduce_sum(torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return {k: float(v) / world for k, v in zip(keys, vec)}
+
+
+SHARDINGS = ("auto", "fsdp2", "ddp")
+
+
+def uses_fsdp2(sharding: str, info: DistInfo) -> bool:
+    """Whether ``sharding`` (one of :data:`SHARDINGS`) means FSDP2 for these ranks: ``fsdp2``, or
+    ``auto`` on CUDA, over two ranks or more; ``fsdp2`` also on one rank with a process group (the GPU
+    benchmark's single-GPU case), never in a plain process."""
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
+    if sharding == "fsdp2":
+        return info.world_size > 1 or dist.is_initialized()
+    return sharding == "auto" and info.device.type == "cuda" and info.world_size > 1
+
+
+def wrap_for_training(module: nn.Module, info: DistInfo, sharding: str = "auto",
+                      compute_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """``module`` (a training wrapper of :mod:`models.training.policy`, float32 where it trains) ready to train
+    on ``info.device``: FSDP2-sharded, in DDP, or itself for one process (see :data:`SHARDINGS`).
+
+    ``compute_dtype`` below float32: forwards compute in it, the trained weights, their gradients
+    and AdamW's state stay float32 (FSDP2's mixed precision, else the wrapper's autocast)."""
+    low = compute_dtype != torch.float32
+    if uses_fsdp2(sharding, info):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # fully_shard moves each unit's parameters to the mesh's device as it shards them: no rank
+        # ever holds the whole model on the accelerator.
+        mesh = init_device_mesh(info.device.type, (info.world_size,))
+        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if low else None
+        kw = {"mesh": mesh, **({"mp_policy": mp} if mp else {})}
+        inner = next((getattr(module, a) for a in ("lm", "critic") if hasattr(module, a)), module)  # peft or not
+        trunk = inner.get_decoder() if hasattr(inner, "get_decoder") else getattr(inner, "model", None)
+        for layer in getattr(trunk, "layers", []):
+            fully_shard(layer, **kw)  # frozen base and trainable adapters share a unit: FSDP2 allows mixed requires_grad
+        fully_shard(module, **kw)  # the rest: embeddings, final norm, head, and every buffer
+        return module
+    if low:
+        module.autocast_dtype = compute_dtype
+    module = module.to(info.device)
+    if info.world_size == 1:
+        return module
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(module)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` is FSDP2-sharded (its parameters are DTensor shards)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+@contextlib.contextmanager
+def no_grad_sync(module: nn.Module, active: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce on accumulation micro-batches (DDP ``no_sync``; FSDP2 flag)."""
+    if not active:
+        yield
+        return
+    if hasattr(module, "no_sync"):
+        with module.no_sync():
+            yield
+        return
+    if hasattr(module, "set_requires_gradient_sync"):
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+        return
+    yield
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    return module.module if hasattr(module, "module") and isinstance(module, nn.parallel.DistributedDataParallel) else module
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def full_state_dict(module: nn.Module):
+    """Unsharded weights on CPU for saving (collective under FSDP2; None means "use the module's own")."""
+    if not is_sharded(module):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
