@@ -206,7 +206,8 @@ def test_vllm_serves_an_lm_head_adapter_on_a_tied_llama(vllm_engine_cls, tmp_pat
     from models.demos.hub_models import HubModelConfig, build_llama_bpe
     from models.training.lora import load_pretrained
     from models.config.io import load_config
-    from tasks.rollout import check_rollout_setup, engine_for
+    from models.run.preflight import check_rollout_setup
+    from tasks.rollout import engine_for
     from tests.unit.models.hub_copies import adapter_checkpoint
 
     hf = build_llama_bpe(tmp_path / "hf", HubModelConfig(num_kv_heads=2, tie_word_embeddings=True))

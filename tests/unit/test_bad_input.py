@@ -183,7 +183,7 @@ CASES = [
     ("reward module missing", lambda w, a, r, m: base(w, a) + ["reward.function=no_such_module:score"], "ppo",
      RewardError, r"reward spec 'no_such_module:score': cannot import module 'no_such_module'"),
     ("reward function missing", lambda w, a, r, m: base(w, a) + ["reward.function=models.demos.reverse_task:no_such_fn"], "ppo",
-     RewardError, r"module 'models\.task' has no attribute 'no_such_fn'"),
+     RewardError, r"module 'models\.demos\.reverse_task' has no attribute 'no_such_fn'"),
     ("reward function raises", lambda w, a, r, m: base(w, a) + [f"reward.function={REWARDS}:reward_raises"],
      "ppo", RewardError, r"reward_raises' raised on a batch of 4 \(first failing sample: 0\): KeyError\('answer'\)"),
     ("reward of the wrong length", lambda w, a, r, m: base(w, a) + [
