@@ -17,7 +17,7 @@ import os
 import pathlib
 import subprocess
 import sys
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 
@@ -38,7 +38,7 @@ MODEL_FLOORS: Tuple[Tuple[str, ...], ...] = (
     ("data",),  # the RolloutBatch file and the prompt dataset
     ("engines",),  # vLLM and HF generation engines
     ("checkpoint",),  # committed checkpoints, their cache
-    ("storage",),  # local and fsspec storage, content-addressed blobs
+    ("storage",),  # local and fsspec storage, compare-and-swap writes
     ("console", "faults"),  # leaves: the console's quieting, the test-only fault injection
 )
 """The packages (and top-level modules) of ``models/``, top floor first: a module imports only from its
@@ -81,18 +81,19 @@ def upward_model_arrows(root: pathlib.Path = ROOT, floors=MODEL_FLOORS) -> List[
     return out
 
 
+def decorator_names(node: ast.AST) -> Iterator[Optional[str]]:
+    """The last name of each decorator of a function: ``@task``, ``@task(...)``, ``@flytekit.task`` -> task."""
+    for deco in node.decorator_list if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else ():
+        func = deco.func if isinstance(deco, ast.Call) else deco
+        yield func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+
+
 def is_task_module(path: pathlib.Path) -> bool:
-    """Whether the file defines a Flyte task: a function decorated ``@task``, ``@task(...)``,
-    ``@dynamic`` or ``@eager`` (by any import path, e.g. ``@flytekit.task``)."""
-    for node in ast.walk(parse(path)):
-        for deco in getattr(node, "decorator_list", []) if isinstance(node, ast.FunctionDef) else []:
-            func = deco.func if isinstance(deco, ast.Call) else deco
-            if (func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)) in TASK_DECORATORS:
-                return True
-    return False
+    """Whether the file defines a Flyte task (a function decorated ``@task``, ``@dynamic`` or ``@eager``)."""
+    return any(name in TASK_DECORATORS for node in ast.walk(parse(path)) for name in decorator_names(node))
 
 
-def task_modules(root: pathlib.Path = ROOT) -> dict:
+def task_modules(root: pathlib.Path = ROOT) -> Dict[str, pathlib.Path]:
     return {name: path for name, path in module_files(root, ("tasks",)).items() if is_task_module(path)}
 
 
@@ -138,49 +139,42 @@ def task_module_lines(root: pathlib.Path = ROOT) -> List[Tuple[str, int]]:
 
 # The rules, on the product.
 
-def test_no_import_cycle():
-    """A cycle means neither module can be understood, tested or moved without the other, and the
-    import order decides which half-initialised module the other sees (function-level imports included:
-    they only postpone the cycle)."""
-    cycles = import_cycles()
-    assert not cycles, "import cycles among product modules (move the shared piece down, see " \
-                       "docs/development.md, \"The floor plan\"):\n" + "\n".join(cycles)
+RULES = {
+    "no_import_cycle": (
+        import_cycles,
+        "import cycles among product modules: neither module can be understood, tested or moved without the other, "
+        "and the import order decides which half-initialised module the other sees (a function-level import only "
+        "postpones it); move the shared piece down (docs/development.md, \"The floor plan\")"),
+    "every_models_package_has_a_floor": (
+        unplaced_packages,
+        "packages of models/ on no floor: place each in MODEL_FLOORS (and in docs/development.md's floor plan), so "
+        "that the floor test can tell which imports point up"),
+    "models_imports_only_downward": (
+        upward_model_arrows,
+        "imports to a higher floor of models/ (MODEL_FLOORS): move the function down, or the importing code up"),
+    "task_support_imports_no_task_module": (
+        support_imports_of_tasks,
+        "a support module of tasks/ imports a module that defines Flyte tasks (the task modules sit above their "
+        "support)"),
+    "production_imports_no_demo": (
+        demo_imports,
+        "production code imports models/demos/ (a demo is a preset plus a builder of its model and data; only tests, "
+        "benchmarks and the demos' builders use it)"),
+    "core_imports_no_flytekit": (
+        flytekit_imports,
+        "the Flyte-free core (models/, kernels/) imports flytekit; Flyte belongs in tasks/ and workflows/, so that "
+        "services and tests run the core without it"),
+    "no_module_over_the_line_limit": (
+        long_modules,
+        f"product modules over {MAX_MODULE_LINES} lines (split by concept; a reader should hold a module in mind)"),
+}
 
 
-def test_every_models_package_has_a_floor():
-    unplaced = unplaced_packages()
-    assert not unplaced, f"{unplaced}: place each on a floor of MODEL_FLOORS (and in docs/development.md's " \
-                         f"floor plan), so that the floor test can tell which imports point up"
-
-
-def test_models_imports_only_downward():
-    up = upward_model_arrows()
-    assert not up, "imports to a higher floor of models/ (MODEL_FLOORS; move the function down, or the " \
-                   "importing code up):\n" + "\n".join(up)
-
-
-def test_task_support_does_not_import_task_modules():
-    up = support_imports_of_tasks()
-    assert not up, "a support module of tasks/ imports a module that defines Flyte tasks (the task modules " \
-                   "sit above their support):\n" + "\n".join(up)
-
-
-def test_production_does_not_import_the_demos():
-    found = demo_imports()
-    assert not found, "production code imports models/demos/ (a demo is a preset plus a builder of its " \
-                      "model and data; only tests, benchmarks and the demos' builders use it):\n" + "\n".join(found)
-
-
-def test_the_core_does_not_import_flytekit():
-    found = flytekit_imports()
-    assert not found, "the Flyte-free core (models/, kernels/) imports flytekit; Flyte belongs in tasks/ " \
-                      "and workflows/, so that services and tests run the core without it:\n" + "\n".join(found)
-
-
-def test_no_module_is_over_the_line_limit():
-    found = long_modules()
-    assert not found, f"product modules over {MAX_MODULE_LINES} lines (split by concept; a reader should " \
-                      f"hold a module in mind):\n" + "\n".join(found)
+@pytest.mark.parametrize("rule", list(RULES))
+def test_rule_holds(rule):
+    check, reason = RULES[rule]
+    found = check()
+    assert not found, f"{reason}:\n" + "\n".join(found)
 
 
 def test_models_is_no_flat_drawer():
@@ -272,7 +266,8 @@ def test_the_check_sees_a_cycle(tmp_path):
 
 
 def test_the_check_sees_an_upward_arrow_inside_models(tmp_path):
-    root = write(tmp_path, {"models/__init__.py": "", "models/config/__init__.py": "def f():\n    from models.run import x\n",
+    root = write(tmp_path, {"models/__init__.py": "",
+                            "models/config/__init__.py": "def f():\n    from models.run import x\n",
                             "models/run/__init__.py": "", "models/run/x.py": "", "models/newpkg/__init__.py": ""})
     assert upward_model_arrows(root) == [
         "models/config/__init__.py:2: models.config (floor config) imports models.run.x (floor run, above it)"]
@@ -280,8 +275,8 @@ def test_the_check_sees_an_upward_arrow_inside_models(tmp_path):
 
 
 def test_the_check_sees_support_importing_a_task_module(tmp_path):
-    root = write(tmp_path, {"tasks/__init__.py": "",
-                            "tasks/stage.py": "import flytekit\n\n\n@flytekit.task(retries=1)\ndef t() -> int:\n    return 1\n",
+    stage = "import flytekit\n\n\n@flytekit.task(retries=1)\ndef t() -> int:\n    return 1\n"
+    root = write(tmp_path, {"tasks/__init__.py": "", "tasks/stage.py": stage,
                             "tasks/support.py": "def f():\n    from tasks.stage import t\n"})
     assert list(task_modules(root)) == ["tasks.stage"]
     assert support_imports_of_tasks(root) == [
@@ -296,8 +291,9 @@ def test_the_check_sees_production_importing_a_demo(tmp_path):
 
 
 def test_the_check_sees_a_flytekit_import(tmp_path):
-    root = write(tmp_path, {"models/__init__.py": "", "kernels/k.py": "from flytekitplugins.kfpytorch import Elastic\n",
-                            "models/x.py": "import os\n\n\ndef f():\n    import flytekit\n    from flytekit.core import task\n"})
+    lazy = "import os\n\n\ndef f():\n    import flytekit\n    from flytekit.core import task\n"
+    root = write(tmp_path, {"models/__init__.py": "", "models/x.py": lazy,
+                            "kernels/k.py": "from flytekitplugins.kfpytorch import Elastic\n"})
     assert flytekit_imports(root) == ["kernels/k.py:1 imports flytekitplugins.kfpytorch",
                                       "models/x.py:5 imports flytekit", "models/x.py:6 imports flytekit.core"]
 
