@@ -1,5 +1,5 @@
-"""Flyte tasks (one module per stage) and their Flyte support (resources and images, the Flyte type of
-a batch, decks, secrets, the elastic launcher); the code they call is in ``models/`` (the floor plan:
+"""Flyte tasks (one module per stage) and what only they use: ``config/``, ``algorithms/``, ``run/`` (a
+run's lifecycle), ``tracking/`` (MLflow) and the Flyte support beside the task modules (the floor plan:
 docs/development.md). Importing any of them quiets the libraries' console chatter
 (``models/console.py``; ``RLHF_VERBOSE=1`` keeps it): this runs first in every process that runs a
 task (``pyflyte run``, a pod's ``pyflyte-execute``, an elastic worker), before torch, transformers
