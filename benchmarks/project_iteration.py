@@ -84,16 +84,16 @@ class Shape:
     checkpoint_bytes_per_param: int = 4
     """Committed checkpoints hold float32 weights (the training master copy)."""
     optimizer_bytes_per_param: int = 8
-    """AdamW's two moments in the parameters' dtype (``models/checkpoint/optimizer_state.py``)."""
+    """AdamW's two moments in the parameters' dtype (``models/training/optimizer_state.py``)."""
     critic_params: Optional[float] = None
     """Critic parameters (None: :attr:`params`; a value head in place of the LM head differs a little)."""
     reward_model: bool = True
     """Score loads a reward model the actor's size (False: a reward function, as the tiny runs use)."""
     sharded_state: bool = False
     """The cut of the largest term, ``actor.optimizer_state_sharded`` and ``critic.optimizer_state_sharded``
-    (``models/checkpoint/optimizer_shards.py``): AdamW's moments written and read per rank under FSDP2, each rank its
+    (``models/training/optimizer_shards.py``): AdamW's moments written and read per rank under FSDP2, each rank its
     own shard, so each node moves O × :data:`MEASURED_SHARD_SHARE` × its ranks = O/nodes in parallel,
-    instead of every node reading the whole O and rank 0 writing it (``models/checkpoint/optimizer_state.py``). A LoRA
+    instead of every node reading the whole O and rank 0 writing it (``models/training/optimizer_state.py``). A LoRA
     critic's state (adapters only) is left out either way."""
 
 

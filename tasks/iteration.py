@@ -16,7 +16,7 @@ from flytekit.types.error import FlyteError
 from kernels.kl import AdaptiveKLController
 from models import storage
 from models.checkpoint import is_committed
-from models.checkpoint.optimizer_state import optimizer_url
+from models.training.optimizer_state import optimizer_url
 from models.engines import close_engines
 from models.tracking import registry
 from models.run import end as run_end, lock as run_lock

@@ -12,7 +12,8 @@ from flytekit import task
 
 from models.engines import SamplingSpec, eos_token_ids, get_engine, stream_seed
 from models.faults import pause_point
-from models.training.lora import base_url, is_adapter, merged_copy
+from models.training.lora import base_url, is_adapter
+from models.training.merge import merged_copy
 from models.training.probe import ensure_serves
 from models.engines.vllm_engine import unsupported_lora_targets
 from models.environments.episode_rollout import sample_episodes

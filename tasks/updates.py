@@ -19,10 +19,10 @@ from models import storage
 from models.checkpoint import save_model_checkpoint
 from models.training.distributed import (DistInfo, barrier, full_state_dict, init_distributed, shutdown_distributed, unwrap,
                                 wrap_for_training)
-from models.checkpoint import optimizer_state
+from models.training import optimizer_state
 from models.faults import nan_advantages, pause_point
 from models.training.lora import CAUSAL_LM, TOKEN_CLS, add_adapter, is_peft, save_adapter_checkpoint, trainable_in_float32
-from models.checkpoint.optimizer_state import optimizer_url
+from models.training.optimizer_state import optimizer_url
 from models.training.policy import CriticValues, PolicyLogprobs, with_packing
 from models.training.update import (LoopSettings, UpdateData, actor_loss_fn, critic_loss_fn, disable_dropout, make_optimizer,
                            run_update, stat_keys)

@@ -127,7 +127,7 @@ def save_checkpoint(local_dir: str, url: str, overwrite: bool = False,
     (default: Python's thread-pool default), so the shards of a big model go in parallel.
     ``consume``: the caller drops ``local_dir`` afterwards, so on the same local filesystem
     its files are hard-linked into place instead of copied. ``require_model=False`` commits a
-    folder that is no model (an optimizer state, ``models/checkpoint/optimizer_state.py``).
+    folder that is no model (an optimizer state, ``models/training/optimizer_state.py``).
     """
     files = _local_files(local_dir)
     files.pop(MARKER, None)  # a downloaded copy carries its old marker; a new one is written
@@ -162,7 +162,7 @@ def save_checkpoint(local_dir: str, url: str, overwrite: bool = False,
 def commit_uploaded(tmp: str, url: str, manifest: Mapping[str, Any]) -> Mapping[str, Any]:
     """Move the uploaded folder ``tmp`` (its files' digests in ``manifest``) to ``url`` and commit it with
     the marker; an old checkpoint at ``url`` is uncommitted first. Also the last step of the per-rank
-    optimizer state (``models/checkpoint/optimizer_shards.py``), whose ranks upload their files themselves."""
+    optimizer state (``models/training/optimizer_shards.py``), whose ranks upload their files themselves."""
     try:
         storage.remove(storage.join(url, MARKER))  # uncommit first: a crash now leaves no marker
         storage.remove(url, recursive=True)

@@ -14,7 +14,8 @@ from typing import NamedTuple, Optional
 
 from models.checkpoint import check_finite, download_checkpoint, is_committed, read_marker, save_checkpoint
 from models.console import mlflow_events_off
-from models.training.lora import ADAPTER_CONFIG, is_adapter, merge_adapter
+from models.training.lora import ADAPTER_CONFIG, is_adapter
+from models.training.merge import merge_adapter
 from models import tracking
 from models.tracking.redact import redact
 

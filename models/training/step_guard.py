@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict
+from typing import Dict, Protocol
 
 import torch
 
 from models.training.distributed import DistInfo, all_reduce_sum
 
-if TYPE_CHECKING:
-    from models.training.update import LoopSettings
+
+class GuardSettings(Protocol):
+    """What the guard reads of the loop's settings (:class:`models.training.update.LoopSettings`)."""
+
+    max_loss: float
+    max_grad_norm: float
+    max_skipped_fraction: float
+    role: str
 
 
 class NonFiniteUpdate(FloatingPointError):
@@ -35,7 +41,7 @@ NONFINITE, LOSS_BOUND, GRAD_BOUND = "non-finite", "max_loss", "max_grad_norm"
 """Why a step is skipped, in the order they are checked."""
 
 
-def skip_reason(loss: float, grad_norm: float, settings: "LoopSettings") -> str:
+def skip_reason(loss: float, grad_norm: float, settings: GuardSettings) -> str:
     """Why this step is skipped ("" if it is not), the same on every rank: each rank's verdict is summed
     over the ranks, or their replicas (DDP) or shards (FSDP2) would step apart."""
     flags = torch.tensor([not (math.isfinite(loss) and math.isfinite(grad_norm)),
@@ -56,7 +62,7 @@ class Skips:
     def total(self) -> int:
         return sum(self.counts.values())
 
-    def add(self, reason: str, steps: int, stats: Dict[str, float], settings: "LoopSettings", info: DistInfo) -> None:
+    def add(self, reason: str, steps: int, stats: Dict[str, float], settings: GuardSettings, info: DistInfo) -> None:
         k = steps + self.total
         what = f"loss {stats['loss']:.3g}, gradient norm {stats['grad_norm']:.3g}"
         why = "non-finite" if reason == NONFINITE else \
@@ -67,7 +73,7 @@ class Skips:
             print(f"[{settings.role}] step {k} skipped ({what}: {why}); weights and AdamW's moments unchanged",
                   flush=True)
 
-    def check(self, steps: int, settings: "LoopSettings") -> None:
+    def check(self, steps: int, settings: GuardSettings) -> None:
         """Raise when no step was taken, or more than ``max_skipped_fraction`` of them were skipped."""
         skipped, n = self.total, steps + self.total
         if not skipped or (steps and skipped <= settings.max_skipped_fraction * n):

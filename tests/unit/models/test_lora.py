@@ -14,8 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from models.checkpoint import CheckpointError, is_committed, read_marker, save_checkpoint
-from models.training.lora import (CAUSAL_LM, add_adapter, base_url, canonical_url, load_pretrained, merge_command,
-                         save_adapter_checkpoint, without_adapter)
+from models.training.lora import (CAUSAL_LM, add_adapter, base_url, canonical_url, load_pretrained,
+                                  save_adapter_checkpoint, without_adapter)
+from models.training.merge import merge_command
 from models.demos.tiny import TinyModelConfig, build_actor, save_model
 from models.demos.tokenizer import build_char_tokenizer
 from tests.unit.models.hub_copies import adapter_checkpoint
@@ -67,7 +68,7 @@ def test_loaded_adapter_equals_the_trained_one_and_off_equals_base(ckpts):
 @pytest.mark.slow
 def test_merge_command_writes_a_full_checkpoint_with_the_same_logits(ckpts):
     out = str(ckpts.root / "merged")
-    proc = subprocess.run([sys.executable, "-m", "models.training.lora", "merge", "--adapter", ckpts.adapter, "--out", out],
+    proc = subprocess.run([sys.executable, "-m", "models.training.merge", "--adapter", ckpts.adapter, "--out", out],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert is_committed(out) and "model.safetensors" in read_marker(out)["files"]
@@ -154,7 +155,7 @@ def tied(qwen2_chat_dir, tmp_path_factory):
 def test_merging_a_tied_head_unties_it_and_gives_the_trained_model(tied):
     from peft import PeftModel
 
-    from models.training.lora import merge_adapter
+    from models.training.merge import merge_adapter
     from models.training.probe import compare_policies
 
     merged = merge_adapter(tied.adapter, str(tied.root / "merged"))
@@ -169,12 +170,12 @@ def test_merging_a_tied_head_unties_it_and_gives_the_trained_model(tied):
 
 
 def test_a_merge_that_changes_the_model_is_refused(tied, monkeypatch):
-    import models.training.lora as lora
+    import models.training.merge as merge
 
-    monkeypatch.setattr(lora, "untie_for_adapter", lambda model, targets: False)
+    monkeypatch.setattr(merge, "untie_for_adapter", lambda model, targets: False)
     with pytest.raises(ValueError, match=r"merging adapter .*adapter changed the model: merged vs base \+ adapter "
                                          r"differ by .* nats \(tolerance 0.0001\) at sequence"):
-        lora.merge_adapter(tied.adapter, str(tied.root / "refused"))
+        merge.merge_adapter(tied.adapter, str(tied.root / "refused"))
 
 
 @pytest.mark.integration  # MLflow model logging starts processes

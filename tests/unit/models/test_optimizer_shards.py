@@ -1,5 +1,5 @@
 """AdamW's state committed per rank (``actor.optimizer_state_sharded`` and ``critic.optimizer_state_sharded``,
-one code path: ``models/checkpoint/optimizer_shards.py``) on two gloo ranks under FSDP2, on S3 (moto), for the policy
+one code path: ``models/training/optimizer_shards.py``) on two gloo ranks under FSDP2, on S3 (moto), for the policy
 and for a critic (value head on a token-classification trunk): the bytes each rank writes and reads
 (``storage.count_bytes``) with the cut and without, the reloaded state and the next update equal to the
 whole state's, and a clear error when another number of ranks loads it."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from models.checkpoint import optimizer_state
+from models.training import optimizer_state
 
 from models import storage
 from models.checkpoint import CheckpointError

@@ -1,4 +1,4 @@
-"""AdamW's state carried across updates (models/checkpoint/optimizer_state.py): an update split in two with the
+"""AdamW's state carried across updates (models/training/optimizer_state.py): an update split in two with the
 state saved and loaded between equals one uninterrupted update; a state that does not fit is refused."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from models.checkpoint import optimizer_state
+from models.training import optimizer_state
 from models.checkpoint import is_committed, read_marker
 from models.training.distributed import DistInfo
 from models.training.update import make_optimizer

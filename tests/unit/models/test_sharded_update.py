@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from kernels.losses import PolicyLossConfig
-from models.checkpoint import optimizer_state
+from models.training import optimizer_state
 from models.training.distributed import DistInfo, full_state_dict, is_sharded, unwrap, uses_fsdp2, wrap_for_training
 from models.training.policy import PolicyLogprobs
 from models.training.update import LoopSettings, UpdateData, actor_loss_fn, make_optimizer, run_update

@@ -72,7 +72,7 @@ def test_optimizer_state_stays_with_the_newest_checkpoint_only(run, tmp_path, sa
 
     from models import storage
     from models.checkpoint import is_committed
-    from models.checkpoint.optimizer_state import optimizer_url
+    from models.training.optimizer_state import optimizer_url
 
     handle, actor0, batch = run
     cfg = TrainConfig()

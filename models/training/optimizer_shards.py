@@ -1,6 +1,6 @@
 """AdamW's moments committed per rank (``actor.optimizer_state_sharded``): under FSDP2 each rank writes and
 reads only its own shard of every moment, instead of rank 0 writing the whole state and every rank reading
-all of it (``models/checkpoint/optimizer_state.py``)::
+all of it (``models/training/optimizer_state.py``)::
 
     iter-000007/actor-optimizer/    rank-00000-of-00002.safetensors, rank-00001-of-00002.safetensors,
                                     COMMITTED.json

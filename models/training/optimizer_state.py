@@ -82,13 +82,13 @@ def fill_unstepped(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
 
 def save(model: nn.Module, optimizer: torch.optim.Optimizer, url: str, info: DistInfo, sharded: bool = False) -> None:
     """Commit the optimizer's state at ``url`` (rank 0 writes; every rank must call). ``sharded``: under
-    FSDP2 with more than one rank, each rank writes its own shard instead (``models/checkpoint/optimizer_shards.py``);
+    FSDP2 with more than one rank, each rank writes its own shard instead (``models/training/optimizer_shards.py``);
     otherwise (DDP, one process: every rank holds the whole state) the whole state as usual."""
     from safetensors.torch import save_file
 
     fill_unstepped(model, optimizer)
     if sharded and info.world_size > 1 and is_sharded(model):
-        from models.checkpoint import optimizer_shards
+        from models.training import optimizer_shards
 
         optimizer_shards.save(_trainable(model), optimizer, url, info)
         return
@@ -106,14 +106,14 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, url: str,
     or None (the optimizer left fresh) when there is none or it does not fit ``model``.
 
     Every rank reads the file itself (a DTensor parameter gets its shard of each moment); a state saved
-    per rank (``models/checkpoint/optimizer_shards.py``) is read by each rank of ``info`` from its own shard only."""
+    per rank (``models/training/optimizer_shards.py``) is read by each rank of ``info`` from its own shard only."""
     from safetensors import safe_open
 
     if not is_committed(url):
         return None
     params = _trainable(model)
     if optimizer_shards_saved(url):
-        from models.checkpoint import optimizer_shards
+        from models.training import optimizer_shards
 
         return optimizer_shards.load(params, optimizer, url, info or DistInfo(0, 1, 0, torch.device("cpu")),
                                      _capturable(optimizer))
@@ -144,7 +144,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, url: str,
 
 def optimizer_shards_saved(url: str) -> bool:
     """Whether the committed state at ``url`` was saved per rank."""
-    from models.checkpoint.optimizer_shards import is_sharded_state
+    from models.training.optimizer_shards import is_sharded_state
 
     return is_sharded_state(read_marker(url)["files"])
 
