@@ -13,7 +13,8 @@ from typing import List
 from flytekit import dynamic, workflow
 
 from models.config import TrainConfig
-from tasks.iteration import TrainingSummary, finish_run, training_failed
+from models.stages.finish import TrainingSummary
+from tasks.iteration import finish_run, training_failed
 from tasks.run_tasks import prepare_run
 from models.run.types import PolicyState, RunHandle
 from workflows.common import chain_iterations, wire_iteration

@@ -16,7 +16,8 @@ from typing import List
 
 from flytekit import CronSchedule, LaunchPlan, workflow
 
-from tasks.retrain import UNSET_DATE, RetrainResult, plan_retrain, promote_if_better
+from models.stages.retrain import UNSET_DATE, RetrainResult
+from tasks.retrain import plan_retrain, promote_if_better
 from tasks.iteration import finish_run
 from tasks.run_tasks import prepare_run
 from workflows.ppo import ppo_chunk

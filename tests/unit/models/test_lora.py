@@ -196,7 +196,7 @@ def test_vllm_adapter_mode_with_an_unsupported_head_target_is_refused_at_set_up(
     pytest.importorskip("vllm")
     from models.config import ConfigError
     from models.config.io import load_config
-    from tasks.rollout import check_rollout_setup
+    from models.run.preflight import check_rollout_setup
 
     config = json.load(open(os.path.join(tied.base, "config.json")))
     cfg = load_config("tiny_ppo_lora")  # lm_head among the targets, vLLM serving the adapter
