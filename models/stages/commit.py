@@ -8,8 +8,8 @@ import json
 from typing import Dict, List
 
 from kernels.kl import AdaptiveKLController
-from models import tracking
-from models.checkpoint.retention import prune_checkpoints
+from models import storage, tracking
+from models.checkpoint.optimizer_state import optimizer_url
 from models.config import TrainConfig
 from models.data.batch import RolloutBatch
 from models.data.batch_schema import REWARD_NORM_KEY
@@ -74,3 +74,15 @@ def iteration_wall_s(prev_commit: str, launch_took_run: str) -> float:
     if launch_took_run and dt.datetime.fromisoformat(launch_took_run) > dt.datetime.fromisoformat(prev_commit):
         since = launch_took_run
     return seconds_since(since)
+
+
+def prune_checkpoints(cfg: TrainConfig, run: RunHandle, iteration: int) -> None:
+    """Keep every ``save_interval``-th iteration's checkpoints and the newest; drop the one before (with
+    ``run.off_policy_steps=1`` the one before that: the previous actor samples the next batch).
+    Optimizer states are kept with the newest checkpoints only (the resume point's)."""
+    for url in (run.layout.actor_url(iteration - 1), run.layout.critic_url(iteration - 1)) if iteration > 0 else ():
+        storage.remove(optimizer_url(url), recursive=True)
+    old = iteration - 1 - cfg.run.off_policy_steps
+    if old >= 0 and (old + 1) % cfg.run.save_interval != 0:
+        for url in (run.layout.actor_url(old), run.layout.critic_url(old)):
+            storage.remove(url, recursive=True)
