@@ -51,7 +51,7 @@ from models.demos.reverse_task import ReverseTaskConfig, read_prompts_jsonl, rev
 from models.demos.tiny import TinyModelConfig  # noqa: E402
 from models.demos.tokenizer import load_tokenizer  # noqa: E402
 from models.demos.warm_start import WarmStartConfig, build_demo_models, generate_responses  # noqa: E402
-from tasks.common import iteration_indices  # noqa: E402
+from models.data.draws import iteration_indices  # noqa: E402
 from models.config import TrainConfig  # noqa: E402
 from models.config.io import load_config  # noqa: E402
 from models.run.layout import RunLayout  # noqa: E402

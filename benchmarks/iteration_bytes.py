@@ -127,12 +127,13 @@ def measure(root_url: str, workdir: Path, overrides: Sequence[str] = ()) -> Meas
 
     from models import storage
     from models.training.distributed import DistInfo
-    from tasks.advantages import run_advantages
+    from models.stages.advantages import run_advantages
     from models.data.batch import RolloutBatch
-    from tasks.iteration import run_commit
-    from tasks.rollout import run_rollout
-    from tasks.score import run_score
-    from tasks.updates import train_actor, train_critic
+    from models.stages.commit import run_commit
+    from models.stages.rollout import run_rollout
+    from models.stages.score import run_score
+    from models.stages.actor import train_actor
+    from models.stages.critic import train_critic
     from tests.stages import tiny_run
 
     cpu = DistInfo(0, 1, 0, torch.device("cpu"))

@@ -40,7 +40,7 @@ class AdvantageInput(NamedTuple):
 
 @dataclass(frozen=True)
 class AdvantageParams:
-    """The estimators' parameters (tasks/advantages.py fills them from the config)."""
+    """The estimators' parameters (models/stages/advantages.py fills them from the config)."""
 
     kl_coef: float = 0.01
     """β of the KL penalty in the reward (0 when KL is a loss term)."""

@@ -6,8 +6,8 @@ rows. A batch already written (the usual case: tasks write to the run's storage 
 written once to Flyte's raw-output prefix. The receiving task gets a lazy batch that reads
 the file (memory-mapped when local) on first use.
 
-Importing this module registers the transformer; :mod:`tasks.common`, which every task module
-imports, does (:mod:`models.data.batch` itself knows nothing of Flyte).
+Importing this module registers the transformer; every task module that passes a batch imports it
+(:mod:`tasks.caching` does; :mod:`models.data.batch` itself knows nothing of Flyte).
 """
 
 from __future__ import annotations

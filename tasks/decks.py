@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import io
 from typing import Dict, List, Sequence
 
@@ -17,6 +16,7 @@ import numpy as np
 from flytekit.deck import DeckField
 
 from models.data.batch import RolloutBatch
+from models.stages.samples import conversation_text
 
 DECK_FIELDS = (DeckField.INPUT, DeckField.OUTPUT, DeckField.SOURCE_CODE, DeckField.TIMELINE)
 """Flyte's default decks minus the dependency list: that one runs ``pip list`` in a subprocess
@@ -56,19 +56,6 @@ def samples_table(columns: Dict[str, List], n: int = NUM_SAMPLES) -> str:
         rows.append("<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in cells) + "</tr>")
     # pre-wrap: a transcript's line breaks show (other cells have none)
     return f'<table border="1" cellpadding="4" style="white-space: pre-wrap"><tr>{head}</tr>{"".join(rows)}</table>'
-
-
-def conversation_text(episode_json: str) -> str:
-    """An episode (the batch's ``episode`` column: its messages as JSON) as a readable transcript: one
-    block per message, tool calls as ``→ name(arguments)``, tool results under the tool's name."""
-    lines = []
-    for m in json.loads(episode_json):
-        who = f"tool {m.get('name', '')}".strip() if m["role"] == "tool" else m["role"]
-        lines.append(f"[{who}] {m.get('content') or ''}".rstrip())
-        for call in m.get("tool_calls") or []:
-            fn = call.get("function", call)
-            lines.append(f"  → {fn['name']}({json.dumps(fn.get('arguments', {}), ensure_ascii=False)})")
-    return "\n".join(lines)
 
 
 class Transcript(str):

@@ -44,8 +44,9 @@ def hub_run(root: Path, model_dir: Path | str, preset: str, overrides: Sequence[
 
 def iterate(cfg, run, state, iterations: int) -> List[Dict[str, float]]:
     """``iterations`` whole iterations from ``state``; each one's merged stats (as MLflow logs them)."""
-    from tasks.iteration import run_commit
-    from tasks.updates import train_actor, train_critic
+    from models.stages.commit import run_commit
+    from models.stages.actor import train_actor
+    from models.stages.critic import train_critic
 
     cpu = DistInfo(0, 1, 0, torch.device("cpu"))
     out = []

@@ -32,9 +32,9 @@ def tiny_run(root: Path, preset: str, overrides: Sequence[str], name: str,
 
 def to_advantages(cfg, run, state):
     """``(rollout, score, advantages)`` outputs of ``state``'s iteration, each stage on the one before."""
-    from tasks.advantages import run_advantages
-    from tasks.rollout import run_rollout
-    from tasks.score import run_score
+    from models.stages.advantages import run_advantages
+    from models.stages.rollout import run_rollout
+    from models.stages.score import run_score
 
     ro = run_rollout(cfg, run, state)
     sc = run_score(cfg, run, state, ro.batch)

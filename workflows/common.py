@@ -1,14 +1,25 @@
-"""Wiring shared by the PPO and the critic-free workflows (no task code here)."""
+"""The training workflows, defined once: PPO (``workflows/ppo.py``) and the critic-free algorithms
+(``workflows/reinforce.py``) differ only by whether a critic runs, so each module binds the same three
+definitions under its own names (Flyte names a workflow after the module attribute that holds it):
+
+- one iteration, :func:`wire_iteration`: rollout → score → advantages → actor_update (∥ critic_update)
+  → commit_iteration;
+- a chunk, :func:`next_chunk` (inside a ``@dynamic``): up to ``run.iterations_per_chunk`` iterations
+  (:func:`chain_iterations`), then the chunk again on the rest;
+- a training run, :func:`train`: prepare_run → the chunks → finish_run.
+
+Wiring only: every task is in ``tasks/``."""
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 from tasks.advantages import advantages
 from models.config import TrainConfig
 from tasks.deploy import is_local_execution, resources_for, use_local_topology
-from tasks.iteration import commit_iteration, evaluate
+from tasks.iteration import commit_iteration, evaluate, finish_run
 from tasks.rollout import rollout
+from tasks.run_tasks import prepare_run
 from tasks.score import score
 from tasks.updates import actor_update, critic_update
 
@@ -83,3 +94,26 @@ def chain_iterations(cfg: TrainConfig, run, state, critic: bool) -> Tuple[object
         if eval_due(cfg, i):
             evaluate(cfg=cfg, run=run, state=state).with_overrides(**resources_for(cfg, "rollout"))
     return state, stop < cfg.run.num_iterations
+
+
+def next_chunk(chunk, cfg: TrainConfig, run, state, critic: bool):
+    """The body of a training workflow's ``@dynamic`` chunk: up to ``run.iterations_per_chunk``
+    iterations from ``state``, then ``chunk`` (the dynamic workflow itself) on the iterations left;
+    the state after the last."""
+    state, more = chain_iterations(cfg, run, state, critic)
+    return chunk(cfg=cfg, run=run, state=state) if more else state
+
+
+class Trained(NamedTuple):
+    setup: object
+    """``prepare_run``'s node: the run's config, handle and starting state."""
+    summary: object
+    """``finish_run``'s node: the run's :class:`~models.stages.finish.TrainingSummary`."""
+
+
+def train(chunk, workflow: str, preset: str, overrides: List[str], run_name: str) -> Trained:
+    """The body of a training workflow: ``prepare_run`` (as ``workflow``: ``ppo`` or ``reinforce``),
+    the run's iterations by ``chunk`` (its ``@dynamic``), ``finish_run``."""
+    setup = prepare_run(preset=preset, overrides=overrides, run_name=run_name, workflow=workflow)
+    final = chunk(cfg=setup.cfg, run=setup.run, state=setup.state)
+    return Trained(setup, finish_run(cfg=setup.cfg, run=setup.run, state=final))

@@ -3,7 +3,8 @@
     pyflyte run workflows/ppo.py ppo_training --preset configs/tiny_ppo.yaml \\
         --overrides '["run.num_iterations=20"]'
 
-Wiring only: every task is in ``tasks/``.
+The training workflows' definitions with a critic (``workflows/common.py``; the critic-free ones:
+``workflows/reinforce.py``). Wiring only: every task is in ``tasks/``.
 """
 
 from __future__ import annotations
@@ -13,23 +14,25 @@ from typing import List
 from flytekit import dynamic, workflow
 
 from models.config import TrainConfig
-from tasks.iteration import TrainingSummary, finish_run, training_failed
-from tasks.run_tasks import prepare_run
 from models.run.types import PolicyState, RunHandle
-from workflows.common import chain_iterations, wire_iteration
+from models.stages.finish import TrainingSummary
+from tasks.iteration import training_failed
+from workflows.common import next_chunk, train, wire_iteration
+
+CRITIC = True
+"""PPO trains a critic beside the actor."""
 
 
 @workflow
 def ppo_iteration(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> PolicyState:
     """One PPO iteration from ``state``; returns the state the next iteration starts from."""
-    return wire_iteration(cfg, run, state, critic=True)
+    return wire_iteration(cfg, run, state, critic=CRITIC)
 
 
 @dynamic
 def ppo_chunk(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> PolicyState:
     """Up to ``run.iterations_per_chunk`` iterations, then the next chunk."""
-    state, more = chain_iterations(cfg, run, state, critic=True)
-    return ppo_chunk(cfg=cfg, run=run, state=state) if more else state
+    return next_chunk(ppo_chunk, cfg, run, state, critic=CRITIC)
 
 
 @workflow(on_failure=training_failed)
@@ -42,6 +45,4 @@ def ppo_training(preset: str = "", overrides: List[str] = [], run_name: str = ""
     :param overrides: config overrides as section.field=value, e.g. ["actor.lr=1e-4", "run.num_iterations=50"]
     :param run_name: run folder under run.storage_root; an existing run is resumed from its state.json (docs/reliability.md)
     """
-    setup = prepare_run(preset=preset, overrides=overrides, run_name=run_name, workflow="ppo")
-    final = ppo_chunk(cfg=setup.cfg, run=setup.run, state=setup.state)
-    return finish_run(cfg=setup.cfg, run=setup.run, state=final)
+    return train(ppo_chunk, "ppo", preset, overrides, run_name).summary

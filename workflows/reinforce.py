@@ -1,7 +1,10 @@
 """Critic-free RL as Flyte workflows — REINFORCE, RLOO, GRPO, Dr. GRPO, REINFORCE++ (``run.algorithm``):
-``reinforce_iteration`` and ``reinforce_training``. Same tasks as PPO, no critic.
+``reinforce_iteration`` and ``reinforce_training``.
 
     pyflyte run workflows/reinforce.py reinforce_training --preset configs/tiny_grpo.yaml
+
+The training workflows' definitions without a critic (``workflows/common.py``; with one:
+``workflows/ppo.py``). Wiring only: every task is in ``tasks/``.
 """
 
 from __future__ import annotations
@@ -11,23 +14,25 @@ from typing import List
 from flytekit import dynamic, workflow
 
 from models.config import TrainConfig
-from tasks.iteration import TrainingSummary, finish_run, training_failed
-from tasks.run_tasks import prepare_run
 from models.run.types import PolicyState, RunHandle
-from workflows.common import chain_iterations, wire_iteration
+from models.stages.finish import TrainingSummary
+from tasks.iteration import training_failed
+from workflows.common import next_chunk, train, wire_iteration
+
+CRITIC = False
+"""The critic-free algorithms train the actor alone."""
 
 
 @workflow
 def reinforce_iteration(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> PolicyState:
     """One critic-free iteration from ``state``; returns the state the next iteration starts from."""
-    return wire_iteration(cfg, run, state, critic=False)
+    return wire_iteration(cfg, run, state, critic=CRITIC)
 
 
 @dynamic
 def reinforce_chunk(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> PolicyState:
     """Up to ``run.iterations_per_chunk`` iterations, then the next chunk."""
-    state, more = chain_iterations(cfg, run, state, critic=False)
-    return reinforce_chunk(cfg=cfg, run=run, state=state) if more else state
+    return next_chunk(reinforce_chunk, cfg, run, state, critic=CRITIC)
 
 
 @workflow(on_failure=training_failed)
@@ -40,6 +45,4 @@ def reinforce_training(preset: str = "", overrides: List[str] = [], run_name: st
     :param overrides: config overrides as section.field=value, e.g. ["run.algorithm=rloo"]
     :param run_name: run folder under run.storage_root; an existing run is resumed from its state.json (docs/reliability.md)
     """
-    setup = prepare_run(preset=preset, overrides=overrides, run_name=run_name, workflow="reinforce")
-    final = reinforce_chunk(cfg=setup.cfg, run=setup.run, state=setup.state)
-    return finish_run(cfg=setup.cfg, run=setup.run, state=final)
+    return train(reinforce_chunk, "reinforce", preset, overrides, run_name).summary

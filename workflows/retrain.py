@@ -16,9 +16,9 @@ from typing import List
 
 from flytekit import CronSchedule, LaunchPlan, workflow
 
-from tasks.retrain import UNSET_DATE, RetrainResult, plan_retrain, promote_if_better
-from tasks.iteration import finish_run
-from tasks.run_tasks import prepare_run
+from models.stages.retrain import UNSET_DATE, RetrainResult
+from tasks.retrain import plan_retrain, promote_if_better
+from workflows.common import train
 from workflows.ppo import ppo_chunk
 
 
@@ -41,9 +41,7 @@ def retrain(prompts_root: str = "prompts", run_date: dt.datetime = UNSET_DATE,
     p = plan_retrain(prompts_root=prompts_root, run_date=run_date, registered_model_name=registered_model_name,
                      preset=preset, overrides=overrides, base_checkpoint=base_checkpoint,
                      heldout_prompts=heldout_prompts)
-    setup = prepare_run(preset=preset, overrides=p.overrides, run_name=p.run_name, workflow="ppo")
-    final = ppo_chunk(cfg=setup.cfg, run=setup.run, state=setup.state)
-    summary = finish_run(cfg=setup.cfg, run=setup.run, state=final)
+    setup, summary = train(ppo_chunk, "ppo", preset, p.overrides, p.run_name)
     return promote_if_better(cfg=setup.cfg, run=setup.run, summary=summary, champion_version=p.champion_version,
                              min_improvement=min_improvement)
 

@@ -22,7 +22,7 @@ Writing and reading with the project::
     tensors = RolloutBatch.read(url, shard=(rank, world)).to_padded(["advantages", "old_logprobs"])
 
 This module knows nothing of Flyte: :mod:`tasks.batch_type` makes RolloutBatch a Flyte type, and
-:mod:`tasks.common` (which every task module imports) registers it.
+:mod:`tasks.caching` (which every task module that passes a batch imports) registers it.
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ def test_learns_the_tiny_task(algo, workflow, tmp_path):
     hold the project's own lines only (``console_lines.py``)."""
     from models.engines import close_engines
     from models.config.io import config_from_json_dict
-    from tasks.iteration import eval_reward
+    from models.stages.evaluate import eval_reward
     from models.run.types import RunHandle
 
     quick = ["run.num_iterations=15", "run.eval_interval=15", "rollout.eval_temperature=1.0",
@@ -145,7 +145,7 @@ def test_reinforce_workflow_refuses_ppo(tmp_path):
 @pytest.fixture(scope="module")
 def ppo_run(tmp_path_factory):
     """A tiny PPO run (HF engine, one process) set up in-process, and its first rollout."""
-    from tasks.rollout import run_rollout
+    from models.stages.rollout import run_rollout
     from models.run.setup import setup_run
 
     root = tmp_path_factory.mktemp("remote")
@@ -167,8 +167,8 @@ def _with(cfg, **sections):
 
 
 def test_remote_critic_matches_in_task_critic(ppo_run, tmp_path):
-    from tasks.score import run_score
-    from tasks.updates import train_critic
+    from models.stages.score import run_score
+    from models.stages.critic import train_critic
 
     root, _, setup, ro = ppo_run
     local = run_score(setup.cfg, setup.run, setup.state, ro.batch)
@@ -181,7 +181,7 @@ def test_remote_critic_matches_in_task_critic(ppo_run, tmp_path):
             remote = run_score(cfg, setup.run, setup.state, ro.batch)
             np.testing.assert_allclose(np.concatenate(remote.batch.column("values").to_pylist()),
                                        np.concatenate(local.batch.column("values").to_pylist()), atol=1e-5)
-            from tasks.advantages import run_advantages
+            from models.stages.advantages import run_advantages
 
             adv = run_advantages(cfg, setup.run, setup.state, remote.batch)
             out = train_critic(cfg, setup.run, setup.state, adv.batch)
@@ -192,11 +192,11 @@ def test_remote_critic_matches_in_task_critic(ppo_run, tmp_path):
 
 
 def test_remote_reward_model_matches_local(ppo_run, tmp_path):
-    from tasks.iteration import eval_reward
+    from models.stages.evaluate import eval_reward
     from models.checkpoint import save_checkpoint
     from models.demos.tiny import TinyModelConfig, build_reward_model, save_model
     from models.demos.tokenizer import build_char_tokenizer
-    from tasks.score import run_score
+    from models.stages.score import run_score
 
     root, _, setup, ro = ppo_run
     tok = build_char_tokenizer()

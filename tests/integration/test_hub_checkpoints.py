@@ -177,7 +177,7 @@ def test_a_resumed_rollout_is_bit_identical_to_the_warm_one(vllm_engine_cls, qwe
     kept warm (reloaded in place with iteration 0's actor) and by a fresh one (a resumed run's)."""
     from models.engines import close_engines
     from models.data.batch import RolloutBatch
-    from tasks.rollout import run_rollout
+    from models.stages.rollout import run_rollout
     from models.run.types import PolicyState
     from tests.hub_runs import hub_run, iterate
 
@@ -207,7 +207,7 @@ def test_vllm_serves_an_lm_head_adapter_on_a_tied_llama(vllm_engine_cls, tmp_pat
     from models.training.lora import load_pretrained
     from models.config.io import load_config
     from models.run.preflight import check_rollout_setup
-    from tasks.rollout import engine_for
+    from models.stages.engine import engine_for
     from tests.unit.models.hub_copies import adapter_checkpoint
 
     hf = build_llama_bpe(tmp_path / "hf", HubModelConfig(num_kv_heads=2, tie_word_embeddings=True))

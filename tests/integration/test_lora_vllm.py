@@ -21,7 +21,7 @@ from models.demos.reverse_task import PromptGenerator, ReverseTaskConfig
 from models.demos.tokenizer import load_tokenizer
 from models.demos.warm_start import warm_start
 from models.config.io import load_config
-from tasks.rollout import engine_for
+from models.stages.engine import engine_for
 from models.run.setup import cache_dir
 
 pytestmark = pytest.mark.integration

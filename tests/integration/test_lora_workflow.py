@@ -62,8 +62,8 @@ def test_ppo_lora_two_iterations_through_pyflyte(tmp_path):
 @pytest.fixture(scope="module")
 def iteration_one(tmp_path_factory):
     """Iteration 0 in-process (HF engine, one process) so iteration 1 starts from an adapter."""
-    from tasks.iteration import run_commit
-    from tasks.updates import train_actor
+    from models.stages.commit import run_commit
+    from models.stages.actor import train_actor
     from models.training.distributed import DistInfo
     from tests.stages import tiny_run, to_advantages
 

@@ -39,12 +39,15 @@ CHARTS = "rollout/(reward_mean|init_policy_kl|response_length_mean)|actor/loss"
 def _train(tmp) -> str:
     """A tiny PPO run through the tasks' own functions (one process, HF engine); its MLflow run id."""
     from models.training.distributed import DistInfo
-    from tasks.advantages import run_advantages
-    from tasks.iteration import run_commit, run_evaluate, run_finish
-    from tasks.rollout import run_rollout
-    from tasks.score import run_score
+    from models.stages.advantages import run_advantages
+    from models.stages.commit import run_commit
+    from models.stages.evaluate import run_evaluate
+    from models.stages.finish import run_finish
+    from models.stages.rollout import run_rollout
+    from models.stages.score import run_score
     from models.run.setup import setup_run
-    from tasks.updates import train_actor, train_critic
+    from models.stages.actor import train_actor
+    from models.stages.critic import train_critic
 
     setup = setup_run("tiny_ppo", [f"run.storage_root={tmp}/runs"] + OVERRIDES, "tiny-review", "ppo")
     cfg, run, state = setup

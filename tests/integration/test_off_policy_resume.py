@@ -25,11 +25,12 @@ OFF = ["run.off_policy_steps=1", "actor.tis_cap=2", "rollout.engine=hf", "run.sa
 
 def pipelined(cfg, run, state, stop: int) -> List[Dict[str, float]]:
     """Iterations ``state.iteration`` .. ``stop``−1 as the pipelined graph orders them; each one's stats."""
-    from tasks.advantages import run_advantages
-    from tasks.iteration import run_commit
-    from tasks.rollout import run_rollout
-    from tasks.score import run_score
-    from tasks.updates import train_actor, train_critic
+    from models.stages.advantages import run_advantages
+    from models.stages.commit import run_commit
+    from models.stages.rollout import run_rollout
+    from models.stages.score import run_score
+    from models.stages.actor import train_actor
+    from models.stages.critic import train_critic
 
     sampled = run_rollout(cfg, run, *state.sampler())
     out = []

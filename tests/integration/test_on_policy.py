@@ -18,7 +18,7 @@ import pytest
 
 from models.engines import _CACHE, close_engines
 from models.training.probe import compare_policies
-from tasks.common import local_checkpoint
+from models.checkpoint.local import local_checkpoint
 from tests.hub_runs import hub_run, iterate
 
 pytestmark = pytest.mark.integration

@@ -150,8 +150,8 @@ def test_rollout_and_eval_tasks_through_the_server_match_the_engine_in_the_task(
     """``rollout.remote_url``: the rollout task writes the batch the in-task engine writes, and the
     evaluation gets the same reward (both get their engine from ``engine_for``)."""
     from models.config.io import config_from_json_dict, to_dict
-    from tasks.iteration import eval_reward
-    from tasks.rollout import run_rollout
+    from models.stages.evaluate import eval_reward
+    from models.stages.rollout import run_rollout
     from models.run.setup import setup_run
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")

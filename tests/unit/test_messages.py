@@ -88,7 +88,8 @@ from models.data.batch import RolloutBatch
 from models.config.io import config_from_json_dict
 from models.run.layout import RunLayout
 from models.run.types import PolicyState, RunHandle
-from tasks.updates import DiskFull, train_actor
+from models.checkpoint.disk_full import DiskFull
+from models.stages.actor import train_actor
 import torch
 root, name = sys.argv[1], sys.argv[2]
 layout = RunLayout(root, name)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 
 from models.data.batch import BatchMetadata, RolloutBatch
-from tasks.decks import batch_html, conversation_text
-from tasks.iteration import sample_table
+from models.stages.samples import conversation_text
+from tasks.decks import batch_html
+from models.stages.samples import sample_table
 
 MESSAGES = [{"role": "user", "content": "What is 6 * 7?"},
             {"role": "assistant", "content": "Let me calculate.",

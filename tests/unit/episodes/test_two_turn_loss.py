@@ -13,10 +13,10 @@ import torch
 from kernels.losses import PolicyLossConfig, PolicyLossInput, policy_loss
 from models.data.batch import BatchMetadata, RolloutBatch
 from models.training.update import UpdateData, critic_loss_fn
-from tasks.advantages import run_advantages
+from models.stages.advantages import run_advantages
 from models.config.io import load_config
-from tasks.iteration import sample_table
-from tasks.score import rollout_stats
+from models.stages.samples import sample_table
+from models.stages.score_metrics import rollout_stats
 from models.run.types import PolicyState, RunHandle
 
 # response: 2 sampled tokens (a tool call), 2 tool-result tokens, 1 sampled token (the answer)

@@ -24,7 +24,8 @@ from models.demos.tool_tasks import ArithmeticEnv, problems
 from models.training.update import LoopSettings, actor_loss_fn, disable_dropout, make_optimizer, run_update
 from kernels.losses import PolicyLossConfig
 from models.data.batch import BatchMetadata, RolloutBatch
-from tasks.updates import _ACTOR_COLS, update_data
+from models.stages.actor import _ACTOR_COLS
+from models.stages.updates import update_data
 from tests.unit.models.hub_copies import hf_logprobs
 
 ROWS, LR, BETA = 8, 5e-4, 0.01

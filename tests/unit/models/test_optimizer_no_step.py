@@ -1,6 +1,6 @@
 """An iteration whose update takes no optimiser step (every advantage zero: GRPO with a constant reward)
 carries AdamW's moments on unchanged: moments after (step, no step, step) are those after (step, step),
-bit for bit, through the save and load every iteration's update process does (tasks/updates.py); and an
+bit for bit, through the save and load every iteration's update process does (models/training/optimizer_carry.py); and an
 iteration without a step before any step leaves the next one a fresh AdamW, not a state that "does not fit
 this model (63 entries missing)"."""
 
@@ -11,7 +11,7 @@ import torch
 from kernels.losses import PolicyLossConfig
 from models.training.distributed import DistInfo
 from models.training.update import LoopSettings, actor_loss_fn, run_update
-from tasks.updates import carried_optimizer, commit_optimizer
+from models.training.optimizer_carry import carried_optimizer, commit_optimizer
 from tests.unit.models.test_sharded_update import LENGTHS, policy
 from tests.unit.models.update_rows import padded_rows
 

@@ -49,7 +49,7 @@ def test_score_warns_and_logs_when_raw_rewards_leave_the_expected_range(capsys):
     """Rewards up to 1e6 were trained on silently; now the score task says so and logs the share."""
     from models.rewards.sources import as_scores
     from models.config import TrainConfig
-    from tasks.score import shaped_rewards
+    from models.stages.rewards import shaped_rewards
     from models.run.types import PolicyState
     from tests.stages import with_overrides
 

@@ -15,7 +15,7 @@ from models.algorithms.docs_table import markdown_table, with_table
 from models.config import AdvantageConfig, ConfigError, CriticConfig, LoraConfig, RolloutConfig, RunConfig, TrainConfig
 from models.config.io import config_from_json_dict, load_config, to_dict
 from models.run.setup import check_workflow
-from tasks.updates import policy_loss_config
+from models.stages.actor import policy_loss_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 PRESETS = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
@@ -30,7 +30,7 @@ def test_every_algorithm_runs_on_its_defaults():
 
     from kernels.advantages import AdvantageInput
     from kernels.losses import PolicyLossInput, policy_loss
-    from tasks.advantages import advantage_params
+    from models.stages.advantages import advantage_params
 
     old_logp = torch.full((4, 3), -1.0)  # [B, T]
     for name, spec in algorithms.ALGORITHMS.items():

@@ -10,11 +10,12 @@ import json
 import pytest
 
 from models.checkpoint import save_checkpoint
-from tasks import iteration
 from models import tracking
 from models.run import lock as run_lock
 from models.config import TrainConfig
-from tasks.iteration import run_commit, run_evaluate
+from models.stages.commit import run_commit
+from models.stages import evaluate
+from models.stages.evaluate import run_evaluate
 from models.run.types import PolicyState, RunHandle
 from tests.unit.models.test_checkpoint import hf_dir
 from tests.unit.tasks.test_batch import LOGP, rollout_batch
@@ -62,7 +63,7 @@ def test_a_crash_before_state_json_redoes_the_commit_without_duplicates(run, tmp
 def test_logged_evaluation_is_not_run_again(run, monkeypatch):
     handle, actor, _ = run
     tracking.log_metrics(handle.mlflow_run_id, {"eval/reward_mean": 0.75}, step=4)
-    monkeypatch.setattr(iteration, "eval_rewards", lambda *a, **k: pytest.fail("evaluated twice"))
+    monkeypatch.setattr(evaluate, "eval_rewards", lambda *a, **k: pytest.fail("evaluated twice"))
     assert run_evaluate(TrainConfig(), handle, PolicyState(5, actor, "", 0.01)) == 0.75
 
 
@@ -93,7 +94,7 @@ def test_the_first_iteration_after_a_resume_does_not_count_the_downtime(run, tmp
     the crash; the iteration after it counts from its own previous commit again."""
     import datetime as dt
 
-    from tasks.iteration import seconds_since
+    from models.stages.commit import seconds_since
     from models.run.layout import RunState
 
     handle, actor0, batch = run

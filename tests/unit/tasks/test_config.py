@@ -16,9 +16,9 @@ def test_a_preset_naming_only_the_algorithm_trains_with_the_papers_settings(tmp_
     from kernels.gae import compute_gae
     from kernels.kl import kl_shaped_rewards
     from kernels.losses import ppo_clip_token_loss, value_loss
-    from tasks.iteration import next_kl_coef
+    from models.stages.commit import next_kl_coef
     from models.run.types import PolicyState
-    from tasks.updates import policy_loss_config
+    from models.stages.actor import policy_loss_config
 
     (tmp_path / "bare.yaml").write_text("run:\n  algorithm: ppo\n")
     cfg = load_config(str(tmp_path / "bare.yaml"), [])

@@ -13,7 +13,9 @@ import pytest
 
 from models.rewards.verifiers import math_reward
 from models.data.batch_schema import decode_data_columns
-from tasks.iteration import eval_rewards, run_commit, sample_table
+from models.stages.evaluate import eval_rewards
+from models.stages.commit import run_commit
+from models.stages.samples import sample_table
 from models.run.setup import setup_run
 from tests.stages import tiny_run, to_advantages
 
@@ -107,7 +109,7 @@ def test_a_reward_that_hangs_in_score_fails_the_task_naming_it(run):
     import time
 
     from models.rewards.workers import RewardTimeout
-    from tasks.score import run_score
+    from models.stages.score import run_score
     from tests.stages import with_overrides
 
     setup, ro, _, _ = run
@@ -122,8 +124,8 @@ def test_a_reward_that_hangs_in_score_fails_the_task_naming_it(run):
 
 def test_running_normalisation_survives_commit_and_resume(tmp_path, chat_actor):
     """Iteration 1 of a resumed run normalises with the moments of iterations 0 and 1's raw rewards."""
-    from tasks.rollout import run_rollout
-    from tasks.score import run_score
+    from models.stages.rollout import run_rollout
+    from models.stages.score import run_score
 
     extra = ["reward.normalize=true", "reward.scale=2.0", "reward.clip=3.0"]
     with tiny_run(tmp_path, "tiny_grpo", overrides(tmp_path, chat_actor, extra), "norm") as (cfg, run, state):

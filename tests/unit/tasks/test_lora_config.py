@@ -16,7 +16,7 @@ def test_by_default_every_weight_trains_and_a_rank_alone_adapts_every_projection
     from models.training.lora import CAUSAL_LM, is_peft
     from models.demos.tiny import TinyModelConfig, build_actor, save_model
     from models.demos.tokenizer import build_char_tokenizer
-    from tasks.updates import load_trainable
+    from models.stages.updates import load_trainable
 
     tok = build_char_tokenizer()
     url = str(tmp_path / "actor")

@@ -18,10 +18,12 @@ from models.training.distributed import DistInfo
 from models.training.lora import CAUSAL_LM, canonical_url
 from models.training.policy import PolicyLogprobs
 from models.training.update import make_optimizer
-from tasks.iteration import run_commit
-from tasks.rollout import run_rollout
-from tasks.score import run_score
-from tasks.updates import load_trainable, train_actor, train_critic
+from models.stages.commit import run_commit
+from models.stages.rollout import run_rollout
+from models.stages.score import run_score
+from models.stages.updates import load_trainable
+from models.stages.actor import train_actor
+from models.stages.critic import train_critic
 from tests.reference import token_logprobs
 from tests.stages import tiny_run, to_advantages
 
@@ -132,7 +134,8 @@ def test_update_changes_only_adapter_tensors(run):
     from transformers import AutoModelForCausalLM
 
     from models.training.update import LoopSettings, actor_loss_fn, run_update
-    from tasks.updates import _ACTOR_COLS, policy_loss_config, update_data
+    from models.stages.actor import _ACTOR_COLS, policy_loss_config
+    from models.stages.updates import update_data
 
     cfg, ad = run["cfg"], run["ad0"]
     lm = load_trainable(run["s1"].actor_url, AutoModelForCausalLM, "float32", cfg.actor.lora, CAUSAL_LM)

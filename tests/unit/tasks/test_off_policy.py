@@ -15,8 +15,8 @@ from kernels.losses import PolicyLossConfig, PolicyLossInput, policy_loss
 from models import storage
 from models.checkpoint import is_committed, save_checkpoint
 from models.config.io import load_config
-from tasks.iteration import prune_checkpoints
-from tasks.score import policy_lag
+from models.stages.commit import prune_checkpoints
+from models.stages.score_metrics import policy_lag
 from models.run.types import PolicyState, RunHandle
 from tests.unit.models.test_checkpoint import hf_dir
 from tests.unit.tasks.test_batch import rollout_batch

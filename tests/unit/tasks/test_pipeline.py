@@ -11,10 +11,12 @@ from kernels.gae import compute_gae_reference
 from models.training.distributed import DistInfo
 from models.demos.reverse_task import reverse_reward
 from models.data.batch import ADVANTAGE_COLUMNS, ROLLOUT_COLUMNS, SCORE_COLUMNS, RolloutBatch
-from tasks.iteration import run_commit
-from tasks.score import run_score
+from models.stages.commit import run_commit
+from models.stages.score import run_score
 from models.run.setup import setup_run
-from tasks.updates import policy_loss_config, train_actor, train_critic, update_data
+from models.stages.actor import policy_loss_config, train_actor
+from models.stages.critic import train_critic
+from models.stages.updates import update_data
 from tests.stages import tiny_run, to_advantages
 
 pytestmark = pytest.mark.slow  # whole tasks on a tiny run, tens of seconds each (make test-unit leaves them to make test)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tasks.advantages import run_advantages
+from models.stages.advantages import run_advantages
 from models.data.batch import BatchMetadata, RolloutBatch
 from models.config.io import load_config
 from models.run.types import PolicyState, RunHandle

@@ -8,7 +8,7 @@ import pytest
 
 from models import tracking
 from models.config import TrainConfig
-from tasks.iteration import run_finish
+from models.stages.finish import run_finish
 from models.run.health import UnhealthyRun, check_healthy
 from models.run.types import PolicyState, RunHandle
 from tests.stages import with_overrides
@@ -46,7 +46,7 @@ def test_half_skipped_is_healthy_and_the_bound_is_the_config_s(tmp_path, monkeyp
 
 def test_the_critic_is_judged_from_what_its_update_logs(tmp_path, monkeypatch):
     """The critic's share comes from ``critic_stats`` (what ``commit_iteration`` logs of its update)."""
-    from tasks.updates import critic_stats
+    from models.stages.critic import critic_stats
 
     run_id = logged_run(tmp_path, monkeypatch, [(4, 0)])
     update = {"loss": 1.0, "explained_variance": 0.0, "grad_norm": 1.0, "value_clip_frac": 0.0, "steps": 1.0,
@@ -58,7 +58,7 @@ def test_the_critic_is_judged_from_what_its_update_logs(tmp_path, monkeypatch):
 
 
 def test_a_critic_server_that_logs_no_steps_is_not_judged(tmp_path, monkeypatch):
-    from tasks.updates import critic_stats
+    from models.stages.critic import critic_stats
 
     run_id = logged_run(tmp_path, monkeypatch, [(4, 0)])
     old_server = {"loss": 1.0, "explained_variance": 0.0, "grad_norm": 1.0, "value_clip_frac": 0.0,

@@ -10,9 +10,9 @@ from models.engines import SamplingSpec
 from models.data.batch import BatchMetadata, RolloutBatch
 from models.config import TrainConfig
 from models.config.io import load_config
-from tasks.iteration import progress_line
-from tasks.rollout import SAMPLING_KEY, sampling_record
-from tasks.score import check_sampling_temperature, logprob_gap
+from models.stages.progress import progress_line
+from models.stages.rollout import SAMPLING_KEY, sampling_record
+from models.stages.score_metrics import check_sampling_temperature, logprob_gap
 
 BASE = {"rollout/reward_mean": 0.5, "rollout/init_policy_kl": 0.01, "rollout/response_length_mean": 4.0,
         "actor/loss": 0.1, "actor/clip_frac": 0.0}

@@ -1,4 +1,4 @@
-"""The summary a finished run prints (``tasks/iteration.py:summary_text``): counted in the right
+"""The summary a finished run prints (``models/stages/finish.py:summary_text``): counted in the right
 number, and naming only the checkpoints the algorithm writes."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from models.config.io import load_config
-from tasks.iteration import TrainingSummary, summary_text
+from models.stages.finish import TrainingSummary, summary_text
 from models.run.types import RunHandle
 
 

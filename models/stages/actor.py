@@ -1,0 +1,90 @@
+"""The actor update stage: one pass of the algorithm's policy loss over a batch on every rank of an
+elastic launch (DDP or FSDP2), rank 0 committing the next actor checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Dict
+
+import torch
+
+from kernels.losses import PolicyLossConfig
+from models.checkpoint.disk_full import naming_a_full_disk
+from models.checkpoint.local import load_tokenizer
+from models.config import TrainConfig
+from models.data.batch import RolloutBatch
+from models.faults import nan_advantages, pause_point
+from models.run import lock as run_lock
+from models.run.types import PolicyState, RunHandle
+from models.stages.updates import UpdateOutput, load_trainable, loop_settings, save_trained, update_data
+from models.timing import timed
+from models.training.distributed import (DistInfo, barrier, full_state_dict, init_distributed, shutdown_distributed,
+                                         unwrap, wrap_for_training)
+from models.training.lora import CAUSAL_LM
+from models.training.optimizer_carry import carried_optimizer, commit_optimizer
+from models.training.policy import PolicyLogprobs, with_packing
+from models.training.update import actor_loss_fn, run_update, stat_keys
+
+_ACTOR_COLS = ("old_logprobs", "advantages", "sampler_logprobs", "ref_logprobs", "loss_mask")
+
+
+def policy_loss_config(cfg: TrainConfig) -> PolicyLossConfig:
+    """The actor loss ``run.algorithm`` declares (its loss kind and any aggregation it fixes), with the
+    ``actor.*`` settings it honours (the others are at their defaults: the config refuses them set)."""
+    a, spec = cfg.actor, cfg.spec
+    return PolicyLossConfig(kind=spec.policy_loss, clip_low=a.clip_eps, clip_high=a.clip_eps_high or a.clip_eps,
+                            dual_clip=a.dual_clip or None, agg=spec.loss_agg or a.loss_agg,
+                            horizon=cfg.rollout.max_new_tokens, entropy_coef=a.entropy_coef,
+                            tis_cap=a.tis_cap or None)
+
+
+def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch,
+                info: DistInfo) -> UpdateOutput:
+    """The body every rank runs: its shard, DDP/FSDP2, the update, rank 0 commits the checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    torch.manual_seed(cfg.run.seed * 7919 + state.iteration)
+    tok = load_tokenizer(run.reference_url)
+    data = update_data(batch, tok.pad_token_id or 0, _ACTOR_COLS, (info.rank, info.world_size))
+    data = data._replace(adv=nan_advantages(data.adv, state.iteration, info.rank))  # tests only
+    a = cfg.actor
+    lm = load_trainable(state.actor_url, AutoModelForCausalLM, cfg.model.dtype, a.lora, CAUSAL_LM)
+    model = wrap_for_training(with_packing(PolicyLogprobs(lm), cfg.model.pack_sequences), info, a.sharding,
+                              getattr(torch, cfg.model.dtype))
+    kl_beta = state.kl_coef if cfg.kl.placement == "loss" else 0.0
+    times: Dict[str, float] = {}
+    optimizer, prior_steps = carried_optimizer(model, a.lr, a.weight_decay, state.actor_url, a.keep_optimizer_state,
+                                               times, "actor", info)
+    with timed(times, "time/actor_train_s"):
+        stats = run_update(model, optimizer, data,
+                           actor_loss_fn(policy_loss_config(cfg), cfg.rollout.temperature, kl_beta, cfg.kl.estimator),
+                           loop_settings(a.ppo_epochs, a, cfg.run.seed * 1000 + state.iteration, "actor"), info)
+    pause_point(f"actor_update/iter-{state.iteration:06d}")  # tests only: kill the run mid-update
+    url = run.layout.actor_url(state.iteration)
+    full = full_state_dict(model)
+    with naming_a_full_disk(url, model):
+        if info.is_main:
+            save_trained(unwrap(model).lm, tok, url, state.actor_url, full, prefix="lm.")
+        commit_optimizer(model, optimizer, url, a.keep_optimizer_state, times, "actor", info,
+                         a.optimizer_state_sharded)
+    barrier()
+    stats["optimizer_steps_total"] = prior_steps + stats["steps"]
+    out = {**stat_keys("actor", stats), **times}
+    out["time/actor_update_s"] = time.perf_counter() - t0
+    return UpdateOutput(url, out)
+
+
+def train_actor_ranks(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> UpdateOutput:
+    """What every process of the actor's elastic launch runs: join the process group, train
+    (:func:`train_actor`; rank 0 holds the run's lease meanwhile) and leave it."""
+    info = init_distributed()
+    try:
+        with run_lock.heartbeat(run.layout.lock_url) if info.is_main else contextlib.nullcontext():
+            out = train_actor(cfg, run, state, batch, info)
+    except BaseException:
+        shutdown_distributed(failed=True)  # no barrier: the other ranks may never reach it
+        raise
+    shutdown_distributed()
+    return out

@@ -1,0 +1,88 @@
+"""The commit stage: the iteration's resume point (``state.json``), its metrics and samples in MLflow,
+the checkpoints it keeps, and the state the next iteration starts from."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Dict, List
+
+from kernels.kl import AdaptiveKLController
+from models import storage, tracking
+from models.training.optimizer_state import optimizer_url
+from models.config import TrainConfig
+from models.data.batch import RolloutBatch
+from models.data.batch_schema import REWARD_NORM_KEY
+from models.run import lock as run_lock
+from models.run.types import PolicyState, RunHandle
+from models.stages.progress import progress_line
+from models.stages.samples import sample_table
+from models.tracking import registry
+
+
+def next_kl_coef(cfg: TrainConfig, state: PolicyState, stats: Dict[str, float]) -> float:
+    if not cfg.kl.adaptive:
+        return state.kl_coef
+    ctl = AdaptiveKLController(state.kl_coef, cfg.kl.target, cfg.kl.horizon)
+    return ctl.update(stats.get("rollout/init_policy_kl", 0.0), cfg.rollout.samples_per_iteration).value
+
+
+def run_commit(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List[Dict[str, float]],
+               batch: RolloutBatch, actor_url: str, critic_url: str) -> PolicyState:
+    merged: Dict[str, float] = {}
+    for s in stats:
+        merged.update(s)
+    i = state.iteration
+    kl = next_kl_coef(cfg, state, merged)
+    prev = run.layout.read_state()
+    if prev is not None and prev.iteration == i - 1:  # end to end, orchestration included
+        merged["time/iteration_s"] = iteration_wall_s(prev.updated_at, run_lock.acquired_at(run.layout.lock_url))
+    # MLflow first (idempotent per step and file), state.json last: a crash in between redoes
+    # this commit on resume instead of losing the iteration's metrics.
+    tracking.log_metrics(run.mlflow_run_id, merged, step=i)
+    tracking.log_table(run.mlflow_run_id, sample_table(batch, cfg.run.num_logged_samples),
+                       f"samples/iter-{i:06d}.json")
+    if (i + 1) % cfg.run.save_interval == 0 or i + 1 == cfg.run.num_iterations:
+        for role, url in (("actor", actor_url), ("critic", critic_url)):
+            if url:
+                registry.log_checkpoint(run.mlflow_run_id, f"iter-{i:06d}/{role}", url,
+                                        cfg.run.checkpoint_artifact_max_mb)
+    reward_norm = next_reward_norm(state, batch)
+    behaviour = state.actor_url if cfg.run.off_policy_steps else ""  # samples iteration i + 1 (docs/off_policy.md)
+    run_lock.renew(run.layout.lock_url)  # LostLock: another launch holds the run now, never write its state
+    nxt = PolicyState(i + 1, actor_url, critic_url, kl, reward_norm, behaviour)
+    run.layout.write_state(nxt.resume_point())
+    prune_checkpoints(cfg, run, i)
+    print(progress_line(cfg, i, merged), flush=True)
+    return nxt
+
+
+def next_reward_norm(state: PolicyState, batch: RolloutBatch) -> Dict[str, float]:
+    """The running reward moments after the scored ``batch`` (``reward.normalize``), else the state's."""
+    moments = batch.metadata.extras.get(REWARD_NORM_KEY)
+    return json.loads(moments) if moments else dict(state.reward_norm)
+
+
+def seconds_since(iso: str) -> float:
+    return (dt.datetime.now(dt.timezone.utc) - dt.datetime.fromisoformat(iso)).total_seconds()
+
+
+def iteration_wall_s(prev_commit: str, launch_took_run: str) -> float:
+    """Seconds since the previous commit, or since this launch took the run when that came later (the
+    first iteration after a resume: never the time the run was down)."""
+    since = prev_commit
+    if launch_took_run and dt.datetime.fromisoformat(launch_took_run) > dt.datetime.fromisoformat(prev_commit):
+        since = launch_took_run
+    return seconds_since(since)
+
+
+def prune_checkpoints(cfg: TrainConfig, run: RunHandle, iteration: int) -> None:
+    """Keep every ``save_interval``-th iteration's checkpoints and the newest; drop the one before (with
+    ``run.off_policy_steps=1`` the one before that: the previous actor samples the next batch).
+    Optimizer states are kept with the newest checkpoints only (the resume point's)."""
+    for url in (run.layout.actor_url(iteration - 1), run.layout.critic_url(iteration - 1)) if iteration > 0 else ():
+        storage.remove(optimizer_url(url), recursive=True)
+    old = iteration - 1 - cfg.run.off_policy_steps
+    if old >= 0 and (old + 1) % cfg.run.save_interval != 0:
+        for url in (run.layout.actor_url(old), run.layout.critic_url(old)):
+            storage.remove(url, recursive=True)

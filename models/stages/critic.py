@@ -1,0 +1,88 @@
+"""The critic update stage: clipped value regression on a batch's returns, in this process or on the
+critic server, committing the next critic checkpoint."""
+
+from __future__ import annotations
+
+import time
+from typing import Dict
+
+import torch
+
+from models.checkpoint.disk_full import naming_a_full_disk
+from models.checkpoint.local import load_tokenizer
+from models.config import TrainConfig
+from models.data.batch import RolloutBatch
+from models.run.types import PolicyState, RunHandle
+from models.server.client import server_client
+from models.stages.updates import UpdateOutput, load_trainable, loop_settings, save_trained, update_data
+from models.timing import timed
+from models.training.distributed import DistInfo, wrap_for_training
+from models.training.lora import TOKEN_CLS
+from models.training.optimizer_carry import carried_optimizer, commit_optimizer
+from models.training.policy import CriticValues, with_packing
+from models.training.update import critic_loss_fn, run_update
+
+_CRITIC_COLS = ("values", "returns")
+
+
+def train_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> UpdateOutput:
+    """Clipped value regression on the batch's returns; commits the next critic."""
+    from transformers import AutoModelForTokenClassification
+
+    t0 = time.perf_counter()
+    if cfg.critic.remote_url:
+        return train_remote_critic(cfg, run, state, batch, t0)
+    info = DistInfo(0, 1, 0, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(cfg.run.seed * 7919 + state.iteration + 1)
+    tok = load_tokenizer(run.reference_url)
+    # multi-turn: values are regressed on the policy's tokens only (tool and template tokens have no return)
+    data = update_data(batch, tok.pad_token_id or 0, _CRITIC_COLS + (("loss_mask",) if cfg.rollout.environment
+                                                                   else ()), None)
+    c = cfg.critic
+    critic = load_trainable(state.critic_url, AutoModelForTokenClassification, cfg.model.dtype, c.lora, TOKEN_CLS)
+    model = wrap_for_training(with_packing(CriticValues(critic), cfg.model.pack_sequences), info,
+                              compute_dtype=getattr(torch, cfg.model.dtype))
+    times: Dict[str, float] = {}
+    optimizer, prior_steps = carried_optimizer(model, c.lr, 0.0, state.critic_url, c.keep_optimizer_state, times,
+                                               "critic")
+    with timed(times, "time/critic_train_s"):
+        stats = run_update(model, optimizer, data, critic_loss_fn(c.value_clip or None),
+                           loop_settings(c.epochs, c, cfg.run.seed * 1000 + state.iteration + 1, "critic"), info)
+    url = run.layout.critic_url(state.iteration)
+    with naming_a_full_disk(url, model):
+        save_trained(model.critic, tok, url, state.critic_url)
+        commit_optimizer(model, optimizer, url, c.keep_optimizer_state, times, "critic", info,
+                         c.optimizer_state_sharded)
+    return UpdateOutput(url, {**critic_stats(stats), "critic/optimizer_steps_total": prior_steps + stats["steps"],
+                              **times, "time/critic_update_s": time.perf_counter() - t0})
+
+
+def train_remote_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch,
+                        t0: float) -> UpdateOutput:
+    """The critic server's ``train`` on this batch, then ``save`` to the run's critic URL."""
+    from models.server.schemas import TrainSettings
+
+    c = cfg.critic
+    t = batch.table
+    client = server_client(c.remote_url, cfg.reward.remote_timeout_s)
+    out = client.train(t.column("prompt_tokens").to_pylist(), t.column("response_tokens").to_pylist(),
+                       t.column("returns").to_pylist(), t.column("values").to_pylist(),
+                       TrainSettings(epochs=c.epochs, minibatch_size=c.minibatch_size,
+                                     micro_batch_size=c.micro_batch_size, grad_clip=c.grad_clip,
+                                     value_clip=c.value_clip, seed=cfg.run.seed * 1000 + state.iteration + 1))
+    url = run.layout.critic_url(state.iteration)
+    client.save(url, overwrite=True)
+    return UpdateOutput(url, {**critic_stats(out.stats), "time/critic_update_s": time.perf_counter() - t0})
+
+
+CRITIC_STATS = ("loss", "explained_variance", "grad_norm", "value_clip_frac", "steps", "nonfinite_steps",
+                "skipped_steps")
+"""Statistics of the critic update logged as ``critic/<name>``."""
+
+
+def critic_stats(stats: Dict[str, float]) -> Dict[str, float]:
+    """``critic/<name>`` of :data:`CRITIC_STATS` (a server predating ``nonfinite_steps`` or ``skipped_steps``
+    counts none; one predating ``steps`` logs none, and ``finish_run`` cannot judge its share of skips)."""
+    counts = ("nonfinite_steps", "skipped_steps")
+    return {f"critic/{k}": float(stats.get(k, 0.0)) if k in counts else stats[k]
+            for k in CRITIC_STATS if k in stats or k in counts}

@@ -1,0 +1,35 @@
+"""The one line a commit prints per iteration: reward, KL, length, the actor's loss and the time taken."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+from models.config import TrainConfig
+
+
+def progress_line(cfg: TrainConfig, i: int, m: Dict[str, float]) -> str:
+    phases = sum(v for k, v in m.items() if k in ("time/rollout_s", "time/score_s", "time/advantages_s",
+                                                   "time/actor_update_s", "time/critic_update_s"))
+    wall = f"{m['time/iteration_s']:.1f} s wall, " if "time/iteration_s" in m else ""
+    return (f"[{cfg.run.algorithm}] iter {i + 1}/{cfg.run.num_iterations}  "
+            f"reward {m.get('rollout/reward_mean', float('nan')):.3f}  "
+            f"kl {m.get('rollout/init_policy_kl', float('nan')):.3f}  "
+            f"len {m.get('rollout/response_length_mean', float('nan')):.1f}  "
+            f"{_actor(m)}{_gap(m)}({wall}{phases:.1f} s in tasks)")
+
+
+def _actor(m: Dict[str, float]) -> str:
+    """The actor's loss and clip fraction, or that it took no step (no token or no advantage to learn from)."""
+    skipped = f"{m['actor/skipped_steps']:.0f} skipped  " if m.get("actor/skipped_steps") else ""
+    if m.get("actor/steps") == 0:
+        return "actor: no step (no advantage or token to learn from)  "
+    return f"actor_loss {m.get('actor/loss', float('nan')):+.3f}  clip {m.get('actor/clip_frac', float('nan')):.2f}  " \
+           f"{skipped}"
+
+
+def _gap(m: Dict[str, float]) -> str:
+    """Sampler vs trainer: the batch's largest log-prob gap (π_old recomputed), else the probe's."""
+    for key, label in (("rollout/logprob_gap_max", "gap"), ("rollout/probe_gap_max", "probe gap")):
+        if key in m:
+            return f"{label} {m[key]:.1e}  "
+    return ""

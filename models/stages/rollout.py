@@ -1,0 +1,106 @@
+"""The rollout stage: sample responses from the current actor and write the iteration's RolloutBatch."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any, Dict, NamedTuple, Sequence, Tuple
+
+from models.checkpoint.local import load_tokenizer, local_checkpoint
+from models.config import TrainConfig
+from models.data.batch import BatchMetadata, RolloutBatch
+from models.data.draws import draw_ids, iteration_indices
+from models.engines import SamplingSpec, eos_token_ids, stream_seed
+from models.engines.rollout import RolloutColumns, sample
+from models.environments.episode_rollout import sample_episodes
+from models.environments.episodes import EpisodeLimits, load_environment
+from models.environments.tools import get_parser
+from models.faults import pause_point
+from models.run.data import read_run_prompts, sample_columns
+from models.run.types import PolicyState, RunHandle
+from models.stages.engine import engine_for
+from models.timing import timed
+
+SAMPLING_KEY = "sampling"
+"""Batch metadata ``extras`` key of :func:`sampling_record` (what the engine sampled with)."""
+
+
+class RolloutOutput(NamedTuple):
+    batch: RolloutBatch
+    stats: Dict[str, float]
+
+
+def sampling_spec(cfg: TrainConfig, run: RunHandle, seed: int, n: int, temperature: float) -> SamplingSpec:
+    """How the rollout samples: the config's settings, and every eos id of the run's checkpoint
+    (its tokenizer's and ``generation_config.json``'s) as stop tokens."""
+    r = cfg.rollout
+    return SamplingSpec(n=n, temperature=temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                        seed=seed, stop_token_ids=eos_token_ids(local_checkpoint(run.reference_url)),
+                        stop_strings=tuple(r.stop_strings))
+
+
+def sampling_record(cfg: TrainConfig, spec: SamplingSpec) -> str:
+    """What the batch was sampled with, as its metadata records it (JSON)."""
+    r = cfg.rollout
+    dtype = r.vllm_dtype if r.engine == "vllm" else cfg.model.dtype
+    engine = f"remote {r.remote_url}" if r.remote_url else f"{r.engine} ({dtype})"
+    return json.dumps({"engine": engine, "temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k,
+                       "max_new_tokens": spec.max_new_tokens, "seed": spec.seed,
+                       "stop_token_ids": list(spec.stop_token_ids), "stop_strings": list(spec.stop_strings)},
+                      sort_keys=True)
+
+
+def sample_data(cfg: TrainConfig, engine, tokenizer, data, prompt_ids: Sequence[int],
+                spec: SamplingSpec) -> Tuple[RolloutColumns, Dict[str, Any], Dict[str, float]]:
+    """``spec.n`` samples of every prompt of ``data`` (a ``PromptDataset``): one response each, or with
+    ``rollout.environment`` one multi-turn episode each (its environment built from the row's columns
+    and ``prompt``; :mod:`models.environments.episodes`). Returns the rollout columns, the episode columns (none
+    single-turn) and the ``episode/*`` metrics."""
+    r = cfg.rollout
+    if not r.environment:
+        return sample(engine, tokenizer, data.prompts, prompt_ids, spec, data.chat), {}, {}
+    rows = [{"prompt": p, **cols} for p, cols in zip(data.prompts, data.row_columns())]
+    limits = EpisodeLimits(r.max_turns, r.max_episode_tokens, r.tool_timeout_s)
+    return sample_episodes(engine, tokenizer, load_environment(r.environment), rows, prompt_ids,
+                           replace(spec, max_new_tokens=min(spec.max_new_tokens, r.max_episode_tokens)), limits,
+                           get_parser(r.tool_parser))
+
+
+def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState, ahead: int = 0) -> RolloutOutput:
+    """The batch of iteration ``state.iteration + ahead`` sampled from ``state``'s actor (``ahead`` 1: a
+    batch sampled one update ahead, ``run.off_policy_steps``); its ``policy_version`` is ``state.iteration``."""
+    version = state.iteration
+    state = replace(state, iteration=state.iteration + ahead)
+    stats: Dict[str, float] = {}
+    with timed(stats, "time/rollout_s"):
+        data = read_run_prompts(run.train_prompts_url)
+        per_iteration = cfg.rollout.prompts_per_iteration
+        drawn = data.take(iteration_indices(len(data), per_iteration, state.iteration, cfg.run.seed))
+        tokenizer = load_tokenizer(run.reference_url)
+        with timed(stats, "time/engine_load_s"):
+            engine = engine_for(cfg, state.actor_url)
+        spec = sampling_spec(cfg, run, stream_seed(cfg.run.seed, state.iteration), cfg.rollout.n_samples_per_prompt,
+                             cfg.rollout.temperature)
+        cols, episode_cols, episode_stats = sample_data(cfg, engine, tokenizer, drawn,
+                                                        draw_ids(per_iteration, state.iteration), spec)
+        stats.update(episode_stats)
+        pause_point(f"rollout/iter-{state.iteration:06d}")  # tests only: kill the run mid-rollout
+        meta = BatchMetadata(iteration=state.iteration, policy_version=version,
+                             algorithm=cfg.run.algorithm,
+                             extras={"run_name": run.run_name, SAMPLING_KEY: sampling_record(cfg, spec)})
+        batch = RolloutBatch.from_columns(meta, **cols.as_dict(), **episode_cols, **sample_columns(drawn, spec.n))
+        with timed(stats, "time/rollout_write_s"):
+            batch = batch.write(run.layout.batch_url(state.iteration, "rollouts"))
+    stats.update(throughput_stats(cols, episode_cols, engine))
+    return RolloutOutput(batch, stats)
+
+
+def throughput_stats(cols: RolloutColumns, episode_cols: Dict[str, Any], engine) -> Dict[str, float]:
+    """``time/generate_s``, the sampled tokens per second and the engine's probe gap after this weight change."""
+    n_tokens = float(sum(sum(m) for m in episode_cols["loss_mask"]) if episode_cols  # sampled tokens only
+                     else sum(len(r) for r in cols.response_tokens))
+    stats = {"time/generate_s": cols.generate_s,
+             "throughput/rollout_tokens_per_s": n_tokens / max(cols.generate_s, 1e-9)}
+    if "probe_gap_max" in engine.stats.extra:  # engine vs trainer on the probe after this weight change
+        stats["rollout/probe_gap_max"] = float(engine.stats.extra["probe_gap_max"])
+    return stats

@@ -1,0 +1,99 @@
+"""The score stage: π_old and π_ref log-probs, critic values and the sequence reward for a batch."""
+
+from __future__ import annotations
+
+import json
+from typing import Dict, NamedTuple
+
+import numpy as np
+import pyarrow as pa
+
+from models.checkpoint.local import base_checkpoint_url, load_hf, load_tokenizer
+from models.config import TrainConfig
+from models.data import ragged
+from models.data.batch import RolloutBatch
+from models.data.batch_schema import REWARD_NORM_KEY
+from models.run.types import PolicyState, RunHandle
+from models.server.client import server_client
+from models.stages.batches import by_length, micro_batches
+from models.stages.rewards import batch_rewards, shaped_rewards
+from models.stages.score_metrics import check_sampling_temperature, logprob_gap, policy_lag, rollout_stats
+from models.timing import timed
+from models.training.lora import canonical_url, without_adapter
+from models.training.policy import CriticValues, PolicyLogprobs, with_packing
+from models.training.scoring import score_microbatches
+
+
+class ScoreOutput(NamedTuple):
+    batch: RolloutBatch
+    stats: Dict[str, float]
+
+
+def remote_values(cfg: TrainConfig, batch: RolloutBatch) -> np.ndarray:
+    """Critic values from the critic server's ``infer``, flat in row-major response order."""
+    client = server_client(cfg.critic.remote_url, cfg.reward.remote_timeout_s)
+    results = client.infer(batch.column("prompt_tokens").to_pylist(), batch.column("response_tokens").to_pylist())
+    if any(r.values is None for r in results):
+        raise ValueError(f"critic server {cfg.critic.remote_url} has no critic loaded")
+    return np.concatenate([np.asarray(r.values, np.float32) for r in results]) if results else np.zeros(0, np.float32)
+
+
+def check_reference_base(actor_url: str, reference_url: str) -> None:
+    """With LoRA the reference is the actor's base: refuse an adapter trained on another base."""
+    base = base_checkpoint_url(actor_url)
+    if canonical_url(base) != canonical_url(reference_url):
+        raise ValueError(f"LoRA actor {actor_url} adapts {base}, not the run's reference {reference_url}: "
+                         f"its base with the adapter off would not be the reference policy")
+
+
+def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> ScoreOutput:
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    stats: Dict[str, float] = {}
+    dtype = cfg.model.dtype
+    check_sampling_temperature(batch, cfg.rollout.temperature)
+    with timed(stats, "time/score_s"):
+        tok = load_tokenizer(run.reference_url)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        size = max(cfg.actor.micro_batch_size, 1) * 2
+        recompute = cfg.actor.old_logprobs == "recompute"
+        actor_lm = load_hf(state.actor_url, AutoModelForCausalLM, dtype) if recompute or cfg.actor.lora.enabled \
+            else None
+        pack = cfg.model.pack_sequences
+        actor = with_packing(PolicyLogprobs(actor_lm).eval(), pack) if actor_lm is not None else None
+        if cfg.actor.lora.enabled:  # π_ref = the same model with its adapter off; no second copy
+            check_reference_base(state.actor_url, run.reference_url)
+            ref = without_adapter(actor, actor_lm)
+        else:
+            ref = with_packing(PolicyLogprobs(load_hf(run.reference_url, AutoModelForCausalLM, dtype)).eval(), pack)
+        local_critic = cfg.uses_critic and not cfg.critic.remote_url
+        critic = with_packing(CriticValues(load_hf(state.critic_url, AutoModelForTokenClassification, dtype)).eval(),
+                              pack) \
+            if local_critic else None
+        lengths = batch.response_lengths()
+        with timed(stats, "time/score_forward_s"):
+            order = by_length(batch)
+            flat = score_microbatches(micro_batches(batch, size, pad, order), actor if recompute else None, ref,
+                                      critic, temperature=cfg.rollout.temperature)
+            flat = {k: ragged.unpermute_flat(v, lengths, order) for k, v in flat.items()}
+            if not recompute:  # π_old = the engine's own log-probs (config checks it computes like the trainer)
+                flat["old_logprobs"] = ragged.offsets_and_values(batch.column("sampler_logprobs"))[1] \
+                    .astype(np.float32)
+            if cfg.uses_critic and cfg.critic.remote_url:
+                flat["values"] = remote_values(cfg, batch)
+        with timed(stats, "time/reward_s"):
+            scores = batch_rewards(cfg, run, batch, size, pad)
+        shaped, reward_metrics = shaped_rewards(cfg, state, scores)
+        cols = {k: ragged.list_from_flat(flat[k], lengths, pa.float32())
+                for k in ("old_logprobs", "ref_logprobs", "values") if k in flat}
+        scored = batch.with_columns(reward=shaped.rewards, reward_raw=scores.total.astype(np.float32), **cols)
+        if cfg.reward.normalize:  # the moments after this batch, for commit_iteration to keep
+            scored = scored.with_metadata(extras={**scored.metadata.extras,
+                                                  REWARD_NORM_KEY: json.dumps(shaped.moments.to_dict())})
+        scored = scored.write(run.layout.batch_url(state.iteration, "score"))
+    stats.update(rollout_stats(scores.total, lengths, batch, flat))
+    stats.update(policy_lag(cfg, state, batch))
+    stats.update(reward_metrics)
+    if recompute:
+        stats.update(logprob_gap(batch, flat["old_logprobs"]))
+    return ScoreOutput(scored, stats)

@@ -1,0 +1,61 @@
+"""What the actor and the critic update share: a batch's rows as update tensors, the loop's settings,
+the model to train loaded from its checkpoint and the trained model committed, and their outputs."""
+
+from __future__ import annotations
+
+from typing import Dict, NamedTuple
+
+from models.checkpoint import save_model_checkpoint
+from models.checkpoint.local import base_checkpoint_url, load_hf, local_checkpoint
+from models.config import LoraConfig
+from models.data.batch import RolloutBatch
+from models.training.lora import add_adapter, is_peft, save_adapter_checkpoint, trainable_in_float32
+from models.training.update import LoopSettings, UpdateData, disable_dropout
+
+
+class UpdateOutput(NamedTuple):
+    checkpoint_url: str
+    stats: Dict[str, float]
+
+
+def update_data(batch: RolloutBatch, pad_id: int, columns, shard) -> UpdateData:
+    """This rank's rows as padded tensors (inputs and the loss columns, same row order)."""
+    inputs = batch.to_model_inputs(pad_id, shard=shard)
+    t = batch.to_padded(list(columns), shard=shard)
+    get = lambda name: t[name].float() if name in t else None  # noqa: E731
+    return UpdateData(inputs.input_ids, inputs.attention_mask, inputs.response_positions, inputs.response_mask,
+                      old_logp=get("old_logprobs"), adv=get("advantages"), sampler_logp=get("sampler_logprobs"),
+                      ref_logp=get("ref_logprobs"), old_values=get("values"), returns=get("returns"),
+                      loss_mask=t["loss_mask"].bool() if "loss_mask" in t else None)
+
+
+def loop_settings(epochs: int, section, seed: int, role: str) -> LoopSettings:
+    """The update loop's shape and step guard from the ``actor`` or ``critic`` section."""
+    g = section.guard
+    return LoopSettings(epochs, section.minibatch_size, section.micro_batch_size, section.grad_clip, seed,
+                        g.max_loss, g.max_grad_norm, g.max_skipped_fraction, role)
+
+
+def load_trainable(url: str, auto_cls, dtype: str, lora: LoraConfig, task_type: str):
+    """The model to train from checkpoint ``url``: all its weights, or with ``lora`` its adapter
+    (fresh, seeded by the caller's RNG, when ``url`` holds full weights: the first iteration).
+
+    What trains is float32 whatever ``dtype`` (``model.dtype``, the compute dtype): master weights,
+    as the checkpoints it commits; a LoRA model's frozen base is loaded in ``dtype``."""
+    model = load_hf(url, auto_cls, dtype if lora.enabled else "float32", trainable=True)
+    if lora.enabled and not is_peft(model):
+        model = add_adapter(model, lora, task_type)
+    return disable_dropout(trainable_in_float32(model, local_checkpoint(url)))
+
+
+def save_trained(model, tokenizer, url: str, from_url: str, full_state=None, prefix: str = "") -> None:
+    """Commit the trained ``model`` at ``url``: the adapter only (pointing at the base of ``from_url``)
+    for a peft model, else the full weights. ``full_state``: gathered FSDP2 weights whose keys carry
+    the training wrapper's ``prefix``."""
+    state = None if full_state is None else {k[len(prefix):]: v for k, v in full_state.items()
+                                             if k.startswith(prefix)}
+    if is_peft(model):
+        save_adapter_checkpoint(model, tokenizer, url, base_checkpoint_url(from_url), overwrite=True,
+                                state_dict=state)
+    else:
+        save_model_checkpoint(model, tokenizer, url, overwrite=True, state_dict=state)

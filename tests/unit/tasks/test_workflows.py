@@ -1,0 +1,30 @@
+"""PPO's and the critic-free workflows are one definition (``workflows/common.py``) bound twice: compiled,
+they hold the same nodes but for the critic's update and their own chunk, and take the same inputs."""
+
+from __future__ import annotations
+
+
+def node_entities(wf) -> list:
+    """The names of what ``wf``'s nodes run (tasks, sub-workflows), sorted."""
+    return sorted(n.flyte_entity.name for n in wf.nodes)
+
+
+def test_one_iteration_differs_only_by_the_critic_update():
+    from workflows.ppo import ppo_iteration
+    from workflows.reinforce import reinforce_iteration
+
+    ppo, critic_free = node_entities(ppo_iteration), node_entities(reinforce_iteration)
+    assert "tasks.updates.critic_update" not in critic_free
+    assert ppo == sorted(critic_free + ["tasks.updates.critic_update"])
+    assert "tasks.updates.actor_update" in critic_free and "tasks.iteration.commit_iteration" in critic_free
+
+
+def test_training_differs_only_by_its_chunk():
+    from workflows.ppo import ppo_training
+    from workflows.reinforce import reinforce_training
+
+    ppo, critic_free = node_entities(ppo_training), node_entities(reinforce_training)
+    assert ppo == ["tasks.iteration.finish_run", "tasks.run_tasks.prepare_run", "workflows.ppo.ppo_chunk"]
+    assert critic_free == [n.replace("ppo.ppo_chunk", "reinforce.reinforce_chunk") for n in ppo]
+    assert ppo_training.python_interface.inputs == reinforce_training.python_interface.inputs
+    assert ppo_training.python_interface.outputs == reinforce_training.python_interface.outputs
