@@ -28,6 +28,7 @@ from flytekit.extras.accelerators import GPUAccelerator
 from models.config import ConfigError, TrainConfig
 from models.config.io import load_config
 from tasks.elastic import FORKSERVER, ActorElastic
+from tasks.flyte_internals import set_task_config
 
 from models.run.preflight import DEPLOY_OVERRIDES_ENV, DEPLOY_PRESET_ENV, check_topology  # noqa: F401
 
@@ -77,6 +78,6 @@ def use_local_topology(elastic_task, cfg: TrainConfig) -> None:
 
     Local executions run each task as soon as the workflow calls it, so a node override
     (``with_overrides(task_config=...)``) arrives after the launch and is ignored; this sets what
-    that override sets (``Node.with_overrides`` assigns the task's ``_task_config`` too).
+    that override sets (:func:`tasks.flyte_internals.set_task_config`).
     """
-    elastic_task._task_config = elastic_for(cfg, local=True)
+    set_task_config(elastic_task, elastic_for(cfg, local=True))
