@@ -1,16 +1,20 @@
 """Every use of flytekit's private or internal names, in one place.
 
 flytekit promises nothing about these; ``tests/unit/tasks/test_flyte_internals.py`` checks each one
-against the installed flytekit (the version ``pyproject.toml`` pins), so an upgrade that moves one fails
+against the installed flytekit (the version ``constraints.txt`` pins), so an upgrade that moves one fails
 there, naming it, instead of in a run.
 
-| what | why | used by |
-|---|---|---|
-| a task's ``_task_config`` | set the run's actor launch before a local execution calls the task (what ``Node.with_overrides(task_config=...)`` assigns) | ``tasks/deploy.py`` |
-| ``flytekit.clis.sdk_in_container.utils.pretty_print_exception`` | ``pyflyte``'s printer of a failed command's exception | ``tasks/cli_errors.py`` |
-| ``.value`` of ``FlyteScopedException`` and ``FlyteUserRuntimeException`` | the user's exception inside flytekit's wrappers | ``tasks/cli_errors.py`` |
-| kfpytorch's ``PytorchElasticFunctionTask._execute``, ``spawn_helper``, ``is_recoverable_worker_error``, ``ElasticWorkerResult`` | a launch of the elastic workers the plugin does not offer (a forkserver) | ``tasks/elastic.py`` |
-| ``FlyteContextManager.current_context().output_metadata_tracker``, ``flytekit.deck.deck.TimeLineDeck`` | rank 0's decks and output metadata, handed to the task's process as the plugin does | ``tasks/elastic.py`` |
+- a task's ``_task_config``: the run's actor launch, set before a local execution calls the task (what
+  ``Node.with_overrides(task_config=...)`` assigns); ``tasks/deploy.py``;
+- ``flytekit.clis.sdk_in_container.utils.pretty_print_exception``: ``pyflyte``'s printer of a failed
+  command's exception; ``tasks/cli_errors.py``;
+- ``.value`` of ``FlyteScopedException`` and ``FlyteUserRuntimeException``: the user's exception inside
+  flytekit's wrappers; ``tasks/cli_errors.py``;
+- kfpytorch's ``PytorchElasticFunctionTask._execute``, ``spawn_helper``, ``is_recoverable_worker_error``
+  and ``ElasticWorkerResult``: a launch of the elastic workers the plugin does not offer (a forkserver);
+  ``tasks/elastic.py``;
+- ``FlyteContextManager.current_context().output_metadata_tracker`` and ``flytekit.deck.deck.TimeLineDeck``:
+  rank 0's decks and output metadata handed to the task's process, as the plugin does; ``tasks/elastic.py``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The configuration reference page, generated from the field docstrings of :mod:`models.config`.
 
-Every config field carries a docstring under it; this module reads them from the source of the module
-that defines each section (``models/config/run.py``, ``rollout.py``, ...; with :mod:`ast`, since
-Python keeps no attribute docstrings at run time) together with each field's type and default, and
-writes ``docs/reference/config.md``: one section per config section (``run``, ``model``, ...), one
-row per key, and a link to the section's module. ``tests/unit/test_docs_site.py`` fails when the checked-in page differs from what this
-generates, so the page cannot drift from the code.
+Every config field carries a docstring under it; this module reads them from the source of the
+module that defines each section (``models/config/run.py``, ``rollout.py``, ...; with :mod:`ast`,
+since Python keeps no attribute docstrings at run time) together with each field's type and default,
+and writes ``docs/reference/config.md``: one section per config section (``run``, ``model``, ...),
+a link to the section's module and one row per key. ``tests/unit/test_docs_site.py`` fails when the
+checked-in page differs from what this generates, so the page cannot drift from the code.
 
     python -m models.config.reference                 # print the page
     python -m models.config.reference docs/reference/config.md   # refresh the file (make docs)

@@ -178,7 +178,8 @@ class TrainConfig:
     __hash__ = None  # type: ignore[assignment]  # as before: its lists make it unhashable
 
     def _compared(self) -> tuple:
-        return tuple(self.effective_kl if f.name == "kl" else getattr(self, f.name) for f in dataclasses.fields(self))
+        return tuple(self.effective_kl if f.name == "kl" else getattr(self, f.name)
+                     for f in dataclasses.fields(self))
 
     @property
     def uses_critic(self) -> bool:
