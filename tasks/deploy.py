@@ -2,11 +2,14 @@
 
 Two places use the same config fields (``resources.*`` and ``actor.nnodes/nproc_per_node``):
 
-- the task decorators, at import time, from the **deployment config**: the preset named by
+- the task decorators, from the **deployment config** :data:`REGISTERED`: the preset named by
   ``RLHF_DEPLOY_PRESET`` plus the space-separated ``section.field=value`` items of
-  ``RLHF_DEPLOY_OVERRIDES`` (both unset: the config defaults, the tiny CPU settings). This is
-  what ``pyflyte package``/``register`` compiles into the task templates, and what a task pod
-  runs with, so the image must be built with the same two variables (see the ``Dockerfile``);
+  ``RLHF_DEPLOY_OVERRIDES`` (both unset: the config defaults, the tiny CPU settings), read by
+  :func:`read_deployment`, the one place these variables are read, once, when this module is first
+  imported. This is what ``pyflyte package``/``register`` compiles into the task templates, and what a
+  task pod runs with, so every pod must see the same two variables (``make package`` puts them in every
+  task's environment; the ``Dockerfile``'s are the fallback). Why it cannot wait for the run: the
+  "Why the deployment is read when the tasks load" section of docs/cluster.md;
 - the training workflows' dynamic chunks, from the run's own config, as node overrides
   (``with_overrides(requests=..., limits=..., accelerator=...)``).
 
@@ -18,9 +21,8 @@ executions; on a cluster they must match the deployment config (:func:`check_top
 
 from __future__ import annotations
 
-import functools
 import os
-from typing import Any, Dict
+from typing import Any, Dict, Mapping
 
 from flytekit import Resources
 from flytekit.extras.accelerators import GPUAccelerator
@@ -28,14 +30,20 @@ from flytekit.extras.accelerators import GPUAccelerator
 from models.config import ConfigError, TrainConfig
 from models.config.io import load_config
 from tasks.elastic import FORKSERVER, ActorElastic
+from tasks.flyte_internals import set_task_config
 
 from models.run.preflight import DEPLOY_OVERRIDES_ENV, DEPLOY_PRESET_ENV, check_topology  # noqa: F401
 
 
-@functools.lru_cache(maxsize=1)
-def deployment_config() -> TrainConfig:
-    """The config the registered tasks are compiled with (see the module docstring)."""
-    return load_config(os.environ.get(DEPLOY_PRESET_ENV, ""), os.environ.get(DEPLOY_OVERRIDES_ENV, "").split())
+def read_deployment(environ: Mapping[str, str]) -> TrainConfig:
+    """The deployment config of ``environ``: the preset its ``RLHF_DEPLOY_PRESET`` names plus its
+    ``RLHF_DEPLOY_OVERRIDES`` (space-separated ``section.field=value``); both unset: the defaults."""
+    return load_config(environ.get(DEPLOY_PRESET_ENV, ""), environ.get(DEPLOY_OVERRIDES_ENV, "").split())
+
+
+REGISTERED: TrainConfig = read_deployment(os.environ)
+"""The config the registered tasks are compiled with, and that every task pod rebuilds its tasks with
+(see the module docstring): read here, once, before any task module builds a task."""
 
 
 def is_local_execution() -> bool:
@@ -77,6 +85,6 @@ def use_local_topology(elastic_task, cfg: TrainConfig) -> None:
 
     Local executions run each task as soon as the workflow calls it, so a node override
     (``with_overrides(task_config=...)``) arrives after the launch and is ignored; this sets what
-    that override sets (``Node.with_overrides`` assigns the task's ``_task_config`` too).
+    that override sets (:func:`tasks.flyte_internals.set_task_config`).
     """
-    elastic_task._task_config = elastic_for(cfg, local=True)
+    set_task_config(elastic_task, elastic_for(cfg, local=True))

@@ -23,13 +23,12 @@ from typing import Any, Sequence
 
 import cloudpickle
 import flytekit
-from flytekit.core.context_manager import FlyteContextManager
 from flytekit.exceptions.user import FlyteRecoverableException, FlyteUserRuntimeException
 from flytekit.extend import TaskPlugins
 from flytekitplugins.kfpytorch import Elastic
-from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask, is_recoverable_worker_error, spawn_helper
 
 from models.run import end as run_end
+from tasks.flyte_internals import CustomLaunchElasticTask, adopt_rank0_result, is_recoverable_worker_error, spawn_helper
 
 FORKSERVER = "forkserver"
 
@@ -41,12 +40,12 @@ class ActorElastic(Elastic):
     """``Elastic`` whose ``start_method`` may also be ``"forkserver"`` (local executions only)."""
 
 
-class ActorElasticTask(PytorchElasticFunctionTask):
+class ActorElasticTask(CustomLaunchElasticTask):
     """The plugin's task; with ``start_method="forkserver"`` the workers come from a forkserver."""
 
-    def _execute(self, **kwargs) -> Any:
+    def launch(self, kwargs) -> Any:
         if self.task_config.start_method != FORKSERVER:
-            return super()._execute(**kwargs)
+            return super().launch(kwargs)
         if self.max_nodes == 1 and self.task_config.nproc_per_node == 1:
             return self._run_in_process(kwargs)
         return self._launch_from_forkserver(kwargs)
@@ -65,7 +64,7 @@ class ActorElasticTask(PytorchElasticFunctionTask):
         before = torch.get_num_threads()
         torch._C.set_num_threads(worker_threads(1))
         try:
-            return self._task_function(**kwargs)
+            return self.task_function(**kwargs)
         finally:
             torch._C.set_num_threads(before)
             if torch.cuda.is_available():  # give the cached blocks back to a colocated engine
@@ -87,7 +86,7 @@ class ActorElasticTask(PytorchElasticFunctionTask):
                               start_method=FORKSERVER)
         try:
             out = elastic_launch(config=config, entrypoint=spawn_helper)(
-                cloudpickle.dumps(self._task_function), ctx.raw_output_prefix, None, None, kwargs)
+                cloudpickle.dumps(self.task_function), ctx.raw_output_prefix, None, None, kwargs)
         except ChildFailedError as e:
             _, first = e.get_first_failure()
             if is_recoverable_worker_error(first):
@@ -98,13 +97,7 @@ class ActorElasticTask(PytorchElasticFunctionTask):
             raise KeyboardInterrupt(e.sigval.name) from None
         finally:
             run_end.install_signal_handlers()  # the launcher took SIGINT/SIGTERM over for good
-        result = out[0]  # a single node: rank 0 is here
-        for deck in result.decks:
-            if not isinstance(deck, flytekit.deck.deck.TimeLineDeck):
-                ctx.decks.append(deck)
-        if result.om:
-            FlyteContextManager.current_context().output_metadata_tracker.add(result.return_value, result.om)
-        return result.return_value
+        return adopt_rank0_result(out[0])  # a single node: rank 0 is here
 
 
 def root_cause_first(e) -> str:

@@ -18,7 +18,7 @@ from models.stages.commit import run_commit
 from models.stages.evaluate import run_evaluate
 from models.stages.finish import TrainingSummary, mark_failed, run_finish
 from tasks import batch_type, secrets  # noqa: F401  (batch_type: RolloutBatch as a Flyte type)
-from tasks.deploy import deployment_config, resources_for
+from tasks.deploy import REGISTERED, resources_for
 
 
 @task(retries=2, requests=Resources(cpu="1", mem="2Gi"), secret_requests=secrets.requests(secrets.S3, secrets.MLFLOW))
@@ -31,7 +31,7 @@ def commit_iteration(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats
 
 
 @task(retries=2, secret_requests=secrets.requests(secrets.S3, secrets.MLFLOW, secrets.SERVER),
-      **resources_for(deployment_config(), "rollout"))
+      **resources_for(REGISTERED, "rollout"))
 def evaluate(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> float:
     """Mean reward on the held-out prompts of the policy in ``state`` (logged at the iteration that made it)."""
     secrets.load(secrets.S3, secrets.MLFLOW, secrets.SERVER)

@@ -13,7 +13,7 @@ from models.run.types import RunHandle
 from models.stages.finish import TrainingSummary
 from models.stages.retrain import RetrainPlan, RetrainResult, decide, plan
 from tasks import secrets
-from tasks.deploy import deployment_config, resources_for
+from tasks.deploy import REGISTERED, resources_for
 
 
 @task(retries=1, requests=Resources(cpu="2", mem="8Gi"), secret_requests=secrets.requests(secrets.S3, secrets.MLFLOW))
@@ -26,7 +26,7 @@ def plan_retrain(prompts_root: str, run_date: dt.datetime, registered_model_name
 
 
 @task(retries=1, secret_requests=secrets.requests(secrets.S3, secrets.MLFLOW),
-      **resources_for(deployment_config(), "rollout"))
+      **resources_for(REGISTERED, "rollout"))
 def promote_if_better(cfg: TrainConfig, run: RunHandle, summary: TrainingSummary, champion_version: str,
                       min_improvement: float) -> RetrainResult:
     """Evaluate candidate and champion on the same held-out prompts; move ``champion`` to the

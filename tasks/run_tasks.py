@@ -10,7 +10,7 @@ from flytekit import Resources, task
 from models.run.setup import RunSetup
 from models.stages.prepare import prepare
 from tasks import secrets
-from tasks.deploy import deployment_config, is_local_execution
+from tasks.deploy import REGISTERED, is_local_execution
 
 
 @task(retries=1, requests=Resources(cpu="2", mem="8Gi"),
@@ -20,4 +20,4 @@ def prepare_run(preset: str, overrides: List[str], run_name: str, workflow: str)
     loads, lay out the run (reference policy, initial critic, prompts), start the MLflow run; or resume
     ``run_name``. ``workflow`` (``ppo`` or ``reinforce``) must suit ``run.algorithm``."""
     secrets.load(secrets.S3, secrets.MLFLOW)
-    return prepare(preset, overrides, run_name, workflow, None if is_local_execution() else deployment_config())
+    return prepare(preset, overrides, run_name, workflow, None if is_local_execution() else REGISTERED)

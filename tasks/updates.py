@@ -15,11 +15,11 @@ from models.stages.critic import train_critic
 from models.stages.updates import UpdateOutput
 from tasks import secrets
 from tasks.caching import CACHE_VERSION
-from tasks.deploy import deployment_config, elastic_for, resources_for
+from tasks.deploy import REGISTERED, elastic_for, resources_for
 
 
-@task(task_config=elastic_for(deployment_config()), cache=True, cache_version=CACHE_VERSION, retries=1,
-      shared_memory=True, secret_requests=secrets.requests(secrets.S3), **resources_for(deployment_config(), "actor"))
+@task(task_config=elastic_for(REGISTERED), cache=True, cache_version=CACHE_VERSION, retries=1,
+      shared_memory=True, secret_requests=secrets.requests(secrets.S3), **resources_for(REGISTERED, "actor"))
 def actor_update(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> UpdateOutput:
     """``ppo_epochs`` of clipped-surrogate updates over shuffled minibatches; next actor checkpoint.
 
@@ -31,7 +31,7 @@ def actor_update(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
 
 
 @task(cache=True, cache_version=CACHE_VERSION, retries=2, secret_requests=secrets.requests(secrets.S3, secrets.SERVER),
-      **resources_for(deployment_config(), "critic"))
+      **resources_for(REGISTERED, "critic"))
 def critic_update(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> UpdateOutput:
     """Clipped value regression on the same batch; next critic checkpoint."""
     secrets.load(secrets.S3, secrets.SERVER)

@@ -1,7 +1,7 @@
 """Every training algorithm, declared once: one module per algorithm (its equation and source in
 the module docstring, an :class:`~models.algorithms.spec.AlgorithmSpec` named ``SPEC``).
 
-What reads the declarations: config validation (``models/config/__init__.py``, through
+What reads the declarations: config validation (``models/config/train.py``, through
 :mod:`models.algorithms.checks`: group sizes, the options an algorithm does not use), the
 workflow choice (``models/run/setup.check_workflow``), the ``advantages`` task (the estimator), the
 actor update (the policy loss and its aggregation) and the docs' table (``python -m

@@ -69,8 +69,13 @@ def from_dict(cls, data: Mapping[str, Any] | None, where: str = "config"):
 
 
 def to_dict(cfg) -> Dict[str, Any]:
-    """The config as plain nested dicts (YAML/JSON friendly)."""
-    return dataclasses.asdict(cfg)
+    """The config as plain nested dicts (YAML/JSON friendly). A :class:`TrainConfig`'s ``kl`` is the one the
+    run uses (``TrainConfig.effective_kl``: an empty placement or estimator as the algorithm's), so a stored
+    config and the MLflow params name what the run did; it reads back equal (``TrainConfig.__eq__``)."""
+    data = dataclasses.asdict(cfg)
+    if isinstance(cfg, TrainConfig):
+        data["kl"] = dataclasses.asdict(cfg.effective_kl)
+    return data
 
 
 def flatten(cfg) -> Dict[str, Any]:

@@ -53,13 +53,13 @@ def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rol
     lm = load_trainable(state.actor_url, AutoModelForCausalLM, cfg.model.dtype, a.lora, CAUSAL_LM)
     model = wrap_for_training(with_packing(PolicyLogprobs(lm), cfg.model.pack_sequences), info, a.sharding,
                               getattr(torch, cfg.model.dtype))
-    kl_beta = state.kl_coef if cfg.kl.placement == "loss" else 0.0
+    kl_beta = state.kl_coef if cfg.kl_placement == "loss" else 0.0
     times: Dict[str, float] = {}
     optimizer, prior_steps = carried_optimizer(model, a.lr, a.weight_decay, state.actor_url, a.keep_optimizer_state,
                                                times, "actor", info)
     with timed(times, "time/actor_train_s"):
         stats = run_update(model, optimizer, data,
-                           actor_loss_fn(policy_loss_config(cfg), cfg.rollout.temperature, kl_beta, cfg.kl.estimator),
+                           actor_loss_fn(policy_loss_config(cfg), cfg.rollout.temperature, kl_beta, cfg.kl_estimator),
                            loop_settings(a.ppo_epochs, a, cfg.run.seed * 1000 + state.iteration, "actor"), info)
     pause_point(f"actor_update/iter-{state.iteration:06d}")  # tests only: kill the run mid-update
     url = run.layout.actor_url(state.iteration)

@@ -22,8 +22,8 @@ class AdvantagesOutput(NamedTuple):
 
 
 def advantage_params(cfg: TrainConfig, kl_coef: float) -> AdvantageParams:
-    in_reward = cfg.kl.placement == "reward"
-    return AdvantageParams(kl_coef=kl_coef if in_reward else 0.0, kl_estimator=cfg.kl.estimator,
+    in_reward = cfg.kl_placement == "reward"
+    return AdvantageParams(kl_coef=kl_coef if in_reward else 0.0, kl_estimator=cfg.kl_estimator,
                            gamma=cfg.advantage.gamma, lam=cfg.advantage.lam, whiten=cfg.advantage.whiten)
 
 

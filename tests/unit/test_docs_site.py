@@ -76,7 +76,7 @@ def test_every_config_key_is_documented_with_its_default():
     assert config_reference.missing_docstrings() == []
     rows = {key: (tp, default, doc) for key, tp, default, doc in config_reference.rows(
         type(config_reference.TrainConfig().actor), "actor.")}
-    # Hand-checked against models/config/__init__.py: a nested section's keys are dotted, defaults are shown as written.
+    # Hand-checked against models/config/actor.py: a nested section's keys are dotted, defaults are shown as written.
     assert rows["actor.lora.rank"][:2] == ("int", "`0`")
     assert rows["actor.old_logprobs"][1] == '`"recompute"`'
     assert rows["actor.old_logprobs"][2].startswith("π_old:")

@@ -122,10 +122,10 @@ def test_a_stored_config_round_trips():
 ])
 def test_an_empty_kl_placement_is_the_algorithms_own(name, placement, estimator):
     cfg = TrainConfig(run=RunConfig(algorithm=name))
-    assert (cfg.kl.placement, cfg.kl.estimator) == (placement, estimator)
+    assert (cfg.kl_placement, cfg.kl_estimator) == (placement, estimator)
     moved = load_config("", [f"run.algorithm={name}", "kl.placement=reward" if placement == "loss" else
                              "kl.placement=loss"])
-    assert (moved.kl.placement, moved.kl.estimator) == (("reward", "k1") if placement == "loss" else ("loss", "k3"))
+    assert (moved.kl_placement, moved.kl_estimator) == (("reward", "k1") if placement == "loss" else ("loss", "k3"))
 
 
 def test_k1_as_a_loss_term_is_refused():

@@ -86,6 +86,39 @@ def test_frozen():
         cfg.actor.lr = 1.0  # type: ignore[misc]
 
 
+def test_the_kl_a_run_uses_is_computed_not_written_back():
+    """An empty kl.placement/kl.estimator stays empty in the config (nothing rewrites a field after
+    construction); what the run uses is computed from the algorithm, and that is what a stored config and
+    the MLflow params record, reading back equal to the config they came from."""
+    from models.config import KLConfig, RunConfig
+
+    kl = KLConfig(coef=0.02)
+    cfg = TrainConfig(run=RunConfig(algorithm="grpo"), kl=kl)
+    assert cfg.kl is kl and (cfg.kl.placement, cfg.kl.estimator) == ("", "")
+    assert (cfg.kl_placement, cfg.kl_estimator) == ("loss", "k3")
+    assert to_dict(cfg)["kl"] == {"estimator": "k3", "placement": "loss", "coef": 0.02, "adaptive": False,
+                                  "target": 6.0, "horizon": 10000}
+    assert (flatten(cfg)["kl.placement"], flatten(cfg)["kl.estimator"]) == ("loss", "k3")
+    stored = config_from_json_dict(to_dict(cfg))
+    assert stored.kl.placement == "loss" and stored == cfg
+    assert cfg != TrainConfig(run=RunConfig(algorithm="grpo"), kl=KLConfig(coef=0.02, placement="reward"))
+    assert cfg != dataclasses.replace(cfg, kl=KLConfig(coef=0.03))
+
+
+def test_no_product_code_reads_the_kl_choice_as_given():
+    """``kl.placement``/``kl.estimator`` may be empty (the algorithm's own); code reads what the run uses,
+    ``TrainConfig.kl_placement``/``kl_estimator``. Reading the field would drop GRPO's KL term silently."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[3]
+    pattern = re.compile(r"\.kl\.(placement|estimator)\b")
+    readers = [f"{p.relative_to(root)}:{n}" for folder in ("models", "tasks", "workflows", "kernels")
+               for p in sorted((root / folder).rglob("*.py")) if p.parent.name != "config"
+               for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not readers, readers
+
+
 @pytest.mark.parametrize("overrides, fragment", [
     (["actor.bogus=1"], "unknown key(s) in actor: ['bogus']"),
     (["nosection.x=1"], "unknown key(s) in config: ['nosection']"),

@@ -32,17 +32,47 @@ def test_gpus_per_actor_node_match_processes():
         load_config("tiny_ppo", ["resources.actor_gpu=4"])
 
 
-def test_deployment_config_from_environment(monkeypatch):
-    monkeypatch.setenv(deploy.DEPLOY_PRESET_ENV, "configs/llama8b_ppo_gpu.yaml")
-    monkeypatch.setenv(deploy.DEPLOY_OVERRIDES_ENV, "actor.nnodes=2 resources.accelerator=nvidia-l4")
-    deploy.deployment_config.cache_clear()
-    try:
-        cfg = deploy.deployment_config()
-        assert (cfg.actor.nnodes, cfg.actor.nproc_per_node, cfg.resources.accelerator) == (2, 8, "nvidia-l4")
-        e = deploy.elastic_for(cfg)
-        assert (e.nnodes, e.nproc_per_node) == (2, 8)
-    finally:
-        deploy.deployment_config.cache_clear()
+def test_deployment_config_from_environment():
+    cfg = deploy.read_deployment({deploy.DEPLOY_PRESET_ENV: "configs/llama8b_ppo_gpu.yaml",
+                                  deploy.DEPLOY_OVERRIDES_ENV: "actor.nnodes=2 resources.accelerator=nvidia-l4"})
+    assert (cfg.actor.nnodes, cfg.actor.nproc_per_node, cfg.resources.accelerator) == (2, 8, "nvidia-l4")
+    e = deploy.elastic_for(cfg)
+    assert (e.nnodes, e.nproc_per_node) == (2, 8)
+    assert deploy.read_deployment({}) == load_config("")  # both unset: the defaults
+
+
+def _deploy_reads(path) -> list:
+    """Where ``path`` looks RLHF_DEPLOY_PRESET/RLHF_DEPLOY_OVERRIDES up (``environ.get(KEY)``,
+    ``environ[KEY]``, ``getenv(KEY)``): the enclosing function's name, ``<module>`` outside any."""
+    import ast
+
+    def names_deploy(node) -> bool:
+        return (isinstance(node, ast.Name) and node.id in ("DEPLOY_PRESET_ENV", "DEPLOY_OVERRIDES_ENV")
+                or isinstance(node, ast.Constant) and str(node.value).startswith("RLHF_DEPLOY_"))
+
+    def visit(node, where: str):
+        key = (node.args[0] if isinstance(node, ast.Call) and node.args else
+               node.slice if isinstance(node, ast.Subscript) else None)
+        if key is not None and names_deploy(key):
+            yield where
+        inner = node.name if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else where
+        for child in ast.iter_child_nodes(node):
+            yield from visit(child, inner)
+
+    return sorted(set(visit(ast.parse(path.read_text()), "<module>")))
+
+
+def test_the_environment_is_read_in_one_place_once():
+    """Only ``read_deployment`` looks RLHF_DEPLOY_PRESET/RLHF_DEPLOY_OVERRIDES up, called once (``REGISTERED``,
+    what the task decorators are built from): no task module reads the environment for its settings."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[3]
+    reads = {str(p.relative_to(root)): _deploy_reads(p) for folder in ("tasks", "workflows", "models")
+             for p in sorted((root / folder).rglob("*.py"))}
+    assert {p: r for p, r in reads.items() if r} == {"tasks/deploy.py": ["read_deployment"]}
+    assert len(re.findall(r"read_deployment\(", (root / "tasks" / "deploy.py").read_text())) == 2  # def + call
 
 
 def test_cluster_runs_need_the_registered_topology():

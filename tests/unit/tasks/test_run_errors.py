@@ -1,6 +1,6 @@
-"""The innermost error of a failure, however flytekit wrapped it (models/run/errors.py); the failure
-handler's line and ``pyflyte run``'s one line for a config error are shown through their callers in
-test_run_end.py and tests/integration/test_failure_messages.py."""
+"""The innermost error of a failure, however flytekit wrapped it (models/run/errors.py, tasks/cli_errors.py);
+the failure handler's line and ``pyflyte run``'s one line for a config error are shown through their callers
+in test_run_end.py and tests/integration/test_failure_messages.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from flytekit.exceptions.scopes import FlyteScopedUserException
 
 from models.config import ConfigError
 from models.config.io import load_config
-from models.run.errors import _user_error, innermost_error, one_line, root_cause
+from models.run.errors import root_cause
+from tasks.cli_errors import _user_error, innermost_error, one_line
 
 
 def test_root_cause_peels_every_wrapper_and_keeps_a_multi_line_reason():

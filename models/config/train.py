@@ -1,0 +1,194 @@
+"""``TrainConfig``: every section of one run, and the checks that span sections.
+
+Each section is a frozen dataclass in its own module (``run.py``, ``model.py``, ``data.py``, ``rollout.py``,
+``reward.py``, ``kl.py`` with ``advantage``, ``actor.py`` with ``lora`` and ``guard``, ``critic.py``,
+``resources.py``) that checks its own fields; what depends on several sections is checked here, and what
+depends on the algorithm (the KL a run uses) is computed here, never written back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from models import algorithms
+from models.algorithms import AlgorithmSpec
+from models.algorithms.checks import ignored_options
+from models.config.actor import ActorConfig
+from models.config.checks import check
+from models.config.critic import CriticConfig
+from models.config.data import DataConfig
+from models.config.kl import DEFAULT_KL_ESTIMATOR, AdvantageConfig, KLConfig
+from models.config.model import ModelConfig
+from models.config.resources import ResourcesConfig
+from models.config.reward import DEFAULT_REWARD_FUNCTION, RewardConfig
+from models.config.rollout import RolloutConfig
+from models.config.run import RunConfig
+from models.engines import VLLM_MAX_LORA_RANK
+from models.training.probe import effective_tolerance
+
+
+@dataclass(frozen=True, eq=False)
+class TrainConfig:
+    """Everything one training run needs."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+
+    def __post_init__(self) -> None:
+        check(self.data.source != "reasoning_gym" or self.reward.source != "function"
+              or self.reward.specs != [DEFAULT_REWARD_FUNCTION],
+              f"data.source=reasoning_gym: the demo reward {DEFAULT_REWARD_FUNCTION} cannot score its prompts; set "
+              f"reward.function=models.data.reasoning_gym:reasoning_gym_reward (the task's own verifier)")
+        spec = self.spec
+        n = self.rollout.n_samples_per_prompt
+        if spec.needs_groups:
+            check(n >= 2, f"run.algorithm={spec.name} needs a group baseline: "
+                          f"rollout.n_samples_per_prompt must be >= 2 (got {n})")
+        ignored = ignored_options(self)
+        check(not ignored, ignored[0] if ignored else "")
+        self._check_kl()
+        self._check_rlvr()
+        self._check_episodes()
+        self._check_off_policy()
+        self._check_engine()
+        self._check_batches()
+
+    def _check_engine(self) -> None:
+        """The rollout engine against the actor's adapters and where π_old comes from."""
+        a = self.actor
+        if a.lora.enabled and self.rollout.lora_mode == "adapter" and self.rollout.engine == "vllm":
+            check(a.lora.rank <= VLLM_MAX_LORA_RANK,
+                  f"actor.lora.rank={a.lora.rank}: vLLM serves adapters up to rank {VLLM_MAX_LORA_RANK}; "
+                  f"use rollout.lora_mode=merged")
+        if a.old_logprobs == "sampler":
+            r = self.rollout
+            engine_dtype = r.vllm_dtype if r.engine == "vllm" else self.model.dtype
+            check(not r.remote_url and engine_dtype == self.model.dtype == "float32",
+                  f"actor.old_logprobs=sampler takes π_old from the rollout engine, so the engine must compute "
+                  f"like the trainer: model.dtype and the engine's dtype float32 and no rollout.remote_url "
+                  f"(got model.dtype={self.model.dtype}, engine {r.engine} in {engine_dtype}"
+                  f"{', remote ' + r.remote_url if r.remote_url else ''}); bf16 samplers differ from an fp32 "
+                  f"trainer by up to 0.4 nats/token: use actor.old_logprobs=recompute")
+
+    def _check_batches(self) -> None:
+        """GPUs per actor node, and the batch split into minibatches and micro-batches on every rank."""
+        batch = self.rollout.samples_per_iteration
+        a = self.actor
+        check(self.resources.actor_gpu in (0, a.nproc_per_node),
+              f"resources.actor_gpu={self.resources.actor_gpu} must be 0 (CPU) or actor.nproc_per_node="
+              f"{a.nproc_per_node} (one GPU per process)")
+        check(a.minibatch_size % (a.micro_batch_size * a.world_size) == 0,
+              f"actor.minibatch_size={a.minibatch_size} must be divisible by actor.micro_batch_size "
+              f"× ranks = {a.micro_batch_size} × {a.world_size}")
+        check(batch % a.minibatch_size == 0,
+              f"the batch (rollout.prompts_per_iteration × rollout.n_samples_per_prompt = {batch}) "
+              f"must be divisible by actor.minibatch_size={a.minibatch_size}")
+        if self.uses_critic:
+            c = self.critic
+            check(c.minibatch_size % c.micro_batch_size == 0,
+                  f"critic.minibatch_size={c.minibatch_size} must be divisible by "
+                  f"critic.micro_batch_size={c.micro_batch_size}")
+            check(batch % c.minibatch_size == 0,
+                  f"the batch ({batch} samples) must be divisible by critic.minibatch_size={c.minibatch_size}")
+
+    def _check_kl(self) -> None:
+        """The KL the run uses, as :attr:`kl_placement` and :attr:`kl_estimator` compute it."""
+        check(not (self.kl_placement == "loss" and self.kl_estimator == "k1"),
+              "kl.estimator=k1 with kl.placement=loss: the gradient of k1 = log π − log π_ref is ∇log π, whose "
+              "expectation under π is 0, so it would not pull towards the reference; use k3 (or k2) in the loss, "
+              "or kl.placement=reward")
+
+    def _check_rlvr(self) -> None:
+        """The RLVR options against the rest of the config (docs/rlvr/)."""
+        a, budget = self.advantage, self.rollout.max_new_tokens
+        check(a.overlong_buffer <= budget,
+              f"advantage.overlong_buffer={a.overlong_buffer} must be <= rollout.max_new_tokens={budget} "
+              f"(the buffer is the last tokens of the budget)")
+        check(not (self.actor.tis_cap and self.actor.old_logprobs == "sampler"),
+              "actor.tis_cap with actor.old_logprobs=sampler: π_old is then the sampler's own log-probs, so the "
+              "truncated IS weight min(π_old/π_sampler, C) is always 1; use actor.old_logprobs=recompute")
+
+    def _check_episodes(self) -> None:
+        """Multi-turn episodes (``rollout.environment``) against the rest of the config (docs/multi_turn.md)."""
+        if not self.rollout.environment:
+            return
+        check(not self.data.uses_chat_template,
+              "rollout.environment writes the messages the chat template renders: turn data.apply_chat_template "
+              "and data.messages_column off (the environment gets each row's columns and its plain 'prompt')")
+        check(not (self.uses_critic and self.critic.remote_url),
+              "rollout.environment with critic.remote_url: the critic server's /train has no loss_mask, so it "
+              "would regress values on tool and template tokens; use the critic inside the workflow")
+
+    def _check_off_policy(self) -> None:
+        """What one-step off-policy pipelining needs (docs/off_policy.md)."""
+        if not self.run.off_policy_steps:
+            return
+        check(self.actor.old_logprobs == "recompute",
+              "run.off_policy_steps=1 with actor.old_logprobs=sampler: the batch comes from the actor one update "
+              "older than the one the update starts from, so the sampler's log-probs are not π_old (the proximal "
+              "policy the ratio is clipped around); use actor.old_logprobs=recompute")
+        check(self.actor.tis_cap > 0,
+              "run.off_policy_steps=1 needs actor.tis_cap > 0 (e.g. 2): the truncated weight "
+              "min(π_old/π_sampler, C) is what corrects the loss for the stale sampler")
+        check(not self.rollout.remote_url,
+              f"run.off_policy_steps=1 with rollout.remote_url={self.rollout.remote_url}: the rollout of iteration "
+              f"k+1 and the evaluation of iteration k run at once from different actors, and a rollout server "
+              f"holds one policy at a time; use the in-pod engine (no rollout.remote_url)")
+
+    @property
+    def spec(self) -> AlgorithmSpec:
+        """The declaration of ``run.algorithm`` (``models/algorithms/``)."""
+        return algorithms.get(self.run.algorithm)
+
+    @property
+    def kl_placement(self) -> str:
+        """Where the KL to the reference goes (``reward`` or ``loss``): ``kl.placement``, or the algorithm's
+        own when it is empty (``models/algorithms/``)."""
+        return self.kl.placement or self.spec.kl_placement
+
+    @property
+    def kl_estimator(self) -> str:
+        """The per-token KL estimator: ``kl.estimator``, or when it is empty the one of :attr:`kl_placement`
+        (k1 in the reward, k3 in the loss: :data:`models.config.kl.DEFAULT_KL_ESTIMATOR`)."""
+        return self.kl.estimator or DEFAULT_KL_ESTIMATOR[self.kl_placement]
+
+    @property
+    def effective_kl(self) -> KLConfig:
+        """``kl`` with :attr:`kl_placement` and :attr:`kl_estimator` filled in: what the run uses, and what a
+        stored config records (:func:`models.config.io.to_dict`)."""
+        return dataclasses.replace(self.kl, placement=self.kl_placement, estimator=self.kl_estimator)
+
+    def __eq__(self, other: object) -> bool:
+        """Equal when every section is, ``kl`` compared as the run uses it: an empty ``kl.placement`` or
+        ``kl.estimator`` equals the value it stands for (so a stored config, which records that value,
+        reads back equal to the one it was written from)."""
+        if not isinstance(other, TrainConfig):
+            return NotImplemented
+        return self._compared() == other._compared()
+
+    __hash__ = None  # type: ignore[assignment]  # as before: its lists make it unhashable
+
+    def _compared(self) -> tuple:
+        return tuple(self.effective_kl if f.name == "kl" else getattr(self, f.name)
+                     for f in dataclasses.fields(self))
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.spec.uses_critic
+
+    @property
+    def probe_tolerance(self) -> float:
+        """``rollout.probe_tolerance``, raised to ``models.training.probe.LOW_PRECISION_PROBE_TOLERANCE`` unless the engine
+        and the trainer (``model.dtype``) both compute in float32; 0 stays 0 (off)."""
+        r = self.rollout
+        return effective_tolerance(r.probe_tolerance, r.vllm_dtype if r.engine == "vllm" else self.model.dtype,
+                                   self.model.dtype)

@@ -1,0 +1,92 @@
+"""Every use of flytekit's private or internal names, in one place.
+
+flytekit promises nothing about these; ``tests/unit/tasks/test_flyte_internals.py`` checks each one
+against the installed flytekit (the version ``constraints.txt`` pins), so an upgrade that moves one fails
+there, naming it, instead of in a run.
+
+- a task's ``_task_config``: the run's actor launch, set before a local execution calls the task (what
+  ``Node.with_overrides(task_config=...)`` assigns); ``tasks/deploy.py``;
+- ``flytekit.clis.sdk_in_container.utils.pretty_print_exception``: ``pyflyte``'s printer of a failed
+  command's exception; ``tasks/cli_errors.py``;
+- ``.value`` of ``FlyteScopedException`` and ``FlyteUserRuntimeException``: the user's exception inside
+  flytekit's wrappers; ``tasks/cli_errors.py``;
+- kfpytorch's ``PytorchElasticFunctionTask._execute``, ``spawn_helper``, ``is_recoverable_worker_error``
+  and ``ElasticWorkerResult``: a launch of the elastic workers the plugin does not offer (a forkserver);
+  ``tasks/elastic.py``;
+- ``FlyteContextManager.current_context().output_metadata_tracker`` and ``flytekit.deck.deck.TimeLineDeck``:
+  rank 0's decks and output metadata handed to the task's process, as the plugin does; ``tasks/elastic.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Dict, Optional
+
+import flytekit
+from flytekit.core.context_manager import FlyteContextManager
+from flytekitplugins.kfpytorch.task import (  # noqa: F401  (re-exported for tasks/elastic.py)
+    ElasticWorkerResult,
+    PytorchElasticFunctionTask,
+    is_recoverable_worker_error,
+    spawn_helper,
+)
+
+CLI_MODULE = "flytekit.clis.sdk_in_container.utils"
+"""The module of ``pyflyte``'s ``ErrorHandlingCommand``, whose ``invoke`` prints a failed command's
+exception with this module's ``pretty_print_exception(e, verbosity)``."""
+
+PLUGIN_START_METHODS = ("spawn", "fork")
+"""The ``Elastic.start_method`` values the plugin's ``_execute`` launches itself."""
+
+
+def set_task_config(task, task_config) -> None:
+    """Give ``task`` another config of the same type, as ``Node.with_overrides(task_config=...)`` does
+    (``flytekit.core.node``); the task's ``task_config`` then returns it."""
+    task._task_config = task_config
+
+
+def replace_cli_error_printer(wrap: Callable[[Callable], Callable]) -> bool:
+    """Inside ``pyflyte`` (its CLI module loaded): replace ``pretty_print_exception(e, verbosity=1)`` by
+    ``wrap(original)``, once per process. Elsewhere (task pods, elastic workers, tests) nothing changes:
+    False."""
+    cli = sys.modules.get(CLI_MODULE)
+    original = getattr(cli, "pretty_print_exception", None)
+    if original is None or getattr(original, "_flyte_rlhf", False):
+        return False
+    replacement = wrap(original)
+    replacement._flyte_rlhf = True
+    cli.pretty_print_exception = replacement
+    return True
+
+
+def wrapped_error(err: BaseException) -> Optional[BaseException]:
+    """The exception flytekit wrapped in ``err`` (``FlyteScopedException.value``,
+    ``FlyteUserRuntimeException.value``), or None."""
+    value = getattr(err, "value", None)
+    return value if isinstance(value, BaseException) else None
+
+
+class CustomLaunchElasticTask(PytorchElasticFunctionTask):
+    """The plugin's elastic task, whose workers a subclass may launch itself (:meth:`launch`) for a
+    ``start_method`` the plugin lacks; with ``spawn`` or ``fork`` it is the plugin's task, unchanged.
+    The plugin's public ``execute`` calls ``_execute``, which this overrides."""
+
+    def _execute(self, **kwargs) -> Any:
+        if self.task_config.start_method in PLUGIN_START_METHODS:
+            return super()._execute(**kwargs)
+        return self.launch(kwargs)
+
+    def launch(self, kwargs: Dict[str, Any]) -> Any:
+        raise NotImplementedError(f"start_method={self.task_config.start_method!r}")
+
+
+def adopt_rank0_result(result: ElasticWorkerResult) -> Any:
+    """Rank 0's return value, its decks (but the timeline) and output metadata handed to this process's
+    task context, as the plugin's own launch does."""
+    ctx = flytekit.current_context()
+    for deck in result.decks:
+        if not isinstance(deck, flytekit.deck.deck.TimeLineDeck):
+            ctx.decks.append(deck)
+    if result.om:
+        FlyteContextManager.current_context().output_metadata_tracker.add(result.return_value, result.om)
+    return result.return_value
