@@ -1,4 +1,5 @@
-"""Committed checkpoints as local folders, and the models and tokenizers loaded from them."""
+"""Committed checkpoints as local folders, and the tokenizers committed with them (the models:
+``models/training/load.py``)."""
 
 from __future__ import annotations
 
@@ -19,24 +20,6 @@ def local_checkpoint(url: str) -> str:
     if url not in _IN_PLACE:
         _IN_PLACE[url] = download_checkpoint(url)
     return _IN_PLACE[url]
-
-
-def load_hf(url: str, auto_cls, dtype: str = "float32", trainable: bool = False):
-    """The model of the committed checkpoint at ``url``: full weights, or a LoRA adapter on its base
-    (``models.training.lora``); ``trainable``: the adapter's parameters require gradients."""
-    import torch
-
-    from models.training.lora import load_pretrained
-
-    return load_pretrained(local_checkpoint(url), auto_cls, getattr(torch, dtype), local_checkpoint, trainable)
-
-
-def base_checkpoint_url(url: str) -> str:
-    """The full checkpoint behind ``url``: the base of a LoRA adapter, else ``url`` itself."""
-    from models.training.lora import base_url, is_adapter
-
-    local = local_checkpoint(url)
-    return base_url(local) if is_adapter(local) else url
 
 
 def load_tokenizer(url: str):

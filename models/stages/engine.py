@@ -7,7 +7,9 @@ import functools
 
 import torch
 
-from models.checkpoint.local import base_checkpoint_url, local_checkpoint
+from models.checkpoint.local import local_checkpoint
+
+from models.training.load import base_checkpoint_url
 from models.config import TrainConfig
 from models.engines import get_engine
 from models.server.client import server_token

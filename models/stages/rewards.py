@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Dict, Tuple
 
-from models.checkpoint.local import load_hf
+from models.training.load import load_hf
 from models.config import TrainConfig
 from models.data.batch import RolloutBatch
 from models.data.batch_schema import decode_data_columns

@@ -8,7 +8,9 @@ from typing import Dict, NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from models.checkpoint.local import base_checkpoint_url, load_hf, load_tokenizer
+from models.checkpoint.local import load_tokenizer
+
+from models.training.load import base_checkpoint_url, load_hf
 from models.config import TrainConfig
 from models.data import ragged
 from models.data.batch import RolloutBatch

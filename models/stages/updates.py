@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Dict, NamedTuple
 
 from models.checkpoint import save_model_checkpoint
-from models.checkpoint.local import base_checkpoint_url, load_hf, local_checkpoint
+from models.checkpoint.local import local_checkpoint
+from models.training.load import base_checkpoint_url, load_hf
 from models.config import LoraConfig
 from models.data.batch import RolloutBatch
 from models.training.lora import add_adapter, is_peft, save_adapter_checkpoint, trainable_in_float32

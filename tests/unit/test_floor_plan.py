@@ -39,7 +39,7 @@ MODEL_FLOORS: Tuple[Tuple[str, ...], ...] = (
     ("engines",),  # vLLM and HF generation engines
     ("checkpoint",),  # committed checkpoints, their cache
     ("storage",),  # local and fsspec storage, compare-and-swap writes
-    ("console", "faults"),  # leaves: the console's quieting, the test-only fault injection
+    ("console", "faults", "timing"),  # leaves: the console's quieting, the test-only fault injection, phase timing
 )
 """The packages (and top-level modules) of ``models/``, top floor first: a module imports only from its
 own floor or below. Derived from the imports (``git grep -n "^from models\\|^    from models" models``);

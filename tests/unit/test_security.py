@@ -74,7 +74,7 @@ def _loads(url: str, tmp_path):
     """Every way the project loads a checkpoint from storage."""
     from transformers import AutoModelForCausalLM
 
-    from models.checkpoint.local import load_hf
+    from models.training.load import load_hf
 
     yield lambda: download_checkpoint(url)
     yield lambda: download_checkpoint(url, str(tmp_path / "copy"))
