@@ -55,6 +55,11 @@ class RolloutConfig:
     """KV-cache space for vLLM on CPU (``VLLM_CPU_KVCACHE_SPACE``)."""
     vllm_gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take on a GPU."""
+    tensor_parallel_size: int = 1
+    """vLLM's tensor parallelism: the engine's weights and KV cache split over this many workers (GPUs on
+    a GPU node, needing ``resources.rollout_gpu`` at least this; CPU workers pinned to disjoint cores on
+    CPU). Sampled log-probs match one worker's within float tolerance; in-place weight reloads go to every
+    worker (each loads its own slice). 1: one worker in the task's process."""
     vllm_dtype: str = "float32"
     """vLLM weights/activations dtype. bf16 is faster but drifts from an fp32 trainer, so it needs
     ``actor.old_logprobs=recompute`` (the default: π_old from the trainer's own forward in ``score``)."""
@@ -101,6 +106,10 @@ class RolloutConfig:
               f"1e-5 greedily), the HF engine at the one asked")
         check(self.probe_tolerance >= 0, "rollout.probe_tolerance must be >= 0 (0 = no probe)")
         check_choice("rollout.vllm_dtype", self.vllm_dtype, ["float32", "bfloat16", "float16"])
+        check(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size must be >= 1")
+        check(self.tensor_parallel_size == 1 or self.engine == "vllm",
+              f"rollout.tensor_parallel_size={self.tensor_parallel_size} needs rollout.engine=vllm (the HF engine "
+              f"runs in one process)")
         check_choice("rollout.lora_mode", self.lora_mode, ["adapter", "merged"])
         remote = urlsplit(self.remote_url)
         check(not self.remote_url or (remote.scheme in ("http", "https") and bool(remote.netloc)),

@@ -79,6 +79,11 @@ class TrainConfig:
                   f"{', remote ' + r.remote_url if r.remote_url else ''}); bf16 samplers differ from an fp32 "
                   f"trainer by up to 0.4 nats/token: use actor.old_logprobs=recompute")
 
+        tp, gpus = self.rollout.tensor_parallel_size, self.resources.rollout_gpu
+        check(gpus == 0 or tp <= gpus,
+              f"rollout.tensor_parallel_size={tp} splits the engine over {tp} GPUs, but the rollout task has "
+              f"resources.rollout_gpu={gpus}: set resources.rollout_gpu={tp}")
+
     def _check_batches(self) -> None:
         """GPUs per actor node, and the batch split into minibatches and micro-batches on every rank."""
         batch = self.rollout.samples_per_iteration

@@ -111,16 +111,44 @@ def _read_json(folder: str, name: str) -> Dict[str, Any]:
         return json.load(f)
 
 
+def cpu_worker_groups(cpus: Sequence[int], workers: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``workers`` CPU workers its own contiguous share of
+    ``cpus`` (``"0,1|2,3"``); an :class:`EngineLoadError` if there are fewer CPUs than workers."""
+    cpus = sorted(cpus)
+    if len(cpus) < workers:
+        raise EngineLoadError(f"rollout.tensor_parallel_size={workers} needs a CPU core per worker; this process "
+                              f"may use {len(cpus)} ({cpus})")
+    share, extra = divmod(len(cpus), workers)
+    groups, start = [], 0
+    for rank in range(workers):
+        end = start + share + (rank < extra)
+        groups.append(",".join(str(c) for c in cpus[start:end]))
+        start = end
+    return "|".join(groups)
+
+
+def bind_cpu_workers(workers: int) -> None:
+    """Pin vLLM's CPU workers to disjoint cores of this process's allowed set: its own binding gives
+    each worker a NUMA node, so it refuses more workers than nodes. A binding the user set wins."""
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_worker_groups(os.sched_getaffinity(0), workers)
+
+
 class VLLMEngine(SwappableEngine):
-    """vLLM's offline ``LLM`` in this process (no engine subprocesses), prompts as token ids."""
+    """vLLM's offline ``LLM`` in this process (no engine subprocess; with ``tensor_parallel_size`` > 1
+    its workers run in their own processes, one per GPU or per group of CPU cores), prompts as token ids."""
 
     def __init__(self, checkpoint_dir: str, dtype: str = "float32", kv_cache_gib: float = 1.0,
                  gpu_memory_utilization: float = 0.5, max_model_len: Optional[int] = None, seed: int = 0,
-                 max_lora_rank: int = 0):
+                 max_lora_rank: int = 0, tensor_parallel_size: int = 1):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
         kwargs: Dict[str, Any] = dict(dtype=dtype, enforce_eager=True, seed=seed, logprobs_mode="processed_logprobs",
                                       generation_config="vllm", use_tqdm_on_load=console.verbose())
+        if tensor_parallel_size > 1:  # workers in their own processes, each loading its slice
+            kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="mp")
+            if not torch.cuda.is_available():
+                bind_cpu_workers(tensor_parallel_size)
         if max_model_len:  # default: the model's own limit
             kwargs["max_model_len"] = max_model_len
         if torch.cuda.is_available():

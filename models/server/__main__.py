@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--max-model-len", type=int, default=0, help="vLLM context length (0: the model's own)")
     r.add_argument("--max-lora-rank", type=int, default=0, help="vLLM: serve LoRA adapters up to this rank")
     r.add_argument("--seed", type=int, default=0, help="vLLM engine seed (requests carry their own)")
+    r.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="vLLM workers the engine is split over (GPUs, or groups of CPU cores)")
     return parser
 
 
@@ -138,7 +140,7 @@ def serve_rollout(args: argparse.Namespace) -> None:
     try:
         service = RolloutService(RolloutServiceConfig(
             args.checkpoint, args.engine, args.dtype, args.kv_cache_gib, args.gpu_memory_utilization,
-            args.max_model_len, args.max_lora_rank, args.seed, args.threads))
+            args.max_model_len, args.max_lora_rank, args.seed, args.threads, args.tensor_parallel_size))
     except ValueError as err:  # bad settings, or a checkpoint that is not committed
         raise SystemExit(f"serve-rollout: {err}") from err
     sock, url = _bind(args.host, args.port)

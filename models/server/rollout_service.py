@@ -59,6 +59,8 @@ class RolloutServiceConfig:
     """vLLM engine seed (each request's sampling seed is its own)."""
     threads: int = 0
     """Torch intra-op threads of the engine thread; 0: torch's choice."""
+    tensor_parallel_size: int = 1
+    """vLLM workers the engine is split over (``rollout.tensor_parallel_size``)."""
 
     def __post_init__(self) -> None:
         if not self.checkpoint_url:
@@ -69,6 +71,8 @@ class RolloutServiceConfig:
             raise ValueError("need kv_cache_gib > 0 and 0 < gpu_memory_utilization <= 1")
         if self.max_model_len < 0 or self.max_lora_rank < 0:
             raise ValueError("need max_model_len >= 0 and max_lora_rank >= 0")
+        if self.tensor_parallel_size < 1 or (self.tensor_parallel_size > 1 and self.engine != "vllm"):
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: need >= 1, and 1 with the HF engine")
 
 
 def _fetch(url: str) -> Tuple[str, Optional[str]]:
@@ -125,7 +129,7 @@ class RolloutService:
         kwargs = dict(dtype=config.dtype) if config.engine == "hf" else dict(
             dtype=config.dtype, kv_cache_gib=config.kv_cache_gib, seed=config.seed,
             gpu_memory_utilization=config.gpu_memory_utilization, max_model_len=config.max_model_len or None,
-            max_lora_rank=config.max_lora_rank)
+            max_lora_rank=config.max_lora_rank, tensor_parallel_size=config.tensor_parallel_size)
         self.engine = make_engine(config.engine, local, **kwargs)
         self.vocab_size = _vocab_size(local)
 

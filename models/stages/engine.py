@@ -48,7 +48,8 @@ def engine_for(cfg: TrainConfig, actor_url: str):
     if r.remote_url:
         return remote_engine_for(cfg, actor_url)
     kwargs = dict(dtype=r.vllm_dtype, kv_cache_gib=r.vllm_kv_cache_gib,
-                  gpu_memory_utilization=r.vllm_gpu_memory_utilization, seed=cfg.run.seed) \
+                  gpu_memory_utilization=r.vllm_gpu_memory_utilization, seed=cfg.run.seed,
+                  tensor_parallel_size=r.tensor_parallel_size) \
         if r.engine == "vllm" else dict(dtype=cfg.model.dtype)
     local = local_checkpoint(actor_url)
     adapter = local if is_adapter(local) else None  # None before the first LoRA update: the base itself

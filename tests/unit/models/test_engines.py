@@ -206,3 +206,13 @@ def test_probe_stops_the_run_when_a_restart_does_not_help(qwen2_chat_dir, tmp_pa
                                                   r"largest gap \d\.\d+ nats \(tolerance 0\.001, rollout\.probe_tol"
                                                   r"erance\) at sequence \d, position \d+ \(token id \d+\): engine "):
         verify(engine, trained, 1e-3, lambda: engine.restart(trained))
+
+
+def test_cpu_workers_get_disjoint_shares_of_the_allowed_cores():
+    from models.engines.vllm_engine import cpu_worker_groups
+
+    assert cpu_worker_groups([3, 2, 1, 0], 2) == "0,1|2,3"
+    assert cpu_worker_groups([0, 1, 2], 2) == "0,1|2"  # the first worker takes the odd core
+    assert cpu_worker_groups([4, 6], 2) == "4|6"
+    with pytest.raises(EngineLoadError, match=r"tensor_parallel_size=2 needs a CPU core per worker; this process may use 1"):
+        cpu_worker_groups([0], 2)

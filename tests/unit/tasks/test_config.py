@@ -235,3 +235,15 @@ def test_the_demo_presets_evaluate_their_starting_policy(preset):
 
     cfg = load_config(preset, [])
     assert eval_due(cfg, -1) and eval_due(cfg, cfg.run.num_iterations - 1)
+
+
+def test_engine_tensor_parallelism_is_checked_against_the_engine_and_the_gpus():
+    assert load_config("tiny_ppo", ["rollout.tensor_parallel_size=2"]).rollout.tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size=2 needs rollout.engine=vllm"):
+        load_config("tiny_ppo", ["rollout.tensor_parallel_size=2", "rollout.engine=hf"])
+    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size must be >= 1"):
+        load_config("tiny_ppo", ["rollout.tensor_parallel_size=0"])
+    with pytest.raises(ConfigError, match=r"splits the engine over 8 GPUs, but the rollout task has "
+                                          r"resources.rollout_gpu=4: set resources.rollout_gpu=8"):
+        load_config("tiny_ppo", ["rollout.tensor_parallel_size=8", "resources.rollout_gpu=4"])
+    load_config("tiny_ppo", ["rollout.tensor_parallel_size=8", "resources.rollout_gpu=8"])
