@@ -155,16 +155,15 @@ def _at_exit() -> None:
 
 def mark_failed(mlflow_experiment: str, message: str, execution=None) -> Optional[str]:
     """The training workflows' failure handler: this process's live runs (local), else the RUNNING MLflow
-    run tagged with this Flyte execution (``execution``: its id, default the current one; cluster),
+    run tagged with this Flyte execution (``execution``: its id, default the current one,
+    :func:`models.run.lock.current_execution`; cluster),
     marked FAILED with ``message``; the line that says so, if any."""
     why = f"failed: {root_cause(message)}"
     if _live:
         return "\n".join(end(run, KILLED if interrupted_by() else FAILED, why) for run in list(_live.values()))
     try:
-        import flytekit
-
-        ex = execution or flytekit.current_context().execution_id
-        run = None if ex.domain == "local" else _run_of(mlflow_experiment, ex)
+        ex = execution or run_lock.current_execution()
+        run = _run_of(mlflow_experiment, ex) if run_lock.on_cluster(ex) else None
     except Exception as err:  # noqa: BLE001 - never raise from a failure handler
         log.warning("failure handler: no run found for this execution: %s", err)
         return None

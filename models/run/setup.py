@@ -225,12 +225,9 @@ def _critic_from(actor_url: str, work: str) -> str:
 
 
 def _flyte_execution_id() -> str:
-    try:
-        import flytekit
-
-        return str(flytekit.current_context().execution_id.name)
-    except Exception:  # outside a Flyte task
-        return "local"
+    """The Flyte execution's name on a cluster (what the failure handler finds the run by), else ``local``."""
+    ex = run_lock.current_execution()
+    return ex.name if run_lock.on_cluster(ex) else "local"
 
 
 def resume_run(layout: RunLayout, cfg_now: TrainConfig, keys: Iterable[str] = (), workflow: str = "") -> RunSetup:
