@@ -28,6 +28,7 @@ from models.run import lock as run_lock
 from models import tracking
 from models.run.errors import root_cause
 from models.run.layout import RunLayout
+from models.run.resume import DAMAGED_ADVICE
 
 log = logging.getLogger(__name__)
 
@@ -139,11 +140,7 @@ DAMAGE = ("fails its blake3 check", "fails its sha256 check", "listed in COMMITT
 def next_step(why: str) -> str:
     """How to go on after ``why``: a resume, unless a committed checkpoint is damaged (a resume would load it
     again)."""
-    if any(d in why for d in DAMAGE):
-        from models.run.preflight import DAMAGED_ADVICE
-
-        return DAMAGED_ADVICE
-    return "rerun the same command to resume"
+    return DAMAGED_ADVICE if any(d in why for d in DAMAGE) else "rerun the same command to resume"
 
 
 def _at_exit() -> None:

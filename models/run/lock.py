@@ -88,6 +88,13 @@ def current_execution() -> Execution:
     return Execution(*(os.environ.get(k, "") for k in _EXECUTION_ENV))
 
 
+def execution_name() -> str:
+    """The Flyte execution's name on a cluster (the ``flyte_execution_id`` tag the failure handler finds a
+    run by), else ``local``."""
+    ex = current_execution()
+    return ex.name if on_cluster(ex) else "local"
+
+
 def execution_owner(ex) -> str:
     """The holder name of Flyte execution ``ex`` (an :class:`Execution` or flytekit's
     ``WorkflowExecutionIdentifier``) on a cluster."""
