@@ -23,8 +23,13 @@ def cache_dir() -> str:
     return os.environ.get(CACHE_ENV, os.path.join(os.path.expanduser("~"), ".cache", "flyte-rlhf"))
 
 
+STARTS = ("actor", "critic", "train_prompts", "eval_prompts")
+"""What a builder returns (set-up's ``BUILT_PARTS``)."""
+
+
 def _paths(built: Dict[str, object]) -> Dict[str, str]:
-    return {k: str(v) for k, v in built.items()}
+    """The paths set-up takes (the reversal demo also writes a reward model it does not use)."""
+    return {k: str(v) for k, v in built.items() if k in STARTS}
 
 
 def reverse_demo(out_dir: str, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 2,

@@ -43,6 +43,27 @@ def test_set_up_calls_the_builder_the_config_names_with_its_arguments(tmp_path):
     assert (tmp_path / "actor-3" / "config.json").is_file()
 
 
+def test_the_demo_presets_builders_write_what_set_up_takes(tmp_path, monkeypatch):
+    """Each demo builder, at its smallest (no warm-start step), returns an actor whose tokenizer loads, and
+    the prompts it wrote."""
+    from models.run.setup import load_tokenizer_only
+
+    monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = load_config("tiny_ppo", ["model.tiny_hidden_size=32", "model.tiny_num_layers=1", "model.warm_start_steps=0",
+                                   "data.num_demo_train_prompts=4", "data.num_demo_eval_prompts=2"])
+    built = build_start(cfg, str(tmp_path / "reverse"))
+    assert sorted(built) == ["actor", "critic", "eval_prompts", "train_prompts"]
+    assert len(load_tokenizer_only(built["actor"])) > 4
+    assert len(Path(built["train_prompts"]).read_text().splitlines()) == 4
+    assert (Path(built["critic"]) / "config.json").is_file()
+    cfg = load_config("tiny_math", ["model.warm_start_steps=0", "data.num_demo_train_prompts=4",
+                                    "data.num_demo_eval_prompts=2"])
+    built = build_start(cfg, str(tmp_path / "math"))
+    assert sorted(built) == ["actor", "eval_prompts", "train_prompts"]  # GRPO: no critic
+    assert load_tokenizer_only(built["actor"]).chat_template
+    assert len(Path(built["eval_prompts"]).read_text().splitlines()) == 2
+
+
 @pytest.mark.parametrize("spec, fragment", [
     (f"{HERE}:no_actor", r"returned \['critic'\]: it must return the paths it wrote, 'actor' and any of"),
     (f"{HERE}:write_start(depth=2)", r"write_start\(depth=2\)': write_start\(\) got an unexpected keyword "
