@@ -161,7 +161,8 @@ def new_run(cfg: TrainConfig, layout: RunLayout, preset: str) -> RunSetup:
     if not built:
         _check_vocabularies(cfg, tokenizer)
         check_rollout_setup(cfg, storage.read_json(storage.join(actor, "config.json")))
-    train, held_out = _built_data(cfg, tokenizer, actor, built) if built_data else _checked_data(cfg, tokenizer)
+    train, held_out = _built_data(cfg, tokenizer, actor, built) if built_data else \
+        _checked_data(cfg, tokenizer, actor=actor)
     run_train = storage.join(data_dir, "train_prompts.jsonl")
     run_eval = storage.join(data_dir, "eval_prompts.jsonl")
     write_run_prompts(train, run_train)
