@@ -28,7 +28,7 @@ from models.run import lock as run_lock
 from models import tracking
 from models.run.errors import root_cause
 from models.run.layout import RunLayout
-from models.run.resume import DAMAGED_ADVICE
+from models.run.resume import next_step
 
 log = logging.getLogger(__name__)
 
@@ -130,17 +130,6 @@ def end(run: LiveRun, status: str, why: str) -> str:
     except Exception:  # noqa: BLE001
         done = "state.json unreadable"
     return f"[flyte-rlhf] run {run.name} {why}: {marked}, {released}, {done}; {next_step(why)}"
-
-
-DAMAGE = ("fails its blake3 check", "fails its sha256 check", "listed in COMMITTED.json is missing",
-          "COMMITTED.json says")
-"""What :func:`models.checkpoint.verify_local` says of a committed checkpoint whose files changed."""
-
-
-def next_step(why: str) -> str:
-    """How to go on after ``why``: a resume, unless a committed checkpoint is damaged (a resume would load it
-    again)."""
-    return DAMAGED_ADVICE if any(d in why for d in DAMAGE) else "rerun the same command to resume"
 
 
 def _at_exit() -> None:

@@ -1,9 +1,10 @@
-"""Resuming a run, every decision in one place: whether a launch resumes (:func:`resumes`: the run folder
-holds ``run.json``), through which workflow (:func:`check_resume_workflow`), with which config
-(:func:`plan_resume`), against which MLflow run (:func:`check_tracked_here`), from which state
-(:func:`resume_run`: the committed checkpoints ``state.json`` names, :func:`check_resume_point`), and
-what a finished run whose checkpoint was damaged does (:func:`check_finished_intact`,
-:data:`DAMAGED_ADVICE`: it stays FINISHED). ``models.run.setup`` calls :func:`resume_run`; an iteration
+"""Resuming a run, every decision in one place: which run folder a launch works in
+(:func:`run_layout`), whether it resumes (:func:`resumes`: the folder holds ``run.json``), through which
+workflow (:func:`check_resume_workflow`), with which config (:func:`plan_resume`), against which MLflow
+run (:func:`check_tracked_here`), from which state (:func:`resume_run`: the committed checkpoints
+``state.json`` names, :func:`check_resume_point`), what a finished run whose checkpoint was damaged does
+(:func:`check_finished_intact`, :data:`DAMAGED_ADVICE`: it stays FINISHED), and what a run that stopped
+tells its user to do (:func:`next_step`). ``models.run.setup`` calls :func:`resume_run`; an iteration
 that ran after the last commit is redone (``state.json`` is written last, docs/reliability.md).
 
 Launching with the name of an existing run resumes it. The config stored in ``run.json`` wins over
@@ -24,6 +25,7 @@ config nobody can see. ``docs/reliability.md`` lists the fields and why each may
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Tuple
@@ -157,6 +159,14 @@ def change_records(previous: Iterable[Mapping[str, Any]], changes: List[ConfigCh
     return [dict(r) for r in previous] + [c.as_dict() for c in changes]
 
 
+def run_layout(cfg: TrainConfig, run_name: str = "") -> RunLayout:
+    """The run folder a launch works in, under ``run.storage_root``: ``run_name`` (``--run_name``), else
+    ``run.name``, else a new one named for the algorithm and the time; a launch resumes the run it holds
+    (:func:`resumes`)."""
+    name = run_name or cfg.run.name or f"{cfg.run.algorithm}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    return RunLayout(cfg.run.storage_root, name)
+
+
 def resumes(layout: RunLayout) -> bool:
     """A launch of this run's name resumes it: its folder holds ``run.json`` (written when it started)."""
     return storage.exists(layout.run_info_url)
@@ -175,6 +185,17 @@ def check_resume_point(run_url: str, actor_url: str, critic_url: str) -> None:
 DAMAGED_ADVICE = ("a resume cannot repair it (the run would go on from this checkpoint): restore the file from a "
                   "copy (the run's MLflow artifacts hold the checkpoints it logged), or train under a new --run_name")
 """What a user can do about a committed checkpoint that fails its verification."""
+
+
+DAMAGE = ("fails its blake3 check", "fails its sha256 check", "listed in COMMITTED.json is missing",
+          "COMMITTED.json says")
+"""What :func:`models.checkpoint.verify_local` says of a committed checkpoint whose files changed."""
+
+
+def next_step(why: str) -> str:
+    """How to go on after ``why``: a resume, unless a committed checkpoint is damaged (a resume would load it
+    again)."""
+    return DAMAGED_ADVICE if any(d in why for d in DAMAGE) else "rerun the same command to resume"
 
 
 def check_finished_intact(run_url: str, mlflow_run_id: str, urls: Iterable[str]) -> None:

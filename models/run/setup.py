@@ -4,7 +4,6 @@ config names, or what ``model.builder`` builds), initial checkpoints, the MLflow
 
 from __future__ import annotations
 
-import datetime as dt
 import importlib
 import logging
 import os
@@ -22,7 +21,7 @@ from models.config.io import flatten, given_keys, load_config, to_dict
 from models.rewards import RewardError, parse_spec
 from models.run.preflight import (check_eval_prompts_exist, check_model_dirs, check_reward_named, check_rollout_setup,
                                   check_sources, check_start_named, check_storage, check_vocab, model_context)
-from models.run.resume import resume_run, resumes, where_tracked
+from models.run.resume import resume_run, resumes, run_layout, where_tracked
 from models.run.data import load_run_data, write_run_prompts
 from models.run.layout import RunInfo, RunLayout
 from models.run.types import PolicyState, RunHandle
@@ -40,10 +39,6 @@ class RunSetup(NamedTuple):
     cfg: TrainConfig
     run: RunHandle
     state: PolicyState
-
-
-def default_run_name(algorithm: str) -> str:
-    return f"{algorithm}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
 GIT_COMMIT_ENV = "RLHF_GIT_COMMIT"
@@ -232,8 +227,7 @@ def setup_run(preset: str, overrides: List[str], run_name: str = "", workflow: s
     lock (:mod:`models.run.lock`; released again if set-up fails)."""
     overrides = list(overrides)
     cfg = load_config(preset or DEFAULT_PRESETS.get(workflow, DEFAULT_PRESETS["ppo"]), overrides)
-    name = run_name or cfg.run.name or default_run_name(cfg.run.algorithm)
-    layout = RunLayout(cfg.run.storage_root, name)
+    layout = run_layout(cfg, run_name)
     check_storage(layout.url)
     if workflow not in ("", "ppo", "reinforce") or not resumes(layout):
         check_workflow(cfg, workflow)  # a new run: its own config must suit the workflow
