@@ -55,7 +55,7 @@ from models.data.draws import iteration_indices  # noqa: E402
 from models.config import TrainConfig  # noqa: E402
 from models.config.io import load_config  # noqa: E402
 from models.run.layout import RunLayout  # noqa: E402
-from models.run.setup import cache_dir  # noqa: E402
+from models.demos.builders import cache_dir  # noqa: E402
 
 SECTION = "trl"
 PROGRESS = re.compile(r"^\[(?:ppo|reinforce|rloo|grpo|reinforce_pp)\] iter (\d+)/(\d+)")

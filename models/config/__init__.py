@@ -18,14 +18,14 @@ from models.config.data import DataConfig, ReasoningGymConfig
 from models.config.kl import DEFAULT_KL_ESTIMATOR, AdvantageConfig, KLConfig
 from models.config.model import ModelConfig
 from models.config.resources import TASKS_WITH_RESOURCES, ResourcesConfig
-from models.config.reward import DEFAULT_REWARD_FUNCTION, RewardConfig
+from models.config.reward import RewardConfig
 from models.config.rollout import MIN_TRAIN_TEMPERATURE, RolloutConfig
 from models.config.run import REGISTERED_NAME_FORBIDDEN, RunConfig
 from models.config.train import TrainConfig
 
 __all__ = [
     "ActorConfig", "AdvantageConfig", "ConfigError", "CriticConfig", "DataConfig", "DEFAULT_KL_ESTIMATOR",
-    "DEFAULT_REWARD_FUNCTION", "KLConfig", "LLAMA_PROJECTIONS", "LoraConfig", "MIN_TRAIN_TEMPERATURE",
+    "KLConfig", "LLAMA_PROJECTIONS", "LoraConfig", "MIN_TRAIN_TEMPERATURE",
     "ModelConfig", "ReasoningGymConfig", "REGISTERED_NAME_FORBIDDEN", "ResourcesConfig", "RewardConfig",
     "RolloutConfig", "RunConfig", "StepGuardConfig", "TASKS_WITH_RESOURCES", "TrainConfig",
 ]

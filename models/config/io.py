@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterable, List, Mapping
 import yaml
 
 from models.algorithms.checks import ignored_options
-from models.config import ConfigError, TrainConfig
+from models.config import ConfigError, TrainConfig, aliases
 
 PROJECT_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -167,6 +167,7 @@ def _merged(base: Dict[str, Any], over: Mapping[str, Any]) -> Dict[str, Any]:
     out = dict(base)
     for key, value in over.items():
         out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    aliases.one_setting(out, over)
     return out
 
 
@@ -177,7 +178,8 @@ def given_values(preset: str = "", overrides: Iterable[str] = ()) -> Dict[str, A
     for text in overrides:
         path, value = parse_override(text)
         _set_path(data, path, value, text)
-    return data
+        aliases.one_setting(data, {path[0]: {path[1]: value}} if len(path) == 2 else {})
+    return aliases.upgrade(data)
 
 
 def given_keys(preset: str = "", overrides: Iterable[str] = ()) -> List[str]:
@@ -197,5 +199,6 @@ def load_config(preset: str = "", overrides: Iterable[str] = ()) -> TrainConfig:
 
 
 def config_from_json_dict(data: Mapping[str, Any]) -> TrainConfig:
-    """Inverse of :func:`to_dict` (used when a config travels as JSON)."""
-    return from_dict(TrainConfig, data)
+    """Inverse of :func:`to_dict` (used when a config travels as JSON, and for a run's stored config,
+    whose old keys :func:`models.config.aliases.upgrade` maps onto today's)."""
+    return from_dict(TrainConfig, aliases.upgrade(data, stored=True))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.config.checks import check, check_choice
+from models.config.checks import ConfigError, check_choice
+from models.rewards import RewardError, parse_spec
 
 
 @dataclass(frozen=True)
@@ -13,23 +14,19 @@ class ModelConfig:
 
     actor_path: str = ""
     """HF checkpoint (directory or fsspec URL) the actor starts from; also the frozen reference.
-    Empty: build the demo models of ``demo_task`` (tokenizer, warm-started actor, critic) under the run."""
-    demo_task: str = "reverse"
-    """Demo models only: ``reverse``: the character-level Llama on string reversal (``make demo``);
-    ``math``: a Qwen2-shaped chat model (byte-level BPE, ChatML) on arithmetic word problems with an
-    ``answer`` column (``make demo TASK=math``, docs/math_demo.md)."""
+    Empty: the checkpoint ``builder`` writes."""
+    builder: str = ""
+    """Used when ``actor_path`` is empty: ``module:function(key=value, ...)`` that writes the run's starting
+    model and data, called at set-up as ``fn(out_dir, **kwargs)`` (Python literal arguments); it returns the
+    paths it wrote: ``actor`` (an HF checkpoint with its tokenizer) and optionally ``critic``,
+    ``train_prompts`` and ``eval_prompts`` (used when ``data.train_prompts`` is empty). The demo presets
+    name theirs (``models.demos.builders:reverse_demo(...)``, docs/presets.md); the keys
+    ``model.demo_task``, ``model.tiny_hidden_size``, ``model.tiny_num_layers``, ``model.tiny_num_heads``,
+    ``model.warm_start_steps``, ``data.num_demo_train_prompts`` and ``data.num_demo_eval_prompts`` are
+    accepted as aliases of its arguments."""
     critic_path: str = ""
-    """HF checkpoint of the critic (token-classification head, 1 label). Empty: initialise
-    the critic from the actor's trunk with a fresh value head."""
-    tiny_hidden_size: int = 64
-    """Demo models only: width of the tiny Llama (``reverse``; ``math`` has its own shape)."""
-    tiny_num_layers: int = 2
-    """Demo models only: number of decoder layers."""
-    tiny_num_heads: int = 2
-    """Demo models only: attention heads (head size = hidden / heads)."""
-    warm_start_steps: int = 300
-    """Demo models only: supervised warm-start steps before RL (cached by content; the ``math``
-    demo is tuned for 400)."""
+    """HF checkpoint of the critic (token-classification head, 1 label). Empty: the builder's critic if it
+    wrote one, else the actor's trunk with a fresh value head."""
     dtype: str = "float32"
     """Compute dtype of the training-side forwards (scoring and updates): float32 or bfloat16.
     Updates keep the weights they train, their gradients and AdamW's state in float32 and commit
@@ -43,8 +40,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_choice("model.dtype", self.dtype, ["float32", "bfloat16"])
-        check_choice("model.demo_task", self.demo_task, ["reverse", "math"])
-        check(self.tiny_hidden_size % max(self.tiny_num_heads, 1) == 0,
-              f"model.tiny_hidden_size={self.tiny_hidden_size} is not divisible by "
-              f"model.tiny_num_heads={self.tiny_num_heads}")
-        check(self.warm_start_steps >= 0, "model.warm_start_steps must be >= 0")
+        if self.builder:
+            try:
+                parse_spec(self.builder)
+            except RewardError as err:
+                raise ConfigError(f"model.builder={self.builder!r}: {err}") from None

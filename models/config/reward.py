@@ -7,12 +7,7 @@ from dataclasses import dataclass, field
 from typing import List
 
 from models.config.checks import ConfigError, check, check_choice
-from models.demos.reverse_task import REWARD_SPEC
 from models.rewards import RewardError, parse_spec
-
-DEFAULT_REWARD_FUNCTION = REWARD_SPEC
-"""The demo task's reward (:mod:`models.demos.reverse_task`), the default ``reward.function``."""
-
 
 @dataclass(frozen=True)
 class RewardConfig:
@@ -21,7 +16,7 @@ class RewardConfig:
 
     source: str = "function"
     """``function`` (``module:function`` rewards), ``model`` (reward-model checkpoint) or ``remote`` (HTTP)."""
-    function: str = DEFAULT_REWARD_FUNCTION
+    function: str = ""
     """``module:function``, or ``module:factory(key=value, ...)`` for the function a factory returns
     (Python literal arguments, e.g. ``trl.rewards:get_soft_overlong_punishment(max_completion_len=256,
     soft_punish_cache=32)``). Called as ``fn(prompts, responses, **columns) -> list[float]`` (each data
@@ -29,7 +24,7 @@ class RewardConfig:
     ``**kwargs``, none in the two-argument form), or in TRL's keyword form when it names
     ``completions`` or ``completion_ids`` (``prompts=``, ``completions=``, ``completion_ids=`` and every
     column by keyword; None in its result: no reward from it for that sample); docs/rewards.md.
-    Unused when ``functions`` is set."""
+    There is no default: a run scored by functions names at least one (the demo presets name theirs)."""
     functions: List[str] = field(default_factory=list)
     """Several reward functions (each as in ``function``) whose weighted sum is the reward (a function's
     None skipped, as TRL does); each is logged as ``reward/<function name>_mean``."""
@@ -76,7 +71,7 @@ class RewardConfig:
                                       f"{err}") from None
         check(not self.weights or len(self.weights) == len(self.functions),
               f"reward.weights has {len(self.weights)} entries for {len(self.functions)} reward.functions")
-        check(not self.functions or self.function == DEFAULT_REWARD_FUNCTION,
+        check(not self.functions or not self.function,
               "set reward.function or reward.functions, not both")
         if self.source == "model":
             check(bool(self.model_path), "reward.source=model needs reward.model_path")
@@ -98,7 +93,7 @@ class RewardConfig:
     @property
     def specs(self) -> List[str]:
         """The reward functions in use: ``functions``, else ``[function]``."""
-        return list(self.functions) or [self.function]
+        return list(self.functions) or ([self.function] if self.function else [])
 
     @property
     def options(self) -> dict:

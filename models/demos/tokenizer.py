@@ -16,12 +16,13 @@ every HF tokenizer.
 
 from __future__ import annotations
 
-import json
 import string
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from models.training.critic_init import save_tokenizer  # noqa: F401 - the demos' models save theirs with it
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<bos>"
@@ -77,23 +78,6 @@ def build_char_tokenizer(
         padding_side="right",
         clean_up_tokenization_spaces=False,
     )
-
-
-def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: str | Path) -> Path:
-    """Save `tokenizer` to `out_dir` (tokenizer.json + tokenizer_config.json).
-
-    transformers 5 records its own class name ("TokenizersBackend"), which transformers
-    4.x cannot resolve; "PreTrainedTokenizerFast" loads the same `tokenizer.json` in both,
-    so the config is rewritten to that name for older readers (e.g. GPU images whose vLLM
-    pins transformers 4.x).
-    """
-    out = Path(out_dir)
-    tokenizer.save_pretrained(out)
-    config_path = out / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return out
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:

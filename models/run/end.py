@@ -28,6 +28,7 @@ from models.run import lock as run_lock
 from models import tracking
 from models.run.errors import root_cause
 from models.run.layout import RunLayout
+from models.run.resume import next_step
 
 log = logging.getLogger(__name__)
 
@@ -131,21 +132,6 @@ def end(run: LiveRun, status: str, why: str) -> str:
     return f"[flyte-rlhf] run {run.name} {why}: {marked}, {released}, {done}; {next_step(why)}"
 
 
-DAMAGE = ("fails its blake3 check", "fails its sha256 check", "listed in COMMITTED.json is missing",
-          "COMMITTED.json says")
-"""What :func:`models.checkpoint.verify_local` says of a committed checkpoint whose files changed."""
-
-
-def next_step(why: str) -> str:
-    """How to go on after ``why``: a resume, unless a committed checkpoint is damaged (a resume would load it
-    again)."""
-    if any(d in why for d in DAMAGE):
-        from models.run.preflight import DAMAGED_ADVICE
-
-        return DAMAGED_ADVICE
-    return "rerun the same command to resume"
-
-
 def _at_exit() -> None:
     sig = interrupted_by()
     for run in list(_live.values()):
@@ -155,16 +141,15 @@ def _at_exit() -> None:
 
 def mark_failed(mlflow_experiment: str, message: str, execution=None) -> Optional[str]:
     """The training workflows' failure handler: this process's live runs (local), else the RUNNING MLflow
-    run tagged with this Flyte execution (``execution``: its id, default the current one; cluster),
+    run tagged with this Flyte execution (``execution``: its id, default the current one,
+    :func:`models.run.lock.current_execution`; cluster),
     marked FAILED with ``message``; the line that says so, if any."""
     why = f"failed: {root_cause(message)}"
     if _live:
         return "\n".join(end(run, KILLED if interrupted_by() else FAILED, why) for run in list(_live.values()))
     try:
-        import flytekit
-
-        ex = execution or flytekit.current_context().execution_id
-        run = None if ex.domain == "local" else _run_of(mlflow_experiment, ex)
+        ex = execution or run_lock.current_execution()
+        run = _run_of(mlflow_experiment, ex) if run_lock.on_cluster(ex) else None
     except Exception as err:  # noqa: BLE001 - never raise from a failure handler
         log.warning("failure handler: no run found for this execution: %s", err)
         return None

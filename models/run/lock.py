@@ -30,7 +30,7 @@ import os
 import socket
 import threading
 import uuid
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, NamedTuple, Optional, Tuple
 
 from models.storage.cas import read_versioned, write_if
 
@@ -64,29 +64,48 @@ def _process_started(pid: int) -> float:
         return 0.0
 
 
-def execution_owner(ex) -> str:
-    """The holder name of Flyte execution ``ex`` (a ``WorkflowExecutionIdentifier``) on a cluster."""
-    return f"flyte:{ex.project}/{ex.domain}/{ex.name}"
+class Execution(NamedTuple):
+    """A Flyte execution's id (flytekit's ``WorkflowExecutionIdentifier`` has the same three fields)."""
+
+    project: str
+    domain: str
+    name: str
+
+
+def on_cluster(ex) -> bool:
+    """Execution ``ex`` runs on a cluster: it is named, and of a domain other than a local run's."""
+    return bool(ex.name) and ex.domain not in ("", "local")
 
 
 _EXECUTION_ENV = ("FLYTE_INTERNAL_EXECUTION_PROJECT", "FLYTE_INTERNAL_EXECUTION_DOMAIN", "FLYTE_INTERNAL_EXECUTION_ID")
-"""What Flyte puts in a task pod's environment (``pyflyte-execute`` reads the execution id from it); the
-workers an elastic task starts inherit it, though their Flyte context names no execution."""
+"""What Flyte puts in a task pod's environment (``pyflyte-execute`` builds the task's execution id from
+it, and the workers an elastic task starts inherit it); a local ``pyflyte run`` sets none of them."""
+
+
+def current_execution() -> Execution:
+    """This process's Flyte execution, read from the environment Flyte gives a task pod (all fields
+    empty outside one): the core reads no flytekit context."""
+    return Execution(*(os.environ.get(k, "") for k in _EXECUTION_ENV))
+
+
+def execution_name() -> str:
+    """The Flyte execution's name on a cluster (the ``flyte_execution_id`` tag the failure handler finds a
+    run by), else ``local``."""
+    ex = current_execution()
+    return ex.name if on_cluster(ex) else "local"
+
+
+def execution_owner(ex) -> str:
+    """The holder name of Flyte execution ``ex`` (an :class:`Execution` or flytekit's
+    ``WorkflowExecutionIdentifier``) on a cluster."""
+    return f"flyte:{ex.project}/{ex.domain}/{ex.name}"
 
 
 def current_owner() -> str:
     """This execution's holder name: the Flyte execution on a cluster, else this process."""
-    try:
-        import flytekit
-
-        ex = flytekit.current_context().execution_id
-        if ex.name and ex.domain not in ("", "local"):
-            return execution_owner(ex)
-    except Exception:  # noqa: BLE001 - outside any Flyte context
-        pass
-    project, domain, name = (os.environ.get(k, "") for k in _EXECUTION_ENV)
-    if name and domain not in ("", "local"):
-        return f"flyte:{project}/{domain}/{name}"
+    ex = current_execution()
+    if on_cluster(ex):
+        return execution_owner(ex)
     return f"local:{socket.gethostname()}:{os.getpid()}:{_PROCESS_TOKEN}"
 
 

@@ -5,7 +5,7 @@ names what is wrong (the URL, the field, the numbers).
 topology, S3 credentials, the tracking server) and :func:`check_tracking` in any run. ``setup_run``
 then calls the rest in this order: storage reachable and writable, then (new runs) the model
 folders the config names, the prompts, the tokenizer against the model's vocabulary, the reward
-source and the servers; (resumed runs) the checkpoints ``state.json`` points at. Bad prompts and config values are
+source and the servers (a resumed run's checks: :mod:`models.run.resume`). Bad prompts and config values are
 checked by :mod:`models.data.prompts` and :mod:`models.config`.
 """
 
@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Iterable
 
 from models import storage
-from models.checkpoint import PICKLE_SUFFIXES, CheckpointError, download_checkpoint, is_committed
+from models.checkpoint import PICKLE_SUFFIXES
 from models.rewards import RewardError
 from models.run import secrets
 from models.config import ConfigError, TrainConfig
@@ -73,6 +72,24 @@ def check_model_dir(url: str, field: str, needs_tokenizer: bool = False) -> None
     if needs_tokenizer and not names & set(TOKENIZER_FILES):
         raise ConfigError(f"{field}={url} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the "
                           f"tokenizer the model was trained with into it (tokenizer.save_pretrained)")
+
+
+def check_start_named(cfg: TrainConfig) -> None:
+    """The config names the model a new run starts from: a checkpoint, or a builder that writes one."""
+    if not (cfg.model.actor_path or cfg.model.builder):
+        raise ConfigError("model.actor_path is empty and model.builder names no builder: set model.actor_path to "
+                          "the HF checkpoint the actor starts from, or model.builder to a function that writes one "
+                          "(the demo presets name theirs: docs/presets.md)")
+
+
+def check_reward_named(cfg: TrainConfig) -> None:
+    """A run scored by reward functions names at least one: there is no default reward (the demo presets
+    name theirs)."""
+    r = cfg.reward
+    if r.source == "function" and not [spec for spec in r.specs if spec]:
+        raise ConfigError("reward.function is empty: name the function that scores a response, "
+                          "reward.function=package.module:function (or several in reward.functions; docs/rewards.md), "
+                          "or score with a reward model (reward.source=model) or a reward server (reward.source=remote)")
 
 
 def check_eval_prompts_exist(cfg: TrainConfig) -> None:
@@ -168,31 +185,6 @@ def check_sources(cfg: TrainConfig, probe, num_tokens: int) -> None:
         check_server(r.remote_url, "reward", r.remote_timeout_s, num_tokens)
     if cfg.uses_critic and cfg.critic.remote_url:
         check_server(cfg.critic.remote_url, "critic", r.remote_timeout_s, num_tokens)
-
-
-def check_resume_point(run_url: str, actor_url: str, critic_url: str) -> None:
-    """The checkpoints ``state.json`` names must be committed."""
-    for url in (actor_url, critic_url):
-        if url and not is_committed(url):
-            raise CheckpointError(f"run {run_url}: state.json points at {url}, which is not committed "
-                                  f"(no COMMITTED.json); the run's storage was changed by hand or is damaged")
-
-
-DAMAGED_ADVICE = ("a resume cannot repair it (the run would go on from this checkpoint): restore the file from a "
-                  "copy (the run's MLflow artifacts hold the checkpoints it logged), or train under a new --run_name")
-"""What a user can do about a committed checkpoint that fails its verification."""
-
-
-def check_finished_intact(run_url: str, mlflow_run_id: str, urls: Iterable[str]) -> None:
-    """The checkpoints a finished run would go on from still match their commit markers (every file's size
-    and BLAKE3), checked before its MLflow run is reopened: a relaunch that met the damage later would
-    leave the finished run marked FAILED. :class:`CheckpointError` naming the file and what to do."""
-    for url in (u for u in urls if u):
-        try:
-            download_checkpoint(url)  # local: checked in place; remote: checked into the node's cache
-        except CheckpointError as err:
-            raise CheckpointError(f"run {run_url} finished, and {err}; MLflow run {mlflow_run_id} stays FINISHED. "
-                                  f"{DAMAGED_ADVICE[0].upper()}{DAMAGED_ADVICE[1:]}") from None
 
 
 # --- remote executions: what each pod must reach, checked before prepare_run creates anything ----

@@ -70,7 +70,7 @@ def new_cluster(package, s3_server: str, pods_root: Path, baked: Path, secrets: 
                 cluster_env: Mapping = (), **kw) -> Cluster:
     """A :class:`Cluster` whose pods live under ``pods_root``, metadata and raw outputs on the moto server
     ``s3_server``; ``baked``: the folder of the caches an image would carry prebuilt."""
-    from models.run.setup import cache_dir
+    from models.demos.builders import cache_dir
 
     env = image_env(ROOT / "Dockerfile", {"GIT_COMMIT": head_commit(), "DEPLOY_PRESET": "", "DEPLOY_OVERRIDES": ""})
     # Content-keyed caches an image would carry prebuilt (the demo's warm-started models, matplotlib's

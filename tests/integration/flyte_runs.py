@@ -20,7 +20,7 @@ PYFLYTE = os.path.join(os.path.dirname(sys.executable), "pyflyte")
 def isolated_env(home: Path, extra: Optional[Mapping[str, str]] = None) -> dict:
     """This environment with ``HOME`` (hence Flyte's ``~/.flyte/local-cache``) under ``home``;
     the demo-model cache and matplotlib's font cache stay where they are (they are keyed by content)."""
-    from models.run.setup import cache_dir
+    from models.demos.builders import cache_dir
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", TQDM_DISABLE="1", TRANSFORMERS_VERBOSITY="error",
                VLLM_LOGGING_LEVEL="WARNING", RLHF_CACHE_DIR=cache_dir(),

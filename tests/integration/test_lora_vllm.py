@@ -22,7 +22,7 @@ from models.demos.tokenizer import load_tokenizer
 from models.demos.warm_start import warm_start
 from models.config.io import load_config
 from models.stages.engine import engine_for
-from models.run.setup import cache_dir
+from models.demos.builders import cache_dir
 
 pytestmark = pytest.mark.integration
 TOL = 1e-3  # as test_models_vllm.py: vLLM's CPU kernels against an HF forward, float32

@@ -2,7 +2,7 @@
 MLflow — with an error of a known type whose message names the problem (file, row, column,
 field, numbers, URL). One case per row of ``CASES``.
 
-The guard: ``_demo_assets`` (model building), ``_commit_copy`` (checkpoint copies) and
+The guard: ``build_start`` (model building), ``_commit_copy`` (checkpoint copies) and
 ``tracking.start_run`` raise ``ModelWorkStarted`` here, so a check that came too late shows up
 as that error instead of the expected one.
 """
@@ -97,7 +97,7 @@ def ws(tmp_path, user_actor, monkeypatch):
     def guard(*args, **kwargs):
         raise ModelWorkStarted("set-up reached model or MLflow work before failing")
 
-    monkeypatch.setattr(run_setup, "_demo_assets", guard)
+    monkeypatch.setattr(run_setup, "build_start", guard)
     monkeypatch.setattr(run_setup, "_commit_copy", guard)
     monkeypatch.setattr(run_setup.tracking, "start_run", guard)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
@@ -260,6 +260,10 @@ CASES = [
         "run.registered_model_name=my team/policy:v1"], "ppo", ConfigError,
      r"run\.registered_model_name='my team/policy:v1' is not a name the MLflow Model Registry accepts \(it may not "
      r"contain '/' or ':'\): e\.g\. 'my team-policy-v1'"),
+    ("no model named", lambda w, a, r, m: base(w, a) + ["model.actor_path=", "model.builder="], "ppo", ConfigError,
+     r"model\.actor_path is empty and model\.builder names no builder: set model\.actor_path"),
+    ("no reward function named", lambda w, a, r, m: base(w, a) + ["reward.function="], "ppo", ConfigError,
+     r"reward\.function is empty: name the function that scores a response"),
     ("eval prompts missing beside the demo's prompts", lambda w, a, r, m: [
         f"run.storage_root={w}/runs", f"data.eval_prompts={w}/held-out.jsonl"], "ppo", PromptDataError,
      r"held-out\.jsonl: file not found \(data\.eval_prompts\)"),

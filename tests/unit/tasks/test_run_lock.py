@@ -136,3 +136,24 @@ def test_the_holder_is_the_execution_on_a_cluster_and_the_process_locally(monkey
     monkeypatch.setenv("FLYTE_INTERNAL_EXECUTION_DOMAIN", "development")
     monkeypatch.setenv("FLYTE_INTERNAL_EXECUTION_ID", "exec-a")
     assert run_lock.current_owner() == A
+
+
+def test_the_run_lifecycle_reads_the_execution_without_flytekit(monkeypatch):
+    """The run's lifecycle (models/run/) imports no flytekit, not even inside a function: the execution
+    id comes from the environment Flyte gives a task pod, and a local run (domain ``local``) is no
+    cluster execution."""
+    import ast
+
+    importers = []
+    for path in sorted((ROOT / "models" / "run").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            importers += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "flytekit"]
+    assert importers == []
+    monkeypatch.setenv("FLYTE_INTERNAL_EXECUTION_PROJECT", "proj")
+    monkeypatch.setenv("FLYTE_INTERNAL_EXECUTION_DOMAIN", "local")
+    monkeypatch.setenv("FLYTE_INTERNAL_EXECUTION_ID", "exec-a")
+    assert run_lock.current_execution() == run_lock.Execution("proj", "local", "exec-a")
+    assert not run_lock.on_cluster(run_lock.current_execution())
+    assert run_lock.current_owner().startswith("local:")
