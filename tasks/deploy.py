@@ -1,6 +1,7 @@
-"""What the heavy tasks ask of a Flyte cluster: resources, GPU type and the actor's elastic topology.
+"""What the heavy tasks ask of a Flyte cluster: resources, GPU type and the updates' elastic topologies.
 
-Two places use the same config fields (``resources.*`` and ``actor.nnodes/nproc_per_node``):
+Two places use the same config fields (``resources.*``, ``actor.nnodes/nproc_per_node`` and
+``critic.nnodes/nproc_per_node``):
 
 - the task decorators, from the **deployment config** :data:`REGISTERED`: the preset named by
   ``RLHF_DEPLOY_PRESET`` plus the space-separated ``section.field=value`` items of
@@ -15,8 +16,8 @@ Two places use the same config fields (``resources.*`` and ``actor.nnodes/nproc_
 
 The elastic topology is special: flytekit's kfpytorch plugin fixes the task type (``pytorch`` for
 more than one node) and the worker count when the task object is built, and a task pod re-imports
-the module, so a run can change ``actor.nnodes``/``actor.nproc_per_node`` only in local
-executions; on a cluster they must match the deployment config (:func:`check_topology`).
+the module, so a run can change ``actor.nnodes``/``actor.nproc_per_node`` (and the critic's) only in
+local executions; on a cluster they must match the deployment config (:func:`check_topology`).
 """
 
 from __future__ import annotations
@@ -67,24 +68,27 @@ def resources_for(cfg: TrainConfig, task: str) -> Dict[str, Any]:
     return out
 
 
-def elastic_for(cfg: TrainConfig, local: bool = False) -> ActorElastic:
-    """The torch-elastic launch of ``actor_update``: ``actor.nnodes`` × ``actor.nproc_per_node`` processes.
+def elastic_for(cfg: TrainConfig, local: bool = False, section: str = "actor") -> ActorElastic:
+    """The torch-elastic launch of ``{section}_update`` (``actor`` or ``critic``): ``{section}.nnodes`` ×
+    ``{section}.nproc_per_node`` processes.
 
     ``local`` (one node): workers forked from a forkserver that outlives the launch, polled every
-    0.1 s (:mod:`tasks.elastic`); registered tasks keep the plugin's spawn and 1 s polling.
+    0.1 s (:mod:`tasks.elastic`); registered tasks keep the plugin's spawn and 1 s polling. One process
+    on one node, local or registered, is no launch: the task's own process trains (the critic's
+    default, as before it was elastic).
     """
-    a = cfg.actor
-    fast = local and a.nnodes == 1
-    return ActorElastic(nnodes=a.nnodes, nproc_per_node=a.nproc_per_node, max_restarts=a.max_restarts,
+    t = getattr(cfg, section)
+    fast = t.nnodes == 1 and (local or t.world_size == 1)
+    return ActorElastic(nnodes=t.nnodes, nproc_per_node=t.nproc_per_node, max_restarts=t.max_restarts,
                         monitor_interval=0.1 if fast else 1,  # type: ignore[arg-type]  # the field says int
                         start_method=FORKSERVER if fast else "spawn", increase_shared_mem=False)
 
 
-def use_local_topology(elastic_task, cfg: TrainConfig) -> None:
-    """Give ``elastic_task`` the run's launch before a local execution calls it.
+def use_local_topology(elastic_task, cfg: TrainConfig, section: str = "actor") -> None:
+    """Give ``elastic_task`` (``{section}_update``) the run's launch before a local execution calls it.
 
     Local executions run each task as soon as the workflow calls it, so a node override
     (``with_overrides(task_config=...)``) arrives after the launch and is ignored; this sets what
     that override sets (:func:`tasks.flyte_internals.set_task_config`).
     """
-    set_task_config(elastic_task, elastic_for(cfg, local=True))
+    set_task_config(elastic_task, elastic_for(cfg, local=True, section=section))

@@ -1,4 +1,5 @@
-"""The elastic launch of ``actor_update``: flytekit's kfpytorch plugin, plus a forkserver for local runs.
+"""The elastic launch of ``actor_update`` and ``critic_update``: flytekit's kfpytorch plugin, plus a
+forkserver for local runs.
 
 The plugin starts the workers with ``spawn`` (or ``fork``) on every call. In a local execution
 that happens every iteration, and each spawned worker re-imports torch, flytekit, transformers
@@ -91,7 +92,7 @@ class ActorElasticTask(CustomLaunchElasticTask):
             _, first = e.get_first_failure()
             if is_recoverable_worker_error(first):
                 raise FlyteRecoverableException(e.format_msg(), timestamp=first.timestamp)
-            raise FlyteUserRuntimeException(RuntimeError(root_cause_first(e)), timestamp=first.timestamp)
+            raise FlyteUserRuntimeException(RuntimeError(root_cause_first(e, self.name)), timestamp=first.timestamp)
         except SignalException as e:  # Ctrl-C or SIGTERM while the workers ran: the run stops, KILLED
             run_end.note_signal(e.sigval.name)
             raise KeyboardInterrupt(e.sigval.name) from None
@@ -100,12 +101,14 @@ class ActorElasticTask(CustomLaunchElasticTask):
         return adopt_rank0_result(out[0])  # a single node: rank 0 is here
 
 
-def root_cause_first(e) -> str:
+def root_cause_first(e, task_name: str = "tasks.updates.actor_update") -> str:
     """A ``ChildFailedError``'s report with the first failed rank's own error on its first line (the
-    report alone starts with the launcher's banner and buries it among the restarts' tracebacks)."""
+    report alone starts with the launcher's banner and buries it among the restarts' tracebacks), naming
+    the task (``actor_update``: "the actor update failed on rank 0: ...")."""
     rank, first = e.get_first_failure()
     cause = first.message.get("message", "") if isinstance(first.message, dict) else str(first.message)
-    return f"the actor update failed on rank {rank}: {cause}\n{e.format_msg()}"
+    what = task_name.rsplit(".", 1)[-1].replace("_", " ")
+    return f"the {what} failed on rank {rank}: {cause}\n{e.format_msg()}"
 
 
 def worker_threads(nproc_per_node: int) -> int:

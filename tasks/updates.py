@@ -1,5 +1,5 @@
-"""``actor_update`` (an elastic torchrun job) and ``critic_update``: the adapters of
-:func:`models.stages.actor.train_actor_ranks` and :func:`models.stages.critic.train_critic`. They
+"""``actor_update`` and ``critic_update`` (elastic torchrun jobs): the adapters of
+:func:`models.stages.actor.train_actor_ranks` and :func:`models.stages.critic.train_critic_ranks`. They
 run in parallel in the iteration graph."""
 
 from __future__ import annotations
@@ -8,10 +8,9 @@ from flytekit import task
 
 from models.config import TrainConfig
 from models.data.batch import RolloutBatch
-from models.run import lock as run_lock
 from models.run.types import PolicyState, RunHandle
 from models.stages.actor import train_actor_ranks
-from models.stages.critic import train_critic
+from models.stages.critic import train_critic_ranks
 from models.stages.updates import UpdateOutput
 from tasks import secrets
 from tasks.caching import CACHE_VERSION
@@ -30,10 +29,14 @@ def actor_update(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
     return train_actor_ranks(cfg, run, state, batch)
 
 
-@task(cache=True, cache_version=CACHE_VERSION, retries=2, secret_requests=secrets.requests(secrets.S3, secrets.SERVER),
+@task(task_config=elastic_for(REGISTERED, section="critic"), cache=True, cache_version=CACHE_VERSION, retries=2,
+      shared_memory=True, secret_requests=secrets.requests(secrets.S3, secrets.SERVER),
       **resources_for(REGISTERED, "critic"))
 def critic_update(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> UpdateOutput:
-    """Clipped value regression on the same batch; next critic checkpoint."""
+    """Clipped value regression on the same batch; next critic checkpoint.
+
+    Runs as ``critic.nnodes × critic.nproc_per_node`` processes, registered and local as the actor's (one
+    process by default: the task's own).
+    """
     secrets.load(secrets.S3, secrets.SERVER)
-    with run_lock.heartbeat(run.layout.lock_url):
-        return train_critic(cfg, run, state, batch)
+    return train_critic_ranks(cfg, run, state, batch)

@@ -36,12 +36,15 @@ def wire_iteration(cfg, run, state, critic: bool, known: Optional[TrainConfig] =
     """rollout → score → advantages → actor_update (∥ critic_update) → commit_iteration.
 
     ``known``: the concrete config inside a dynamic workflow; its ``resources`` (and, in local
-    executions, the actor's elastic launch) override the registered task settings. On a cluster the
-    actor's topology is the registered one, checked by ``prepare_run`` before the run is created.
+    executions, the actor's and the critic's elastic launches) override the registered task settings. On
+    a cluster the updates' topologies are the registered ones, checked by ``prepare_run`` before the run
+    is created.
     ``sampled``: this iteration's rollout node when it was wired ahead (off-policy pipelining).
     """
     if known is not None and is_local_execution():
         use_local_topology(actor_update, known)
+        if critic:
+            use_local_topology(critic_update, known, "critic")
     ro = sampled if sampled is not None else wire_rollout(cfg, run, state, known)
     sc = score(cfg=cfg, run=run, state=state, batch=ro.batch)
     ad = advantages(cfg=cfg, run=run, state=state, batch=sc.batch)

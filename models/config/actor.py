@@ -7,6 +7,7 @@ from typing import List
 
 from kernels.aggregation import LossAgg
 from models.config.checks import check, check_choice
+from models.config.topology import ElasticTopology
 
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """Attention and MLP projections of Llama-style decoders (Mistral, Qwen2, ... use the same names)."""
@@ -73,8 +74,9 @@ class StepGuardConfig:
 
 
 @dataclass(frozen=True)
-class ActorConfig:
-    """The policy update (an elastic torchrun job)."""
+class ActorConfig(ElasticTopology):
+    """The policy update (an elastic torchrun job; its topology, ``nnodes`` to ``max_restarts``, as the
+    critic's: ``models/config/topology.py``)."""
 
     lr: float = 1e-5
     """AdamW learning rate."""
@@ -121,16 +123,8 @@ class ActorConfig:
     """π_old: ``recompute`` (a forward of the training-side actor in ``score``) or ``sampler`` (the
     engine's own log-probs, one forward less; only where the engine computes in the trainer's dtype,
     float32, as TRL's PPOTrainer does with its generation logits)."""
-    nnodes: int = 1
-    """Nodes for the elastic job."""
     nproc_per_node: int = 2
-    """Processes per node (gloo on CPU, NCCL on GPU)."""
-    sharding: str = "auto"
-    """How the actor's ranks hold the model: ``fsdp2`` (weights, gradients and AdamW's state sharded
-    over the ranks, ``fully_shard`` per decoder layer), ``ddp`` (a whole copy on every rank) or
-    ``auto``: FSDP2 on GPUs, DDP on CPU."""
-    max_restarts: int = 1
-    """Torch-elastic restarts of the worker group on failure."""
+    """Processes per node (gloo on CPU, NCCL on GPU; one GPU each: ``resources.actor_gpu`` is this or 0)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (``actor.lora.rank > 0``): checkpoints hold the adapter only, and the
     reference log-probs come from the same model with the adapter disabled."""
@@ -149,10 +143,4 @@ class ActorConfig:
         check(self.tis_cap >= 0, "actor.tis_cap must be >= 0 (0 = off)")
         check(self.grad_clip > 0, "actor.grad_clip must be > 0")
         check_choice("actor.old_logprobs", self.old_logprobs, ["recompute", "sampler"])
-        check_choice("actor.sharding", self.sharding, ["auto", "fsdp2", "ddp"])
-        check(self.nnodes >= 1 and self.nproc_per_node >= 1, "actor.nnodes and actor.nproc_per_node must be >= 1")
-        check(self.max_restarts >= 0, "actor.max_restarts must be >= 0")
-
-    @property
-    def world_size(self) -> int:
-        return self.nnodes * self.nproc_per_node
+        self.check_topology("actor")

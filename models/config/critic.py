@@ -6,20 +6,22 @@ from dataclasses import dataclass, field
 
 from models.config.actor import LoraConfig, StepGuardConfig
 from models.config.checks import check
+from models.config.topology import ElasticTopology
 
 
 @dataclass(frozen=True)
-class CriticConfig:
-    """The value-function update (PPO only)."""
+class CriticConfig(ElasticTopology):
+    """The value-function update (PPO only): an elastic torchrun job as the actor's, one process by
+    default (``nnodes`` to ``max_restarts``: ``models/config/topology.py``)."""
 
     lr: float = 5e-5
     """AdamW learning rate."""
     epochs: int = 1
     """Passes over each rollout batch."""
     minibatch_size: int = 16
-    """Samples per optimiser step."""
+    """Samples per optimiser step, summed over all ranks."""
     micro_batch_size: int = 8
-    """Samples per forward/backward."""
+    """Samples per forward/backward on one rank (gradient accumulation up to the minibatch)."""
     value_clip: float = 0.2
     """Clip of the new value around the old one; 0 disables clipping."""
     grad_clip: float = 1.0
@@ -34,10 +36,9 @@ class CriticConfig:
     the critic server keeps its optimiser in memory instead)."""
     optimizer_state_sharded: bool = False
     """Commit AdamW's moments per rank, as ``actor.optimizer_state_sharded`` (the same code,
-    ``models/checkpoint/optimizer_shards.py``). The critic update runs as one process today, and one process holds
-    the whole state, so it commits the whole state as with false; the option takes effect (each rank
-    reads 1/n) once the critic trains on n ranks under FSDP2, as a full critic at 70B must
-    (docs/cluster.md)."""
+    ``models/checkpoint/optimizer_shards.py``): under FSDP2 on ``critic.nnodes × critic.nproc_per_node``
+    ranks each rank writes and reads only its own shard, as a full critic at 70B needs (docs/cluster.md);
+    one process or DDP (every rank holds the whole state) commits the whole state as with false."""
     remote_url: str = ""
     """Critic server base URL; empty runs the critic inside the tasks."""
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -46,6 +47,10 @@ class CriticConfig:
     def __post_init__(self) -> None:
         self.lora.check("critic")
         self.guard.check("critic")
+        self.check_topology("critic")
+        check(not (self.world_size > 1 and self.remote_url),
+              f"critic.nnodes × critic.nproc_per_node = {self.nnodes} × {self.nproc_per_node} needs the critic "
+              f"inside the tasks: the critic server (critic.remote_url) trains its own critic in one process")
         check(not (self.lora.enabled and self.remote_url),
               "critic.lora needs the critic inside the tasks: the critic server (critic.remote_url) "
               "trains its own critic")

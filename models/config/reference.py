@@ -40,7 +40,15 @@ the checks that span sections are in [`models/config/train.py`](../../models/con
 
 def field_docstrings(cls) -> Dict[str, str]:
     """``{field: docstring}`` of a dataclass: the string literal right under each annotated field, read
-    from the source of the module that defines ``cls``."""
+    from the source of the class that declares it last (a section inherits ``topology.py``'s fields)."""
+    docs: Dict[str, str] = {}
+    for base in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):
+        docs.update(_declared_docstrings(base))
+    return docs
+
+
+def _declared_docstrings(cls) -> Dict[str, str]:
+    """The docstrings of the fields ``cls`` itself declares."""
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {}
     for node, nxt in zip(body, body[1:]):

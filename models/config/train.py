@@ -84,7 +84,7 @@ class TrainConfig:
               f"resources.rollout_gpu={gpus}: set resources.rollout_gpu={tp}")
 
     def _check_batches(self) -> None:
-        """GPUs per actor node, and the batch split into minibatches and micro-batches on every rank."""
+        """GPUs per actor and critic node, and the batch split into minibatches and micro-batches on every rank."""
         batch = self.rollout.samples_per_iteration
         a = self.actor
         check(self.resources.actor_gpu in (0, a.nproc_per_node),
@@ -98,9 +98,13 @@ class TrainConfig:
               f"must be divisible by actor.minibatch_size={a.minibatch_size}")
         if self.uses_critic:
             c = self.critic
-            check(c.minibatch_size % c.micro_batch_size == 0,
-                  f"critic.minibatch_size={c.minibatch_size} must be divisible by "
-                  f"critic.micro_batch_size={c.micro_batch_size}")
+            check(self.resources.critic_gpu in (0, c.nproc_per_node),
+                  f"resources.critic_gpu={self.resources.critic_gpu} must be 0 (CPU) or critic.nproc_per_node="
+                  f"{c.nproc_per_node} (one GPU per process)")
+            ranks = f" × ranks = {c.micro_batch_size} × {c.world_size}" if c.world_size > 1 else \
+                f"={c.micro_batch_size}"
+            check(c.minibatch_size % (c.micro_batch_size * c.world_size) == 0,
+                  f"critic.minibatch_size={c.minibatch_size} must be divisible by critic.micro_batch_size{ranks}")
             check(batch % c.minibatch_size == 0,
                   f"the batch ({batch} samples) must be divisible by critic.minibatch_size={c.minibatch_size}")
 

@@ -279,13 +279,15 @@ DEPLOY_OVERRIDES_ENV = "RLHF_DEPLOY_OVERRIDES"
 """The preset and overrides the registered tasks were compiled with (``tasks/deploy.py``)."""
 
 def check_topology(cfg: TrainConfig, registered: TrainConfig) -> None:
-    """On a cluster the actor's topology is the registered one; say how to change it if the run asks for another."""
-    a, b = cfg.actor, registered.actor
-    if (a.nnodes, a.nproc_per_node) != (b.nnodes, b.nproc_per_node):
-        raise ConfigError(
-            f"actor.nnodes × actor.nproc_per_node = {a.nnodes} × {a.nproc_per_node}, but the registered actor_update "
-            f"runs {b.nnodes} × {b.nproc_per_node}: register the workflows (and build the image) with "
-            f"{DEPLOY_PRESET_ENV}/{DEPLOY_OVERRIDES_ENV} naming this topology (docs/howto/cluster.md)")
+    """On a cluster each update's topology (the actor's; the critic's where the run trains one) is the
+    registered one; say how to change it if the run asks for another."""
+    for section in ("actor", "critic") if cfg.uses_critic else ("actor",):
+        a, b = getattr(cfg, section), getattr(registered, section)
+        if (a.nnodes, a.nproc_per_node) != (b.nnodes, b.nproc_per_node):
+            raise ConfigError(
+                f"{section}.nnodes × {section}.nproc_per_node = {a.nnodes} × {a.nproc_per_node}, but the registered "
+                f"{section}_update runs {b.nnodes} × {b.nproc_per_node}: register the workflows (and build the image) "
+                f"with {DEPLOY_PRESET_ENV}/{DEPLOY_OVERRIDES_ENV} naming this topology (docs/howto/cluster.md)")
 
 def check_rollout_setup(cfg: TrainConfig, actor_config: Dict) -> None:
     """Set-up check (before any model loads) of the rollout settings against the actor checkpoint's

@@ -7,7 +7,7 @@ their adapters, and a long-lived service can call the same functions.
 | score | :func:`models.stages.score.run_score` | :class:`~models.stages.score.ScoreOutput` |
 | advantages | :func:`models.stages.advantages.run_advantages` | :class:`~models.stages.advantages.AdvantagesOutput` |
 | actor update | :func:`models.stages.actor.train_actor` (one rank), :func:`~models.stages.actor.train_actor_ranks` (every rank of a launch) | :class:`~models.stages.updates.UpdateOutput` |
-| critic update | :func:`models.stages.critic.train_critic` | :class:`~models.stages.updates.UpdateOutput` |
+| critic update | :func:`models.stages.critic.train_critic` (one rank), :func:`~models.stages.critic.train_critic_ranks` (every rank of a launch) | :class:`~models.stages.updates.UpdateOutput` |
 | commit | :func:`models.stages.commit.run_commit` | the next :class:`~models.run.types.PolicyState` |
 | evaluate | :func:`models.stages.evaluate.run_evaluate` | the held-out mean reward |
 | finish | :func:`models.stages.finish.run_finish` | :class:`~models.stages.finish.TrainingSummary` |

@@ -3,26 +3,22 @@ elastic launch (DDP or FSDP2), rank 0 committing the next actor checkpoint."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Dict
 
 import torch
 
 from kernels.losses import PolicyLossConfig
-from models.checkpoint.disk_full import naming_a_full_disk
 from models.checkpoint.local import load_tokenizer
 from models.config import TrainConfig
 from models.data.batch import RolloutBatch
 from models.faults import nan_advantages, pause_point
-from models.run import lock as run_lock
 from models.run.types import PolicyState, RunHandle
-from models.stages.updates import UpdateOutput, load_trainable, loop_settings, save_trained, update_data
+from models.stages.updates import UpdateOutput, commit_trained, load_trainable, loop_settings, on_ranks, update_data
 from models.timing import timed
-from models.training.distributed import (DistInfo, barrier, full_state_dict, init_distributed, shutdown_distributed,
-                                         unwrap, wrap_for_training)
+from models.training.distributed import DistInfo, wrap_for_training
 from models.training.lora import CAUSAL_LM
-from models.training.optimizer_carry import carried_optimizer, commit_optimizer
+from models.training.optimizer_carry import carried_optimizer
 from models.training.policy import PolicyLogprobs, with_packing
 from models.training.update import actor_loss_fn, run_update, stat_keys
 
@@ -63,13 +59,7 @@ def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rol
                            loop_settings(a.ppo_epochs, a, cfg.run.seed * 1000 + state.iteration, "actor"), info)
     pause_point(f"actor_update/iter-{state.iteration:06d}")  # tests only: kill the run mid-update
     url = run.layout.actor_url(state.iteration)
-    full = full_state_dict(model)
-    with naming_a_full_disk(url, model):
-        if info.is_main:
-            save_trained(unwrap(model).lm, tok, url, state.actor_url, full, prefix="lm.")
-        commit_optimizer(model, optimizer, url, a.keep_optimizer_state, times, "actor", info,
-                         a.optimizer_state_sharded)
-    barrier()
+    commit_trained(model, optimizer, tok, url, state.actor_url, "lm", a, times, "actor", info)
     stats["optimizer_steps_total"] = prior_steps + stats["steps"]
     out = {**stat_keys("actor", stats), **times}
     out["time/actor_update_s"] = time.perf_counter() - t0
@@ -79,12 +69,4 @@ def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rol
 def train_actor_ranks(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> UpdateOutput:
     """What every process of the actor's elastic launch runs: join the process group, train
     (:func:`train_actor`; rank 0 holds the run's lease meanwhile) and leave it."""
-    info = init_distributed()
-    try:
-        with run_lock.heartbeat(run.layout.lock_url) if info.is_main else contextlib.nullcontext():
-            out = train_actor(cfg, run, state, batch, info)
-    except BaseException:
-        shutdown_distributed(failed=True)  # no barrier: the other ranks may never reach it
-        raise
-    shutdown_distributed()
-    return out
+    return on_ranks(run, lambda info: train_actor(cfg, run, state, batch, info))

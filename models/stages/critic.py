@@ -1,60 +1,71 @@
-"""The critic update stage: clipped value regression on a batch's returns, in this process or on the
-critic server, committing the next critic checkpoint."""
+"""The critic update stage: clipped value regression on a batch's returns, on every rank of an elastic
+launch (one process by default; DDP or FSDP2 as the actor's) or on the critic server, rank 0 committing
+the next critic checkpoint."""
 
 from __future__ import annotations
 
 import time
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
-from models.checkpoint.disk_full import naming_a_full_disk
 from models.checkpoint.local import load_tokenizer
 from models.config import TrainConfig
 from models.data.batch import RolloutBatch
+from models.run import lock as run_lock
 from models.run.types import PolicyState, RunHandle
 from models.server.client import server_client
-from models.stages.updates import UpdateOutput, load_trainable, loop_settings, save_trained, update_data
+from models.stages.updates import UpdateOutput, commit_trained, load_trainable, loop_settings, on_ranks, update_data
 from models.timing import timed
 from models.training.distributed import DistInfo, wrap_for_training
 from models.training.lora import TOKEN_CLS
-from models.training.optimizer_carry import carried_optimizer, commit_optimizer
+from models.training.optimizer_carry import carried_optimizer
 from models.training.policy import CriticValues, with_packing
 from models.training.update import critic_loss_fn, run_update
 
 _CRITIC_COLS = ("values", "returns")
 
 
-def train_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> UpdateOutput:
-    """Clipped value regression on the batch's returns; commits the next critic."""
+def train_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch,
+                 info: Optional[DistInfo] = None) -> UpdateOutput:
+    """Clipped value regression on the batch's returns on this rank (``info``; None: this process alone);
+    commits the next critic."""
     from transformers import AutoModelForTokenClassification
 
     t0 = time.perf_counter()
     if cfg.critic.remote_url:
         return train_remote_critic(cfg, run, state, batch, t0)
-    info = DistInfo(0, 1, 0, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    info = info or DistInfo(0, 1, 0, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(cfg.run.seed * 7919 + state.iteration + 1)
     tok = load_tokenizer(run.reference_url)
     # multi-turn: values are regressed on the policy's tokens only (tool and template tokens have no return)
     data = update_data(batch, tok.pad_token_id or 0, _CRITIC_COLS + (("loss_mask",) if cfg.rollout.environment
-                                                                   else ()), None)
+                                                                   else ()),
+                       (info.rank, info.world_size) if info.world_size > 1 else None)
     c = cfg.critic
     critic = load_trainable(state.critic_url, AutoModelForTokenClassification, cfg.model.dtype, c.lora, TOKEN_CLS)
-    model = wrap_for_training(with_packing(CriticValues(critic), cfg.model.pack_sequences), info,
-                              compute_dtype=getattr(torch, cfg.model.dtype))
+    model = wrap_for_training(with_packing(CriticValues(critic), cfg.model.pack_sequences), info, c.sharding,
+                              getattr(torch, cfg.model.dtype))
     times: Dict[str, float] = {}
     optimizer, prior_steps = carried_optimizer(model, c.lr, 0.0, state.critic_url, c.keep_optimizer_state, times,
-                                               "critic")
+                                               "critic", info)
     with timed(times, "time/critic_train_s"):
         stats = run_update(model, optimizer, data, critic_loss_fn(c.value_clip or None),
                            loop_settings(c.epochs, c, cfg.run.seed * 1000 + state.iteration + 1, "critic"), info)
     url = run.layout.critic_url(state.iteration)
-    with naming_a_full_disk(url, model):
-        save_trained(model.critic, tok, url, state.critic_url)
-        commit_optimizer(model, optimizer, url, c.keep_optimizer_state, times, "critic", info,
-                         c.optimizer_state_sharded)
+    commit_trained(model, optimizer, tok, url, state.critic_url, "critic", c, times, "critic", info)
     return UpdateOutput(url, {**critic_stats(stats), "critic/optimizer_steps_total": prior_steps + stats["steps"],
                               **times, "time/critic_update_s": time.perf_counter() - t0})
+
+
+def train_critic_ranks(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> UpdateOutput:
+    """What every process of the critic's elastic launch runs (``critic.nnodes × critic.nproc_per_node``,
+    one by default): join the process group, train (:func:`train_critic`; rank 0 holds the run's lease
+    meanwhile) and leave it. With ``critic.remote_url`` (one process) the critic server trains."""
+    if cfg.critic.remote_url:
+        with run_lock.heartbeat(run.layout.lock_url):
+            return train_critic(cfg, run, state, batch)
+    return on_ranks(run, lambda info: train_critic(cfg, run, state, batch, info))
 
 
 def train_remote_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch,

@@ -1,16 +1,24 @@
 """What the actor and the critic update share: a batch's rows as update tensors, the loop's settings,
-the model to train loaded from its checkpoint and the trained model committed, and their outputs."""
+the model to train loaded from its checkpoint and the trained model committed, their outputs, and the
+body every rank of their elastic launch runs."""
 
 from __future__ import annotations
 
-from typing import Dict, NamedTuple
+import contextlib
+from typing import Callable, Dict, NamedTuple
 
 from models.checkpoint import save_model_checkpoint
+from models.checkpoint.disk_full import naming_a_full_disk
 from models.checkpoint.local import local_checkpoint
 from models.training.load import base_checkpoint_url, load_hf
 from models.config import LoraConfig
 from models.data.batch import RolloutBatch
+from models.run import lock as run_lock
+from models.run.types import RunHandle
+from models.training.distributed import (DistInfo, barrier, full_state_dict, init_distributed, shutdown_distributed,
+                                         unwrap)
 from models.training.lora import add_adapter, is_peft, save_adapter_checkpoint, trainable_in_float32
+from models.training.optimizer_carry import commit_optimizer
 from models.training.update import LoopSettings, UpdateData, disable_dropout
 
 
@@ -60,3 +68,31 @@ def save_trained(model, tokenizer, url: str, from_url: str, full_state=None, pre
                                 state_dict=state)
     else:
         save_model_checkpoint(model, tokenizer, url, overwrite=True, state_dict=state)
+
+
+def commit_trained(model, optimizer, tokenizer, url: str, from_url: str, inner: str, section, times: Dict[str, float],
+                   role: str, info: DistInfo) -> None:
+    """Every rank: commit the trained weights at ``url`` (a Hugging Face directory written by rank 0,
+    gathered from every rank's shard under FSDP2) and the optimizer state beside them, as ``section``
+    (``actor`` or ``critic``) says. ``inner``: the trained model's attribute in the training wrapper."""
+    full = full_state_dict(model)  # a collective under FSDP2: every rank takes part
+    with naming_a_full_disk(url, model):
+        if info.is_main:
+            save_trained(getattr(unwrap(model), inner), tokenizer, url, from_url, full, prefix=f"{inner}.")
+        commit_optimizer(model, optimizer, url, section.keep_optimizer_state, times, role, info,
+                         section.optimizer_state_sharded)
+    barrier()
+
+
+def on_ranks(run: RunHandle, train: Callable[[DistInfo], UpdateOutput]) -> UpdateOutput:
+    """What every process of an update's elastic launch runs: join the process group, ``train`` this
+    rank (rank 0 holds the run's lease meanwhile) and leave it."""
+    info = init_distributed()
+    try:
+        with run_lock.heartbeat(run.layout.lock_url) if info.is_main else contextlib.nullcontext():
+            out = train(info)
+    except BaseException:
+        shutdown_distributed(failed=True)  # no barrier: the other ranks may never reach it
+        raise
+    shutdown_distributed()
+    return out

@@ -1,6 +1,6 @@
 """``make package`` (``pyflyte package``, offline) for a 2-node GPU deployment: the compiled task
-templates carry the image, the resources and GPU type of the preset, the actor update is a PyTorch
-job with the elastic settings, and the nightly launch plan has its schedule and defaults."""
+templates carry the image, the resources and GPU type of the preset, the actor and the critic updates
+are PyTorch jobs with their elastic settings, and the nightly launch plan has its schedule and defaults."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ HEAVY = {"tasks.rollout.rollout": "rollout", "tasks.score.score": "score", "task
 
 
 TRACKING = "https://mlflow.example.com"
+DEPLOY_OVERRIDES = "actor.nnodes=2 critic.nnodes=2"
+"""The preset's actor (8 ranks a node) and LoRA critic (one rank a node) each on two nodes."""
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,7 @@ def package(tmp_path_factory):
     from tests.cluster.package import build_package
 
     out = tmp_path_factory.mktemp("pkg")
-    tgz = build_package(out, IMAGE, PRESET, "actor.nnodes=2", {"MLFLOW_TRACKING_URI": TRACKING})
+    tgz = build_package(out, IMAGE, PRESET, DEPLOY_OVERRIDES, {"MLFLOW_TRACKING_URI": TRACKING})
     with tarfile.open(tgz) as tar:
         tar.extractall(out / "x")
     return out / "x"
@@ -77,12 +79,23 @@ def test_every_task_runs_the_image_with_the_presets_resources(package):
             assert "gpu" not in requests, name
 
 
+def _elastic_job(package, name: str):
+    """``(min nodes, max nodes, processes per node, worker pods)`` of update task ``name``, a PyTorchJob
+    with torch-elastic's c10d rendezvous."""
+    template = _tasks(package)[f"tasks.updates.{name}"]
+    assert template["type"] == "pytorch"
+    elastic = template["custom"]["elasticConfig"]
+    assert elastic["rdzvBackend"] == "c10d"
+    return (elastic["minReplicas"], elastic["maxReplicas"], elastic["nprocPerNode"],
+            template["custom"]["workerReplicas"]["replicas"])
+
+
 def test_actor_update_is_an_elastic_pytorch_job(package):
-    actor = _tasks(package)["tasks.updates.actor_update"]
-    assert actor["type"] == "pytorch"
-    elastic = actor["custom"]["elasticConfig"]
-    assert (elastic["minReplicas"], elastic["maxReplicas"], elastic["nprocPerNode"]) == (2, 2, 8)
-    assert elastic["rdzvBackend"] == "c10d" and actor["custom"]["workerReplicas"]["replicas"] == 2
+    assert _elastic_job(package, "actor_update") == (2, 2, 8, 2)
+
+
+def test_critic_update_is_an_elastic_pytorch_job_of_its_own_topology(package):
+    assert _elastic_job(package, "critic_update") == (2, 2, 1, 2)
 
 
 def test_secrets_are_requested_never_inputs(package):
@@ -122,4 +135,4 @@ def test_every_task_carries_the_registration_settings(package):
         c = template.get("container") or template["k8sPod"]["podSpec"]["containers"][0]
         env = {kv["key"]: kv["value"] for kv in c.get("env", [])}
         assert env["MLFLOW_TRACKING_URI"] == TRACKING, name
-        assert (env["RLHF_DEPLOY_PRESET"], env["RLHF_DEPLOY_OVERRIDES"]) == (PRESET, "actor.nnodes=2"), name
+        assert (env["RLHF_DEPLOY_PRESET"], env["RLHF_DEPLOY_OVERRIDES"]) == (PRESET, DEPLOY_OVERRIDES), name

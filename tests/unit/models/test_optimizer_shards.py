@@ -130,7 +130,7 @@ def header(blob: bytes) -> dict:
 
 
 def test_one_process_commits_the_whole_state_either_way(s3_url):
-    """The critic update is one process (``train_critic``): with ``critic.optimizer_state_sharded`` it commits
+    """The critic update on one process (its default): with ``critic.optimizer_state_sharded`` it commits
     the same single file as without (same size, tensors and metadata; safetensors writes the metadata's keys
     in no fixed order), and it loads back whole."""
     from safetensors.torch import load
