@@ -1,5 +1,7 @@
 """``ppo_training`` end to end through ``pyflyte run`` (local Flyte execution): vLLM rollouts,
-a 2-process elastic actor update, the moto S3 server as storage and MLflow in SQLite."""
+2-process elastic actor and critic updates (the critic's launch set from the run's
+``critic.nproc_per_node``, as the actor's; FSDP2 with AdamW's state committed per rank), the moto S3
+server as storage and MLflow in SQLite."""
 
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ def test_two_iterations_on_s3(s3_url, tmp_path):
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{db}", PYTHONUNBUFFERED="1")
     overrides = [f"run.storage_root={s3_url}", "run.num_iterations=2", "run.eval_interval=2",
                  "run.save_interval=1", "rollout.prompts_per_iteration=8", "actor.minibatch_size=32",
-                 "actor.micro_batch_size=16", "critic.minibatch_size=32", "critic.micro_batch_size=32",
+                 "actor.micro_batch_size=16", "critic.minibatch_size=32", "critic.micro_batch_size=16",
+                 "critic.nproc_per_node=2", "critic.sharding=fsdp2", "critic.optimizer_state_sharded=true",
                  "data.num_demo_train_prompts=64", "data.num_demo_eval_prompts=8"]
     cmd = [os.path.join(os.path.dirname(sys.executable), "pyflyte"), "run", "workflows/ppo.py", "ppo_training",
            "--preset", "configs/tiny_ppo.yaml", "--overrides", json.dumps(overrides), "--run_name", "e2e"]
@@ -76,6 +79,8 @@ def test_two_iterations_on_s3(s3_url, tmp_path):
         history = [m.value for m in sorted(client.get_metric_history(run_id, f"{role}/optimizer_steps_total"),
                                            key=lambda m: m.step)]
         assert history == [steps, 2 * steps], role
+    shards = [f for f in storage.list_files(optimizer_url(layout.critic_url(1))) if f.endswith(".safetensors")]
+    assert sorted(shards) == ["rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]  # 2 ranks
     tables = [a.path for a in client.list_artifacts(run_id, "samples")]
     assert tables == ["samples/iter-000000.json", "samples/iter-000001.json"]
     assert storage.exists(storage.join(layout.url, "data", "train_prompts.jsonl"))
