@@ -16,8 +16,9 @@ high-water mark over the load alone: with torch, transformers and the process gr
 mark to the present resident set (``echo 5 > /proc/self/clear_refs``), loads, and reports the mark
 (``VmHWM`` of ``/proc/self/status``) minus the resident set before. ``getrusage``'s ``ru_maxrss`` is
 the same mark but keeps the peak the imports left behind, which hides the load's (both sides then
-read the same). Every page the load touches counts, the checkpoint's memory-mapped pages included. The issue's target: the sharded load's rise per rank at
-most ``1/ranks + 10%`` of the whole load's (0.6 on two ranks).
+read the same). Every page the load touches counts, the checkpoint's memory-mapped pages included.
+The issue's target: the sharded load's rise per rank at most ``1/ranks + 10%`` of the whole load's
+(0.6 on two ranks).
 
     python benchmarks/bench_sharded_load.py [--quick] [--threads N] [--json rows.json]
 """

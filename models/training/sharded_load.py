@@ -72,12 +72,14 @@ def tensor_files(local_dir: str) -> Dict[str, str]:
 def read_rows(f, entry: dict, data_start: int, start: int, out: torch.Tensor) -> None:
     """Rows ``start .. start + len(out)`` of the stored tensor of header ``entry`` into ``out``, cast to its
     dtype: one read of their bytes (a row-major tensor's rows are contiguous), straight into ``out``
-    when the dtypes agree. A plain read, not a memory map: the file's pages stay out of this process."""
+    when it is a host tensor of the stored dtype. A plain read, not a memory map: the file's pages stay
+    out of this process's memory."""
     dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
     if dtype is None:
         raise ValueError(f"sharded load: safetensors dtype {entry['dtype']} is not supported")
     row_bytes = math.prod(entry["shape"][1:]) * dtype.itemsize
-    buf = out if out.dtype == dtype and out.is_contiguous() else torch.empty(out.shape, dtype=dtype)
+    direct = out.device.type == "cpu" and out.dtype == dtype and out.is_contiguous()
+    buf = out if direct else torch.empty(out.shape, dtype=dtype)  # on the host, then copied (a GPU's shard)
     view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
     f.seek(data_start + entry["data_offsets"][0] + start * row_bytes)
     done = 0

@@ -186,6 +186,11 @@ def test_a_checkpoint_without_a_weight_or_of_another_shape_is_refused(qwen2_chat
     save_file({**tensors, name: tensors[name][:-1]}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=rf"{name} has shape \(191, 64\) in the checkpoint, \(192, 64\)"):
         fill_from_checkpoint(model, str(tmp_path), tensor_files(str(tmp_path)), CPU)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    whole = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(whole[:-100])
+    with pytest.raises(ValueError, match="ends inside a tensor"):
+        fill_from_checkpoint(model, str(tmp_path), tensor_files(str(tmp_path)), CPU)
     os.remove(tmp_path / "model.safetensors")
     with pytest.raises(FileNotFoundError, match="no .safetensors file"):
         tensor_files(str(tmp_path))
