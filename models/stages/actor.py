@@ -14,12 +14,12 @@ from models.config import TrainConfig
 from models.data.batch import RolloutBatch
 from models.faults import nan_advantages, pause_point
 from models.run.types import PolicyState, RunHandle
-from models.stages.updates import UpdateOutput, commit_trained, load_trainable, loop_settings, on_ranks, update_data
+from models.stages.updates import UpdateOutput, commit_trained, load_for_update, loop_settings, on_ranks, update_data
 from models.timing import timed
-from models.training.distributed import DistInfo, wrap_for_training
+from models.training.distributed import DistInfo
 from models.training.lora import CAUSAL_LM
 from models.training.optimizer_carry import carried_optimizer
-from models.training.policy import PolicyLogprobs, with_packing
+from models.training.policy import PolicyLogprobs
 from models.training.update import actor_loss_fn, run_update, stat_keys
 
 _ACTOR_COLS = ("old_logprobs", "advantages", "sampler_logprobs", "ref_logprobs", "loss_mask")
@@ -46,9 +46,8 @@ def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rol
     data = update_data(batch, tok.pad_token_id or 0, _ACTOR_COLS, (info.rank, info.world_size))
     data = data._replace(adv=nan_advantages(data.adv, state.iteration, info.rank))  # tests only
     a = cfg.actor
-    lm = load_trainable(state.actor_url, AutoModelForCausalLM, cfg.model.dtype, a.lora, CAUSAL_LM)
-    model = wrap_for_training(with_packing(PolicyLogprobs(lm), cfg.model.pack_sequences), info, a.sharding,
-                              getattr(torch, cfg.model.dtype))
+    model = load_for_update(state.actor_url, AutoModelForCausalLM, cfg.model.dtype, a.lora, CAUSAL_LM,
+                            PolicyLogprobs, cfg.model.pack_sequences, info, a.sharding)
     kl_beta = state.kl_coef if cfg.kl_placement == "loss" else 0.0
     times: Dict[str, float] = {}
     optimizer, prior_steps = carried_optimizer(model, a.lr, a.weight_decay, state.actor_url, a.keep_optimizer_state,

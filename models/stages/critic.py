@@ -15,12 +15,12 @@ from models.data.batch import RolloutBatch
 from models.run import lock as run_lock
 from models.run.types import PolicyState, RunHandle
 from models.server.client import server_client
-from models.stages.updates import UpdateOutput, commit_trained, load_trainable, loop_settings, on_ranks, update_data
+from models.stages.updates import UpdateOutput, commit_trained, load_for_update, loop_settings, on_ranks, update_data
 from models.timing import timed
-from models.training.distributed import DistInfo, wrap_for_training
+from models.training.distributed import DistInfo
 from models.training.lora import TOKEN_CLS
 from models.training.optimizer_carry import carried_optimizer
-from models.training.policy import CriticValues, with_packing
+from models.training.policy import CriticValues
 from models.training.update import critic_loss_fn, run_update
 
 _CRITIC_COLS = ("values", "returns")
@@ -43,9 +43,8 @@ def train_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
                                                                    else ()),
                        (info.rank, info.world_size) if info.world_size > 1 else None)
     c = cfg.critic
-    critic = load_trainable(state.critic_url, AutoModelForTokenClassification, cfg.model.dtype, c.lora, TOKEN_CLS)
-    model = wrap_for_training(with_packing(CriticValues(critic), cfg.model.pack_sequences), info, c.sharding,
-                              getattr(torch, cfg.model.dtype))
+    model = load_for_update(state.critic_url, AutoModelForTokenClassification, cfg.model.dtype, c.lora, TOKEN_CLS,
+                            CriticValues, cfg.model.pack_sequences, info, c.sharding)
     times: Dict[str, float] = {}
     optimizer, prior_steps = carried_optimizer(model, c.lr, 0.0, state.critic_url, c.keep_optimizer_state, times,
                                                "critic", info)

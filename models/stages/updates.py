@@ -7,6 +7,9 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Dict, NamedTuple
 
+import torch
+from torch import nn
+
 from models.checkpoint import save_model_checkpoint
 from models.checkpoint.disk_full import naming_a_full_disk
 from models.checkpoint.local import local_checkpoint
@@ -16,9 +19,11 @@ from models.data.batch import RolloutBatch
 from models.run import lock as run_lock
 from models.run.types import RunHandle
 from models.training.distributed import (DistInfo, barrier, full_state_dict, init_distributed, shutdown_distributed,
-                                         unwrap)
-from models.training.lora import add_adapter, is_peft, save_adapter_checkpoint, trainable_in_float32
+                                         unwrap, uses_fsdp2, wrap_for_training)
+from models.training.lora import add_adapter, is_adapter, is_peft, save_adapter_checkpoint, trainable_in_float32
 from models.training.optimizer_carry import commit_optimizer
+from models.training.policy import with_packing
+from models.training.sharded_load import load_sharded
 from models.training.update import LoopSettings, UpdateData, disable_dropout
 
 
@@ -55,6 +60,27 @@ def load_trainable(url: str, auto_cls, dtype: str, lora: LoraConfig, task_type: 
     if lora.enabled and not is_peft(model):
         model = add_adapter(model, lora, task_type)
     return disable_dropout(trainable_in_float32(model, local_checkpoint(url)))
+
+
+def reads_shards(url: str, lora: LoraConfig, info: DistInfo, sharding: str) -> bool:
+    """Whether each rank reads only its shard of ``url`` (:mod:`models.training.sharded_load`): full
+    weights trained FSDP2-sharded over two ranks or more. A LoRA model loads whole on every rank (its
+    frozen base in the compute dtype, the adapter fresh or read by peft), as one process does."""
+    return (info.world_size > 1 and uses_fsdp2(sharding, info) and not lora.enabled
+            and not is_adapter(local_checkpoint(url)))
+
+
+def load_for_update(url: str, auto_cls, dtype: str, lora: LoraConfig, task_type: str,
+                    wrapper: Callable[[nn.Module], nn.Module], pack: bool, info: DistInfo,
+                    sharding: str = "auto") -> nn.Module:
+    """``wrapper(model)`` of checkpoint ``url`` (:func:`load_trainable`) ready to train on ``info``'s ranks
+    (:func:`models.training.distributed.wrap_for_training`), computing in ``dtype``; ``pack``:
+    ``model.pack_sequences``. Read rank by rank where :func:`reads_shards` says so."""
+    compute = getattr(torch, dtype)
+    if reads_shards(url, lora, info, sharding):
+        return load_sharded(local_checkpoint(url), auto_cls, info, sharding, compute, wrapper, pack)
+    model = load_trainable(url, auto_cls, dtype, lora, task_type)
+    return wrap_for_training(with_packing(wrapper(model), pack), info, sharding, compute)
 
 
 def save_trained(model, tokenizer, url: str, from_url: str, full_state=None, prefix: str = "") -> None:

@@ -1,0 +1,211 @@
+"""Rank-local loading: a checkpoint read into an FSDP2-sharded model, each rank reading only its rows.
+
+The model is built on the meta device (no memory), wrapped and sharded by
+:func:`models.training.distributed.wrap_for_training`, materialised as empty local shards
+(``to_empty``), and each rank then reads its shard of every weight out of the checkpoint's
+safetensors files: FSDP2 shards a parameter along dim 0 (``Shard(0)``, ``torch.chunk``'s split:
+``ceil(rows / ranks)`` rows per rank, the last ranks fewer or none), and a row-major tensor's rows
+are one byte range of the file (its header gives where), read straight into the shard. Host memory per
+rank is its share of the weights, not the whole float32 model.
+
+Not ``safe_open(file).get_slice(name)[start:stop]``: it reads the same rows through a memory map of
+the file, whose pages then count in the rank's resident set beside the shard they were copied to
+(twice the shard; ``benchmarks/bench_sharded_load.py`` measured it at the whole load's peak).
+
+Buffers are not sharded: those the checkpoint holds are read whole, the others (rotary ``inv_freq``)
+are computed by the model's own ``_init_weights``, as transformers' ``from_pretrained`` computes
+them. Tied weights (``lm_head = embed_tokens``) are one parameter, sharded and read once.
+
+``torch.distributed.checkpoint``'s ``HuggingFaceStorageReader`` reads the same slices with ``get_slice``
+(the memory map again), wants the state dict under the checkpoint's names without the tied
+duplicates, and plans the read with collectives; reading the rows here needs no communication.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import struct
+from typing import Callable, Dict, Iterator, Tuple
+
+import torch
+from torch import nn
+
+from models.training.distributed import DistInfo, wrap_for_training
+from models.training.policy import with_packing
+from models.training.update import disable_dropout
+
+INDEX = "model.safetensors.index.json"
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def read_header(path: str) -> Tuple[Dict[str, dict], int]:
+    """A safetensors file's header (tensor name → ``dtype``, ``shape``, ``data_offsets``) and the byte
+    where its data starts (the format: an 8-byte little-endian header length, the JSON header, the data)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
+
+def tensor_files(local_dir: str) -> Dict[str, str]:
+    """Tensor name → the safetensors file of ``local_dir`` that holds it (from the index when sharded)."""
+    index = os.path.join(local_dir, INDEX)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(local_dir, file) for name, file in weight_map.items()}
+    files = sorted(f for f in os.listdir(local_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{local_dir}: no .safetensors file (a sharded load reads safetensors only)")
+    return {name: os.path.join(local_dir, file) for file in files
+            for name in read_header(os.path.join(local_dir, file))[0]}
+
+
+def read_rows(f, entry: dict, data_start: int, start: int, out: torch.Tensor) -> None:
+    """Rows ``start .. start + len(out)`` of the stored tensor of header ``entry`` into ``out``, cast to its
+    dtype: one read of their bytes (a row-major tensor's rows are contiguous), straight into ``out``
+    when it is a host tensor of the stored dtype. A plain read, not a memory map: the file's pages stay
+    out of this process's memory."""
+    dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise ValueError(f"sharded load: safetensors dtype {entry['dtype']} is not supported")
+    row_bytes = math.prod(entry["shape"][1:]) * dtype.itemsize
+    direct = out.device.type == "cpu" and out.dtype == dtype and out.is_contiguous()
+    buf = out if direct else torch.empty(out.shape, dtype=dtype)  # on the host, then copied (a GPU's shard)
+    view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
+    f.seek(data_start + entry["data_offsets"][0] + start * row_bytes)
+    done = 0
+    while done < len(view):
+        got = f.readinto(view[done:])
+        if not got:
+            raise ValueError(f"{f.name}: ends inside a tensor (truncated file)")
+        done += got
+    if buf is not out:
+        out.copy_(buf)
+
+
+def shard_rows(param: torch.Tensor, info: DistInfo) -> Tuple[torch.Tensor, int]:
+    """``param``'s local tensor on this rank and the first global row it holds (0 for a whole one)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(param, DTensor):
+        return param.data, 0
+    local = param.to_local()
+    (placement,) = param.placements
+    if isinstance(placement, Replicate):
+        return local, 0
+    if not (isinstance(placement, Shard) and placement.dim == 0):
+        raise ValueError(f"sharded load: placement {placement} is not FSDP2's Shard(0)")
+    rows = math.ceil(param.shape[0] / info.world_size)
+    return local, min(info.rank * rows, param.shape[0])
+
+
+def _by_file(names: Iterator[Tuple[str, torch.Tensor]], files: Dict[str, str], local_dir: str):
+    """``{file: [(name, tensor)]}``, naming every tensor the checkpoint lacks."""
+    grouped: Dict[str, list] = {}
+    missing = []
+    for name, tensor in names:
+        if name in files:
+            grouped.setdefault(files[name], []).append((name, tensor))
+        else:
+            missing.append(name)
+    if missing:
+        raise ValueError(f"{local_dir}: the checkpoint has no tensor {', '.join(missing[:5])}"
+                         f"{' ...' if len(missing) > 5 else ''} (a sharded load reads every weight from it)")
+    return grouped
+
+
+def fill_from_checkpoint(model: nn.Module, local_dir: str, files: Dict[str, str], info: DistInfo) -> None:
+    """Copy this rank's rows of every parameter of ``model`` (an HF model, sharded or not) and every
+    persistent buffer the checkpoint holds out of ``local_dir``'s safetensors ``files``
+    (:func:`tensor_files`)."""
+    persistent = set(model.state_dict(keep_vars=True))
+    buffers = [(n, b) for n, b in model.named_buffers() if n in persistent and n in files]
+    for path, tensors in _by_file(iter([*model.named_parameters(), *buffers]), files, local_dir).items():
+        header, data_start = read_header(path)
+        with open(path, "rb", buffering=0) as f, torch.no_grad():
+            for name, param in tensors:
+                shape = tuple(header[name]["shape"])
+                if shape != tuple(param.shape):
+                    raise ValueError(f"{local_dir}: {name} has shape {shape} in the checkpoint, "
+                                     f"{tuple(param.shape)} in the model")
+                local, start = shard_rows(param, info)
+                if local.numel():
+                    read_rows(f, header[name], data_start, start, local)
+
+
+def materialise(module: nn.Module, model: nn.Module, device: torch.device) -> None:
+    """Give meta-device ``module`` (``model`` or a wrapper of it, sharded or not) empty storage on
+    ``device``, its ties restored (``to_empty`` gives a tied head a storage of its own) and its buffers
+    computed (:func:`init_buffers`); the parameters are then read by :func:`fill_from_checkpoint`."""
+    module.to_empty(device=device)
+    model.tie_weights()
+    init_buffers(model)
+
+
+def init_buffers(model: nn.Module) -> None:
+    """The buffers ``model``'s own ``_init_weights`` computes (rotary ``inv_freq``), as transformers'
+    ``from_pretrained`` computes those a checkpoint lacks; the parameters are flagged as loaded, so
+    the init leaves them alone. A floating buffer the init leaves unset (NaN) is an error."""
+    for p in model.parameters():
+        p._is_hf_initialized = True  # transformers' init skips flagged tensors
+    owners = [m for m in model.modules() if next(m.buffers(recurse=False), None) is not None]
+    for module in owners:
+        for b in module.buffers(recurse=False):
+            if b.is_floating_point():
+                b.fill_(float("nan"))
+        model._init_weights(module)
+
+
+def _unset_buffers(model: nn.Module, files: Dict[str, str]):
+    return [n for n, b in model.named_buffers() if b.is_floating_point() and n not in files and b.isnan().any()]
+
+
+def load_sharded(local_dir: str, auto_cls, info: DistInfo, sharding: str, compute_dtype: torch.dtype,
+                 wrapper: Callable[[nn.Module], nn.Module], pack: bool = False) -> nn.Module:
+    """The full-weight checkpoint in ``local_dir`` as ``wrapper(model)`` (e.g. ``PolicyLogprobs``),
+    FSDP2-sharded over ``info``'s ranks (``sharding`` must mean FSDP2 there), each rank reading only its
+    rows, float32 master weights computing in ``compute_dtype``. ``pack``: ``model.pack_sequences``
+    (checked on the loaded model, :func:`models.training.policy.with_packing`).
+
+    A collective: every rank calls it. Returns the module :func:`wrap_for_training` returns."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(local_dir)
+    with torch.device("meta"):
+        model = auto_cls.from_config(config, dtype=torch.float32)
+    module = wrap_for_training(wrapper(disable_dropout(model.eval())), info, sharding, compute_dtype)
+    if not hasattr(module, "reshard"):
+        raise ValueError(f"sharded load: sharding {sharding!r} over {info.world_size} rank(s) is not FSDP2")
+    materialise(module, model, info.device)
+    files = tensor_files(local_dir)
+    fill_from_checkpoint(model, local_dir, files, info)
+    unset = _unset_buffers(model, files)
+    if unset:
+        raise ValueError(f"{local_dir}: buffers {unset} are neither in the checkpoint nor computed by "
+                         f"{type(model).__name__}._init_weights")
+    return _checked_packing(module, pack)
+
+
+def _checked_packing(module: nn.Module, pack: bool) -> nn.Module:
+    """``module`` run packed if ``pack`` and its model keeps packed rows apart: the check's forwards run
+    as an FSDP forward of the root (its weights gathered, every rank taking part), then resharded so
+    the optimizer sees the shards."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    if not pack:
+        return module
+    module.check_packing = functools.partial(with_packing, module, True)
+    register_fsdp_forward_method(module, "check_packing")
+    module.check_packing()
+    del module.check_packing
+    module.reshard()
+    return module

@@ -1,0 +1,210 @@
+"""Rank-local loading (models/training/sharded_load.py): two ranks (gloo, CPU), each reading only its
+rows of a realistic checkpoint, hold exactly the weights one process's ``from_pretrained`` reads, and an
+update step on them gives the losses of today's path (every rank loading the whole checkpoint, then
+FSDP2 sharding it).
+
+Checkpoints: the Qwen2-shaped chat model (tied embeddings, q/k/v biases), the Llama-shaped one (untied
+head) and a critic made from the Qwen2 one (its ``score`` head has one row: on two ranks the second
+holds none of it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from kernels.losses import PolicyLossConfig
+from models.config import LoraConfig
+from models.stages.updates import load_for_update, load_trainable, reads_shards
+from models.training.distributed import DistInfo, full_state_dict, is_sharded, unwrap, wrap_for_training
+from models.training.lora import CAUSAL_LM, TOKEN_CLS, load_pretrained
+from models.training.policy import CriticValues, PolicyLogprobs, with_packing
+from models.training.sharded_load import fill_from_checkpoint, materialise, tensor_files
+from models.training.update import actor_loss_fn, critic_loss_fn, make_optimizer, run_update
+from tests.processes import free_port
+from tests.unit.models.test_sharded_update import LENGTHS, SETTINGS, join_gloo
+from tests.unit.models.update_rows import padded_rows
+
+CPU = DistInfo(0, 1, 0, torch.device("cpu"))
+TWO = DistInfo(0, 2, 0, torch.device("cpu"))
+
+
+def role(name: str):
+    """(auto class, peft task type, wrapper, loss) of the ``actor`` or the ``critic``."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    if name == "actor":
+        return AutoModelForCausalLM, CAUSAL_LM, PolicyLogprobs, actor_loss_fn(PolicyLossConfig(), 1.0)
+    return AutoModelForTokenClassification, TOKEN_CLS, CriticValues, critic_loss_fn(0.2)
+
+
+@pytest.fixture(scope="module")
+def committed(qwen2_chat_dir, llama_bpe_dir, tmp_path_factory):
+    """The checkpoints committed as the run commits them (``COMMITTED.json``), by name: the two hub
+    checkpoints and a critic made from the Qwen2 one."""
+    from models.checkpoint import save_checkpoint
+    from models.training.critic_init import critic_from_actor
+
+    root = tmp_path_factory.mktemp("committed")
+    critic = critic_from_actor(qwen2_chat_dir, root / "critic-src", seed=3)
+    out = {}
+    for name, src in (("qwen2", qwen2_chat_dir), ("llama", llama_bpe_dir), ("critic", critic)):
+        save_checkpoint(str(src), str(root / name))
+        out[name] = str(root / name)
+    return out
+
+
+def _update(model, info: DistInfo, loss_fn) -> dict:
+    data = padded_rows(LENGTHS, vocab=200)
+    data = type(data)(*(None if t is None else t[info.rank::info.world_size] for t in data))
+    return run_update(model, make_optimizer(model, 1e-3), data, loss_fn, SETTINGS, info)
+
+
+def _load_and_train(name: str, ckpt: str, info: DistInfo) -> dict:
+    """On every rank: the sharded load and today's (whole) load of ``ckpt``, an update step on each."""
+    auto, task, wrapper, loss_fn = role(name)
+    assert reads_shards(ckpt, LoraConfig(), info, "fsdp2")
+    sharded = load_for_update(ckpt, auto, "float32", LoraConfig(), task, wrapper, True, info, "fsdp2")
+    inner = unwrap(sharded).lm if name == "actor" else unwrap(sharded).critic
+    loaded = full_state_dict(sharded)
+    buffers = {k: b.clone() for k, b in inner.named_buffers()}
+    tied = name == "actor" and inner.lm_head.weight is inner.get_input_embeddings().weight
+    today = wrap_for_training(with_packing(wrapper(load_trainable(ckpt, auto, "float32", LoraConfig(), task)), True),
+                              info, "fsdp2")
+    stats = [_update(m, info, loss_fn) for m in (sharded, today)]
+    return {"loaded": loaded, "buffers": buffers, "tied": tied, "stats": stats,
+            "trained": [full_state_dict(m) for m in (sharded, today)], "sharded": is_sharded(sharded),
+            "packed": [sharded.packed, today.packed]}
+
+
+def _worker(rank: int, world: int, port: int, cases: dict, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    info = join_gloo(rank, world, port)
+    try:
+        for case, (name, ckpt) in cases.items():
+            out = _load_and_train(name, ckpt, info)
+            if rank == 0:
+                torch.save(out, os.path.join(out_dir, f"{case}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+CASES = {"qwen2": "actor", "llama": "actor", "critic": "critic"}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(committed, tmp_path_factory):
+    """Rank 0's results for every case of :data:`CASES`, from one pair of processes."""
+    out = tmp_path_factory.mktemp("sharded-load")
+    cases = {case: (name, committed[case]) for case, name in CASES.items()}
+    mp.spawn(_worker, args=(2, free_port(), cases, str(out)), nprocs=2, join=True)
+    return {case: torch.load(out / f"{case}.pt") for case in CASES}
+
+
+@pytest.mark.slow  # starts two ranks
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_read_their_shards_as_one_process_reads_the_whole(case, two_ranks, committed):
+    """Gathered from the two ranks' shards, every weight is bit-identical to ``from_pretrained``'s in one
+    process, the buffers (rotary ``inv_freq``) too, a tied head stays tied; an update step (two epochs of
+    four micro-batches) on the sharded load gives today's path's losses and weights. Tolerance: rel 1e-6
+    (the two compute the same sums in the same order; on this machine they agree exactly)."""
+    name, got = CASES[case], two_ranks[case]
+    auto, *_ = role(name)
+    want = load_pretrained(committed[case], auto, torch.float32)
+    assert got["sharded"]
+    prefix = "lm." if name == "actor" else "critic."
+    loaded = {k[len(prefix):]: v for k, v in got["loaded"].items()}
+    assert set(loaded) == set(want.state_dict())
+    for key, value in want.state_dict().items():
+        assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
+    assert set(got["buffers"]) == {k for k, _ in want.named_buffers()}
+    for key, value in want.named_buffers():
+        assert torch.equal(got["buffers"][key], value), key
+    assert got["tied"] == bool(name == "actor" and want.config.tie_word_embeddings)
+    assert got["packed"][0] == got["packed"][1]
+    mine, today = got["stats"]
+    assert mine["steps"] == today["steps"] > 0
+    for key in ("loss", "grad_norm"):
+        assert mine[key] == pytest.approx(today[key], rel=1e-6), key
+    moved = 0.0
+    for key, value in got["trained"][1].items():
+        torch.testing.assert_close(got["trained"][0][key], value, rtol=1e-6, atol=0, msg=key)
+        moved = max(moved, float((value - got["loaded"][key]).abs().max()))
+    assert moved > 1e-4  # the step changed the weights it compares
+
+
+def _empty_like_checkpoint(ckpt: str, auto):
+    """The model of ``ckpt`` built on the meta device, then given empty storage and its buffers."""
+    from transformers import AutoConfig
+
+    with torch.device("meta"):
+        model = auto.from_config(AutoConfig.from_pretrained(ckpt), dtype=torch.float32)
+    materialise(model, model, torch.device("cpu"))
+    return model
+
+
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
+def test_filling_an_empty_model_reads_what_from_pretrained_reads(stored, qwen2_chat_dir, tmp_path):
+    """In one process (no sharding): the weights read row range by row range (cast to float32 from a
+    bfloat16 file, as hub checkpoints ship) and the buffers computed by the model's init equal
+    ``from_pretrained``'s exactly; the tied head stays the embedding."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    ckpt = str(qwen2_chat_dir)
+    if stored == "bfloat16":
+        tensors = load_file(os.path.join(ckpt, "model.safetensors"))
+        save_file({k: v.bfloat16() for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+        shutil.copy(os.path.join(ckpt, "config.json"), tmp_path)
+        ckpt = str(tmp_path)
+    model = _empty_like_checkpoint(ckpt, AutoModelForCausalLM)
+    fill_from_checkpoint(model, ckpt, tensor_files(ckpt), CPU)
+    want = load_pretrained(ckpt, AutoModelForCausalLM, torch.float32)
+    got = {**model.state_dict(), **dict(model.named_buffers())}
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    for key, value in [*want.state_dict().items(), *want.named_buffers()]:
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
+def test_a_checkpoint_without_a_weight_or_of_another_shape_is_refused(qwen2_chat_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    ckpt = str(qwen2_chat_dir)
+    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
+    model = _empty_like_checkpoint(ckpt, AutoModelForCausalLM)
+    name = "model.layers.1.mlp.up_proj.weight"
+    save_file({k: v for k, v in tensors.items() if k != name}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"has no tensor {name}"):
+        fill_from_checkpoint(model, str(tmp_path), tensor_files(str(tmp_path)), CPU)
+    save_file({**tensors, name: tensors[name][:-1]}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"{name} has shape \(191, 64\) in the checkpoint, \(192, 64\)"):
+        fill_from_checkpoint(model, str(tmp_path), tensor_files(str(tmp_path)), CPU)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    whole = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(whole[:-100])
+    with pytest.raises(ValueError, match="ends inside a tensor"):
+        fill_from_checkpoint(model, str(tmp_path), tensor_files(str(tmp_path)), CPU)
+    os.remove(tmp_path / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match="no .safetensors file"):
+        tensor_files(str(tmp_path))
+
+
+def test_only_full_weights_sharded_over_ranks_are_read_by_shard(qwen2_chat_dir, tmp_path):
+    """One process, DDP and LoRA keep today's whole load (a LoRA base loads in the compute dtype on
+    every rank)."""
+    from models.checkpoint import save_checkpoint
+
+    ckpt = str(tmp_path / "qwen2")
+    save_checkpoint(str(qwen2_chat_dir), ckpt)
+    assert reads_shards(ckpt, LoraConfig(), TWO, "fsdp2")
+    assert not reads_shards(ckpt, LoraConfig(), CPU, "fsdp2")
+    assert not reads_shards(ckpt, LoraConfig(), TWO, "ddp")
+    assert not reads_shards(ckpt, LoraConfig(), TWO, "auto")  # auto on CPU is DDP
+    assert not reads_shards(ckpt, LoraConfig(rank=4), TWO, "fsdp2")
