@@ -167,3 +167,15 @@ def test_a_string_or_mapping_result_is_named_as_such(bad, what):
     with pytest.raises(RewardError, match=rf"reward 'x:y' returned {re.escape(what)}, expected a list of 4 floats "
                                           r"\(one per sample\)"):
         compute_rewards(lambda p, r: bad, ["a"] * 4, ["b"] * 4, spec="x:y")
+
+
+def test_a_spec_naming_a_module_by_its_old_path_still_resolves():
+    """Configs written before models/ was grouped by concept keep working (models.rewards.MOVED_MODULES)."""
+    from models.demos import reverse_task, tool_tasks
+    from models.rewards import resolve_reward_fn, verifiers
+
+    assert resolve_reward_fn("models.task:reverse_reward") is reverse_task.reverse_reward
+    assert resolve_reward_fn("models.verifiers:math_reward") is verifiers.math_reward
+    assert resolve_reward_fn("models.tool_tasks:called_tool_correctly") is tool_tasks.called_tool_correctly
+    with pytest.raises(RewardError, match="cannot import module 'models.no_such_module'"):
+        resolve_reward_fn("models.no_such_module:f")
