@@ -111,11 +111,11 @@ class ActorConfig(ElasticTopology):
     steps that fails the run."""
     keep_optimizer_state: bool = True
     """Carry AdamW's moments from one iteration's update to the next (committed beside each
-    checkpoint as ``<checkpoint>-optimizer/``, ``models/checkpoint/optimizer_state.py``), as one long-running
+    checkpoint as ``<checkpoint>-optimizer/``, ``models/training/optimizer_state.py``), as one long-running
     trainer would; false restarts AdamW every iteration."""
     optimizer_state_sharded: bool = False
     """Commit AdamW's moments per rank: under FSDP2 each rank writes and reads only its own shard
-    (``models/checkpoint/optimizer_shards.py``), so with n ranks each node reads 1/n of the state instead of all of
+    (``models/training/optimizer_shards.py``), so with n ranks each node reads 1/n of the state instead of all of
     it, the largest state term of a stateless iteration at scale (docs/cluster.md). The state then
     loads only on the same number of ranks (another count is an error naming both); under DDP or one
     process (every rank holds the whole state) the whole state is committed as with false."""

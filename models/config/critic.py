@@ -36,7 +36,7 @@ class CriticConfig(ElasticTopology):
     the critic server keeps its optimiser in memory instead)."""
     optimizer_state_sharded: bool = False
     """Commit AdamW's moments per rank, as ``actor.optimizer_state_sharded`` (the same code,
-    ``models/checkpoint/optimizer_shards.py``): under FSDP2 on ``critic.nnodes × critic.nproc_per_node``
+    ``models/training/optimizer_shards.py``): under FSDP2 on ``critic.nnodes × critic.nproc_per_node``
     ranks each rank writes and reads only its own shard, as a full critic at 70B needs (docs/cluster.md);
     one process or DDP (every rank holds the whole state) commits the whole state as with false."""
     remote_url: str = ""

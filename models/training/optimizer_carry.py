@@ -24,7 +24,7 @@ def carried_optimizer(model, lr: float, weight_decay: float, from_url: str, keep
     if not keep:
         return optimizer, 0
     with timed(times, f"time/{role}_optimizer_state_s"):
-        return optimizer, optimizer_state.load(model, optimizer, optimizer_url(from_url), info) or 0
+        return optimizer, optimizer_state.load(model, optimizer, optimizer_url(from_url), info, role) or 0
 
 
 def commit_optimizer(model, optimizer: torch.optim.Optimizer, checkpoint_url: str, keep: bool,

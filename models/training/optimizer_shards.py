@@ -9,7 +9,7 @@ Each file holds ``{param}.exp_avg``, ``{param}.exp_avg_sq`` (the rank's local DT
 the parameters) and ``{param}.step``. With n ranks a node reads O/n bytes instead of O: the largest term
 of a stateless iteration at scale (``benchmarks/project_iteration.py``). The price: the state can only be
 loaded by the same number of ranks sharding the same model the same way; another rank count is refused
-with an error naming both counts (``actor.keep_optimizer_state=false`` restarts AdamW instead).
+with an error naming both counts (``actor.keep_optimizer_state=false``, or the critic's, restarts AdamW instead).
 """
 
 from __future__ import annotations
@@ -73,9 +73,10 @@ def save(params: Dict[str, nn.Parameter], optimizer: torch.optim.Optimizer, url:
 
 
 def load(params: Dict[str, nn.Parameter], optimizer: torch.optim.Optimizer, url: str, info: DistInfo,
-         capturable: bool) -> Optional[int]:
+         capturable: bool, role: str = "actor") -> Optional[int]:
     """Set ``optimizer``'s state from this rank's committed shard; the steps it had taken, or None (fresh)
-    when the shard does not fit. Raises :class:`CheckpointError` when another number of ranks saved it."""
+    when the shard does not fit. Raises :class:`CheckpointError` when another number of ranks saved it
+    (naming ``role``'s setting that restarts AdamW)."""
     from safetensors import safe_open
 
     marker = read_marker(url)
@@ -83,7 +84,7 @@ def load(params: Dict[str, nn.Parameter], optimizer: torch.optim.Optimizer, url:
     if worlds != {info.world_size}:
         raise CheckpointError(f"optimizer state {url} was saved per rank by {sorted(worlds)} ranks; this update "
                               f"runs {info.world_size}: run it on the same number of ranks, or set "
-                              f"actor.keep_optimizer_state=false to restart AdamW")
+                              f"{role}.keep_optimizer_state=false to restart AdamW")
     rel = shard_file(info.rank, info.world_size)
     with tempfile.TemporaryDirectory(prefix="optimizer-shard-") as tmp:
         path = storage.local_path(storage.join(url, rel)) if storage.is_local(url) else os.path.join(tmp, rel)

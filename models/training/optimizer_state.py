@@ -101,7 +101,7 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, url: str, info: Dis
 
 
 def load(model: nn.Module, optimizer: torch.optim.Optimizer, url: str,
-         info: Optional[DistInfo] = None) -> Optional[int]:
+         info: Optional[DistInfo] = None, role: str = "actor") -> Optional[int]:
     """Set ``optimizer``'s state from the committed state at ``url``; returns the steps it had taken,
     or None (the optimizer left fresh) when there is none or it does not fit ``model``.
 
@@ -116,7 +116,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, url: str,
         from models.training import optimizer_shards
 
         return optimizer_shards.load(params, optimizer, url, info or DistInfo(0, 1, 0, torch.device("cpu")),
-                                     _capturable(optimizer))
+                                     _capturable(optimizer), role)
     with verified_copy(url) as local, safe_open(os.path.join(local, FILE), framework="pt") as f:
         meta = f.metadata() or {}
         keys = set(f.keys())
