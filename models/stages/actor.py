@@ -35,30 +35,50 @@ def policy_loss_config(cfg: TrainConfig) -> PolicyLossConfig:
                             tis_cap=a.tis_cap or None)
 
 
-def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch,
-                info: DistInfo) -> UpdateOutput:
-    """The body every rank runs: its shard, DDP/FSDP2, the update, rank 0 commits the checkpoint."""
+def actor_loss(cfg: TrainConfig, state: PolicyState):
+    """The loss of the actor update from ``state`` (β in the loss when ``kl`` is placed there)."""
+    kl_beta = state.kl_coef if cfg.kl_placement == "loss" else 0.0
+    return actor_loss_fn(policy_loss_config(cfg), cfg.rollout.temperature, kl_beta, cfg.kl_estimator)
+
+
+def load_actor(cfg: TrainConfig, url: str, info: DistInfo):
+    """The actor to train from checkpoint ``url``, ready on ``info``'s ranks."""
     from transformers import AutoModelForCausalLM
 
-    t0 = time.perf_counter()
+    a = cfg.actor
+    return load_for_update(url, AutoModelForCausalLM, cfg.model.dtype, a.lora, CAUSAL_LM, PolicyLogprobs,
+                           cfg.model.pack_sequences, info, a.sharding)
+
+
+def update_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch, info: DistInfo,
+                 model, optimizer, times: Dict[str, float]) -> Dict[str, float]:
+    """One pass of the policy loss over this rank's rows of ``batch`` on ``model`` (trained in place)."""
     torch.manual_seed(cfg.run.seed * 7919 + state.iteration)
     tok = load_tokenizer(run.reference_url)
     data = update_data(batch, tok.pad_token_id or 0, _ACTOR_COLS, (info.rank, info.world_size))
     data = data._replace(adv=nan_advantages(data.adv, state.iteration, info.rank))  # tests only
+    with timed(times, "time/actor_train_s"):
+        stats = run_update(model, optimizer, data, actor_loss(cfg, state),
+                           loop_settings(cfg.actor.ppo_epochs, cfg.actor, cfg.run.seed * 1000 + state.iteration,
+                                         "actor"), info)
+    pause_point(f"actor_update/iter-{state.iteration:06d}")  # tests only: kill the run mid-update
+    return stats
+
+
+def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch,
+                info: DistInfo) -> UpdateOutput:
+    """The body every rank runs: its shard, DDP/FSDP2, the update, rank 0 commits the checkpoint."""
+    t0 = time.perf_counter()
+    torch.manual_seed(cfg.run.seed * 7919 + state.iteration)
     a = cfg.actor
-    model = load_for_update(state.actor_url, AutoModelForCausalLM, cfg.model.dtype, a.lora, CAUSAL_LM,
-                            PolicyLogprobs, cfg.model.pack_sequences, info, a.sharding)
-    kl_beta = state.kl_coef if cfg.kl_placement == "loss" else 0.0
+    model = load_actor(cfg, state.actor_url, info)
     times: Dict[str, float] = {}
     optimizer, prior_steps = carried_optimizer(model, a.lr, a.weight_decay, state.actor_url, a.keep_optimizer_state,
                                                times, "actor", info)
-    with timed(times, "time/actor_train_s"):
-        stats = run_update(model, optimizer, data,
-                           actor_loss_fn(policy_loss_config(cfg), cfg.rollout.temperature, kl_beta, cfg.kl_estimator),
-                           loop_settings(a.ppo_epochs, a, cfg.run.seed * 1000 + state.iteration, "actor"), info)
-    pause_point(f"actor_update/iter-{state.iteration:06d}")  # tests only: kill the run mid-update
+    stats = update_actor(cfg, run, state, batch, info, model, optimizer, times)
     url = run.layout.actor_url(state.iteration)
-    commit_trained(model, optimizer, tok, url, state.actor_url, "lm", a, times, "actor", info)
+    commit_trained(model, optimizer, load_tokenizer(run.reference_url), url, state.actor_url, "lm", a, times,
+                   "actor", info)
     stats["optimizer_steps_total"] = prior_steps + stats["steps"]
     out = {**stat_keys("actor", stats), **times}
     out["time/actor_update_s"] = time.perf_counter() - t0

@@ -34,9 +34,9 @@ def run_commit(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List
         merged.update(s)
     i = state.iteration
     kl = next_kl_coef(cfg, state, merged)
-    prev = run.layout.read_state()
-    if prev is not None and prev.iteration == i - 1:  # end to end, orchestration included
-        merged["time/iteration_s"] = iteration_wall_s(prev.updated_at, run_lock.acquired_at(run.layout.lock_url))
+    prev = last_commit(cfg, run)
+    if prev is not None and prev[0] == i - 1:  # end to end, orchestration included
+        merged["time/iteration_s"] = iteration_wall_s(prev[1], run_lock.acquired_at(run.layout.lock_url))
     # MLflow first (idempotent per step and file), state.json last: a crash in between redoes
     # this commit on resume instead of losing the iteration's metrics.
     tracking.log_metrics(run.mlflow_run_id, merged, step=i)
@@ -50,11 +50,42 @@ def run_commit(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List
     reward_norm = next_reward_norm(state, batch)
     behaviour = state.actor_url if cfg.run.off_policy_steps else ""  # samples iteration i + 1 (docs/off_policy.md)
     run_lock.renew(run.layout.lock_url)  # LostLock: another launch holds the run now, never write its state
-    nxt = PolicyState(i + 1, actor_url, critic_url, kl, reward_norm, behaviour)
-    run.layout.write_state(nxt.resume_point())
-    prune_checkpoints(cfg, run, i)
+    nxt = PolicyState(i + 1, actor_url or state.actor_url, critic_url or state.critic_url, kl, reward_norm, behaviour)
+    if cfg.run.resident:  # the services hold the policy; the resume point moves with their checkpoints only
+        storage.write_json(progress_url(run), {"iteration": i, "at": storage.utc_now_iso("milliseconds")})
+        if actor_url:
+            run.layout.write_state(nxt.resume_point())
+            prune_optimizer_states(cfg, run, i)
+    else:
+        run.layout.write_state(nxt.resume_point())
+        prune_checkpoints(cfg, run, i)
     print(progress_line(cfg, i, merged), flush=True)
     return nxt
+
+
+def progress_url(run: RunHandle) -> str:
+    """``{run}/progress.json``: the last iteration a resident run committed, and when (its resume point,
+    ``state.json``, is the last checkpoint's)."""
+    return storage.join(run.layout.url, "progress.json")
+
+
+def last_commit(cfg: TrainConfig, run: RunHandle):
+    """``(iteration, ISO time)`` of the last commit, or None."""
+    if cfg.run.resident and storage.exists(progress_url(run)):
+        p = storage.read_json(progress_url(run))
+        return p["iteration"], p["at"]
+    prev = run.layout.read_state()
+    return None if prev is None else (prev.iteration, prev.updated_at)
+
+
+def prune_optimizer_states(cfg: TrainConfig, run: RunHandle, iteration: int) -> None:
+    """A resident run's checkpoints are every ``save_interval``-th iteration's and the last: all kept; the
+    optimizer states only with the newest (the resume point's)."""
+    for j in range(iteration - 1, -1, -1):
+        if (j + 1) % cfg.run.save_interval == 0:
+            for url in (run.layout.actor_url(j), run.layout.critic_url(j)):
+                storage.remove(optimizer_url(url), recursive=True)
+            return
 
 
 def next_reward_norm(state: PolicyState, batch: RolloutBatch) -> Dict[str, float]:

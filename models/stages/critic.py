@@ -26,33 +26,51 @@ from models.training.update import critic_loss_fn, run_update
 _CRITIC_COLS = ("values", "returns")
 
 
+def critic_columns(cfg: TrainConfig):
+    # multi-turn: values are regressed on the policy's tokens only (tool and template tokens have no return)
+    return _CRITIC_COLS + (("loss_mask",) if cfg.rollout.environment else ())
+
+
+def load_critic(cfg: TrainConfig, url: str, info: DistInfo):
+    """The critic to train from checkpoint ``url``, ready on ``info``'s ranks."""
+    from transformers import AutoModelForTokenClassification
+
+    c = cfg.critic
+    return load_for_update(url, AutoModelForTokenClassification, cfg.model.dtype, c.lora, TOKEN_CLS, CriticValues,
+                           cfg.model.pack_sequences, info, c.sharding)
+
+
+def update_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch, info: DistInfo,
+                  model, optimizer, times: Dict[str, float]) -> Dict[str, float]:
+    """Clipped value regression on this rank's rows of ``batch`` on ``model`` (trained in place)."""
+    torch.manual_seed(cfg.run.seed * 7919 + state.iteration + 1)
+    tok = load_tokenizer(run.reference_url)
+    data = update_data(batch, tok.pad_token_id or 0, critic_columns(cfg),
+                       (info.rank, info.world_size) if info.world_size > 1 else None)
+    c = cfg.critic
+    with timed(times, "time/critic_train_s"):
+        return run_update(model, optimizer, data, critic_loss_fn(c.value_clip or None),
+                          loop_settings(c.epochs, c, cfg.run.seed * 1000 + state.iteration + 1, "critic"), info)
+
+
 def train_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch,
                  info: Optional[DistInfo] = None) -> UpdateOutput:
     """Clipped value regression on the batch's returns on this rank (``info``; None: this process alone);
     commits the next critic."""
-    from transformers import AutoModelForTokenClassification
-
     t0 = time.perf_counter()
     if cfg.critic.remote_url:
         return train_remote_critic(cfg, run, state, batch, t0)
     info = info or DistInfo(0, 1, 0, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(cfg.run.seed * 7919 + state.iteration + 1)
-    tok = load_tokenizer(run.reference_url)
-    # multi-turn: values are regressed on the policy's tokens only (tool and template tokens have no return)
-    data = update_data(batch, tok.pad_token_id or 0, _CRITIC_COLS + (("loss_mask",) if cfg.rollout.environment
-                                                                   else ()),
-                       (info.rank, info.world_size) if info.world_size > 1 else None)
     c = cfg.critic
-    model = load_for_update(state.critic_url, AutoModelForTokenClassification, cfg.model.dtype, c.lora, TOKEN_CLS,
-                            CriticValues, cfg.model.pack_sequences, info, c.sharding)
+    model = load_critic(cfg, state.critic_url, info)
     times: Dict[str, float] = {}
     optimizer, prior_steps = carried_optimizer(model, c.lr, 0.0, state.critic_url, c.keep_optimizer_state, times,
                                                "critic", info)
-    with timed(times, "time/critic_train_s"):
-        stats = run_update(model, optimizer, data, critic_loss_fn(c.value_clip or None),
-                           loop_settings(c.epochs, c, cfg.run.seed * 1000 + state.iteration + 1, "critic"), info)
+    stats = update_critic(cfg, run, state, batch, info, model, optimizer, times)
     url = run.layout.critic_url(state.iteration)
-    commit_trained(model, optimizer, tok, url, state.critic_url, "critic", c, times, "critic", info)
+    commit_trained(model, optimizer, load_tokenizer(run.reference_url), url, state.critic_url, "critic", c, times,
+                   "critic", info)
     return UpdateOutput(url, {**critic_stats(stats), "critic/optimizer_steps_total": prior_steps + stats["steps"],
                               **times, "time/critic_update_s": time.perf_counter() - t0})
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Any, Dict, NamedTuple, Sequence, Tuple
+from typing import Any, Dict, Sequence, Tuple
 
 from models.checkpoint.local import load_tokenizer, local_checkpoint
 from models.config import TrainConfig
@@ -18,16 +18,13 @@ from models.environments.tools import get_parser
 from models.faults import pause_point
 from models.run.data import read_run_prompts, sample_columns
 from models.run.types import PolicyState, RunHandle
+from models.stages.outputs import RolloutOutput  # noqa: F401  (re-exported: its home before the resident tasks)
 from models.stages.engine import engine_for
 from models.timing import timed
 
 SAMPLING_KEY = "sampling"
 """Batch metadata ``extras`` key of :func:`sampling_record` (what the engine sampled with)."""
 
-
-class RolloutOutput(NamedTuple):
-    batch: RolloutBatch
-    stats: Dict[str, float]
 
 
 def sampling_spec(cfg: TrainConfig, run: RunHandle, seed: int, n: int, temperature: float) -> SamplingSpec:
@@ -66,9 +63,10 @@ def sample_data(cfg: TrainConfig, engine, tokenizer, data, prompt_ids: Sequence[
                            get_parser(r.tool_parser))
 
 
-def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState, ahead: int = 0) -> RolloutOutput:
+def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState, ahead: int = 0, engine=None) -> RolloutOutput:
     """The batch of iteration ``state.iteration + ahead`` sampled from ``state``'s actor (``ahead`` 1: a
-    batch sampled one update ahead, ``run.off_policy_steps``); its ``policy_version`` is ``state.iteration``."""
+    batch sampled one update ahead, ``run.off_policy_steps``); its ``policy_version`` is ``state.iteration``.
+    ``engine``: one already serving that actor (a resident engine service's); default :func:`engine_for`."""
     version = state.iteration
     state = replace(state, iteration=state.iteration + ahead)
     stats: Dict[str, float] = {}
@@ -78,7 +76,7 @@ def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState, ahead: int
         drawn = data.take(iteration_indices(len(data), per_iteration, state.iteration, cfg.run.seed))
         tokenizer = load_tokenizer(run.reference_url)
         with timed(stats, "time/engine_load_s"):
-            engine = engine_for(cfg, state.actor_url)
+            engine = engine if engine is not None else engine_for(cfg, state.actor_url)
         spec = sampling_spec(cfg, run, stream_seed(cfg.run.seed, state.iteration), cfg.rollout.n_samples_per_prompt,
                              cfg.rollout.temperature)
         cols, episode_cols, episode_stats = sample_data(cfg, engine, tokenizer, drawn,

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-from typing import Dict, NamedTuple
+from typing import Callable, Dict, NamedTuple, Optional
 
 import numpy as np
 import pyarrow as pa
+import torch
 
 from models.checkpoint.local import load_tokenizer
 
@@ -16,6 +17,7 @@ from models.data import ragged
 from models.data.batch import RolloutBatch
 from models.data.batch_schema import REWARD_NORM_KEY
 from models.run.types import PolicyState, RunHandle
+from models.stages.outputs import ScoreOutput  # noqa: F401  (re-exported: its home before the resident tasks)
 from models.server.client import server_client
 from models.stages.batches import by_length, micro_batches
 from models.stages.rewards import batch_rewards, shaped_rewards
@@ -25,10 +27,6 @@ from models.training.lora import canonical_url, without_adapter
 from models.training.policy import CriticValues, PolicyLogprobs, with_packing
 from models.training.scoring import score_microbatches
 
-
-class ScoreOutput(NamedTuple):
-    batch: RolloutBatch
-    stats: Dict[str, float]
 
 
 def remote_values(cfg: TrainConfig, batch: RolloutBatch) -> np.ndarray:
@@ -48,43 +46,75 @@ def check_reference_base(actor_url: str, reference_url: str) -> None:
                          f"its base with the adapter off would not be the reference policy")
 
 
-def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> ScoreOutput:
+class Scorers(NamedTuple):
+    """The forwards of the score stage: loaded from storage by :func:`load_scorers`, or a resident
+    service's own models (``run.resident``)."""
+
+    actor: Optional[torch.nn.Module]
+    """π_old's forward; None: the sampler's log-probs are π_old (``actor.old_logprobs=sampler``)."""
+    ref: torch.nn.Module
+    """π_ref's forward."""
+    critic: Optional[torch.nn.Module] = None
+    """The critic's values forward, when this process holds the critic."""
+    values: Optional[Callable[[RolloutBatch], np.ndarray]] = None
+    """The values computed elsewhere (the critic server, the critic service), flat in response order."""
+
+
+def load_scorers(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Scorers:
+    """π_old, π_ref and the critic loaded from their checkpoints in ``model.dtype``."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+    dtype, pack = cfg.model.dtype, cfg.model.pack_sequences
+    recompute = cfg.actor.old_logprobs == "recompute"
+    actor_lm = load_hf(state.actor_url, AutoModelForCausalLM, dtype) if recompute or cfg.actor.lora.enabled \
+        else None
+    actor = with_packing(PolicyLogprobs(actor_lm).eval(), pack) if actor_lm is not None else None
+    if cfg.actor.lora.enabled:  # π_ref = the same model with its adapter off; no second copy
+        check_reference_base(state.actor_url, run.reference_url)
+        ref = without_adapter(actor, actor_lm)
+    else:
+        ref = with_packing(PolicyLogprobs(load_hf(run.reference_url, AutoModelForCausalLM, dtype)).eval(), pack)
+    local_critic = cfg.uses_critic and not cfg.critic.remote_url
+    critic = with_packing(CriticValues(load_hf(state.critic_url, AutoModelForTokenClassification, dtype)).eval(),
+                          pack) if local_critic else None
+    values = (lambda b: remote_values(cfg, b)) if cfg.uses_critic and cfg.critic.remote_url else None
+    return Scorers(actor if recompute else None, ref, critic, values)
+
+
+def micro_batch_size(cfg: TrainConfig) -> int:
+    """Rows per scoring forward."""
+    return max(cfg.actor.micro_batch_size, 1) * 2
+
+
+def score_forward(cfg: TrainConfig, batch: RolloutBatch, actor, ref, critic, pad: int) -> Dict[str, np.ndarray]:
+    """The scoring forwards over ``batch`` in micro-batches of similar lengths: flat per-token arrays in
+    the batch's response order (``old_logprobs``, ``entropy``, ``ref_logprobs``, ``values``, as given)."""
+    order = by_length(batch)
+    flat = score_microbatches(micro_batches(batch, micro_batch_size(cfg), pad, order), actor, ref, critic,
+                              temperature=cfg.rollout.temperature)
+    return {k: ragged.unpermute_flat(v, batch.response_lengths(), order) for k, v in flat.items()}
+
+
+def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch,
+              scorers: Optional[Scorers] = None) -> ScoreOutput:
+    """π_old, π_ref, the critic's values and the rewards of ``batch``, written as the iteration's score
+    batch; ``scorers``: the forwards to use (default: loaded from the state's checkpoints)."""
     stats: Dict[str, float] = {}
-    dtype = cfg.model.dtype
     check_sampling_temperature(batch, cfg.rollout.temperature)
     with timed(stats, "time/score_s"):
         tok = load_tokenizer(run.reference_url)
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        size = max(cfg.actor.micro_batch_size, 1) * 2
-        recompute = cfg.actor.old_logprobs == "recompute"
-        actor_lm = load_hf(state.actor_url, AutoModelForCausalLM, dtype) if recompute or cfg.actor.lora.enabled \
-            else None
-        pack = cfg.model.pack_sequences
-        actor = with_packing(PolicyLogprobs(actor_lm).eval(), pack) if actor_lm is not None else None
-        if cfg.actor.lora.enabled:  # π_ref = the same model with its adapter off; no second copy
-            check_reference_base(state.actor_url, run.reference_url)
-            ref = without_adapter(actor, actor_lm)
-        else:
-            ref = with_packing(PolicyLogprobs(load_hf(run.reference_url, AutoModelForCausalLM, dtype)).eval(), pack)
-        local_critic = cfg.uses_critic and not cfg.critic.remote_url
-        critic = with_packing(CriticValues(load_hf(state.critic_url, AutoModelForTokenClassification, dtype)).eval(),
-                              pack) \
-            if local_critic else None
+        s = scorers or load_scorers(cfg, run, state)
         lengths = batch.response_lengths()
         with timed(stats, "time/score_forward_s"):
-            order = by_length(batch)
-            flat = score_microbatches(micro_batches(batch, size, pad, order), actor if recompute else None, ref,
-                                      critic, temperature=cfg.rollout.temperature)
-            flat = {k: ragged.unpermute_flat(v, lengths, order) for k, v in flat.items()}
-            if not recompute:  # π_old = the engine's own log-probs (config checks it computes like the trainer)
+            flat = score_forward(cfg, batch, s.actor, s.ref, s.critic, pad)
+            if s.actor is None:  # π_old = the engine's own log-probs (config checks it computes like the trainer)
                 flat["old_logprobs"] = ragged.offsets_and_values(batch.column("sampler_logprobs"))[1] \
                     .astype(np.float32)
-            if cfg.uses_critic and cfg.critic.remote_url:
-                flat["values"] = remote_values(cfg, batch)
+            if s.values is not None:
+                flat["values"] = s.values(batch)
         with timed(stats, "time/reward_s"):
-            scores = batch_rewards(cfg, run, batch, size, pad)
+            scores = batch_rewards(cfg, run, batch, micro_batch_size(cfg), pad)
         shaped, reward_metrics = shaped_rewards(cfg, state, scores)
         cols = {k: ragged.list_from_flat(flat[k], lengths, pa.float32())
                 for k in ("old_logprobs", "ref_logprobs", "values") if k in flat}
@@ -96,6 +126,6 @@ def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rollo
     stats.update(rollout_stats(scores.total, lengths, batch, flat))
     stats.update(policy_lag(cfg, state, batch))
     stats.update(reward_metrics)
-    if recompute:
+    if s.actor is not None:
         stats.update(logprob_gap(batch, flat["old_logprobs"]))
     return ScoreOutput(scored, stats)

@@ -5,7 +5,7 @@ body every rank of their elastic launch runs."""
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, NamedTuple
+from typing import Callable, Dict
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from models.config import LoraConfig
 from models.data.batch import RolloutBatch
 from models.run import lock as run_lock
 from models.run.types import RunHandle
+from models.stages.outputs import UpdateOutput  # noqa: F401  (re-exported: its home before the resident tasks)
 from models.training.distributed import (DistInfo, barrier, full_state_dict, init_distributed, shutdown_distributed,
                                          unwrap, uses_fsdp2, wrap_for_training)
 from models.training.lora import add_adapter, is_adapter, is_peft, save_adapter_checkpoint, trainable_in_float32
@@ -26,10 +27,6 @@ from models.training.policy import with_packing
 from models.training.sharded_load import load_sharded
 from models.training.update import LoopSettings, UpdateData, disable_dropout
 
-
-class UpdateOutput(NamedTuple):
-    checkpoint_url: str
-    stats: Dict[str, float]
 
 
 def update_data(batch: RolloutBatch, pad_id: int, columns, shard) -> UpdateData:
