@@ -12,6 +12,7 @@ from flytekit.types.error import FlyteError
 
 from models.config import TrainConfig
 from models.data.batch import RolloutBatch
+from models.resident.lifecycle import stop_all_services, stop_services
 from models.run import lock as run_lock
 from models.run.types import PolicyState, RunHandle
 from models.stages.commit import run_commit
@@ -44,6 +45,7 @@ def finish_run(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Training
     """Log and register the final policy (alias ``candidate``), close the MLflow run and summarise
     (first iteration's reward, mean of the last two)."""
     secrets.load(secrets.S3, secrets.MLFLOW)
+    stop_services(run.layout)  # a resident run's services: the run's checkpoints are all committed by now
     with run_lock.heartbeat(run.layout.lock_url):
         return run_finish(cfg, run, state)
 
@@ -53,6 +55,7 @@ def training_failed(preset: str, overrides: List[str], run_name: str, err: Optio
     """``on_failure`` of the training workflows: the run this execution trained is marked FAILED in MLflow
     (the error as its ``end_reason`` tag) and its lock released (``models/run/end.py``)."""
     secrets.load(secrets.S3, secrets.MLFLOW)
+    stop_all_services()  # a resident run's, started by this process
     line = mark_failed(preset, overrides, err.message if err is not None else "unknown error")
     if line:
         print(line, file=sys.stderr, flush=True)

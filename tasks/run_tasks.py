@@ -7,6 +7,8 @@ from typing import List
 
 from flytekit import Resources, task
 
+from models.resident.lifecycle import start_services
+from models.run import lock as run_lock
 from models.run.setup import RunSetup
 from models.stages.prepare import prepare
 from tasks import secrets
@@ -18,6 +20,10 @@ from tasks.deploy import REGISTERED, is_local_execution
 def prepare_run(preset: str, overrides: List[str], run_name: str, workflow: str) -> RunSetup:
     """Check what the run needs, then load and check the config, validate prompts before any model
     loads, lay out the run (reference policy, initial critic, prompts), start the MLflow run; or resume
-    ``run_name``. ``workflow`` (``ppo`` or ``reinforce``) must suit ``run.algorithm``."""
+    ``run_name``. ``workflow`` (``ppo`` or ``reinforce``) must suit ``run.algorithm``. With ``run.resident``
+    the run's services start here, from the state it starts or resumes at (``models/resident/lifecycle.py``)."""
     secrets.load(secrets.S3, secrets.MLFLOW)
-    return prepare(preset, overrides, run_name, workflow, None if is_local_execution() else REGISTERED)
+    setup = prepare(preset, overrides, run_name, workflow, None if is_local_execution() else REGISTERED)
+    if setup.cfg.run.resident:  # the services of a resident run, as child processes of this one
+        start_services(setup.cfg, setup.run, setup.state, launch=run_lock.execution_name())
+    return setup

@@ -17,6 +17,7 @@ from typing import List, NamedTuple, Optional, Tuple
 from tasks.advantages import advantages
 from models.config import TrainConfig
 from tasks.deploy import is_local_execution, resources_for, use_local_topology
+from tasks import resident
 from tasks.iteration import commit_iteration, evaluate, finish_run
 from tasks.rollout import rollout
 from tasks.run_tasks import prepare_run
@@ -24,12 +25,43 @@ from tasks.score import score
 from tasks.updates import actor_update, critic_update
 
 
+class Stages(NamedTuple):
+    """The tasks of an iteration: the stateless ones (each loads its models), or a resident run's, which
+    send requests to the run's services (``run.resident``; their resources are the services')."""
+
+    rollout: object
+    score: object
+    actor_update: object
+    critic_update: object
+    evaluate: object
+    resident: bool
+
+
+STATELESS = Stages(rollout, score, actor_update, critic_update, evaluate, False)
+RESIDENT = Stages(resident.rollout_resident, resident.score_resident, resident.actor_update_resident,
+                  resident.critic_update_resident, resident.evaluate_resident, True)
+
+
+def stages_for(known: Optional[TrainConfig]) -> Stages:
+    return RESIDENT if known is not None and known.run.resident else STATELESS
+
+
+def with_resources(node, known: Optional[TrainConfig], stages: Stages, role: str):
+    """``node`` with the run's resources for ``role`` (a resident run's tasks keep their own: small)."""
+    if known is not None and not stages.resident:
+        node.with_overrides(**resources_for(known, role))
+    return node
+
+
 def wire_rollout(cfg, run, state, known: Optional[TrainConfig] = None, ahead: int = 0):
     """The rollout node of iteration ``state.iteration + ahead``, sampling from ``state``'s actor."""
-    ro = rollout(cfg=cfg, run=run, state=state, ahead=ahead)
-    if known is not None:
-        ro.with_overrides(**resources_for(known, "rollout"))
-    return ro
+    stages = stages_for(known)
+    return with_resources(stages.rollout(cfg=cfg, run=run, state=state, ahead=ahead), known, stages, "rollout")
+
+
+def wire_evaluate(cfg, run, state, known: TrainConfig):
+    stages = stages_for(known)
+    return with_resources(stages.evaluate(cfg=cfg, run=run, state=state), known, stages, "rollout")
 
 
 def wire_iteration(cfg, run, state, critic: bool, known: Optional[TrainConfig] = None, sampled=None):
@@ -41,23 +73,20 @@ def wire_iteration(cfg, run, state, critic: bool, known: Optional[TrainConfig] =
     is created.
     ``sampled``: this iteration's rollout node when it was wired ahead (off-policy pipelining).
     """
-    if known is not None and is_local_execution():
+    stages = stages_for(known)
+    if known is not None and is_local_execution() and not stages.resident:
         use_local_topology(actor_update, known)
         if critic:
             use_local_topology(critic_update, known, "critic")
     ro = sampled if sampled is not None else wire_rollout(cfg, run, state, known)
-    sc = score(cfg=cfg, run=run, state=state, batch=ro.batch)
+    sc = with_resources(stages.score(cfg=cfg, run=run, state=state, batch=ro.batch), known, stages, "score")
     ad = advantages(cfg=cfg, run=run, state=state, batch=sc.batch)
-    ac = actor_update(cfg=cfg, run=run, state=state, batch=ad.batch)
-    if known is not None:
-        sc.with_overrides(**resources_for(known, "score"))
-        ac.with_overrides(**resources_for(known, "actor"))
+    ac = with_resources(stages.actor_update(cfg=cfg, run=run, state=state, batch=ad.batch), known, stages, "actor")
     stats = [ro.stats, sc.stats, ad.stats, ac.stats]
     critic_url = ""
     if critic:
-        cr = critic_update(cfg=cfg, run=run, state=state, batch=ad.batch)
-        if known is not None:
-            cr.with_overrides(**resources_for(known, "critic"))
+        cr = with_resources(stages.critic_update(cfg=cfg, run=run, state=state, batch=ad.batch), known, stages,
+                            "critic")
         stats.append(cr.stats)
         critic_url = cr.checkpoint_url
     return commit_iteration(cfg=cfg, run=run, state=state, stats=stats, batch=sc.batch,
@@ -82,7 +111,7 @@ def chain_iterations(cfg: TrainConfig, run, state, critic: bool) -> Tuple[object
     stop = min(start + cfg.run.iterations_per_chunk, cfg.run.num_iterations)
     if eval_due(cfg, start - 1):  # the starting policy (step -1), or resumed after a crash between commit
         # and evaluate: a no-op when that evaluation is logged
-        evaluate(cfg=cfg, run=run, state=state).with_overrides(**resources_for(cfg, "rollout"))
+        wire_evaluate(cfg, run, state, cfg)
     sampled = None
     if cfg.run.off_policy_steps:
         # The chunk's first batch: from the actor one update older than state's, as the pipeline sampled
@@ -95,7 +124,7 @@ def chain_iterations(cfg: TrainConfig, run, state, critic: bool) -> Tuple[object
         state = wire_iteration(cfg, run, state, critic, known=cfg, sampled=sampled)
         sampled = ahead
         if eval_due(cfg, i):
-            evaluate(cfg=cfg, run=run, state=state).with_overrides(**resources_for(cfg, "rollout"))
+            wire_evaluate(cfg, run, state, cfg)
     return state, stop < cfg.run.num_iterations
 
 

@@ -57,6 +57,15 @@ class RunConfig:
     actor it updates (on-policy); 1 samples iteration k+1's batch from the actor of iteration k−1 while
     iteration k's update runs, so generation and training overlap on different pods (decoupled PPO:
     the update's π_old is the actor it starts from, ``actor.tis_cap`` weights the stale sampler)."""
+    resident: bool = False
+    """Keep the actor trainer, the generation engine and (PPO) the critic trainer loaded for the whole run
+    as services the iteration's tasks call, instead of loading every model from storage in every task
+    (docs/cluster.md#resident-mode). New weights go from the trainer to the engine in memory; checkpoints
+    are written every ``save_interval`` only, and a crash resumes from the last one, redoing the
+    iterations after it. Local runs start the services as child processes of ``pyflyte run``."""
+    resident_idle_timeout_s: float = 1800.0
+    """A resident service with no request for this long stops by itself (a backstop: the run stops its
+    services when it finishes or fails)."""
     seed: int = 0
     """Seed for prompt order, sampling and updates."""
     algorithm: str = "ppo"
@@ -95,4 +104,5 @@ class RunConfig:
               f"run.name={self.name!r} must not contain '/' or spaces")
         check(self.checkpoint_artifact_max_mb >= 0, "run.checkpoint_artifact_max_mb must be >= 0")
         check(self.lock_ttl_s > 0, "run.lock_ttl_s must be > 0")
+        check(self.resident_idle_timeout_s > 0, "run.resident_idle_timeout_s must be > 0")
         _check_registered_model_name(self.registered_model_name)

@@ -60,6 +60,24 @@ class TrainConfig:
         self._check_off_policy()
         self._check_engine()
         self._check_batches()
+        self._check_resident()
+
+    def _check_resident(self) -> None:
+        """What the resident services (``run.resident``) serve in this version: full-weight actors, on one
+        node, on-policy, with the services it starts itself."""
+        if not self.run.resident:
+            return
+        for name, value, why in (
+                ("run.off_policy_steps", self.run.off_policy_steps, "the engine service holds one policy, so it "
+                 "cannot sample from the previous actor while the trainer updates"),
+                ("actor.lora.enabled", self.actor.lora.enabled, "the actor service sends full weights to the engine"),
+                ("rollout.remote_url", self.rollout.remote_url, "the run starts its own engine service"),
+                ("critic.remote_url", self.critic.remote_url, "the run starts its own critic service"),
+                ("actor.nnodes > 1", self.actor.nnodes > 1, "the services run as child processes of the launch, "
+                 "on its node"),
+                ("critic.nnodes > 1", self.critic.nnodes > 1, "the services run on the launch's node")):
+            check(not value, f"run.resident=true does not support {name} (got {value!r}): {why}. Use the "
+                             f"stateless mode (run.resident=false) for it")
 
     def _check_engine(self) -> None:
         """The rollout engine against the actor's adapters and where π_old comes from."""

@@ -269,6 +269,10 @@ def check_remote_run(cfg: TrainConfig, registered: TrainConfig) -> None:
     from models import tracking
 
     check_remote_paths(cfg)
+    if cfg.run.resident:
+        raise ConfigError("run.resident=true runs locally only in this version: on a cluster its services are not "
+                          "started as nodes of the execution yet (docs/cluster.md#resident-mode); run it with "
+                          "run.resident=false there")
     check_topology(cfg, registered)
     check_s3_credentials(cfg)
     check_tracking(tracking.tracking_uri(), remote=True)

@@ -26,6 +26,7 @@ from tests.import_graph import (ROOT, explicit, import_cycles, import_statements
 
 MODEL_FLOORS: Tuple[Tuple[str, ...], ...] = (
     ("demos",),  # the demo presets' builders: tests, benchmarks and `python -m models.demos.*` use them
+    ("resident",),  # a resident run's services: the stage functions with models kept loaded, their HTTP face
     ("stages",),  # one plain function per iteration stage, called by the Flyte tasks (and by services)
     ("run",),  # a run's lifecycle: set-up, preflight checks, resume, layout, lock, end, health
     ("tracking",),  # MLflow: metrics, the model registry, reports

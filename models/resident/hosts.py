@@ -1,0 +1,283 @@
+"""What each resident service holds and does (``run.resident``): the stage functions of
+:mod:`models.stages` with the service's own models instead of models loaded from storage, so a stage is
+the same code whether a task or a service runs it.
+
+- :class:`EngineHost`: the generation engine (vLLM or HF), started once from the state's actor;
+  ``rollout`` and ``evaluate``; ``weights``: new actor weights from the actor trainer, in memory, checked
+  with the probe against the trainer's own forward before it serves them.
+- :class:`ActorHost`: every rank of the actor's launch holds its (FSDP2) shard, AdamW's state and π_ref;
+  ``score`` (π_old and π_ref by the trainer's ranks, the critic's values from the critic service, the
+  rewards) and ``update`` (the step, a checkpoint every ``run.save_interval``, the weights to the engine).
+- :class:`CriticHost`: the critic's ranks; ``values`` and ``update``.
+
+Each op names the iteration it is for (``state.iteration``); a service that holds another iteration's
+policy refuses it, so a task never runs against the wrong weights. An ``update`` asked again for the
+iteration it just did (a retried task whose reply was lost) returns that result instead of stepping twice.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+
+from models.checkpoint.local import load_tokenizer
+from models.config import TrainConfig
+from models.data.batch import RolloutBatch
+from models.resident import protocol
+from models.run.types import PolicyState, RunHandle
+from models.stages import actor as actor_stage
+from models.stages import critic as critic_stage
+from models.stages.evaluate import run_evaluate
+from models.stages.rollout import run_rollout
+from models.stages.score import Scorers, run_score, score_forward
+from models.stages.updates import commit_trained
+from models.training.distributed import DistInfo, full_state_dict, unwrap
+from models.training.optimizer_carry import carried_optimizer
+from models.training.update import make_optimizer, stat_keys
+
+
+class WrongIteration(RuntimeError):
+    """The request is for another iteration than the one the service's policy is at."""
+
+
+def saves_at(cfg: TrainConfig, iteration: int) -> bool:
+    """Whether iteration ``iteration`` commits checkpoints (every ``run.save_interval``-th and the last)."""
+    return (iteration + 1) % cfg.run.save_interval == 0 or iteration + 1 == cfg.run.num_iterations
+
+
+def _check_iteration(name: str, holds: int, state: PolicyState) -> None:
+    if state.iteration != holds:
+        raise WrongIteration(f"{protocol.SERVICE_LABELS[name]} holds the policy of iteration {holds}, but the request "
+                             f"is for iteration {state.iteration}: the run's services and its resume point disagree "
+                             f"(rerun the launch to restart them from the last checkpoint)")
+
+
+class EngineHost:
+    """The engine service's state: one engine serving the actor of iteration ``version``."""
+
+    def __init__(self, cfg: TrainConfig, run: RunHandle, state: PolicyState, info: DistInfo):
+        from models.stages.engine import engine_for
+
+        self.engine = engine_for(cfg, state.actor_url)  # from the checkpoint, probed as a task's engine is
+        self.version = state.iteration
+
+    def handle(self, op: str, args: Dict[str, Any], body: Optional[bytes]) -> Any:
+        if op == "weights":
+            return self.load(args, body)
+        cfg, run, state = protocol.read_args(args)
+        _check_iteration(protocol.ENGINE, self.version, state)
+        if op == "rollout":
+            out = run_rollout(cfg, run, state, int(args.get("ahead", 0)), engine=self.engine)
+            return {"batch": out.batch.uri, "stats": out.stats}
+        if op == "evaluate":
+            return run_evaluate(cfg, run, state, engine=self.engine)
+        raise ValueError(f"the engine service has no op {op!r}")
+
+    def load(self, args: Dict[str, Any], body: bytes) -> Dict[str, float]:
+        """New weights from the actor trainer, in memory, then the probe against the trainer's forward."""
+        from models.engines.weights import unpack_weights
+        from models.training.probe import verify_reference
+
+        t0 = time.perf_counter()
+        self.version = -1  # until the new weights are in and verified, the engine serves no iteration
+        self.engine.load_tensors(unpack_weights(body))
+        probe = args["probe"]
+        result = verify_reference(self.engine, probe["sequences"], probe["logprobs"], float(args["tolerance"]),
+                                  f"the actor of iteration {args['version']} (in memory)")
+        self.version = int(args["version"])
+        return {"rollout/probe_gap_max": result.gap_max if result is not None else 0.0,
+                "time/weights_load_s": time.perf_counter() - t0}
+
+
+class _TrainerHost:
+    """What the actor and critic services share: the model and AdamW on every rank, the iteration held,
+    the last update's result (a retried request gets it again)."""
+
+    name = ""
+    section = ""
+    inner = ""
+
+    def __init__(self, cfg: TrainConfig, run: RunHandle, state: PolicyState, info: DistInfo, url: str, seed_offset: int):
+        self.info, self.version, self.url = info, state.iteration, url
+        torch.manual_seed(cfg.run.seed * 7919 + state.iteration + seed_offset)  # as the task's load does
+        self.model = self.load(cfg, url)
+        s = getattr(cfg, self.section)
+        self.optimizer, self.steps = carried_optimizer(self.model, s.lr, self._weight_decay(s), url,
+                                                       s.keep_optimizer_state, {}, self.name, info)
+        self.last: Optional[Dict[str, Any]] = None
+        self.tokenizer = load_tokenizer(run.reference_url)
+
+    def load(self, cfg: TrainConfig, url: str):
+        raise NotImplementedError
+
+    def _weight_decay(self, section) -> float:
+        return 0.0
+
+    def train(self, cfg, run, state, batch, times) -> Dict[str, float]:
+        raise NotImplementedError
+
+    def update(self, args: Dict[str, Any]) -> Dict[str, Any]:
+        cfg, run, state = protocol.read_args(args)
+        if self.last is not None and state.iteration == self.version - 1 and self.last["iteration"] == state.iteration:
+            return self.last["result"]  # the same request again: its reply was lost
+        _check_iteration(self.name, self.version, state)
+        t0 = time.perf_counter()
+        s = getattr(cfg, self.section)
+        if not s.keep_optimizer_state:  # fresh moments every update, as the stateless task
+            self.optimizer, self.steps = make_optimizer(self.model, s.lr, self._weight_decay(s)), 0
+        times: Dict[str, float] = {}
+        stats = self.train(cfg, run, state, RolloutBatch.open(args["batch"]), times)
+        self.steps += int(stats["steps"])
+        url = ""
+        if saves_at(cfg, state.iteration):
+            url = getattr(run.layout, f"{self.name}_url")(state.iteration)
+            commit_trained(self.model, self.optimizer, self.tokenizer, url, self.url, self.inner, s, times,
+                           self.name, self.info)
+            self.url = url
+        self.version = state.iteration + 1
+        extra = self.after_update(cfg, run, state, times)
+        result = {"checkpoint_url": url, "stats": {**self.stats(stats), **times, **extra,
+                                                   f"time/{self.name}_update_s": time.perf_counter() - t0}}
+        self.last = {"iteration": state.iteration, "result": result}
+        return result
+
+    def stats(self, stats: Dict[str, float]) -> Dict[str, float]:
+        raise NotImplementedError
+
+    def after_update(self, cfg, run, state, times) -> Dict[str, float]:
+        return {}
+
+    def forward(self, fn):
+        """``fn()`` with the model in eval mode, no gradients (every rank: FSDP2 forwards are collective)."""
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                return fn()
+        finally:
+            self.model.train()
+
+
+class ActorHost(_TrainerHost):
+    name, section, inner = protocol.ACTOR, "actor", "lm"
+
+    def __init__(self, cfg: TrainConfig, run: RunHandle, state: PolicyState, info: DistInfo):
+        super().__init__(cfg, run, state, info, state.actor_url, 0)
+        from transformers import AutoModelForCausalLM
+
+        from models.training.load import load_hf
+        from models.training.policy import PolicyLogprobs, with_packing
+
+        self.ref = with_packing(PolicyLogprobs(load_hf(run.reference_url, AutoModelForCausalLM, cfg.model.dtype))
+                                .eval(), cfg.model.pack_sequences)
+
+    def load(self, cfg, url):
+        return actor_stage.load_actor(cfg, url, self.info)
+
+    def _weight_decay(self, section) -> float:
+        return section.weight_decay
+
+    def handle(self, op: str, args: Dict[str, Any], body: Optional[bytes]) -> Any:
+        if op == "score":
+            return self.score(args)
+        if op == "update":
+            return self.update(args)
+        raise ValueError(f"the actor trainer service has no op {op!r}")
+
+    def score(self, args: Dict[str, Any]) -> Any:
+        cfg, run, state = protocol.read_args(args)
+        _check_iteration(self.name, self.version, state)
+        batch = RolloutBatch.open(args["batch"])
+        actor = self.model if cfg.actor.old_logprobs == "recompute" else None
+        if not self.info.is_main:  # the same forwards as rank 0, in the same order
+            self.forward(lambda: score_forward(cfg, batch, actor, self.ref, None, self._pad()))
+            return None
+        values = (lambda b: critic_values(run, cfg, state, b)) if cfg.uses_critic else None
+        out = self.forward(lambda: run_score(cfg, run, state, batch, Scorers(actor, self.ref, None, values)))
+        return {"batch": out.batch.uri, "stats": out.stats}
+
+    def _pad(self) -> int:
+        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    def train(self, cfg, run, state, batch, times):
+        return actor_stage.update_actor(cfg, run, state, batch, self.info, self.model, self.optimizer, times)
+
+    def stats(self, stats):
+        return stat_keys("actor", {**stats, "optimizer_steps_total": float(self.steps)})
+
+    def after_update(self, cfg, run, state, times) -> Dict[str, float]:
+        """The new weights to the engine service, in memory."""
+        from models.engines.weights import pack_weights
+
+        t0 = time.perf_counter()
+        full = full_state_dict(self.model)  # collective under FSDP2
+        probe = self.forward(lambda: probe_reference(self.model, len(self.tokenizer)))
+        if not self.info.is_main:
+            return {}
+        lm = getattr(unwrap(self.model), self.inner)
+        weights = {k[len("lm."):]: v for k, v in full.items() if k.startswith("lm.")} if full is not None \
+            else lm.state_dict()
+        body = pack_weights(weights)
+        engine = protocol.find(run.layout, protocol.ENGINE)
+        args = {"version": state.iteration + 1, "probe": probe, "tolerance": cfg.probe_tolerance}
+        out = protocol.post_weights(engine, args, body)
+        return {**out, "time/weights_to_engine_s": time.perf_counter() - t0,
+                "resident/weights_bytes": float(len(body))}
+
+
+class CriticHost(_TrainerHost):
+    name, section, inner = protocol.CRITIC, "critic", "critic"
+
+    def __init__(self, cfg: TrainConfig, run: RunHandle, state: PolicyState, info: DistInfo):
+        super().__init__(cfg, run, state, info, state.critic_url, 1)
+
+    def load(self, cfg, url):
+        return critic_stage.load_critic(cfg, url, self.info)
+
+    def handle(self, op: str, args: Dict[str, Any], body: Optional[bytes]) -> Any:
+        if op == "values":
+            return self.values(args)
+        if op == "update":
+            return self.update(args)
+        raise ValueError(f"the critic trainer service has no op {op!r}")
+
+    def values(self, args: Dict[str, Any]) -> Optional[list]:
+        cfg, run, state = protocol.read_args(args)
+        _check_iteration(self.name, self.version, state)
+        batch = RolloutBatch.open(args["batch"])
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        flat = self.forward(lambda: score_forward(cfg, batch, None, None, self.model, pad))
+        return flat["values"].tolist() if self.info.is_main else None
+
+    def train(self, cfg, run, state, batch, times):
+        return critic_stage.update_critic(cfg, run, state, batch, self.info, self.model, self.optimizer, times)
+
+    def stats(self, stats):
+        return {**critic_stage.critic_stats(stats), "critic/optimizer_steps_total": float(self.steps)}
+
+
+def critic_values(run: RunHandle, cfg: TrainConfig, state: PolicyState, batch: RolloutBatch) -> np.ndarray:
+    """The critic service's values of ``batch``, flat in response order."""
+    values = protocol.call_service(run.layout, protocol.CRITIC, "values",
+                                   protocol.request_args(cfg, run, state, batch.uri))
+    return np.asarray(values, np.float32)
+
+
+def probe_reference(model, vocab_size: int) -> Dict[str, list]:
+    """The probe sequences and the trainer's log-probs of them through ``model`` (its training forward)."""
+    import pyarrow as pa
+
+    from models.data.batch_tensors import model_inputs
+    from models.training.policy import inputs_to
+    from models.training.probe import probe_sequences
+
+    seqs = probe_sequences(vocab_size)
+    table = pa.table({"prompt_tokens": [s[:1] for s in seqs], "response_tokens": [s[1:] for s in seqs]})
+    device = next(model.parameters()).device
+    logp, _ = model(inputs_to(model_inputs(table, 0), device), temperature=1.0, with_entropy=False)
+    return {"sequences": seqs, "logprobs": logp.float().cpu().tolist()}
+
+
+HOSTS = {protocol.ENGINE: EngineHost, protocol.ACTOR: ActorHost, protocol.CRITIC: CriticHost}

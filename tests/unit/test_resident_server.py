@@ -1,0 +1,79 @@
+"""The resident services' HTTP face and rank loop (models/resident/server.py, protocol.py) with a plain
+handler: the token, the reply, a failed op, the binary weights body, the stops (op, idle, parent gone)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from models.resident import protocol
+from models.resident.server import RankFanout, ServiceServer, serve
+from models.run.layout import RunLayout
+
+
+class Handler:
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, op, args, body):
+        self.seen.append((op, args, None if body is None else bytes(body)))
+        if op == "boom":
+            raise ValueError("the batch names iteration 7")
+        return {"op": op, "n": len(self.seen)}
+
+
+def _start(**kw):
+    server = ServiceServer("tok-en", **kw)
+    handler = Handler()
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(reason=serve(server, RankFanout(), handler, lambda s: None)),
+                              daemon=True)
+    thread.start()
+    return server, handler, thread, out
+
+
+def test_calls_token_errors_and_the_stop_op(tmp_path):
+    server, handler, thread, out = _start()
+    address = protocol.ServiceAddress("actor", server.url, "tok-en", 1)
+    assert protocol.call(address, "score", {"x": 1}) == {"op": "score", "n": 1}
+    with pytest.raises(protocol.ServiceError, match=r"the actor trainer service at .* failed: ValueError: the batch "
+                                                    r"names iteration 7"):
+        protocol.call(address, "boom", {})
+    with pytest.raises(protocol.ServiceError, match="Unauthorized: missing or wrong token"):
+        protocol.call(protocol.ServiceAddress("actor", server.url, "wrong", 1), "score", {})
+    assert [op for op, _, _ in handler.seen] == ["score", "boom"]  # the refused call never reached the handler
+    assert protocol.post_weights(address, {"version": 3}, b"\x00\x01tensors")["op"] == "weights"
+    assert handler.seen[-1] == ("weights", {"version": 3}, b"\x00\x01tensors")
+    assert protocol.call(address, "stop", {"reason": "the run ended"}) == {"stopped": "the run ended"}
+    thread.join(5)
+    assert out["reason"] == "the run ended"
+    server.close()
+    with pytest.raises(protocol.ServiceGone, match=r"the actor trainer service at .* does not answer"):
+        protocol.call(address, "score", {}, timeout_s=5)
+
+
+def test_idle_timeout_and_a_gone_parent_stop_the_service():
+    server, _, thread, out = _start(idle_timeout_s=0.5)
+    thread.join(10)
+    assert "no request for 0.5 s" in out["reason"]
+    server.close()
+    parent = subprocess.Popen([sys.executable, "-c", "pass"])
+    parent.wait()
+    server, _, thread, out = _start(parent_pid=parent.pid)
+    thread.join(10)
+    assert out["reason"] == f"the run's process {parent.pid} is gone"
+    server.close()
+
+
+def test_find_names_a_service_that_never_published(tmp_path):
+    layout = RunLayout(str(tmp_path), "r1")
+    with pytest.raises(protocol.ServiceGone, match=r"the engine service of run r1 has not published an address"):
+        protocol.find(layout, "engine")
+    protocol.publish(layout, protocol.ServiceAddress("engine", "http://127.0.0.1:1", "t", 42, "launch-1"))
+    assert protocol.find(layout, "engine").pid == 42
+    protocol.unpublish(layout, "engine")
+    with pytest.raises(protocol.ServiceGone):
+        protocol.find(layout, "engine")
