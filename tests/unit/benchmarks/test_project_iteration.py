@@ -1,5 +1,6 @@
-"""The projection of a stateless iteration at scale (``benchmarks/project_iteration.py``): its byte
-formula by hand at a tiny shape, the 8B and 70B shapes read off the presets they project, the cut's bytes."""
+"""The projection of an iteration at scale in both run modes (``benchmarks/project_iteration.py``): its byte
+and second formulas by hand at a tiny shape, the 8B and 70B shapes read off the presets they project, the
+cut's bytes, the resident mode's storage traffic (batches and checkpoints only)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks.project_iteration import (LLAMA_8B, LLAMA_70B, NEMO_70B, Assumptions, Shape, compute_seconds,
-                                         llama_params, project, rows, state_bytes)
+from benchmarks.project_iteration import (CPU_TASKS, LLAMA_8B, LLAMA_70B, LLAMA_70B_FULL, NEMO_70B, PARTS, PRESETS,
+                                         Assumptions, Shape, breakdown, compute_seconds, critic_sharded, llama_params,
+                                         main, moved, project, rows, state_bytes)
 from models.config.io import load_config
 
 TINY = Shape("tiny", params=1000, samples=2, prompt_tokens=3, response_tokens=5, actor_nodes=2, gpus_per_node=2,
@@ -81,3 +83,97 @@ def test_rows_compare_with_the_published_nemo_aligner_step():
     out = {r.figure: r for r in rows(Assumptions())}
     ratio = out["70B compute terms / NeMo-Aligner step"]
     assert "253.8 s published" in ratio.detail and ratio.value > 0
+
+
+def test_state_bytes_by_hand_on_several_scoring_nodes_and_a_sharded_full_critic():
+    """Scoring as an elastic task: each of 2 nodes downloads the actor, reference, reward model and critic
+    (16000 B) and reads the batch (384 B); one writes the scored batch. A full critic on 2 nodes reads its
+    AdamW state (8000 B) once per node whole, once in all when committed per rank."""
+    assert state_bytes(replace(TINY, score_nodes=2))["score"] == {"read": 2 * 16384, "write": 384}
+    full = replace(TINY, critic_lora=False, critic_gpus=4)
+    whole, cut = (state_bytes(replace(full, critic_sharded_state=c))["critic_update"] for c in (False, True))
+    assert whole == {"read": 2 * (8000 + 384 + 8000), "write": 12000}
+    assert whole["read"] - cut["read"] == 8000 and cut["write"] == 12000
+    assert state_bytes(replace(full, critic_sharded_state=True))["actor_update"] == state_bytes(full)["actor_update"]
+
+
+# Round numbers for the hand-worked cases: storage and NCCL 1000 B/s, 1000 FLOP/s per GPU at MFU 1, 5 tokens/s.
+SLOW = Assumptions(s3_gb_per_s=1e-6, nccl_gb_per_s=1e-6, peak_tflops=1e-9, train_mfu=1.0, forward_mfu=1.0,
+                   gen_tokens_per_s_per_gpu=5.0, thin_pod_start_s=2.0)
+
+
+def test_resident_iteration_by_hand():
+    """TINY (1000 parameters, 2 × 8 tokens, actor on 2 × 2 GPUs, LoRA critic on 2, reward model on 1) with a
+    checkpoint every 3 iterations: 5 thin pods × 2 s; batches 6 × 384 B at 1000 B/s; 1000 × 2 B of bf16 weights
+    over NCCL at 1000 B/s; 2 × 5 response tokens at 5 tokens/s; scoring, the longest of π_old + π_ref on the
+    actor's 4 GPUs (2·2·1000·16 / 4000 = 16 s), the values on the critic's 2 (2·1000·16 / 2000 = 16 s) and the
+    reward on 1 (2·1000·16 / 1000 = 32 s); updates, the longer of the actor (6·1000·16 / 4000 = 24 s) and the
+    LoRA critic (4·1000·16 / 2000 = 32 s); the actor's checkpoint (12000 B over 2 nodes: 6 s) every 3."""
+    p = breakdown(replace(TINY, save_interval=3), SLOW, "resident")
+    assert p == pytest.approx({"pod starts": 10.0, "state movement": 2.304, "weight transfer": 2.0,
+                               "generation": 2.0, "scoring": 32.0, "updates": 32.0, "checkpoint": 2.0,
+                               "total": 82.304})
+
+
+def test_the_resident_mode_moves_no_state_between_checkpoints():
+    """TINY by hand: batches 2304 B and the actor's 12000-byte checkpoint every 3 iterations; stateless, the
+    weights and moments of :func:`test_state_bytes_by_hand` (76000 B) every iteration, nothing over NCCL."""
+    tiny = replace(TINY, save_interval=3)
+    assert moved(tiny, "resident") == {"storage": 2304 + 4000, "state": 0.0, "checkpoint": 4000.0, "in memory": 2000}
+    assert moved(tiny, "stateless") == {"storage": 76000 + 2304, "state": 76000, "checkpoint": 0.0, "in memory": 0.0}
+    for s in PRESETS:
+        resident, stateless = moved(s, "resident"), moved(s, "stateless")
+        assert resident["state"] == 0 and resident["storage"] < stateless["state"] / 100, s.name
+        assert breakdown(s, Assumptions(), "resident")["state movement"] < 1.0, s.name
+
+
+def test_stateless_breakdown_is_the_gpu_chain_plus_the_cpu_pods_and_the_engine_start():
+    a = Assumptions()
+    for s in (*PRESETS, NEMO_70B):
+        p, it = breakdown(s, a, "stateless"), project(s, a)["iteration"]
+        assert p["total"] == pytest.approx(it["total"] + a.engine_start_s + len(CPU_TASKS) * a.cpu_pod_start_s)
+        assert p["total"] == pytest.approx(sum(p[k] for k in PARTS))
+        assert p["weight transfer"] == p["checkpoint"] == 0 and p["state movement"] == it["state"]
+        assert breakdown(s, a, "resident")["total"] < p["total"], s.name
+
+
+def test_each_projected_preset_is_its_config():
+    """``PRESETS`` as their YAML files set them: batch, topologies, critic, AdamW per rank, checkpoints; the 70B
+    presets score as an elastic task on the actor's topology, the 8B ones on ``resources.score_gpu``."""
+    assert [s.name for s in PRESETS] == ["llama8b_ppo_gpu", "llama8b_ppo_full_critic_gpu", "llama70b_ppo_gpu",
+                                         "llama70b_ppo_full_critic_gpu"]
+    for s in PRESETS:
+        cfg = load_config(f"configs/{s.name}.yaml", [])
+        assert s.samples == cfg.rollout.prompts_per_iteration * cfg.rollout.n_samples_per_prompt, s.name
+        assert (s.response_tokens, s.save_interval) == (cfg.rollout.max_new_tokens, cfg.run.save_interval), s.name
+        assert (s.actor_nodes, s.gpus_per_node) == (cfg.actor.nnodes, cfg.actor.nproc_per_node), s.name
+        assert s.rollout_gpus == cfg.resources.rollout_gpu == cfg.rollout.tensor_parallel_size, s.name
+        assert s.critic_gpus == cfg.critic.nnodes * cfg.critic.nproc_per_node, s.name
+        assert s.critic_lora == cfg.critic.lora.enabled and s.sharded_state == cfg.actor.optimizer_state_sharded
+        assert s.critic_lora or critic_sharded(s) == cfg.critic.optimizer_state_sharded, s.name
+        assert s.score_gpus == cfg.resources.score_gpu, s.name
+        big = s.params > 50e9
+        assert (s.score_nodes, s.score_gpus) == ((cfg.actor.nnodes, cfg.actor.nproc_per_node) if big else (1, 1))
+    assert LLAMA_70B_FULL.critic_params is None and "70b" in load_config(
+        "configs/llama70b_ppo_full_critic_gpu.yaml", []).model.critic_path
+
+
+def test_rows_set_both_modes_beside_both_peers():
+    out = {r.figure: r for r in rows(Assumptions())}
+    for mode in ("stateless", "resident"):
+        assert "253.8 s published" in out[f"70B full critic {mode} / NeMo-Aligner step"].detail
+        assert "92.8 s" in out[f"8B {mode} / NeMo-RL, s per 1M tokens"].detail
+        for s in PRESETS:
+            want = breakdown(s, Assumptions(), mode)["total"]
+            assert out[f"{s.name} s/iteration ({mode})"].value == pytest.approx(want)
+
+
+def test_mode_flag_prints_the_modes_asked_for(capsys):
+    assert main(["--mode", "resident"]) == 0
+    printed = capsys.readouterr().out
+    assert "resident" in printed and "stateless" not in printed
+    with pytest.raises(ValueError, match="mode 'both': expected one of stateless, resident"):
+        breakdown(LLAMA_8B, Assumptions(), "both")
+    with pytest.raises(SystemExit):
+        main(["--mode", "colocated"])
+    assert "invalid choice: 'colocated'" in capsys.readouterr().err

@@ -1,0 +1,164 @@
+"""The inputs of the iteration projection (``benchmarks/project_iteration.py``): what it assumes, each figure
+with its source (a figure measured here, a peer's published one, or a hardware spec), the shapes of the 8B and
+70B presets it projects, and the peers' published steps it is compared with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+NEMO_ALIGNER_70B_STEP_S = 253.8
+"""Llama-2-70B PPO step on 8+8 H100 nodes (NeMo-Aligner, arXiv:2405.01481)."""
+NEMO_RL_8B_STEP_S = 92.8
+"""Llama-3.1-8B GRPO step, on-policy, on 16 H100s in all (NeMo RL v0.5 performance summary,
+NVIDIA-NeMo/RL docs/about/performance-summary.md, Megatron backend, bf16)."""
+NEMO_RL_8B_TOKENS = 2048 * 1019
+"""Tokens of that step: 2048 sequences (its generation batch), 1019 tokens each on average (the same table)."""
+
+MEASURED_SHARD_SHARE = 22848 / 45696
+"""Moment bytes one of 2 FSDP2 ranks reads with the cut / without, measured through S3 by
+``tests/unit/models/test_optimizer_shards.py`` (22848 of 45696 bytes: exactly 1/ranks; each file adds its
+~7 KB header and step scalars, nothing at 8B). The projection takes each rank's share as 1/ranks."""
+
+@dataclass(frozen=True)
+class Assumptions:
+    """What the projection takes as given (each a stated, checkable number with its source)."""
+
+    pod_start_s: float = 60.0
+    """Stateless GPU pod scheduled to the task's code running: image cached on the node, Python, torch, CUDA and
+    NCCL initialised (the harness measures 30-100 s for a cold CPU pod on a loaded 2-core machine)."""
+    s3_gb_per_s: float = 2.0
+    """S3 throughput of one node, read or write, GB/s (parallel ranged requests on a 100-400 Gbit/s NIC;
+    one process with one stream gets far less)."""
+    peak_tflops: float = 989.0
+    """H100 SXM dense bf16 peak, TFLOP/s per GPU (NVIDIA's H100 datasheet)."""
+    train_mfu: float = 0.35
+    """Model FLOPs utilisation of the actor and critic updates (FSDP2, bf16)."""
+    forward_mfu: float = 0.45
+    """MFU of the scoring forwards (π_old, π_ref, critic, reward model)."""
+    gen_tokens_per_s_per_gpu: float = 2500.0
+    """vLLM decode throughput per GPU at the rollout's batch (8B, bf16, 1024-token responses)."""
+    engine_start_s: float = 12.0
+    """vLLM's start in a stateless rollout pod on top of the pod's (a resident engine starts once a run): the
+    harness's rollout pods took 20 and 32 s with vLLM against 8 s with the HF engine (tiny model, CPU;
+    benchmarks/RESULTS.md, 2026-11-25), so at least 12 s; CUDA graph capture on a GPU adds to it."""
+    cpu_pod_start_s: float = 9.0
+    """A stateless CPU task's pod (advantages, commit): Kubernetes' pod-startup SLO, 99th percentile <= 5 s
+    for a stateless pod whose image is on the node (kubernetes/community, sig-scalability/slos/
+    pod_startup_latency.md), plus importing its task module (``import tasks.advantages``: torch,
+    transformers, flytekit), 3.6 s measured on the project's 2-core box on 2026-11-26."""
+    thin_pod_start_s: float = 6.0
+    """A resident-mode task's pod (CPU, imports neither torch nor vLLM): the same 5 s SLO plus
+    ``import flytekit``, 0.8 s measured on the same box."""
+    nccl_gb_per_s: float = 25.0
+    """Trainer → engine weight broadcast, GB/s: one sending GPU's NIC across nodes, as verl measured it
+    (verl-project/verl#7167: ~25 GB/s from the master rank alone, ~90 GB/s with every trainer GPU of the node
+    sending); an H100 node's ConnectX-7 is 400 Gbit/s = 50 GB/s per GPU. Peers report 0.2-7 s at 0.6B-30B."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A PPO run's sizes: models, batch and the GPUs of each task (stateless) or service (resident)."""
+
+    name: str
+    params: float
+    """Actor parameters (reference and reward model the same size)."""
+    samples: int
+    """Responses per iteration (prompts × samples per prompt)."""
+    prompt_tokens: int
+    """Mean prompt length (tokens)."""
+    response_tokens: int
+    """Mean response length (tokens; the budget when responses run to it)."""
+    actor_nodes: int
+    gpus_per_node: int = 8
+    rollout_gpus: int = 1
+    score_gpus: int = 1
+    """GPUs of one scoring pod (``resources.score_gpu``); resident: the reward model server's."""
+    critic_gpus: int = 1
+    critic_lora: bool = True
+    """The critic trains LoRA adapters on a frozen base (the 8B preset); else a full critic like the actor."""
+    gen_speed: float = 1.0
+    """Decode throughput per GPU relative to :attr:`Assumptions.gen_tokens_per_s_per_gpu` (larger models
+    decode slower per GPU)."""
+    checkpoint_bytes_per_param: int = 4
+    """Committed checkpoints hold float32 weights (the training master copy)."""
+    optimizer_bytes_per_param: int = 8
+    """AdamW's two moments in the parameters' dtype (``models/training/optimizer_state.py``)."""
+    critic_params: Optional[float] = None
+    """Critic parameters (None: :attr:`params`; a value head in place of the LM head differs a little)."""
+    reward_model: bool = True
+    """Score loads a reward model the actor's size (False: a reward function, as the tiny runs use)."""
+    sharded_state: bool = False
+    """The cut of the largest term, ``actor.optimizer_state_sharded`` (and the critic's, unless
+    :attr:`critic_sharded_state` says otherwise; ``models/training/optimizer_shards.py``): AdamW's moments
+    written and read per rank under FSDP2, each rank its own shard, so each node moves O ×
+    :data:`MEASURED_SHARD_SHARE` × its ranks = O/nodes in parallel, instead of every node reading the whole O
+    and rank 0 writing it (``models/training/optimizer_state.py``). A LoRA critic's state (adapters only) is
+    left out either way."""
+    critic_sharded_state: Optional[bool] = None
+    """``critic.optimizer_state_sharded`` (None: as :attr:`sharded_state`)."""
+    score_nodes: int = 1
+    """Nodes of the stateless scoring task, :attr:`score_gpus` each: 1 (one pod), or the actor's topology
+    where scoring is the elastic task (the 70B presets, being built)."""
+    save_interval: int = 50
+    """``run.save_interval``: a resident run writes a checkpoint every this many iterations."""
+    engine_bytes_per_param: int = 2
+    """The engine's weights, bfloat16 (``rollout.vllm_dtype``): what the trainer sends it after each update."""
+
+
+def llama_params(layers: int, d_model: int, kv_heads: int, ffn: int, vocab: int, heads: int, tied: bool) -> float:
+    """Parameters of a Llama-style decoder: per layer q and o (d²), k and v (d · d_kv, d_kv = d · kv_heads /
+    heads, GQA), gate, up and down (3 · d · ffn), two RMSNorms (2d); the embedding and, untied, the LM head
+    (vocab · d each) and the final norm."""
+    d_kv = d_model * kv_heads // heads
+    layer = 2 * d_model * d_model + 2 * d_model * d_kv + 3 * d_model * ffn + 2 * d_model
+    return layers * layer + (1 if tied else 2) * vocab * d_model + d_model
+
+
+LLAMA_8B = Shape("llama8b_ppo_gpu", params=8.03e9, samples=128 * 4, prompt_tokens=512, response_tokens=1024,
+                 actor_nodes=1)
+"""``configs/llama8b_ppo_gpu.yaml``: 128 prompts × 4, 1024-token budget, the actor on one node of 8, rollout,
+score and the LoRA critic on one GPU each."""
+LLAMA_8B_FULL = replace(LLAMA_8B, name="llama8b_ppo_full_critic_gpu", critic_gpus=8, critic_lora=False,
+                        critic_sharded_state=True)
+"""``configs/llama8b_ppo_full_critic_gpu.yaml``: the 8B preset with a full critic, an FSDP2 job on one node of
+8 whose ranks commit their shards of AdamW's moments (the actor's are committed whole, as the base sets)."""
+LLAMA_70B = Shape("llama70b_ppo_gpu", params=llama_params(80, 8192, 8, 28672, 128256, heads=64, tied=False),
+                  samples=256 * 4, prompt_tokens=512, response_tokens=1024, actor_nodes=8, rollout_gpus=8,
+                  score_gpus=8, critic_gpus=1, critic_params=LLAMA_8B.params, gen_speed=0.25, save_interval=20)
+"""``configs/llama70b_ppo_gpu.yaml`` (Llama-3-70B shapes, 70.6B): 256 prompts × 4, 1024-token budget, the actor
+FSDP2 over 8 nodes of 8, rollout (tensor parallel 8) and score on one node of 8, an 8B LoRA critic on one
+GPU (the critic update is one process), a 70B reward model. :data:`PRESETS` projects it as shipped."""
+LLAMA_70B_FULL = replace(LLAMA_70B, name="llama70b_ppo_full_critic_gpu", critic_gpus=64, critic_lora=False,
+                         critic_params=None, sharded_state=True, score_nodes=8)
+"""``configs/llama70b_ppo_full_critic_gpu.yaml``: a full 70B critic, an FSDP2 job on 8 nodes of 8, both
+trainers committing AdamW per rank, and scoring as the elastic task on the actor's 8 nodes."""
+NEMO_70B = Shape("Llama-2-70B, NeMo-Aligner's layout (no preset)", params=69.0e9, samples=1024, prompt_tokens=512,
+                 response_tokens=1024, actor_nodes=8, rollout_gpus=8, score_gpus=8, critic_gpus=64,
+                 critic_lora=False, gen_speed=0.25)
+"""The NeMo-Aligner Llama-2-70B shape: actor and a full critic on 8 nodes each, rollout and score with
+8 GPUs (tensor parallel); 1024 responses per step (their rollout batch), 1024-token budget. Its compute
+terms are what :func:`rows` compares with their published step."""
+
+PRESETS = (LLAMA_8B, LLAMA_8B_FULL, replace(LLAMA_70B, sharded_state=True, score_nodes=8), LLAMA_70B_FULL)
+"""The presets as shipped (``configs/<name>.yaml``): the 70B ones with the actor's AdamW state per rank and
+scoring as the elastic task on the actor's topology (being built; the 8B presets score on one GPU, as
+``resources.score_gpu`` says). Every actor rank loads only its shard (``models/training/sharded_load.py``)."""
+
+
+def tokens(s: Shape) -> int:
+    """Tokens of an iteration's sequences, prompts and responses."""
+    return s.samples * (s.prompt_tokens + s.response_tokens)
+
+
+def critic_sharded(s: Shape) -> bool:
+    """Whether the critic's AdamW state is committed per rank."""
+    return s.sharded_state if s.critic_sharded_state is None else s.critic_sharded_state
+
+
+def critic_size(s: Shape) -> float:
+    return s.params if s.critic_params is None else s.critic_params
+
+
+def critic_nodes(s: Shape) -> int:
+    return max(1, s.critic_gpus // s.gpus_per_node)
