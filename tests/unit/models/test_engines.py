@@ -216,3 +216,27 @@ def test_cpu_workers_get_disjoint_shares_of_the_allowed_cores():
     assert cpu_worker_groups([4, 6], 2) == "4|6"
     with pytest.raises(EngineLoadError, match=r"tensor_parallel_size=2 needs a CPU core per worker; this process may use 1"):
         cpu_worker_groups([0], 2)
+
+
+def test_weights_from_memory_go_in_place_on_the_tiny_actor(ckpts):
+    from tests.unit.models.engine_tensors import check_serves_tensors
+
+    engine = HFEngine(ckpts["a"])
+    check_serves_tensors(engine, ckpts["a"], ckpts["b"], 1e-3)
+    assert engine.stats.restarts == 0
+
+
+def test_weights_from_memory_go_in_place_on_a_tied_model(qwen2_chat_dir, tmp_path):
+    """Qwen2 ties lm_head to the embedding: the trainer's state dict holds both names as one tensor, the
+    engine's head follows the embedding; an lm_head that is not the embedding is refused."""
+    from tests.unit.models.engine_tensors import check_serves_tensors, sent_state
+    from tests.unit.models.hub_copies import trained_copy
+
+    trained = str(trained_copy(qwen2_chat_dir, tmp_path / "trained", seed=1))
+    state, _ = sent_state(trained)
+    assert state["lm_head.weight"] is state["model.embed_tokens.weight"]
+    engine = HFEngine(str(qwen2_chat_dir))
+    check_serves_tensors(engine, str(qwen2_chat_dir), trained, 1e-3)
+    untied = {**state, "lm_head.weight": state["lm_head.weight"] + 1}
+    with pytest.raises(EngineLoadError, match=r"unexpected \['lm_head.weight'\]"):
+        engine.load_tensors(untied)
