@@ -196,6 +196,9 @@ class WeightsLayout:
         shapes that do not fit."""
         import torch
 
+        odd = [k for k, t in state.items() if not isinstance(t, torch.Tensor)]
+        if odd:
+            raise EngineLoadError(f"these weights are not all tensors: {odd[:3]} ({type(state[odd[0]]).__name__})")
         fitted = dict(state)
         if self.config.get("tie_word_embeddings"):
             held = [t for k, t in state.items() if k in self.shapes]

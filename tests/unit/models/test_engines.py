@@ -240,3 +240,23 @@ def test_weights_from_memory_go_in_place_on_a_tied_model(qwen2_chat_dir, tmp_pat
     untied = {**state, "lm_head.weight": state["lm_head.weight"] + 1}
     with pytest.raises(EngineLoadError, match=r"unexpected \['lm_head.weight'\]"):
         engine.load_tensors(untied)
+
+
+def test_weights_from_memory_that_fail_half_way_close_the_engine(ckpts):
+    """Names and shapes fit, but one tensor has no data (a meta tensor): the copy fails after others went
+    in, so the engine must not serve; a restart from a checkpoint brings it back."""
+    from tests.unit.models.engine_tensors import sent_state
+
+    engine = HFEngine(ckpts["a"])
+    state, _ = sent_state(ckpts["b"])
+    name = sorted(state)[-1]
+    with pytest.raises(EngineLoadError, match="these weights are not all tensors: .*list"):
+        engine.load_tensors({**state, name: [0.0]})
+    _assert_serves(engine, ckpts["a"])  # refused before anything was copied
+    with pytest.raises(EngineLoadError, match=r"(?s)copying new weights into the engine failed \(.*\); the engine is "
+                                              r"closed: restart it from a checkpoint"):
+        engine.load_tensors({**state, name: torch.empty(state[name].shape, device="meta")})
+    with pytest.raises(EngineLoadError, match="closed"):
+        engine.generate(PROMPTS, GREEDY)
+    engine.restart(ckpts["a"])
+    _assert_serves(engine, ckpts["a"])
