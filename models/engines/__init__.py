@@ -15,8 +15,10 @@ same config and the same tensor names and shapes — vLLM's reload does not chec
 truncates a bigger tensor to the old shape and keeps old weights for missing ones, with a log
 line at most — so ``load_weights`` compares the checkpoint's :class:`WeightsLayout` first and
 restarts the engine from the checkpoint when it differs or when the reload reports a weight it
-could not load (:mod:`models.engines.vllm_engine`). Whether the engine then serves the trainer's weights
-is checked by :mod:`models.training.probe`.
+could not load (:mod:`models.engines.vllm_engine`). A trainer that holds its weights in memory sends
+them without storage: :func:`pack_weights` to bytes, :func:`unpack_weights` back, and
+``load_tensors`` copies them into the running engine (names and shapes checked first). Whether the
+engine then serves the trainer's weights is checked by :mod:`models.training.probe`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from models.engines.base import (MIN_ENGINE_TEMPERATURE, EngineLoadError, Engine
                                 stream_seed)
 from models.engines.hf_engine import HFEngine
 from models.engines.vllm_engine import VLLM_LORA_RANKS, VLLM_MAX_LORA_RANK, VLLMEngine  # noqa: F401
+from models.engines.weights import pack_weights, unpack_weights  # noqa: F401
 
 
 @dataclass

@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,9 @@ class GenerationEngine(Protocol):
     def load_weights(self, checkpoint_dir: str) -> None:
         """Serve the weights of ``checkpoint_dir`` (same architecture) from now on."""
 
+    def load_tensors(self, state: Mapping[str, Any]) -> None:
+        """Serve the weights ``state`` (named as in a Hugging Face state dict) from now on, in place."""
+
     def restart(self, checkpoint_dir: str) -> None:
         """Build the engine anew from ``checkpoint_dir`` (no adapter)."""
 
@@ -136,7 +139,8 @@ class GenerationEngine(Protocol):
 
 
 class EngineLoadError(RuntimeError):
-    """A checkpoint could not be served: unreadable, or the engine failed to start from it."""
+    """Weights could not be served: an unreadable checkpoint, an engine that failed to start from it, or
+    tensors that do not fit the served model."""
 
 
 _RUN_ONLY_CONFIG_KEYS = ("_name_or_path", "transformers_version", "dtype", "torch_dtype")
@@ -174,12 +178,38 @@ class WeightsLayout:
         keys = sorted(k for k in self.config.keys() | new.config.keys() if self.config.get(k) != new.config.get(k))
         if keys:
             return f"config differs in {keys}"
-        missing, extra = sorted(self.shapes.keys() - new.shapes.keys()), sorted(new.shapes.keys() - self.shapes.keys())
+        return self.shapes_mismatch(new.shapes)
+
+    def shapes_mismatch(self, shapes: Mapping[str, Tuple[int, ...]]) -> Optional[str]:
+        """Why tensors of these names and ``shapes`` cannot replace these in place, or None if they can."""
+        missing, extra = sorted(self.shapes.keys() - shapes.keys()), sorted(shapes.keys() - self.shapes.keys())
         if missing or extra:
             return f"tensors differ: missing {missing[:3]}, unexpected {extra[:3]}"
-        reshaped = [f"{k} {self.shapes[k]} -> {new.shapes[k]}" for k in sorted(self.shapes)
-                    if self.shapes[k] != new.shapes[k]]
+        reshaped = [f"{k} {self.shapes[k]} -> {tuple(shapes[k])}" for k in sorted(self.shapes)
+                    if self.shapes[k] != tuple(shapes[k])]
         return f"tensor shapes differ: {reshaped[:3]}" if reshaped else None
+
+    def fit(self, state: Mapping[str, Any]) -> Dict[str, Any]:
+        """``state`` (tensors named as in a Hugging Face state dict) without the tied copies this
+        layout does not hold (``lm_head.weight`` of a model with ``tie_word_embeddings``: the same
+        tensor as, or equal to, one it holds); :class:`EngineLoadError` naming the first names or
+        shapes that do not fit."""
+        import torch
+
+        odd = [k for k, t in state.items() if not isinstance(t, torch.Tensor)]
+        if odd:
+            raise EngineLoadError(f"these weights are not all tensors: {odd[:3]} ({type(state[odd[0]]).__name__})")
+        fitted = dict(state)
+        if self.config.get("tie_word_embeddings"):
+            held = [t for k, t in state.items() if k in self.shapes]
+            for name in [k for k in state if k not in self.shapes]:
+                t = state[name]
+                if any(h is t or (h.shape == t.shape and h.dtype == t.dtype and torch.equal(h, t)) for h in held):
+                    del fitted[name]
+        reason = self.shapes_mismatch({k: tuple(t.shape) for k, t in fitted.items()})
+        if reason:
+            raise EngineLoadError(f"these weights do not fit the served model: {reason}")
+        return fitted
 
 
 class SwappableEngine:
@@ -197,6 +227,10 @@ class SwappableEngine:
     def _reload_in_place(self, checkpoint_dir: str) -> None:
         """Copy the weights of ``checkpoint_dir`` (same layout) into the running engine; raise if
         any weight could not be copied."""
+        raise NotImplementedError
+
+    def _load_tensors_in_place(self, state: Dict[str, Any]) -> None:
+        """Copy ``state`` (fits the layout) into the running engine; raise if any weight was not copied."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -236,6 +270,27 @@ class SwappableEngine:
                 reason = f"in-place reload failed ({type(err).__name__}: {err})"
         log.warning("%s: %s; restarting the engine from it", checkpoint_dir, reason)
         self._restart(checkpoint_dir, layout, reason)
+
+    def load_tensors(self, state: Mapping[str, Any]) -> None:
+        """Serve the weights ``state`` (tensors named as in a Hugging Face state dict, tied copies
+        included or not; e.g. a trainer's ``state_dict()`` through :mod:`models.engines.weights`) from
+        now on, copied into the running engine in place: the in-memory path, no checkpoint between.
+
+        Names or shapes that do not fit the served model raise :class:`EngineLoadError` naming them,
+        before anything is copied. A copy that fails half-way leaves no checkpoint to restart from: the
+        engine is closed (it must not serve half-replaced weights) and :class:`EngineLoadError` says
+        why; :meth:`restart` from a checkpoint brings it back.
+        """
+        fitted = self._layout.fit(state)
+        t0 = time.perf_counter()
+        try:
+            self._load_tensors_in_place(fitted)
+        except Exception as err:  # the weights may be half-replaced
+            self.close()
+            raise EngineLoadError(f"copying new weights into the engine failed ({type(err).__name__}: {err}); "
+                                  f"the engine is closed: restart it from a checkpoint") from err
+        self.stats.reload_s += time.perf_counter() - t0
+        self.stats.reloads += 1
 
     def restart(self, checkpoint_dir: str) -> None:
         """Build the engine anew from ``checkpoint_dir`` (what the probe does when the served

@@ -8,7 +8,7 @@ from __future__ import annotations
 import glob
 import os
 import time
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -71,15 +71,22 @@ class HFEngine(SwappableEngine):
     def _reload_in_place(self, checkpoint_dir: str) -> None:
         from safetensors.torch import load_file
 
-        self.set_adapter(None)  # the state dict below is the plain model's
-
         state = {}
         for f in sorted(glob.glob(os.path.join(checkpoint_dir, "*.safetensors"))):
             state.update(load_file(f, device=self.device))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        self._load_state(state, f"weights of {checkpoint_dir}")
+
+    def _load_tensors_in_place(self, state: Dict[str, torch.Tensor]) -> None:
+        self._load_state(state, "the weights given")
+
+    def _load_state(self, state: Dict[str, torch.Tensor], what: str) -> None:
+        """``load_state_dict`` (copies into the model's own tensors, in its dtype and on its device); a
+        tied ``lm_head`` left out of ``state`` follows the embedding."""
+        self.set_adapter(None)  # the state dict is the plain model's
+        missing, unexpected = self._model().load_state_dict(state, strict=False)
         if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
-            raise RuntimeError(f"weights of {checkpoint_dir} do not fit the engine's model: "
-                               f"missing={missing[:5]} unexpected={unexpected[:5]}")
+            raise RuntimeError(f"{what} do not fit the engine's model: missing={missing[:5]} "
+                               f"unexpected={unexpected[:5]}")
         if "lm_head.weight" in missing:
             self.model.tie_weights()
 

@@ -11,6 +11,8 @@ per sample with its own seed, and in-place reloads that fail loudly.
   loaded from checkpoint"). :func:`_reload_reporting` runs in the worker, captures those reports
   whatever the user's log level, re-derives the packed copies of tied modules, and returns any other
   report, which :class:`VLLMEngine` treats as a failed reload (a restart follows).
+- Tensors from memory (``load_tensors``) take the same path: ``reload_weights`` from an iterator over
+  them (:func:`_load_reporting`), the same reports, the same repair of tied modules.
 """
 
 from __future__ import annotations
@@ -62,6 +64,16 @@ def _tied_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
 def _reload_reporting(worker: Any, weights_path: str) -> List[str]:
     """In the worker: ``reload_weights`` from ``weights_path``; returns what the loader reported it
     could not load and that is not repaired here (empty: every weight is the checkpoint's)."""
+    return _reporting(worker, weights_path=weights_path)
+
+
+def _load_reporting(worker: Any, weights: Dict[str, torch.Tensor]) -> List[str]:
+    """In the worker: ``reload_weights`` from the tensors ``weights`` (checkpoint names; the worker's
+    model loader shards them), reporting as :func:`_reload_reporting` does."""
+    return _reporting(worker, weights_iterator=iter(weights.items()))
+
+
+def _reporting(worker: Any, **reload_kwargs: Any) -> List[str]:
     capture = _Capture()
     loggers = [logging.getLogger(name) for name in _RELOAD_LOGGERS]
     saved = [(lg.level, lg.disabled) for lg in loggers]
@@ -70,7 +82,7 @@ def _reload_reporting(worker: Any, weights_path: str) -> List[str]:
         lg.disabled = False
         lg.addHandler(capture)
     try:
-        worker.reload_weights(weights_path=weights_path)
+        worker.reload_weights(**reload_kwargs)
     finally:
         for lg, (level, disabled) in zip(loggers, saved):
             lg.removeHandler(capture)
@@ -180,13 +192,20 @@ class VLLMEngine(SwappableEngine):
                           use_tqdm=False)  # warm-up
 
     def _reload_in_place(self, checkpoint_dir: str) -> None:
-        problems = [p for reports in self.llm.collective_rpc(_reload_reporting, kwargs={"weights_path": checkpoint_dir})
-                    for p in reports]
+        self._copy_in(_reload_reporting, {"weights_path": checkpoint_dir})
+        self._checkpoint = checkpoint_dir
+
+    def _load_tensors_in_place(self, state: Dict[str, Any]) -> None:
+        """Every worker gets the whole state through ``collective_rpc``'s arguments (pickled to each
+        worker process when ``tensor_parallel_size`` > 1) and its model loader keeps its slice."""
+        self._copy_in(_load_reporting, {"weights": state})
+
+    def _copy_in(self, reporting, kwargs: Dict[str, Any]) -> None:
+        problems = [p for reports in self._llm().collective_rpc(reporting, kwargs=kwargs) for p in reports]
         self.llm.reset_prefix_cache()  # stale prefixes would give old-weight results
         self._lora = None
         if problems:
             raise RuntimeError(f"vLLM's loader reported: {'; '.join(problems)[:500]}")
-        self._checkpoint = checkpoint_dir
 
     def set_adapter(self, adapter_dir: Optional[str]) -> None:
         from vllm.lora.request import LoRARequest

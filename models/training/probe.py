@@ -8,6 +8,10 @@ largest absolute difference is the gap. Above the tolerance the engine is restar
 checkpoint, with a message; if the gap persists, :class:`EngineMismatchError` stops the run naming
 the largest gap and where (sequence, position, token id, both values).
 
+Weights copied into the engine from a trainer's memory (``run.resident``) have no checkpoint to load
+or restart from: :func:`reference_logprobs` computes the same reference from the trainer's model in
+memory and :func:`verify_reference` checks the engine against it, raising at once.
+
 Catches what a reload can get wrong silently: a stale tied ``lm_head`` (vLLM on CPU), an adapter
 the engine applies differently, a merge that changed the model, an architecture the engine
 computes differently from transformers. Costs one forward of 4 × 16 tokens on each side, plus
@@ -107,24 +111,47 @@ def _device_for(policy_dir: str, dtype: str) -> str:
 
 def _trainer_logprobs(policy_dir: str, fetch: Callable[[str], str], dtype: str = "float32"
                       ) -> Tuple[Sequences, Logprobs]:
-    import pyarrow as pa
     import torch
     from transformers import AutoModelForCausalLM
 
-    from models.data.batch_tensors import model_inputs
     from models.training.lora import base_url, is_adapter, load_pretrained
-    from models.training.policy import PolicyLogprobs, inputs_to
 
     tokenizer_dir = fetch(base_url(policy_dir)) if is_adapter(policy_dir) and not _has_tokenizer(policy_dir) \
         else policy_dir
     seqs = probe_sequences(_vocab_size(tokenizer_dir))
     device = _device_for(tokenizer_dir if is_adapter(policy_dir) else policy_dir, dtype)
     lm = load_pretrained(policy_dir, AutoModelForCausalLM, getattr(torch, dtype), fetch).to(device)
+    return tuple(map(tuple, seqs)), _forward_logprobs(lm, seqs)
+
+
+def reference_logprobs(model, vocab_size: int) -> Tuple[Sequences, Logprobs]:
+    """``(sequences, log-probs)`` as :func:`trainer_logprobs` gives them, from a causal LM in memory
+    (the trainer's :class:`models.training.policy.PolicyLogprobs` or the Hugging Face model it wraps)
+    in its own dtype and on its own device: the probe sequences of a tokenizer of ``vocab_size`` ids
+    (``len(tokenizer)``) and the model's log-probs of tokens 1.. of each, at temperature 1. The
+    model's train/eval mode is left as it was."""
+    seqs = probe_sequences(vocab_size)
+    return tuple(map(tuple, seqs)), _forward_logprobs(model, seqs)
+
+
+def _forward_logprobs(model, seqs: List[List[int]]) -> Logprobs:
+    import pyarrow as pa
+    import torch
+
+    from models.data.batch_tensors import model_inputs
+    from models.training.policy import PolicyLogprobs, inputs_to
+
+    policy = model if isinstance(model, PolicyLogprobs) else PolicyLogprobs(model)
+    device = next(policy.parameters()).device
     table = pa.table({"prompt_tokens": [s[:1] for s in seqs], "response_tokens": [s[1:] for s in seqs]})
-    with torch.no_grad():
-        inputs = inputs_to(model_inputs(table, 0), device)
-        logp, _ = PolicyLogprobs(lm).eval()(inputs, temperature=1.0, with_entropy=False)  # [B, L-1]
-    return tuple(map(tuple, seqs)), tuple(tuple(float(x) for x in row) for row in logp.float().cpu())
+    training = policy.training
+    try:
+        with torch.no_grad():
+            inputs = inputs_to(model_inputs(table, 0), device)
+            logp, _ = policy.eval()(inputs, temperature=1.0, with_entropy=False)  # [B, L-1]
+    finally:
+        policy.train(training)
+    return tuple(tuple(float(x) for x in row) for row in logp.float().cpu())
 
 
 def _has_tokenizer(local_dir: str) -> bool:
@@ -145,6 +172,10 @@ def _gaps(sequences: Sequence[Sequence[int]], got: Sequence[Sequence[float]],
                        float(got[i][t]), float(reference[i][t]))
 
 
+def _gap_text(result: ProbeResult, tolerance: float) -> str:
+    return f"{result.gap_max:.3g} nats (tolerance {tolerance:g}, rollout.probe_tolerance) at {result.where()}"
+
+
 def verify(engine, policy_dir: str, tolerance: float, restart: Callable[[], None],
            fetch: Callable[[str], str] = download_checkpoint, what: str = "", dtype: str = "float32") -> ProbeResult:
     """Check that ``engine`` serves the policy in ``policy_dir`` (the trainer's forward in ``dtype``);
@@ -154,8 +185,8 @@ def verify(engine, policy_dir: str, tolerance: float, restart: Callable[[], None
     if result.gap_max <= tolerance:
         return result
     name = what or policy_dir
-    message = (f"rollout engine vs trainer on {name}: log-probs differ by up to {result.gap_max:.3g} nats "
-               f"(tolerance {tolerance:g}) at {result.where()}; restarting the engine from the checkpoint")
+    message = (f"rollout engine vs trainer on {name}: log-probs differ by up to {_gap_text(result, tolerance)}; "
+               f"restarting the engine from the checkpoint")
     log.warning(message)
     print(message, flush=True)
     restart()
@@ -163,11 +194,28 @@ def verify(engine, policy_dir: str, tolerance: float, restart: Callable[[], None
     if again.gap_max > tolerance:
         raise EngineMismatchError(
             f"rollout engine vs trainer on {name}: log-probs still differ after restarting the engine from the "
-            f"checkpoint: largest gap {again.gap_max:.3g} nats (tolerance {tolerance:g}, rollout.probe_tolerance) "
-            f"at {again.where()}. The engine does not compute this model as the trainer does, so sampling from it "
-            f"would not be on-policy: try rollout.engine=hf, or another rollout.vllm_dtype")
+            f"checkpoint: largest gap {_gap_text(again, tolerance)}. The engine does not compute this model as the "
+            f"trainer does, so sampling from it would not be on-policy: try rollout.engine=hf, or another "
+            f"rollout.vllm_dtype")
     print(f"rollout engine vs trainer on {name}: {again.gap_max:.3g} nats after the restart", flush=True)
     return dataclasses.replace(again, restarted=True)
+
+
+def verify_reference(engine, sequences: Sequence[Sequence[int]], reference: Sequence[Sequence[float]],
+                     tolerance: float, what: str) -> ProbeResult:
+    """Check that ``engine`` serves the weights a trainer holds in memory (``reference``: its
+    :func:`reference_logprobs` of ``sequences``) after :meth:`~models.engines.base.SwappableEngine.load_tensors`;
+    the gap goes to ``engine.stats.extra["probe_gap_max"]``. No restart: there is no checkpoint of
+    these weights to restart from, so a gap over ``tolerance`` raises :class:`EngineMismatchError`
+    and the caller stops the run with its message."""
+    result = compare(engine, sequences, reference)
+    engine.stats.extra["probe_gap_max"] = result.gap_max
+    if result.gap_max > tolerance:
+        raise EngineMismatchError(
+            f"rollout engine vs trainer on {what}: after the trainer's weights were copied into the engine in "
+            f"memory, log-probs differ by up to {_gap_text(result, tolerance)}. The engine does not serve the "
+            f"weights the trainer holds, so sampling from it would not be on-policy: the run stops")
+    return result
 
 
 _VERIFIED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

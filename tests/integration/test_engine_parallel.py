@@ -4,7 +4,8 @@ distribution the trainer scores, and an in-place reload reaches every worker.
 
 "Serves checkpoint X" is checked against the trainer's own forward on X (``models.training.probe``'s
 sequences): a worker left on the old weights would give log-probs several nats off, since the two
-checkpoints are told apart by more than a nat."""
+checkpoints are told apart by more than a nat. Weights from memory (``load_tensors``) reach every
+worker through ``collective_rpc``'s arguments (``tests/unit/models/engine_tensors.py``)."""
 
 import shutil
 
@@ -13,6 +14,7 @@ import pytest
 from models.demos.hub_models import HubModelConfig, build_qwen2_chat
 from models.engines import SamplingSpec, VLLMEngine
 from models.training.probe import compare, trainer_logprobs
+from tests.unit.models.engine_tensors import sent_state
 
 pytestmark = pytest.mark.integration
 
@@ -56,5 +58,8 @@ def test_two_workers_serve_what_the_trainer_scores_and_reload_in_place(qwen2_sha
         assert (engine.stats.reloads, engine.stats.restarts) == (1, 0)  # in place, through every worker
         assert _gap(engine, other) < 1e-4
         assert _sampled_logprob_gap(engine, other) < 1e-4
+        engine.load_tensors(sent_state(start)[0])  # from memory: a worker left on `other` would be > 1 nat off
+        assert (engine.stats.reloads, engine.stats.restarts) == (2, 0)
+        assert _gap(engine, start) < 1e-4
     finally:
         engine.close()

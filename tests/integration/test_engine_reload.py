@@ -5,7 +5,8 @@ vLLM's own ``reload_weights`` does not check shapes: a checkpoint with a wider M
 the old shape without an error, so the "other shapes" test fails if the engine trusts it.
 "Serves checkpoint X" is checked against Hugging Face on X, as in test_models_vllm.py: the
 engine's sampled tokens get the log-probs HF's forward pass gives them (within 1e-3; the
-checkpoints differ by several nats per token).
+checkpoints differ by several nats per token). Weights from memory (``load_tensors``) are checked
+against the trainer's forward and the folder reload (``tests/unit/models/engine_tensors.py``).
 """
 
 import pytest
@@ -15,10 +16,13 @@ from transformers import AutoModelForCausalLM
 
 from models.engines import EngineLoadError, SamplingSpec, VLLMEngine
 from tests.unit.models.actor_checkpoints import PROMPTS, actor_dir, with_extra_tensor, with_truncated_weights
+from tests.unit.models.engine_tensors import check_serves_tensors
 
 pytestmark = pytest.mark.integration
 
 SAMPLE = SamplingSpec(n=2, temperature=1.0, max_new_tokens=6, seed=0)
+PROBE_TOL = 1e-3
+"""``rollout.probe_tolerance``'s default (float32 on both sides)."""
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +63,8 @@ def test_same_layout_goes_in_place_and_serves_the_new_weights(engine, ckpts):
     engine.load_weights(ckpts["b"])  # the same prompts are in the prefix cache: it must be reset
     assert (engine.stats.reloads, engine.stats.restarts) == (1, 0)
     assert _worst_logp_error(engine, ckpts["b"]) < 1e-3
+    check_serves_tensors(engine, ckpts["b"], ckpts["a"], PROBE_TOL)  # and from memory: A's state, then B's
+    assert (engine.stats.reloads, engine.stats.restarts) == (3, 0)
 
 
 def test_other_shapes_restart_from_the_checkpoint(engine, ckpts):

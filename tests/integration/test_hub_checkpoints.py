@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from models.engines import SamplingSpec
+from tests.unit.models.engine_tensors import check_serves_tensors, sent_state
 from tests.unit.models.hub_copies import hf_logprobs, load, trained_copy, with_eos
 
 pytestmark = pytest.mark.integration
@@ -126,6 +127,12 @@ def test_tied_weights_reload_in_place_and_the_probe_repairs_a_stale_head(vllm_en
         assert result.restarted and result.gap_max < TOL and engine.stats.restarts == 1
         assert _worst_gap(engine, trained[1], prompts, spec) < TOL
         assert "restarting the engine from the checkpoint" in capsys.readouterr().out
+
+        # from memory: the trainer's state dict (lm_head.weight the embedding's tensor) through bytes;
+        # the packed copy of the tied head is re-derived as after a folder reload, else the probe fails
+        state, _ = sent_state(trained[0])
+        assert state["lm_head.weight"] is state["model.embed_tokens.weight"]
+        check_serves_tensors(engine, trained[1], trained[0], TOL)
     finally:
         engine.close()
 

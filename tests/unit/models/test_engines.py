@@ -216,3 +216,47 @@ def test_cpu_workers_get_disjoint_shares_of_the_allowed_cores():
     assert cpu_worker_groups([4, 6], 2) == "4|6"
     with pytest.raises(EngineLoadError, match=r"tensor_parallel_size=2 needs a CPU core per worker; this process may use 1"):
         cpu_worker_groups([0], 2)
+
+
+def test_weights_from_memory_go_in_place_on_the_tiny_actor(ckpts):
+    from tests.unit.models.engine_tensors import check_serves_tensors
+
+    engine = HFEngine(ckpts["a"])
+    check_serves_tensors(engine, ckpts["a"], ckpts["b"], 1e-3)
+    assert engine.stats.restarts == 0
+
+
+def test_weights_from_memory_go_in_place_on_a_tied_model(qwen2_chat_dir, tmp_path):
+    """Qwen2 ties lm_head to the embedding: the trainer's state dict holds both names as one tensor, the
+    engine's head follows the embedding; an lm_head that is not the embedding is refused."""
+    from tests.unit.models.engine_tensors import check_serves_tensors, sent_state
+    from tests.unit.models.hub_copies import trained_copy
+
+    trained = str(trained_copy(qwen2_chat_dir, tmp_path / "trained", seed=1))
+    state, _ = sent_state(trained)
+    assert state["lm_head.weight"] is state["model.embed_tokens.weight"]
+    engine = HFEngine(str(qwen2_chat_dir))
+    check_serves_tensors(engine, str(qwen2_chat_dir), trained, 1e-3)
+    untied = {**state, "lm_head.weight": state["lm_head.weight"] + 1}
+    with pytest.raises(EngineLoadError, match=r"unexpected \['lm_head.weight'\]"):
+        engine.load_tensors(untied)
+
+
+def test_weights_from_memory_that_fail_half_way_close_the_engine(ckpts):
+    """Names and shapes fit, but one tensor has no data (a meta tensor): the copy fails after others went
+    in, so the engine must not serve; a restart from a checkpoint brings it back."""
+    from tests.unit.models.engine_tensors import sent_state
+
+    engine = HFEngine(ckpts["a"])
+    state, _ = sent_state(ckpts["b"])
+    name = sorted(state)[-1]
+    with pytest.raises(EngineLoadError, match="these weights are not all tensors: .*list"):
+        engine.load_tensors({**state, name: [0.0]})
+    _assert_serves(engine, ckpts["a"])  # refused before anything was copied
+    with pytest.raises(EngineLoadError, match=r"(?s)copying new weights into the engine failed \(.*\); the engine is "
+                                              r"closed: restart it from a checkpoint"):
+        engine.load_tensors({**state, name: torch.empty(state[name].shape, device="meta")})
+    with pytest.raises(EngineLoadError, match="closed"):
+        engine.generate(PROMPTS, GREEDY)
+    engine.restart(ckpts["a"])
+    _assert_serves(engine, ckpts["a"])
