@@ -9,9 +9,9 @@ Policy (to minimise), per token, with ``ρ = exp(log π − log π_old)``:
 - ``reinforce``: ``−A·ρ``; on-policy (π_old = π detached) its gradient is the
   REINFORCE estimator ``−A·∇log π`` (Williams 1992), off-policy it is importance-weighted.
 
-Chosen by :class:`PolicyLossKind` (``kernels/choices.py``, torch-free) through ``POLICY_LOSSES``. Optional extras: truncated
-importance sampling against the sampler, ``w = min(π_old/π_sampler, C)`` multiplying each
-token (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+Chosen by :class:`PolicyLossKind` (``kernels/choices.py``, torch-free) through ``POLICY_LOSSES``.
+Optional extras: truncated importance sampling against the sampler, ``w = min(π_old/π_sampler, C)``
+multiplying each token (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
 Training"), and an entropy bonus ``−c_H·agg(H)``. Aggregation: :mod:`kernels.aggregation`.
 
 Value: ``½·max((V − G)², (V_clip − G)²)`` with ``V_clip = V_old + clip(V − V_old, ±ε)``.
