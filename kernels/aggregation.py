@@ -1,6 +1,7 @@
 """Reducing a per-token loss ``[B, T]`` to the scalar that is minimised.
 
-Four modes, chosen by :class:`LossAgg` through the ``AGGREGATORS`` registry:
+Four modes, chosen by :class:`LossAgg` (``kernels/choices.py``, torch-free) through the ``AGGREGATORS``
+registry:
 
 - ``token_mean``: ``Σ_{b,t} m·ℓ / N_tok``. Every token weighs the same. Pass the token
   count of the *whole* batch (all minibatches, all ranks) as ``num_tokens`` and summing
@@ -20,24 +21,15 @@ contribute 0. Counts are clamped to at least 1, so an all-masked batch gives a l
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
+from kernels.choices import LossAgg
 from kernels.masked import as_bool_mask, masked_sum
 
 __all__ = ["LossAgg", "AGGREGATORS", "aggregate"]
-
-
-class LossAgg(str, Enum):
-    """How a ``[B, T]`` loss becomes a scalar (see the module docstring)."""
-
-    TOKEN_MEAN = "token_mean"
-    SEQ_MEAN_TOKEN_MEAN = "seq_mean_token_mean"
-    SEQ_MEAN_TOKEN_SUM = "seq_mean_token_sum"
-    SEQ_MEAN_TOKEN_SUM_NORM = "seq_mean_token_sum_norm"
 
 
 def _seq_count(m: Tensor, num_seqs: float | None, dtype: torch.dtype) -> Tensor | float:

@@ -6,7 +6,8 @@ Estimators of KL from samples y ~ π, with ``lr = log π(y) − log π_ref(y)``
     k1 = lr,    abs = |lr|,    k2 = ½·lr²,    k3 = e^(−lr) − 1 + lr
 
 k1 is unbiased but can be negative per token, k3 is unbiased and >= 0, k2 is biased
-with low variance. Chosen by :class:`KLEstimator` through the ``KL_ESTIMATORS`` registry.
+with low variance. Chosen by :class:`KLEstimator` (``kernels/choices.py``, torch-free) through the
+``KL_ESTIMATORS`` registry.
 
 k3's ``e^(−lr)`` grows without bound where the policy makes a sampled token far less likely than
 π_ref does, and so does its gradient ``(1 − e^(−lr))·∇log π``. At temperature τ a logit change of Δ
@@ -21,20 +22,21 @@ The KL enters either the reward (:func:`kl_shaped_rewards`, the default: ``−β
 every response token, the sequence reward added at each row's last response token) or
 the loss (:func:`kl_loss`, ``β·agg(kl_t)``, as in GRPO). β is ``kl.coef``, fixed, or steered by
 :class:`AdaptiveKLController` (Ziegler et al. 2019, "Fine-Tuning Language Models from Human
-Preferences", §2.2) with ``kl.adaptive``. The controller is frozen; ``update`` returns the next one,
-so β travels between iterations as data (``PolicyState.kl_coef``).
+Preferences", §2.2) with ``kl.adaptive`` (``kernels/kl_controller.py``: float arithmetic, no torch).
+The controller is frozen; ``update`` returns the next one, so β travels between iterations as data
+(``PolicyState.kl_coef``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from enum import Enum
 from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
 
 from kernels.aggregation import LossAgg, aggregate
+from kernels.choices import KLEstimator
+from kernels.kl_controller import AdaptiveKLController
 from kernels.masked import as_bool_mask, masked_mean
 
 __all__ = [
@@ -49,13 +51,6 @@ __all__ = [
     "KLLossOutput",
     "kl_loss",
 ]
-
-
-class KLEstimator(str, Enum):
-    K1 = "k1"
-    ABS = "abs"
-    K2 = "k2"
-    K3 = "k3"
 
 
 K3_EXP_LIMIT = 10.0
@@ -87,29 +82,6 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: KLEstimator | str = KL
     """
     dtype = torch.promote_types(torch.promote_types(logp.dtype, ref_logp.dtype), torch.float32)
     return KL_ESTIMATORS[KLEstimator(estimator)](logp.to(dtype) - ref_logp.to(dtype))
-
-
-@dataclass(frozen=True)
-class AdaptiveKLController:
-    """β steered towards a target KL (Ziegler et al. 2019, §2.2):
-
-    ``e = clip(KL / target − 1, −0.2, 0.2)``,  ``β ← β·(1 + e·n_steps / horizon)``
-    """
-
-    value: float
-    """current β"""
-    target: float
-    """the KL per sequence to steer towards"""
-    horizon: float
-    """number of samples (steps) over which the error is corrected; larger is slower"""
-
-    def __post_init__(self) -> None:
-        if not (self.value >= 0 and self.target > 0 and self.horizon > 0):
-            raise ValueError(f"need value >= 0, target > 0, horizon > 0, got {self}")
-
-    def update(self, current_kl: float, n_steps: int) -> "AdaptiveKLController":
-        proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
-        return replace(self, value=self.value * (1.0 + proportional_error * n_steps / self.horizon))
 
 
 class KLShapedRewards(NamedTuple):

@@ -9,9 +9,9 @@ Policy (to minimise), per token, with ``ρ = exp(log π − log π_old)``:
 - ``reinforce``: ``−A·ρ``; on-policy (π_old = π detached) its gradient is the
   REINFORCE estimator ``−A·∇log π`` (Williams 1992), off-policy it is importance-weighted.
 
-Chosen by :class:`PolicyLossKind` through ``POLICY_LOSSES``. Optional extras: truncated
-importance sampling against the sampler, ``w = min(π_old/π_sampler, C)`` multiplying each
-token (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+Chosen by :class:`PolicyLossKind` (``kernels/choices.py``, torch-free) through ``POLICY_LOSSES``.
+Optional extras: truncated importance sampling against the sampler, ``w = min(π_old/π_sampler, C)``
+multiplying each token (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
 Training"), and an entropy bonus ``−c_H·agg(H)``. Aggregation: :mod:`kernels.aggregation`.
 
 Value: ``½·max((V − G)², (V_clip − G)²)`` with ``V_clip = V_old + clip(V − V_old, ±ε)``.
@@ -20,13 +20,13 @@ Value: ``½·max((V − G)², (V_clip − G)²)`` with ``V_clip = V_old + clip(V
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
 
 from kernels.aggregation import LossAgg, aggregate
+from kernels.choices import PolicyLossKind
 from kernels.masked import as_bool_mask, masked_mean, masked_var
 
 __all__ = [
@@ -45,11 +45,6 @@ __all__ = [
     "ValueLossOutput",
     "value_loss",
 ]
-
-
-class PolicyLossKind(str, Enum):
-    PPO = "ppo"
-    REINFORCE = "reinforce"
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pathlib
 
-from kernels.losses import PolicyLossKind
+from kernels.choices import PolicyLossKind
 from models.algorithms import ALGORITHMS
 from models.algorithms.spec import AlgorithmSpec
 

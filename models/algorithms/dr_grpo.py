@@ -12,15 +12,13 @@ with N the sequences of the minibatch and ``L_max`` the generation budget
 algorithm (``actor.loss_agg`` is refused).
 """
 
-from kernels.advantages import dr_grpo_estimator
-from kernels.aggregation import LossAgg
-from kernels.losses import PolicyLossKind
+from kernels.choices import LossAgg, PolicyLossKind
 from models.algorithms.spec import CLIPPED_SURROGATE, AlgorithmSpec
 
 SPEC = AlgorithmSpec(
     name="dr_grpo", title="Dr. GRPO", paper="Liu et al. 2025, Understanding R1-Zero-Like Training: "
                                             "A Critical Perspective",
-    advantage="R − group mean (no std division)", estimator=dr_grpo_estimator,
+    advantage="R − group mean (no std division)", estimator_name="dr_grpo_estimator",
     policy_loss=PolicyLossKind.PPO, uses_critic=False, needs_groups=True, kl_placement="loss",
     honours=CLIPPED_SURROGATE | {"advantage.dynamic_sampling"}, loss_agg=LossAgg.SEQ_MEAN_TOKEN_SUM_NORM.value,
 )

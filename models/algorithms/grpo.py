@@ -11,14 +11,13 @@ on every token of sample i. The paper aggregates per sequence (``seq_mean_token_
 default here is the token mean (``actor.loss_agg``).
 """
 
-from kernels.advantages import grpo_estimator
-from kernels.losses import PolicyLossKind
+from kernels.choices import PolicyLossKind
 from models.algorithms.spec import CLIPPED_SURROGATE, AlgorithmSpec
 
 SPEC = AlgorithmSpec(
     name="grpo", title="GRPO", paper="Shao et al. 2024, DeepSeekMath: Pushing the Limits of Mathematical "
                                      "Reasoning in Open Language Models",
-    advantage="(R − group mean) / group std", estimator=grpo_estimator,
+    advantage="(R − group mean) / group std", estimator_name="grpo_estimator",
     policy_loss=PolicyLossKind.PPO, uses_critic=False, needs_groups=True, kl_placement="loss",
     honours=CLIPPED_SURROGATE | {"actor.loss_agg", "advantage.dynamic_sampling"},
 )

@@ -14,13 +14,12 @@ KL estimate, ``R`` the sequence reward and ``V`` the critic::
 A is whitened over the batch (``advantage.whiten``).
 """
 
-from kernels.advantages import ppo_advantages
-from kernels.losses import PolicyLossKind
+from kernels.choices import PolicyLossKind
 from models.algorithms.spec import CLIPPED_SURROGATE, AlgorithmSpec
 
 SPEC = AlgorithmSpec(
     name="ppo", title="PPO", paper="Schulman et al. 2017, Proximal Policy Optimization Algorithms",
-    advantage="GAE over the critic's values, whitened", estimator=ppo_advantages,
+    advantage="GAE over the critic's values, whitened", estimator_name="ppo_advantages",
     policy_loss=PolicyLossKind.PPO, uses_critic=True, needs_groups=False, kl_placement="reward",
     honours=CLIPPED_SURROGATE | {"advantage.gamma", "advantage.lam", "advantage.whiten", "actor.loss_agg",
                                  "model.critic_path", "critic"},

@@ -10,14 +10,13 @@ token rewards ``r_t = −β·kl_t + 1[t = T]·R``::
 an unclipped importance weight on later epochs. A is whitened over the batch (``advantage.whiten``).
 """
 
-from kernels.advantages import reinforce_advantages
-from kernels.losses import PolicyLossKind
+from kernels.choices import PolicyLossKind
 from models.algorithms.spec import AlgorithmSpec
 
 SPEC = AlgorithmSpec(
     name="reinforce", title="REINFORCE", paper="Williams 1992, Simple Statistical Gradient-Following Algorithms "
                                               "for Connectionist Reinforcement Learning",
-    advantage="sequence return − batch mean", estimator=reinforce_advantages,
+    advantage="sequence return − batch mean", estimator_name="reinforce_advantages",
     policy_loss=PolicyLossKind.REINFORCE, uses_critic=False, needs_groups=False, kl_placement="reward",
     honours=frozenset({"advantage.whiten", "actor.loss_agg"}),
 )

@@ -9,14 +9,13 @@ Models". With the KL-shaped token rewards ``r_t = −β·kl_t + 1[t = T]·R``::
 clipped surrogate as policy loss.
 """
 
-from kernels.advantages import reinforce_pp_estimator
-from kernels.losses import PolicyLossKind
+from kernels.choices import PolicyLossKind
 from models.algorithms.spec import CLIPPED_SURROGATE, AlgorithmSpec
 
 SPEC = AlgorithmSpec(
     name="reinforce_pp", title="REINFORCE++", paper="Hu 2025, REINFORCE++: A Simple and Efficient Approach "
                                                     "for Aligning Large Language Models",
-    advantage="token returns whitened over the batch", estimator=reinforce_pp_estimator,
+    advantage="token returns whitened over the batch", estimator_name="reinforce_pp_estimator",
     policy_loss=PolicyLossKind.PPO, uses_critic=False, needs_groups=False, kl_placement="reward",
     honours=CLIPPED_SURROGATE | {"advantage.gamma", "actor.loss_agg"},
 )

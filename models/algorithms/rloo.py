@@ -11,14 +11,13 @@ on every token of sample i, with the clipped surrogate as policy loss (whitened 
 with ``advantage.whiten``).
 """
 
-from kernels.advantages import rloo_estimator
-from kernels.losses import PolicyLossKind
+from kernels.choices import PolicyLossKind
 from models.algorithms.spec import CLIPPED_SURROGATE, AlgorithmSpec
 
 SPEC = AlgorithmSpec(
     name="rloo", title="RLOO", paper="Ahmadian et al. 2024, Back to Basics: Revisiting REINFORCE Style "
                                      "Optimization for Learning from Human Feedback in LLMs",
-    advantage="return − mean of the other samples of the prompt", estimator=rloo_estimator,
+    advantage="return − mean of the other samples of the prompt", estimator_name="rloo_estimator",
     policy_loss=PolicyLossKind.PPO, uses_critic=False, needs_groups=True, kl_placement="reward",
     honours=CLIPPED_SURROGATE | {"advantage.whiten", "actor.loss_agg", "advantage.dynamic_sampling"},
 )

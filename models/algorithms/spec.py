@@ -4,10 +4,12 @@ that only some algorithms use (:data:`OPTIONS`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, FrozenSet
+from typing import TYPE_CHECKING, Dict, FrozenSet
 
-from kernels.advantages import Estimator
-from kernels.losses import PolicyLossKind
+from kernels.choices import PolicyLossKind
+
+if TYPE_CHECKING:
+    from kernels.advantages import Estimator
 
 WORKFLOWS = ("ppo", "reinforce")
 """``workflows/ppo.py ppo_training`` trains a critic; ``workflows/reinforce.py reinforce_training`` does not."""
@@ -51,8 +53,9 @@ class AlgorithmSpec:
     """The source: authors, year, title."""
     advantage: str
     """The advantage in one line (for the docs' table)."""
-    estimator: Estimator
-    """The advantage estimator of ``kernels/advantages.py``."""
+    estimator_name: str
+    """The advantage estimator: a function of ``kernels/advantages.py``, by name (:attr:`estimator` is the
+    function), so that reading the declarations, as every config does, loads no torch."""
     policy_loss: PolicyLossKind
     """The per-token policy loss: the clipped surrogate (``ppo``) or ``−A·ρ`` (``reinforce``)."""
     uses_critic: bool
@@ -76,6 +79,17 @@ class AlgorithmSpec:
             raise ValueError(f"algorithm {self.name!r}: uses_critic and honouring 'critic' must agree")
         if self.loss_agg and "actor.loss_agg" in self.honours:
             raise ValueError(f"algorithm {self.name!r} fixes loss_agg, so it cannot honour actor.loss_agg")
+
+    @property
+    def estimator(self) -> "Estimator":
+        """The advantage estimator function (importing ``kernels/advantages.py`` loads torch)."""
+        from kernels import advantages
+
+        fn = getattr(advantages, self.estimator_name, None)
+        if not callable(fn):
+            raise ValueError(f"algorithm {self.name!r}: estimator_name {self.estimator_name!r} is not a function of "
+                             f"kernels/advantages.py")
+        return fn
 
     @property
     def workflow(self) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List
 
-from kernels.aggregation import LossAgg
+from kernels.choices import LossAgg
 from models.config.checks import check, check_choice
 from models.config.topology import ElasticTopology
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels.kl import KLEstimator
+from kernels.choices import KLEstimator
 from models import algorithms
 from models.config.checks import check, check_choice
 

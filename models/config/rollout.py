@@ -7,7 +7,7 @@ from typing import List
 from urllib.parse import urlsplit
 
 from models.config.checks import check, check_choice
-from models.engines import MIN_ENGINE_TEMPERATURE
+from models.config.engine_limits import MIN_ENGINE_TEMPERATURE
 
 MIN_TRAIN_TEMPERATURE = 0.1
 """Lowest ``rollout.temperature``: at τ a logit change of 88.7·τ between two policies overflows a

@@ -18,13 +18,13 @@ from models.config.actor import ActorConfig
 from models.config.checks import check
 from models.config.critic import CriticConfig
 from models.config.data import DataConfig
+from models.config.engine_limits import VLLM_MAX_LORA_RANK
 from models.config.kl import DEFAULT_KL_ESTIMATOR, AdvantageConfig, KLConfig
 from models.config.model import ModelConfig
 from models.config.resources import ResourcesConfig
 from models.config.reward import RewardConfig
 from models.config.rollout import RolloutConfig
 from models.config.run import RunConfig
-from models.engines import VLLM_MAX_LORA_RANK
 from models.training.probe import effective_tolerance
 
 

@@ -28,12 +28,12 @@ This module knows nothing of Flyte: :mod:`tasks.batch_type` makes RolloutBatch a
 from __future__ import annotations
 
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from models.data import ragged
 
@@ -42,11 +42,24 @@ from models.checkpoint import buffer_digest
 from models.data.batch_schema import (ADVANTAGE_COLUMNS, COLUMN_TYPES, RESPONSE_ALIGNED, ROLLOUT_COLUMNS,
                                 SCORE_COLUMNS, BatchMetadata, BatchSchemaError, list_lengths,
                                 validate_table)
-from models.data.batch_tensors import ModelInputs, model_inputs, padded_tensors
+
+if TYPE_CHECKING:
+    import torch
+
+    from models.data.batch_tensors import ModelInputs
 
 __all__ = ["RolloutBatch", "BatchMetadata", "BatchSchemaError", "BatchCorruptError", "ModelInputs",
            "ROLLOUT_COLUMNS", "SCORE_COLUMNS", "ADVANTAGE_COLUMNS", "RESPONSE_ALIGNED", "COLUMN_TYPES",
            "checksum_url"]
+
+
+def __getattr__(name: str) -> Any:
+    """``ModelInputs``, a torch type, imported when asked for: reading and writing batches loads no torch
+    (a thin task's pod, issue 29); the methods that build tensors import it themselves."""
+    if name == "ModelInputs":
+        from models.data.batch_tensors import ModelInputs
+        return ModelInputs
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class BatchCorruptError(BatchSchemaError):
@@ -254,6 +267,8 @@ class RolloutBatch:
                   shard: Optional[Tuple[int, int]] = None,
                   prompt_padding: str = "left") -> Dict[str, torch.Tensor]:
         """Padded tensors of ``columns`` (see :func:`models.data.batch_tensors.padded_tensors`)."""
+        from models.data.batch_tensors import padded_tensors
+
         batch = self.shard(*shard) if shard is not None else self
         batch.validate(required=columns)
         return padded_tensors(batch.table, columns, pad_value, prompt_padding)
@@ -262,6 +277,8 @@ class RolloutBatch:
                         shard: Optional[Tuple[int, int]] = None) -> ModelInputs:
         """``prompt + response`` per row, right-padded, for a forward pass
         (see :func:`models.data.batch_tensors.model_inputs`)."""
+        from models.data.batch_tensors import model_inputs
+
         batch = self.shard(*shard) if shard is not None else self
         batch.validate(required=("prompt_tokens", "response_tokens"))
         return model_inputs(batch.table, pad_token_id)
@@ -309,10 +326,16 @@ def _append(table: Optional[pa.Table], name: str, value: Any) -> pa.Table:
     return table.append_column(name, arr)
 
 
+def _is_tensor(value: Any) -> bool:
+    """A torch tensor; without torch imported nothing can be one (this module does not import it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def _to_numpy(value: Any) -> np.ndarray:
-    if isinstance(value, torch.Tensor):
+    if _is_tensor(value):
         value = value.detach().cpu()
-        return (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+        return (value.float() if value.dtype == sys.modules["torch"].bfloat16 else value).numpy()
     return np.asarray(value)
 
 
@@ -326,7 +349,7 @@ def _to_arrow(name: str, value: Any, table: Optional[pa.Table]) -> pa.Array | pa
         if not is_list or len(value) != 2:
             raise BatchSchemaError(f"column '{name}': a (values, mask) tuple is only for list columns")
         return ragged.list_from_padded(_to_numpy(value[0]), _to_numpy(value[1]), typ.value_type)
-    if isinstance(value, (np.ndarray, torch.Tensor)):
+    if isinstance(value, np.ndarray) or _is_tensor(value):
         arr = _to_numpy(value)
         if arr.ndim == 1 and not is_list:
             return pa.array(arr.astype(typ.to_pandas_dtype(), copy=False) if typ else arr, typ)
@@ -338,7 +361,7 @@ def _to_arrow(name: str, value: Any, table: Optional[pa.Table]) -> pa.Array | pa
             return ragged.list_from_lengths(arr, lengths, typ.value_type)
         raise BatchSchemaError(f"column '{name}': cannot take a {arr.ndim}-D array"
                                + (" — give (values, mask) for a padded list column" if is_list else ""))
-    if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+    if isinstance(value, list) and value and _is_tensor(value[0]):
         value = [_to_numpy(v) for v in value]  # ragged rows as 1-D tensors
     try:
         return pa.array(value, type=typ)

@@ -23,11 +23,15 @@ import numpy as np
 import pyarrow as pa
 
 from models.storage import utc_now_iso
-from models.data.batch_tensors import RESPONSE_ALIGNED  # one definition, shared with the tensor side
 from models.data.ragged import list_lengths  # noqa: F401  (re-exported)
 
 LIST_INT32 = pa.list_(pa.int32())
 LIST_FLOAT32 = pa.list_(pa.float32())
+
+RESPONSE_ALIGNED = ("sampler_logprobs", "old_logprobs", "ref_logprobs", "values",
+                    "token_rewards", "advantages", "returns", "loss_mask")
+"""List columns with one entry per response token (same length as ``response_tokens``); the tensor side
+(``models/data/batch_tensors.py``) reads them from here."""
 
 COLUMN_TYPES: Mapping[str, pa.DataType] = {
     "prompt_id": pa.int64(),            # rollout: same id for the samples of one drawn prompt (its group)

@@ -26,13 +26,10 @@ import pyarrow as pa
 import torch
 
 from models.data import ragged
+from models.data.batch_schema import RESPONSE_ALIGNED
 from models.data.ragged import list_lengths
 
 _TOKENS = ("prompt_tokens", "response_tokens")
-
-RESPONSE_ALIGNED = ("sampler_logprobs", "old_logprobs", "ref_logprobs", "values",
-                    "token_rewards", "advantages", "returns", "loss_mask")
-"""List columns with one entry per response token (same length as ``response_tokens``)."""
 
 
 class ModelInputs(NamedTuple):

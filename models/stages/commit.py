@@ -7,9 +7,9 @@ import datetime as dt
 import json
 from typing import Dict, List
 
-from kernels.kl import AdaptiveKLController
+from kernels.kl_controller import AdaptiveKLController
 from models import storage, tracking
-from models.training.optimizer_state import optimizer_url
+from models.training.files import optimizer_url
 from models.config import TrainConfig
 from models.data.batch import RolloutBatch
 from models.data.batch_schema import REWARD_NORM_KEY

@@ -14,8 +14,7 @@ from typing import NamedTuple, Optional
 
 from models.checkpoint import check_finite, download_checkpoint, is_committed, read_marker, save_checkpoint
 from models.console import mlflow_events_off
-from models.training.lora import ADAPTER_CONFIG, is_adapter
-from models.training.merge import merge_adapter
+from models.training.files import ADAPTER_CONFIG, is_adapter
 from models import tracking
 from models.tracking.redact import redact
 
@@ -110,6 +109,8 @@ def log_policy(run_id: str, actor_url: str, registered_name: str) -> PolicyVersi
 def _log_new_policy(run_id: str, actor_url: str) -> str:
     """Log the checkpoint as a new ``policy`` of the run; its model URI."""
     import mlflow
+
+    from models.training.merge import merge_adapter  # torch and peft, for an adapter's policy only
 
     local = download_checkpoint(actor_url)
     for rel in sorted(read_marker(actor_url)["files"]):

@@ -21,8 +21,8 @@ from torch import nn
 
 from models import storage
 from models.checkpoint import download_checkpoint, save_checkpoint
+from models.training.files import ADAPTER_CONFIG, is_adapter  # also exported here; torch-free there
 
-ADAPTER_CONFIG = "adapter_config.json"
 CAUSAL_LM = "CAUSAL_LM"
 """peft task type of the actor (``AutoModelForCausalLM``)."""
 TOKEN_CLS = "TOKEN_CLS"
@@ -50,11 +50,6 @@ def auto_class(task_type: str):
     if task_type not in classes:
         raise ValueError(f"adapter task type {task_type!r} is not one of {sorted(classes)}")
     return classes[task_type]
-
-
-def is_adapter(local_dir: str) -> bool:
-    """True if ``local_dir`` is a peft adapter directory (not full weights)."""
-    return os.path.isfile(os.path.join(local_dir, ADAPTER_CONFIG))
 
 
 def adapter_config(local_dir: str) -> Dict[str, Any]:

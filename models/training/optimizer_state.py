@@ -31,15 +31,11 @@ from torch import nn
 
 from models.checkpoint import is_committed, read_marker, save_checkpoint, staging_dir, verified_copy
 from models.training.distributed import DistInfo, is_sharded, unwrap
+from models.training.files import optimizer_url  # noqa: F401  (re-exported; torch-free there)
 
 FILE = "optimizer.safetensors"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 FORMAT = "adamw-moments-1"
-
-
-def optimizer_url(checkpoint_url: str) -> str:
-    """Where the optimizer state that trained ``checkpoint_url`` lives: ``{checkpoint_url}-optimizer``."""
-    return checkpoint_url.rstrip("/") + "-optimizer"
 
 
 def _trainable(model: nn.Module) -> Dict[str, nn.Parameter]:
