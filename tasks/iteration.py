@@ -16,8 +16,7 @@ from models.resident.lifecycle import stop_all_services, stop_services
 from models.run import lock as run_lock
 from models.run.types import PolicyState, RunHandle
 from models.stages.commit import run_commit
-from models.stages.evaluate import run_evaluate
-from models.stages.finish import TrainingSummary, mark_failed, run_finish
+from models.stages.outputs import TrainingSummary
 from tasks import batch_type, secrets  # noqa: F401  (batch_type: RolloutBatch as a Flyte type)
 from tasks.deploy import REGISTERED, resources_for
 
@@ -35,6 +34,8 @@ def commit_iteration(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats
       **resources_for(REGISTERED, "rollout"))
 def evaluate(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> float:
     """Mean reward on the held-out prompts of the policy in ``state`` (logged at the iteration that made it)."""
+    from models.stages.evaluate import run_evaluate  # here: commit_iteration's pod imports no torch
+
     secrets.load(secrets.S3, secrets.MLFLOW, secrets.SERVER)
     with run_lock.heartbeat(run.layout.lock_url):
         return run_evaluate(cfg, run, state)
@@ -44,6 +45,8 @@ def evaluate(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> float:
 def finish_run(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> TrainingSummary:
     """Log and register the final policy (alias ``candidate``), close the MLflow run and summarise
     (first iteration's reward, mean of the last two)."""
+    from models.stages.finish import run_finish
+
     secrets.load(secrets.S3, secrets.MLFLOW)
     stop_services(run.layout)  # a resident run's services: the run's checkpoints are all committed by now
     with run_lock.heartbeat(run.layout.lock_url):
@@ -54,6 +57,8 @@ def finish_run(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Training
 def training_failed(preset: str, overrides: List[str], run_name: str, err: Optional[FlyteError] = None) -> None:
     """``on_failure`` of the training workflows: the run this execution trained is marked FAILED in MLflow
     (the error as its ``end_reason`` tag) and its lock released (``models/run/end.py``)."""
+    from models.stages.finish import mark_failed
+
     secrets.load(secrets.S3, secrets.MLFLOW)
     stop_all_services()  # a resident run's, started by this process
     line = mark_failed(preset, overrides, err.message if err is not None else "unknown error")

@@ -20,7 +20,6 @@ from models.rewards import RewardError
 from models.run import secrets
 from models.config import ConfigError, TrainConfig
 from models.tracking.redact import redact
-from models.engines.vllm_engine import unsupported_lora_targets
 
 
 def check_storage(run_url: str) -> None:
@@ -299,6 +298,8 @@ def check_rollout_setup(cfg: TrainConfig, actor_config: Dict) -> None:
     r, lora = cfg.rollout, cfg.actor.lora
     if not (lora.enabled and r.engine == "vllm" and r.lora_mode == "adapter" and not r.remote_url):
         return
+    from models.engines.vllm_engine import unsupported_lora_targets  # here: the thin tasks' pods import no torch
+
     bad = unsupported_lora_targets(actor_config, lora.target_modules)
     if bad:
         tied = " (its embeddings are tied: the merge unties lm_head, so the merged model is the trained one)" \

@@ -3,7 +3,6 @@ what a failed training execution leaves (its MLflow run marked FAILED, its lock 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import List, Optional
 
 import numpy as np
@@ -17,24 +16,9 @@ from models.run import end as run_end, lock as run_lock
 from models.run.health import check_healthy
 from models.run.setup import DEFAULT_PRESETS
 from models.run.types import PolicyState, RunHandle
+from models.stages.outputs import TrainingSummary  # noqa: F401  (re-exported: its home before the resident tasks)
 from models.tracking import registry
 from models.tracking.redact import redact
-
-
-@dataclass(frozen=True)
-class TrainingSummary:
-    """What a finished run reports."""
-
-    run_url: str
-    mlflow_run_id: str
-    iterations: int
-    reward_first: float
-    reward_last: float
-    final_actor_url: str
-    registered_model: str = ""
-    """Model Registry name of the final policy ("" when not registered)."""
-    model_version: str = ""
-    """Its version (alias ``candidate``)."""
 
 
 def run_finish(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> TrainingSummary:

@@ -1,8 +1,9 @@
-"""What the rollout, score and update stages return, torch-free: a resident run's thin tasks
+"""What the rollout, score, update and finish stages return, torch-free: a resident run's thin tasks
 (:mod:`tasks.resident`) return the same types as the stateless tasks without importing the stages."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, NamedTuple
 
 from models.data.batch import RolloutBatch
@@ -21,3 +22,19 @@ class ScoreOutput(NamedTuple):
 class UpdateOutput(NamedTuple):
     checkpoint_url: str
     stats: Dict[str, float]
+
+
+@dataclass(frozen=True)
+class TrainingSummary:
+    """What a finished run reports."""
+
+    run_url: str
+    mlflow_run_id: str
+    iterations: int
+    reward_first: float
+    reward_last: float
+    final_actor_url: str
+    registered_model: str = ""
+    """Model Registry name of the final policy ("" when not registered)."""
+    model_version: str = ""
+    """Its version (alias ``candidate``)."""
