@@ -105,6 +105,8 @@ class Case:
     """run.seed on our side, TRL's seed: it also draws each iteration's prompts (`iteration_indices`)."""
     engine: str = "hf"
     """Our rollout engine, a key of ENGINES; TRL generates with HF generate either way."""
+    resident: bool = False
+    """Our side with ``run.resident=true`` (the trainer and the engine stay loaded as services)."""
 
     @property
     def label(self) -> str:
@@ -138,7 +140,7 @@ class Case:
         if self.algorithm == "ppo":
             out += [f"model.critic_path={assets['critic']}", f"critic.minibatch_size={mini}",
                     f"critic.micro_batch_size={micro}"]
-        return out
+        return out + (["run.resident=true"] if self.resident else [])
 
 
 @dataclass
@@ -442,9 +444,12 @@ class Bench:
         return rows
 
     def peer(self) -> List[Row]:
+        """The peer case against TRL, ours stateless and resident (``run.resident=true``; TRL run once)."""
         c = self.compare(self.plan.peer)
         o, t = c.ours, c.trl
         where = f"({c.case.label}, {c.case.threads} thread)"
+        resident = replace(c.case, resident=True)
+        r = run_ours(resident, resident.overrides(self.assets[c.case.size.label], self.work / "runs"), self.work)
         return [row(SECTION, f"Peer GRPO s/iter TRL {where}", t.steady_s, "s",
                     f"TRL {t.extra['trl_version']} {t.extra['trainer']}; first iteration incl. start-up "
                     f"{t.first_s:.1f} s"),
@@ -452,7 +457,12 @@ class Bench:
                     f"{o.phases()}; first iteration incl. start-up {o.first_s:.1f} s; rollouts with "
                     f"{ENGINES[c.case.engine]}"),
                 row(SECTION, f"Peer GRPO s/iter {c.case.sides('/')} {where}", c.ratio, "x",
-                    "fixed per-iteration cost dominates at this size (its <= 10 s target: bench_iteration.py)")]
+                    "fixed per-iteration cost dominates at this size (its <= 10 s target: bench_iteration.py)"),
+                row(SECTION, f"Peer GRPO s/iter ours resident {where}", r.steady_s, "s",
+                    f"{r.phases()}; first iteration incl. the services' start {r.first_s:.1f} s"),
+                row(SECTION, f"Peer GRPO s/iter ours resident / TRL {where}", r.steady_s / t.steady_s, "x",
+                    f"stateless {c.ratio:.2f}x; the rewards of both our modes: {r.rewards == o.rewards}",
+                    at_most=3.0)]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
