@@ -49,6 +49,9 @@ def saves_at(cfg: TrainConfig, iteration: int) -> bool:
 
 
 def _check_iteration(name: str, holds: int, state: PolicyState) -> None:
+    if holds < 0:
+        raise WrongIteration(f"{protocol.SERVICE_LABELS[name]} serves no policy: its last weight update failed "
+                             f"(see the actor update's error); rerun the launch to resume from the last checkpoint")
     if state.iteration != holds:
         raise WrongIteration(f"{protocol.SERVICE_LABELS[name]} holds the policy of iteration {holds}, but the request "
                              f"is for iteration {state.iteration}: the run's services and its resume point disagree "

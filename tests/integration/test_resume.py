@@ -3,6 +3,11 @@ during the elastic actor update and during a checkpoint commit (all in iteration
 rerun resumes after iteration 0); rerun it with the same run name each time; compare with a
 run that was never interrupted (same seeds, other run name).
 
+The same run with ``run.resident=true`` (the actor, the critic and the engine as services for the
+whole run) has its critic service SIGKILLed during iteration 1; the run fails naming it, leaves no
+service behind, and its rerun resumes with fresh services from iteration 0's checkpoints (weights and
+AdamW's moments) to the uninterrupted stateless run's metrics, batches and weights.
+
 Both runs use the moto S3 server as storage, with fake credentials and tokens in the
 environment and one in a config URL: the same runs serve the credential check (nothing secret
 in MLflow params, tags, metrics, artifacts or the logs).
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -44,10 +50,11 @@ class Runs:
         self.db = tmp / "mlflow.db"
         self.logs: list[str] = []
 
-    def start(self, name: str, attempt: str, fault_env: dict | None = None) -> FlyteRun:
+    def start(self, name: str, attempt: str, fault_env: dict | None = None, extra=()) -> FlyteRun:
         env = dict(self.env, **(fault_env or {}))
         return FlyteRun("workflows/ppo.py", "ppo_training", "configs/tiny_ppo.yaml",
-                        [f"run.storage_root={self.root}"] + OVERRIDES, name, env, self.tmp / f"{name}-{attempt}.log")
+                        [f"run.storage_root={self.root}"] + OVERRIDES + list(extra), name, env,
+                        self.tmp / f"{name}-{attempt}.log")
 
     def layout(self, name: str) -> RunLayout:
         return RunLayout(self.root, name)
@@ -193,3 +200,58 @@ def test_no_credentials_in_mlflow_or_logs(runs):
     logs = "\n".join(runs.logs)
     assert "[ppo] iter 2/2" in logs
     assert not [s for s in secrets if s in logs], "a secret is in the captured logs"
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _service_pids(layout: RunLayout) -> dict:
+    from models.resident import protocol
+
+    return {n: storage.read_json(protocol.address_url(layout, n))["pid"] for n in protocol.SERVICES
+            if storage.exists(protocol.address_url(layout, n))}
+
+
+@pytest.fixture(scope="module")
+def resident(runs):
+    """``run.resident=true``: its critic service SIGKILLed once iteration 0 is committed; then rerun."""
+    layout, progress = runs.layout("resident"), f"{runs.layout('resident').url}/progress.json"
+    first = runs.start("resident", "r1", extra=["run.resident=true"])
+    first.wait_until(lambda: storage.exists(progress), "iteration 0's commit")
+    pids = _service_pids(layout)
+    os.kill(pids["critic"], signal.SIGKILL)
+    code = first.proc.wait(timeout=300)
+    killed = first.output()
+    alive = [n for n, pid in pids.items() if _alive(pid)]
+    second = runs.start("resident", "r2", extra=["run.resident=true"])
+    pids2: dict = {}
+    second.wait_until(lambda: pids2.update(_service_pids(layout)) or len(pids2) == 3, "the services' addresses")
+    runs.logs.append(second.wait(900))
+    return dict(code=code, killed=killed, pids=pids, alive=alive, alive_after=[n for n, p in pids2.items() if _alive(p)])
+
+
+def test_a_resident_run_killed_and_resumed_equals_the_stateless_one(runs, resident):
+    assert set(resident["pids"]) == {"engine", "actor", "critic"}
+    assert resident["code"] != 0
+    assert "the critic trainer service" in resident["killed"] and "does not answer" in resident["killed"], \
+        resident["killed"][-4000:]
+    assert resident["alive"] == [] and resident["alive_after"] == [], "a service outlived its run"
+    client = _client(runs)
+    ref_id, res_id = _run_id(runs, "reference"), _run_id(runs, "resident")
+    for key in PER_ITERATION + ["eval/reward_mean"]:
+        ref = sorted((m.step, m.value) for m in client.get_metric_history(ref_id, key))
+        res = sorted((m.step, m.value) for m in client.get_metric_history(res_id, key))
+        assert ref == res, key
+    ref_l, res_l = runs.layout("reference"), runs.layout("resident")
+    for i in range(ITERATIONS):
+        a = RolloutBatch.read(ref_l.batch_url(i, "advantages")).table.replace_schema_metadata(None)
+        b = RolloutBatch.read(res_l.batch_url(i, "advantages")).table.replace_schema_metadata(None)
+        assert a.equals(b), f"iteration {i}: batches differ"
+        for url_a, url_b in ((ref_l.actor_url(i), res_l.actor_url(i)), (ref_l.critic_url(i), res_l.critic_url(i))):
+            assert _weights_digest(url_a) == _weights_digest(url_b), url_b

@@ -113,3 +113,41 @@ def test_the_first_iteration_after_a_resume_does_not_count_the_downtime(run, tmp
     assert 0 <= wall1 <= seconds_since(took) < 3000  # not the hour the run was down
     assert 0 <= wall2 <= seconds_since(committed)
     assert f"({wall1:.1f} s wall, " in capsys.readouterr().out  # the progress line says the same
+
+
+def test_a_resident_commit_moves_the_resume_point_with_the_checkpoints_only(run, tmp_path):
+    """``run.resident``: the services write checkpoints every ``save_interval`` iterations; in between the
+    commit logs the iteration (metrics, ``progress.json``) and the next state keeps the last checkpoint;
+    ``state.json`` moves when a checkpoint comes, and the older checkpoint's optimizer state goes."""
+    from dataclasses import replace
+
+    from models import storage
+    from models.stages.commit import progress_url
+    from models.training.optimizer_state import optimizer_url
+
+    handle, actor0, batch = run
+    cfg = TrainConfig()
+    cfg = replace(cfg, run=replace(cfg.run, resident=True, save_interval=2, num_iterations=4))
+    storage.write_bytes(storage.join(optimizer_url(actor0), "rank-0.pt"), b"moments")  # iteration 0's: not saved
+    state = PolicyState(0, actor0, "", 0.01)
+    state = run_commit(cfg, handle, state, [{"rollout/reward_mean": 0.5}], batch, "", "")  # iteration 0: no checkpoint
+    assert handle.layout.read_state() is None and state == PolicyState(1, actor0, "", 0.01)
+    assert storage.read_json(progress_url(handle))["iteration"] == 0
+    actor1 = handle.layout.actor_url(1)
+    save_checkpoint(hf_dir(tmp_path / "src1"), actor1)
+    storage.write_bytes(storage.join(optimizer_url(actor1), "rank-0.pt"), b"moments")
+    state = run_commit(cfg, handle, state, [{"rollout/reward_mean": 0.6}], batch, actor1, "")  # iteration 1 saves
+    assert handle.layout.read_state().iteration == 1 and state.actor_url == actor1
+    assert storage.exists(optimizer_url(actor1))
+    state = run_commit(cfg, handle, state, [{"rollout/reward_mean": 0.7}], batch, "", "")  # iteration 2
+    assert handle.layout.read_state().iteration == 1 and state.iteration == 3 and state.actor_url == actor1
+    run_commit(cfg, handle, replace(state, iteration=2), [{"rollout/reward_mean": 0.7}], batch, "", "")  # redone
+    assert [s for s, _ in tracking.metric_history(handle.mlflow_run_id, "rollout/reward_mean")] == [0, 1, 2]
+    assert "time/iteration_s" in dict(tracking.client().get_run(handle.mlflow_run_id).data.metrics)
+    actor3 = handle.layout.actor_url(3)
+    save_checkpoint(hf_dir(tmp_path / "src3"), actor3)
+    storage.write_bytes(storage.join(optimizer_url(actor3), "rank-0.pt"), b"moments")
+    run_commit(cfg, handle, state, [{"rollout/reward_mean": 0.8}], batch, actor3, "")  # the last iteration saves
+    assert handle.layout.read_state().actor_url == actor3
+    assert not storage.exists(optimizer_url(actor1)) and storage.exists(optimizer_url(actor3))
+    assert storage.exists(actor1)  # the checkpoints at save_interval are all kept
