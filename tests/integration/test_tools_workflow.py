@@ -1,4 +1,4 @@
-"""Multi-turn episodes through ``pyflyte run``: 2 iterations of GRPO (``configs/tiny_tools.yaml``) and
+"""Multi-turn episodes through ``pyflyte run``: 2 iterations of GRPO (``configs/tiny_tools.yaml``, resident) and
 of PPO (``configs/tiny_ppo.yaml`` with an environment) on the Qwen2-shaped chat checkpoint, with
 the calculator environment. The batches hold one row per episode with its ``loss_mask``, the
 rewards are the environment's, the advantages are 0 off the policy's tokens, and MLflow has the
@@ -63,7 +63,9 @@ def _check(root: Path, run_name: str) -> None:
 
 
 @pytest.mark.parametrize("workflow, preset, extra", [
-    ("workflows/reinforce.py reinforce_training", "configs/tiny_tools.yaml", []),
+    # the GRPO run keeps its models in a resident run's services (run.resident): episodes sampled by the engine
+    # service, scored and trained by the actor service; the checks are the same in both modes
+    ("workflows/reinforce.py reinforce_training", "configs/tiny_tools.yaml", ["run.resident=true"]),
     ("workflows/ppo.py ppo_training", "configs/tiny_ppo.yaml", ENV + ["critic.minibatch_size=8",
                                                                       "critic.micro_batch_size=8"]),
 ], ids=["grpo", "ppo"])
