@@ -160,13 +160,18 @@ def test_resumed_run_completes_every_iteration_once(runs):
 
 def test_resumed_run_equals_the_uninterrupted_one(runs):
     """With fixed seeds the resumed run is bit-identical: rewards, losses, batches, weights."""
+    _assert_equals_the_reference(runs, "resumed")
+
+
+def _assert_equals_the_reference(runs: Runs, name: str) -> None:
+    """Run ``name`` has the uninterrupted run's metrics, batches and checkpoint files, bit for bit."""
     client = _client(runs)
-    ref_id, res_id = _run_id(runs, "reference"), _run_id(runs, "resumed")
+    ref_id, res_id = _run_id(runs, "reference"), _run_id(runs, name)
     for key in PER_ITERATION + ["eval/reward_mean"]:
         ref = sorted((m.step, m.value) for m in client.get_metric_history(ref_id, key))
         res = sorted((m.step, m.value) for m in client.get_metric_history(res_id, key))
         assert ref == res, key
-    ref_l, res_l = runs.layout("reference"), runs.layout("resumed")
+    ref_l, res_l = runs.layout("reference"), runs.layout(name)
     for i in range(ITERATIONS):
         a = RolloutBatch.read(ref_l.batch_url(i, "advantages")).table.replace_schema_metadata(None)
         b = RolloutBatch.read(res_l.batch_url(i, "advantages")).table.replace_schema_metadata(None)
@@ -242,16 +247,4 @@ def test_a_resident_run_killed_and_resumed_equals_the_stateless_one(runs, reside
     assert "the critic trainer service" in resident["killed"] and "does not answer" in resident["killed"], \
         resident["killed"][-4000:]
     assert resident["alive"] == [] and resident["alive_after"] == [], "a service outlived its run"
-    client = _client(runs)
-    ref_id, res_id = _run_id(runs, "reference"), _run_id(runs, "resident")
-    for key in PER_ITERATION + ["eval/reward_mean"]:
-        ref = sorted((m.step, m.value) for m in client.get_metric_history(ref_id, key))
-        res = sorted((m.step, m.value) for m in client.get_metric_history(res_id, key))
-        assert ref == res, key
-    ref_l, res_l = runs.layout("reference"), runs.layout("resident")
-    for i in range(ITERATIONS):
-        a = RolloutBatch.read(ref_l.batch_url(i, "advantages")).table.replace_schema_metadata(None)
-        b = RolloutBatch.read(res_l.batch_url(i, "advantages")).table.replace_schema_metadata(None)
-        assert a.equals(b), f"iteration {i}: batches differ"
-        for url_a, url_b in ((ref_l.actor_url(i), res_l.actor_url(i)), (ref_l.critic_url(i), res_l.critic_url(i))):
-            assert _weights_digest(url_a) == _weights_digest(url_b), url_b
+    _assert_equals_the_reference(runs, "resident")
