@@ -66,6 +66,8 @@ class EngineHost:
 
         self.engine = engine_for(cfg, state.actor_url)  # from the checkpoint, probed as a task's engine is
         self.version = state.iteration
+        self.lora_mode, self.dtype = cfg.rollout.lora_mode, cfg.model.dtype
+        self.adapter_folder = ""
 
     def handle(self, op: str, args: Dict[str, Any], body: Optional[bytes]) -> Any:
         if op == "weights":
@@ -86,13 +88,42 @@ class EngineHost:
 
         t0 = time.perf_counter()
         self.version = -1  # until the new weights are in and verified, the engine serves no iteration
-        self.engine.load_tensors(unpack_weights(body))
+        if "adapter_config" in args:  # LoRA: the adapter alone
+            self.load_adapter(args["adapter_config"], body)
+        else:
+            self.engine.load_tensors(unpack_weights(body))
         probe = args["probe"]
         result = verify_reference(self.engine, probe["sequences"], probe["logprobs"], float(args["tolerance"]),
                                   f"the actor of iteration {args['version']} (in memory)")
         self.version = int(args["version"])
         return {"rollout/probe_gap_max": result.gap_max if result is not None else 0.0,
                 "time/weights_load_s": time.perf_counter() - t0}
+
+
+    def load_adapter(self, config: Dict[str, Any], blob: bytes) -> None:
+        """A LoRA adapter (its safetensors file and config) on the engine's base: served as an adapter, or
+        merged into the base (``rollout.lora_mode``), from a folder of this process, as a rollout task does."""
+        import json
+        import os
+        import shutil
+        import tempfile
+
+        from models.checkpoint.local import local_checkpoint
+        from models.training.files import ADAPTER_CONFIG
+        from models.training.merge import merged_copy
+
+        folder = tempfile.mkdtemp(prefix="adapter-in-memory-")
+        with open(os.path.join(folder, "adapter_model.safetensors"), "wb") as f:
+            f.write(blob)
+        with open(os.path.join(folder, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
+            json.dump(config, f)
+        if self.lora_mode == "merged":
+            self.engine.load_weights(merged_copy(folder, local_checkpoint, getattr(torch, self.dtype)))
+        else:
+            self.engine.set_adapter(folder)
+        if self.adapter_folder:
+            shutil.rmtree(self.adapter_folder, ignore_errors=True)
+        self.adapter_folder = folder
 
 
 class _TrainerHost:
@@ -171,10 +202,18 @@ class ActorHost(_TrainerHost):
         from transformers import AutoModelForCausalLM
 
         from models.training.load import load_hf
+        from models.training.lora import without_adapter
         from models.training.policy import PolicyLogprobs, with_packing
 
-        self.ref = with_packing(PolicyLogprobs(load_hf(run.reference_url, AutoModelForCausalLM, cfg.model.dtype))
-                                .eval(), cfg.model.pack_sequences)
+        if cfg.actor.lora.enabled:  # π_ref = the trained model with its adapter off, as score does it
+            self.ref = without_adapter(self.model, self.lm)
+        else:
+            self.ref = with_packing(PolicyLogprobs(load_hf(run.reference_url, AutoModelForCausalLM,
+                                                           cfg.model.dtype)).eval(), cfg.model.pack_sequences)
+
+    @property
+    def lm(self):
+        return getattr(unwrap(self.model), self.inner)
 
     def load(self, cfg, url):
         return actor_stage.load_actor(cfg, url, self.info)
@@ -219,13 +258,15 @@ class ActorHost(_TrainerHost):
         probe = self.forward(lambda: probe_reference(self.model, len(self.tokenizer)))
         if not self.info.is_main:
             return {}
-        lm = getattr(unwrap(self.model), self.inner)
         weights = {k[len("lm."):]: v for k, v in full.items() if k.startswith("lm.")} if full is not None \
-            else lm.state_dict()
-        body = pack_weights(weights)
-        engine = protocol.find(run.layout, protocol.ENGINE)
+            else None
         args = {"version": state.iteration + 1, "probe": probe, "tolerance": cfg.probe_tolerance}
-        out = protocol.post_weights(engine, args, body)
+        if cfg.actor.lora.enabled:  # the adapter alone, as its checkpoint holds it
+            config, body = adapter_files(self.lm, weights, self.url)
+            args["adapter_config"] = config
+        else:
+            body = pack_weights(weights if weights is not None else self.lm.state_dict())
+        out = protocol.post_weights(protocol.find(run.layout, protocol.ENGINE), args, body)
         return {**out, "time/weights_to_engine_s": time.perf_counter() - t0,
                 "resident/weights_bytes": float(len(body))}
 
@@ -259,6 +300,29 @@ class CriticHost(_TrainerHost):
 
     def stats(self, stats):
         return {**critic_stage.critic_stats(stats), "critic/optimizer_steps_total": float(self.steps)}
+
+
+def adapter_files(lm, state_dict, from_url: str):
+    """``(adapter_config, adapter_model.safetensors bytes)`` of peft model ``lm`` as its checkpoint would
+    hold them (``save_pretrained``; ``state_dict``: the gathered weights under FSDP2), its base the one of
+    ``from_url``. Written in a folder of this process and read back: never the run's storage."""
+    import json
+    import os
+    import tempfile
+
+    from models.training.files import ADAPTER_CONFIG
+    from models.training.load import base_checkpoint_url
+    from models.training.lora import canonical_url
+
+    with tempfile.TemporaryDirectory(prefix="adapter-out-") as tmp:
+        lm.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False,
+                           **({"state_dict": state_dict} if state_dict is not None else {}))
+        with open(os.path.join(tmp, ADAPTER_CONFIG), encoding="utf-8") as f:
+            config = json.load(f)
+        with open(os.path.join(tmp, "adapter_model.safetensors"), "rb") as f:
+            blob = f.read()
+    config["base_model_name_or_path"] = canonical_url(base_checkpoint_url(from_url))
+    return config, blob
 
 
 def critic_values(run: RunHandle, cfg: TrainConfig, state: PolicyState, batch: RolloutBatch) -> np.ndarray:
