@@ -1,6 +1,7 @@
 """``make package`` (``pyflyte package``, offline) for a 2-node GPU deployment: the compiled task
 templates carry the image, the resources and GPU type of the preset, the actor and the critic updates
-(and the score on the actor's ranks) are PyTorch jobs with their elastic settings, and the nightly launch plan has its schedule and defaults."""
+(and the score on the actor's ranks) are PyTorch jobs with their elastic settings, and the nightly launch
+plan has its schedule and defaults."""
 
 from __future__ import annotations
 
