@@ -1,4 +1,4 @@
-"""The elastic launch of ``actor_update`` and ``critic_update``: flytekit's kfpytorch plugin, plus a
+"""The elastic launch of ``actor_update``, ``critic_update`` and ``score_ranks``: flytekit's kfpytorch plugin, plus a
 forkserver for local runs.
 
 The plugin starts the workers with ``spawn`` (or ``fork``) on every call. In a local execution
@@ -33,7 +33,7 @@ from tasks.flyte_internals import CustomLaunchElasticTask, adopt_rank0_result, i
 
 FORKSERVER = "forkserver"
 
-PRELOAD = ("flytekitplugins.kfpytorch.task", "tasks.updates", "transformers.modeling_utils")
+PRELOAD = ("flytekitplugins.kfpytorch.task", "tasks.updates", "tasks.score", "transformers.modeling_utils")
 """Imported once by the forkserver, so forked workers start with them loaded."""
 
 

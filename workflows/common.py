@@ -21,7 +21,7 @@ from tasks import resident
 from tasks.iteration import commit_iteration, evaluate, finish_run
 from tasks.rollout import rollout
 from tasks.run_tasks import prepare_run
-from tasks.score import score
+from tasks.score import score, score_ranks
 from tasks.updates import actor_update, critic_update
 
 
@@ -74,12 +74,16 @@ def wire_iteration(cfg, run, state, critic: bool, known: Optional[TrainConfig] =
     ``sampled``: this iteration's rollout node when it was wired ahead (off-policy pipelining).
     """
     stages = stages_for(known)
+    on_ranks = known is not None and not stages.resident and known.actor.score_on_ranks  # score as an elastic job
     if known is not None and is_local_execution() and not stages.resident:
         use_local_topology(actor_update, known)
+        if on_ranks:
+            use_local_topology(score_ranks, known)
         if critic:
             use_local_topology(critic_update, known, "critic")
     ro = sampled if sampled is not None else wire_rollout(cfg, run, state, known)
-    sc = with_resources(stages.score(cfg=cfg, run=run, state=state, batch=ro.batch), known, stages, "score")
+    score_task = score_ranks if on_ranks else stages.score
+    sc = with_resources(score_task(cfg=cfg, run=run, state=state, batch=ro.batch), known, stages, "score")
     ad = advantages(cfg=cfg, run=run, state=state, batch=sc.batch)
     ac = with_resources(stages.actor_update(cfg=cfg, run=run, state=state, batch=ad.batch), known, stages, "actor")
     stats = [ro.stats, sc.stats, ad.stats, ac.stats]

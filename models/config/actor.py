@@ -125,6 +125,13 @@ class ActorConfig(ElasticTopology):
     float32, as TRL's PPOTrainer does with its generation logits)."""
     nproc_per_node: int = 2
     """Processes per node (gloo on CPU, NCCL on GPU; one GPU each: ``resources.actor_gpu`` is this or 0)."""
+    score_on_ranks: bool = False
+    """Run the stateless ``score`` task as an elastic job on this topology (``actor.nnodes ×
+    actor.nproc_per_node``, ``actor.sharding``): π_old, π_ref and the critic's values sharded over the
+    ranks (each rank reading only its shard of a full-weight checkpoint under FSDP2), each rank scoring its
+    share of the rows, rank 0 computing the rewards (``models/stages/score_ranks.py``); ``resources.score_*``
+    are then per node, ``resources.score_gpu`` 0 or ``actor.nproc_per_node``. False: one process scores the
+    whole batch. ``run.resident`` always scores on the actor trainer's ranks."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (``actor.lora.rank > 0``): checkpoints hold the adapter only, and the
     reference log-probs come from the same model with the adapter disabled."""

@@ -107,6 +107,9 @@ class TrainConfig:
         check(self.resources.actor_gpu in (0, a.nproc_per_node),
               f"resources.actor_gpu={self.resources.actor_gpu} must be 0 (CPU) or actor.nproc_per_node="
               f"{a.nproc_per_node} (one GPU per process)")
+        check(not a.score_on_ranks or self.resources.score_gpu in (0, a.nproc_per_node),
+              f"actor.score_on_ranks runs score on actor.nproc_per_node={a.nproc_per_node} processes a node: "
+              f"resources.score_gpu={self.resources.score_gpu} must be 0 (CPU) or {a.nproc_per_node}")
         check(a.minibatch_size % (a.micro_batch_size * a.world_size) == 0,
               f"actor.minibatch_size={a.minibatch_size} must be divisible by actor.micro_batch_size "
               f"× ranks = {a.micro_batch_size} × {a.world_size}")

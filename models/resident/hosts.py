@@ -17,6 +17,7 @@ iteration it just did (a retried task whose reply was lost) returns that result 
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Dict, Optional
 
@@ -33,6 +34,7 @@ from models.stages import critic as critic_stage
 from models.stages.evaluate import run_evaluate
 from models.stages.rollout import run_rollout
 from models.stages.score import Scorers, run_score, score_forward
+from models.stages.score_ranks import score_forward_ranks
 from models.stages.updates import commit_trained
 from models.training.distributed import DistInfo, full_state_dict, unwrap
 from models.training.optimizer_carry import carried_optimizer
@@ -233,11 +235,13 @@ class ActorHost(_TrainerHost):
         _check_iteration(self.name, self.version, state)
         batch = RolloutBatch.open(args["batch"])
         actor = self.model if cfg.actor.old_logprobs == "recompute" else None
-        if not self.info.is_main:  # the same forwards as rank 0, in the same order
-            self.forward(lambda: score_forward(cfg, batch, actor, self.ref, None, self._pad()))
+        forward = functools.partial(score_forward_ranks, info=self.info)  # each rank its share of the rows
+        if not self.info.is_main:  # as many forwards as rank 0; rank 0 gathers the results
+            self.forward(lambda: forward(cfg, batch, actor, self.ref, None, self._pad()))
             return None
         values = (lambda b: critic_values(run, cfg, state, b)) if cfg.uses_critic else None
-        out = self.forward(lambda: run_score(cfg, run, state, batch, Scorers(actor, self.ref, None, values)))
+        out = self.forward(lambda: run_score(cfg, run, state, batch, Scorers(actor, self.ref, None, values),
+                                             forward=forward))
         return {"batch": out.batch.uri, "stats": out.stats}
 
     def _pad(self) -> int:

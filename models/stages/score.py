@@ -20,6 +20,7 @@ from models.run.types import PolicyState, RunHandle
 from models.stages.outputs import ScoreOutput  # noqa: F401  (re-exported: its home before the resident tasks)
 from models.server.client import server_client
 from models.stages.batches import by_length, micro_batches
+from models.rewards.sources import RewardScores, as_scores, check_rewards
 from models.stages.rewards import batch_rewards, shaped_rewards
 from models.stages.score_metrics import check_sampling_temperature, logprob_gap, policy_lag, rollout_stats
 from models.timing import timed
@@ -95,10 +96,19 @@ def score_forward(cfg: TrainConfig, batch: RolloutBatch, actor, ref, critic, pad
     return {k: ragged.unpermute_flat(v, batch.response_lengths(), order) for k, v in flat.items()}
 
 
+def model_rewards(cfg: TrainConfig, values: np.ndarray) -> RewardScores:
+    """The reward model's sequence rewards computed with the forwards (on the ranks), checked as
+    :func:`models.stages.rewards.batch_rewards` checks the rewards it computes."""
+    check_rewards(values, cfg.reward.source)
+    return as_scores(values, "reward_model")
+
+
 def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch,
-              scorers: Optional[Scorers] = None) -> ScoreOutput:
+              scorers: Optional[Scorers] = None, forward: Callable = score_forward) -> ScoreOutput:
     """π_old, π_ref, the critic's values and the rewards of ``batch``, written as the iteration's score
-    batch; ``scorers``: the forwards to use (default: loaded from the state's checkpoints)."""
+    batch; ``scorers``: the forwards to use (default: loaded from the state's checkpoints); ``forward``:
+    :func:`score_forward`'s signature, or rank 0's part of the ranks' forward
+    (:func:`models.stages.score_ranks.score_forward_ranks`)."""
     stats: Dict[str, float] = {}
     check_sampling_temperature(batch, cfg.rollout.temperature)
     with timed(stats, "time/score_s"):
@@ -107,14 +117,15 @@ def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rollo
         s = scorers or load_scorers(cfg, run, state)
         lengths = batch.response_lengths()
         with timed(stats, "time/score_forward_s"):
-            flat = score_forward(cfg, batch, s.actor, s.ref, s.critic, pad)
+            flat = forward(cfg, batch, s.actor, s.ref, s.critic, pad)
             if s.actor is None:  # π_old = the engine's own log-probs (config checks it computes like the trainer)
                 flat["old_logprobs"] = ragged.offsets_and_values(batch.column("sampler_logprobs"))[1] \
                     .astype(np.float32)
             if s.values is not None:
                 flat["values"] = s.values(batch)
         with timed(stats, "time/reward_s"):
-            scores = batch_rewards(cfg, run, batch, micro_batch_size(cfg), pad)
+            scores = model_rewards(cfg, flat.pop("rm_reward")) if "rm_reward" in flat \
+                else batch_rewards(cfg, run, batch, micro_batch_size(cfg), pad)
         shaped, reward_metrics = shaped_rewards(cfg, state, scores)
         cols = {k: ragged.list_from_flat(flat[k], lengths, pa.float32())
                 for k in ("old_logprobs", "ref_logprobs", "values") if k in flat}

@@ -1,6 +1,7 @@
 """``make package`` (``pyflyte package``, offline) for a 2-node GPU deployment: the compiled task
 templates carry the image, the resources and GPU type of the preset, the actor and the critic updates
-are PyTorch jobs with their elastic settings, and the nightly launch plan has its schedule and defaults."""
+(and the score on the actor's ranks) are PyTorch jobs with their elastic settings, and the nightly launch
+plan has its schedule and defaults."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ pytestmark = pytest.mark.integration
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 IMAGE = "registry.example.com/flyte-rlhf:test"
 PRESET = "configs/llama8b_ppo_gpu.yaml"
-HEAVY = {"tasks.rollout.rollout": "rollout", "tasks.score.score": "score", "tasks.updates.actor_update": "actor",
+HEAVY = {"tasks.rollout.rollout": "rollout", "tasks.score.score": "score", "tasks.score.score_ranks": "score",
+         "tasks.updates.actor_update": "actor",
          "tasks.updates.critic_update": "critic", "tasks.iteration.evaluate": "rollout",
          "tasks.retrain.promote_if_better": "rollout"}
 
@@ -79,10 +81,10 @@ def test_every_task_runs_the_image_with_the_presets_resources(package):
             assert "gpu" not in requests, name
 
 
-def _elastic_job(package, name: str):
-    """``(min nodes, max nodes, processes per node, worker pods)`` of update task ``name``, a PyTorchJob
-    with torch-elastic's c10d rendezvous."""
-    template = _tasks(package)[f"tasks.updates.{name}"]
+def _elastic_job(package, name: str, module: str = "updates"):
+    """``(min nodes, max nodes, processes per node, worker pods)`` of task ``name`` (an update by default), a
+    PyTorchJob with torch-elastic's c10d rendezvous."""
+    template = _tasks(package)[f"tasks.{module}.{name}"]
     assert template["type"] == "pytorch"
     elastic = template["custom"]["elasticConfig"]
     assert elastic["rdzvBackend"] == "c10d"
@@ -96,6 +98,12 @@ def test_actor_update_is_an_elastic_pytorch_job(package):
 
 def test_critic_update_is_an_elastic_pytorch_job_of_its_own_topology(package):
     assert _elastic_job(package, "critic_update") == (2, 2, 1, 2)
+
+
+def test_score_on_ranks_is_an_elastic_pytorch_job_of_the_actors_topology(package):
+    """``actor.score_on_ranks`` runs ``score_ranks`` on the registered actor topology; ``score`` stays one pod."""
+    assert _elastic_job(package, "score_ranks", "score") == (2, 2, 8, 2)
+    assert _tasks(package)["tasks.score.score"]["type"] == "python-task"
 
 
 def test_secrets_are_requested_never_inputs(package):
