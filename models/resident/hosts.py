@@ -33,7 +33,7 @@ from models.stages import actor as actor_stage
 from models.stages import critic as critic_stage
 from models.stages.evaluate import run_evaluate
 from models.stages.rollout import run_rollout
-from models.stages.score import Scorers, run_score, score_forward
+from models.stages.score import Scorers, run_score
 from models.stages.score_ranks import score_forward_ranks
 from models.stages.updates import commit_trained
 from models.training.distributed import DistInfo, full_state_dict, unwrap
@@ -296,8 +296,8 @@ class CriticHost(_TrainerHost):
         _check_iteration(self.name, self.version, state)
         batch = RolloutBatch.open(args["batch"])
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        flat = self.forward(lambda: score_forward(cfg, batch, None, None, self.model, pad))
-        return flat["values"].tolist() if self.info.is_main else None
+        flat = self.forward(lambda: score_forward_ranks(cfg, batch, None, None, self.model, pad, self.info))
+        return flat["values"].tolist() if self.info.is_main else None  # each rank its share, rank 0 gathers
 
     def train(self, cfg, run, state, batch, times):
         return critic_stage.update_critic(cfg, run, state, batch, self.info, self.model, self.optimizer, times)

@@ -62,7 +62,7 @@ class Scorers(NamedTuple):
 
 
 def load_scorers(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Scorers:
-    """π_old, π_ref and the critic loaded from their checkpoints in ``model.dtype``."""
+    """π_old, π_ref and the critic loaded from their checkpoints in ``model.dtype``, on the GPU when there is one."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     dtype, pack = cfg.model.dtype, cfg.model.pack_sequences
@@ -79,6 +79,10 @@ def load_scorers(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Scorer
     critic = with_packing(CriticValues(load_hf(state.critic_url, AutoModelForTokenClassification, dtype)).eval(),
                           pack) if local_critic else None
     values = (lambda b: remote_values(cfg, b)) if cfg.uses_critic and cfg.critic.remote_url else None
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the score pod's GPU when it has one
+    for model in (actor, ref, critic):
+        if model is not None:
+            model.to(device)
     return Scorers(actor if recompute else None, ref, critic, values)
 
 
@@ -91,8 +95,9 @@ def score_forward(cfg: TrainConfig, batch: RolloutBatch, actor, ref, critic, pad
     """The scoring forwards over ``batch`` in micro-batches of similar lengths: flat per-token arrays in
     the batch's response order (``old_logprobs``, ``entropy``, ``ref_logprobs``, ``values``, as given)."""
     order = by_length(batch)
+    device = next(next(m.parameters()) for m in (actor, ref, critic) if m is not None).device
     flat = score_microbatches(micro_batches(batch, micro_batch_size(cfg), pad, order), actor, ref, critic,
-                              temperature=cfg.rollout.temperature)
+                              temperature=cfg.rollout.temperature, device=device)
     return {k: ragged.unpermute_flat(v, batch.response_lengths(), order) for k, v in flat.items()}
 
 

@@ -68,7 +68,8 @@ def score_forward_ranks(cfg: TrainConfig, batch: RolloutBatch, actor, ref, criti
     for k in range(calls):  # the same count on every rank: FSDP2's forwards gather weights collectively
         rows = mine[k] if k < len(mine) else np.zeros(1, np.int64)  # a dummy: row 0, its result dropped
         inputs = model_inputs(batch.table.take(pa.array(rows)), pad)
-        flat = score_microbatches([inputs], actor, ref, critic, reward_model, temperature=cfg.rollout.temperature)
+        flat = score_microbatches([inputs], actor, ref, critic, reward_model, temperature=cfg.rollout.temperature,
+                                  device=info.device)
         if k < len(mine):
             parts.append((rows, flat))
     gathered = [None] * info.world_size if info.is_main else None
