@@ -169,8 +169,12 @@ class Side:
     def phases(self) -> str:
         """Mean seconds per task (our runs), and the rest of an iteration: Flyte, storage, process launches."""
         tasks = {k: v for k, v in self.breakdown.items() if k in PHASES}
-        return (", ".join(f"{k} {v:.1f}" for k, v in tasks.items())
-                + f", Flyte/storage/launch {self.steady_s - sum(tasks.values()):.1f} s")
+        return ", ".join(f"{k} {v:.1f}" for k, v in tasks.items()) + f", Flyte/storage/launch {self.overhead_s:.1f} s"
+
+    @property
+    def overhead_s(self) -> float:
+        """Seconds of an iteration outside the tasks' own work: Flyte, storage, process launches, requests."""
+        return self.steady_s - sum(v for k, v in self.breakdown.items() if k in PHASES)
 
 
 def build_assets(size: ModelSize, work: Path, eval_prompts: int) -> Dict[str, str]:
@@ -460,6 +464,9 @@ class Bench:
                     "fixed per-iteration cost dominates at this size (its <= 10 s target: bench_iteration.py)"),
                 row(SECTION, f"Peer GRPO s/iter ours resident {where}", r.steady_s, "s",
                     f"{r.phases()}; first iteration incl. the services' start {r.first_s:.1f} s"),
+                row(SECTION, f"Peer GRPO Flyte/storage/requests s/iter, ours resident {where}", r.overhead_s, "s",
+                    f"of {r.steady_s:.2f} s: the iteration outside its stages' own time (stateless: "
+                    f"{o.overhead_s:.2f} s of {o.steady_s:.2f} s)"),
                 row(SECTION, f"Peer GRPO s/iter ours resident / TRL {where}", r.steady_s / t.steady_s, "x",
                     f"stateless {c.ratio:.2f}x; the rewards of both our modes: {r.rewards == o.rewards}",
                     at_most=3.0)]

@@ -1,5 +1,7 @@
-"""PPO with LoRA end to end: two iterations through ``pyflyte run`` (vLLM serving the adapter, the
-2-process elastic update), and the elastic update on its own (DDP on CPU; FSDP2 on GPUs)."""
+"""PPO with LoRA end to end: two iterations through ``pyflyte run`` in the resident mode (``run.resident``:
+the actor service's 2 ranks train the adapter and send it alone to the vLLM engine service, which serves
+it as an adapter; its model with the adapter off is π_ref), and the elastic update on its own (DDP on CPU;
+FSDP2 on GPUs). The stateless LoRA stages run in-process in tests/unit/tasks/test_lora_pipeline.py."""
 
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ def test_ppo_lora_two_iterations_through_pyflyte(tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = _pyflyte("workflows/ppo.py", "ppo_training", "configs/tiny_ppo_lora.yaml",
-                   [f"run.storage_root={tmp_path}", "run.save_interval=1"] + SMALL + CRITIC_SMALL, "lora",
+                   [f"run.storage_root={tmp_path}", "run.save_interval=1", "run.resident=true"] + SMALL + CRITIC_SMALL,
+                   "lora",
                    tmp_path / "mlflow.db")
     assert "[ppo] iter 2/2" in out
     layout = RunLayout(str(tmp_path), "lora")
