@@ -101,7 +101,6 @@ class EngineHost:
         return {"rollout/probe_gap_max": result.gap_max if result is not None else 0.0,
                 "time/weights_load_s": time.perf_counter() - t0}
 
-
     def load_adapter(self, config: Dict[str, Any], blob: bytes) -> None:
         """A LoRA adapter (its safetensors file and config) on the engine's base: served as an adapter, or
         merged into the base (``rollout.lora_mode``), from a folder of this process, as a rollout task does."""
