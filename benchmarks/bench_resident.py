@@ -1,6 +1,6 @@
 """Resident vs stateless seconds per iteration on the tiny presets, through ``pyflyte run`` as a user runs it.
 
-    python benchmarks/bench_resident.py [--quick] [--iterations N] [--cases ppo,grpo] [--json PATH]
+    python benchmarks/bench_resident.py [--quick] [--iterations N] [--cases ppo,grpo,grpo-off-policy] [--json PATH]
 
 Each case runs its preset twice with the same seeds, ``run.resident=false`` then ``=true``. Seconds per
 iteration: the median of ``time/iteration_s`` (commit to commit, the run's own metric) over the
@@ -29,8 +29,12 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.rows import Row, add_bench_args, print_rows, row, write_rows  # noqa: E402
 
-CASES: Dict[str, Tuple[str, str]] = {"ppo": ("ppo", "configs/tiny_ppo.yaml"),
-                                     "grpo": ("reinforce", "configs/tiny_grpo.yaml")}
+CASES: Dict[str, Tuple[str, str, List[str]]] = {
+    "ppo": ("ppo", "configs/tiny_ppo.yaml", []),
+    "grpo": ("reinforce", "configs/tiny_grpo.yaml", []),
+    "grpo-off-policy": ("reinforce", "configs/tiny_grpo.yaml", ["run.off_policy_steps=1", "actor.tis_cap=2",
+                                                                "actor.old_logprobs=recompute"]),
+}
 COMMON = ["run.eval_interval=0", "run.registered_model_name=", "run.checkpoint_artifact_max_mb=0"]
 
 
@@ -58,8 +62,8 @@ def metrics(root: str, name: str, key: str) -> List[float]:
 
 
 def bench_case(case: str, iterations: int, root: str) -> List[Row]:
-    workflow, preset = CASES[case]
-    overrides = [f"run.num_iterations={iterations}"] + COMMON
+    workflow, preset, extra = CASES[case]
+    overrides = [f"run.num_iterations={iterations}"] + COMMON + extra
     walls, per_iter, rewards = {}, {}, {}
     for mode in ("stateless", "resident"):
         name = f"{case}-{mode}"
@@ -86,7 +90,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_bench_args(parser)
     parser.add_argument("--iterations", type=int, default=0, help="iterations per run (default 12; --quick 6)")
-    parser.add_argument("--cases", default="ppo,grpo", help=f"comma-separated, of {sorted(CASES)}")
+    parser.add_argument("--cases", default="ppo,grpo,grpo-off-policy", help=f"comma-separated, of {sorted(CASES)}")
     args = parser.parse_args(argv)
     iterations = args.iterations or (6 if args.quick else 12)
     rows: List[Row] = []

@@ -63,13 +63,11 @@ class TrainConfig:
         self._check_resident()
 
     def _check_resident(self) -> None:
-        """What the resident services (``run.resident``) serve in this version: one node, on-policy, with
-        the services it starts itself."""
+        """What the resident services (``run.resident``) serve in this version: one node, with the services
+        it starts itself."""
         if not self.run.resident:
             return
         for name, value, why in (
-                ("run.off_policy_steps", self.run.off_policy_steps, "the engine service holds one policy, so it "
-                 "cannot sample from the previous actor while the trainer updates"),
                 ("rollout.remote_url", self.rollout.remote_url, "the run starts its own engine service"),
                 ("critic.remote_url", self.critic.remote_url, "the run starts its own critic service"),
                 ("actor.nnodes > 1", self.actor.nnodes > 1, "the services run as child processes of the launch, "

@@ -28,6 +28,7 @@ from models.checkpoint.local import load_tokenizer
 from models.config import TrainConfig
 from models.data.batch import RolloutBatch
 from models.resident import protocol
+from models.stages.commit import resume_point_at
 from models.run.types import PolicyState, RunHandle
 from models.stages import actor as actor_stage
 from models.stages import critic as critic_stage
@@ -46,8 +47,11 @@ class WrongIteration(RuntimeError):
 
 
 def saves_at(cfg: TrainConfig, iteration: int) -> bool:
-    """Whether iteration ``iteration`` commits checkpoints (every ``run.save_interval``-th and the last)."""
-    return (iteration + 1) % cfg.run.save_interval == 0 or iteration + 1 == cfg.run.num_iterations
+    """Whether the services checkpoint after ``iteration``: the resume points (:func:`resume_point_at`) and,
+    with ``run.off_policy_steps=1``, the iteration before each (its actor samples the batch after the
+    resume point: the state's behaviour actor)."""
+    return resume_point_at(cfg, iteration) or bool(cfg.run.off_policy_steps) and \
+        iteration + 1 < cfg.run.num_iterations and resume_point_at(cfg, iteration + 1)
 
 
 def _check_iteration(name: str, holds: int, state: PolicyState) -> None:
@@ -61,21 +65,41 @@ def _check_iteration(name: str, holds: int, state: PolicyState) -> None:
 
 
 class EngineHost:
-    """The engine service's state: one engine serving the actor of iteration ``version``."""
+    """The engine service's state: one engine serving the actor of iteration ``version``, and with
+    ``run.off_policy_steps=1`` the next actor's weights kept until a request asks for that actor
+    (``pending``): the batch after an update is still sampled from the actor before it."""
 
     def __init__(self, cfg: TrainConfig, run: RunHandle, state: PolicyState, info: DistInfo):
         from models.stages.engine import engine_for
 
-        self.engine = engine_for(cfg, state.actor_url)  # from the checkpoint, probed as a task's engine is
-        self.version = state.iteration
         self.lora_mode, self.dtype = cfg.rollout.lora_mode, cfg.model.dtype
         self.adapter_folder = ""
+        self.pending: Dict[int, Any] = {}
+        if state.behaviour_url:  # resumed off-policy: the next batch comes from the actor before the state's
+            self.engine = engine_for(cfg, state.behaviour_url)
+            self.version = state.iteration - 1
+            self.pending[state.iteration] = lambda: setattr(self, "engine", engine_for(cfg, state.actor_url))
+        else:
+            self.engine = engine_for(cfg, state.actor_url)  # from the checkpoint, probed as a task's engine is
+            self.version = state.iteration
+
+    def serve(self, version: int, state: PolicyState) -> None:
+        """Serve the actor of iteration ``version``: the one held, or the next one kept pending."""
+        if version != self.version and version in self.pending:
+            apply = self.pending.pop(version)
+            self.version = -1  # until the new weights are in and verified
+            apply()
+            self.version = version
+        _check_iteration(protocol.ENGINE, self.version, state)
 
     def handle(self, op: str, args: Dict[str, Any], body: Optional[bytes]) -> Any:
         if op == "weights":
+            if args.get("defer"):  # off-policy: loaded when a request asks for this actor
+                self.pending[int(args["version"])] = lambda: self.load(args, body)
+                return {}
             return self.load(args, body)
         cfg, run, state = protocol.read_args(args)
-        _check_iteration(protocol.ENGINE, self.version, state)
+        self.serve(state.iteration, state)
         if op == "rollout":
             out = run_rollout(cfg, run, state, int(args.get("ahead", 0)), engine=self.engine)
             return {"batch": out.batch.uri, "stats": out.stats}
@@ -263,7 +287,8 @@ class ActorHost(_TrainerHost):
             return {}
         weights = {k[len("lm."):]: v for k, v in full.items() if k.startswith("lm.")} if full is not None \
             else None
-        args = {"version": state.iteration + 1, "probe": probe, "tolerance": cfg.probe_tolerance}
+        args = {"version": state.iteration + 1, "probe": probe, "tolerance": cfg.probe_tolerance,
+                "defer": bool(cfg.run.off_policy_steps)}
         if cfg.actor.lora.enabled:  # the adapter alone, as its checkpoint holds it
             config, body = adapter_files(self.lm, weights, self.url)
             args["adapter_config"] = config

@@ -42,7 +42,7 @@ def run_commit(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List
     tracking.log_metrics(run.mlflow_run_id, merged, step=i)
     tracking.log_table(run.mlflow_run_id, sample_table(batch, cfg.run.num_logged_samples),
                        f"samples/iter-{i:06d}.json")
-    if (i + 1) % cfg.run.save_interval == 0 or i + 1 == cfg.run.num_iterations:
+    if resume_point_at(cfg, i):
         for role, url in (("actor", actor_url), ("critic", critic_url)):
             if url:
                 registry.log_checkpoint(run.mlflow_run_id, f"iter-{i:06d}/{role}", url,
@@ -53,7 +53,7 @@ def run_commit(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List
     nxt = PolicyState(i + 1, actor_url or state.actor_url, critic_url or state.critic_url, kl, reward_norm, behaviour)
     if cfg.run.resident:  # the services hold the policy; the resume point moves with their checkpoints only
         storage.write_json(progress_url(run), {"iteration": i, "at": storage.utc_now_iso("milliseconds")})
-        if actor_url:
+        if actor_url and resume_point_at(cfg, i):  # (off-policy: the checkpoints before are the behaviour's)
             run.layout.write_state(nxt.resume_point())
             prune_optimizer_states(cfg, run, i)
     else:
@@ -61,6 +61,12 @@ def run_commit(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List
         prune_checkpoints(cfg, run, i)
     print(progress_line(cfg, i, merged), flush=True)
     return nxt
+
+
+def resume_point_at(cfg: TrainConfig, iteration: int) -> bool:
+    """Whether ``iteration``'s checkpoints are kept (every ``run.save_interval``-th and the last): in a
+    resident run, the iterations whose commit moves the resume point."""
+    return (iteration + 1) % cfg.run.save_interval == 0 or iteration + 1 == cfg.run.num_iterations
 
 
 def progress_url(run: RunHandle) -> str:
@@ -81,10 +87,11 @@ def last_commit(cfg: TrainConfig, run: RunHandle):
 def prune_optimizer_states(cfg: TrainConfig, run: RunHandle, iteration: int) -> None:
     """A resident run's checkpoints are every ``save_interval``-th iteration's and the last: all kept; the
     optimizer states only with the newest (the resume point's)."""
-    for j in range(iteration - 1, -1, -1):
-        if (j + 1) % cfg.run.save_interval == 0:
+    for j in range(iteration - 1, -1, -1):  # (off-policy: the behaviour's checkpoint, just before, has one too)
+        if (j + 1) % cfg.run.save_interval == 0 or j == iteration - 1:
             for url in (run.layout.actor_url(j), run.layout.critic_url(j)):
                 storage.remove(optimizer_url(url), recursive=True)
+        if (j + 1) % cfg.run.save_interval == 0:
             return
 
 
