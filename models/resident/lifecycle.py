@@ -124,6 +124,8 @@ def stop_services(layout, timeout_s: float = 30.0) -> List[str]:
                 proc.kill()
                 proc.wait()
         protocol.unpublish(layout, name)
+    if procs:
+        storage.remove(protocol.services_url(layout), recursive=True)
     return [name for name, _, _ in procs]
 
 

@@ -20,11 +20,14 @@ from tests.conftest import BUCKET
 from tests.processes import mlflow_server
 
 IMAGE = "registry.example.com/flyte-rlhf:harness"
-DEPLOY = ("configs/tiny_ppo.yaml", "actor.nnodes=2 actor.nproc_per_node=2 actor.micro_batch_size=4")
+DEPLOY = ("configs/tiny_ppo.yaml", "actor.nnodes=2 actor.nproc_per_node=2 actor.micro_batch_size=4 "
+                                   "critic.nnodes=2 critic.nproc_per_node=1")
 """The deployment every package of these tests is compiled with: the actor update a two-node PyTorchJob
-of 2 ranks per node."""
+of 2 ranks per node, the critic update one of two pods of one rank."""
 TOPOLOGY = ["actor.nnodes=2", "actor.nproc_per_node=2", "actor.micro_batch_size=4"]
-"""Overrides that give a run the registered topology."""
+"""Overrides that give a run the registered actor topology."""
+PPO_TOPOLOGY = TOPOLOGY + ["critic.nnodes=2", "critic.nproc_per_node=1"]
+"""... and a PPO run the registered critic topology (a critic-free run refuses the critic's options)."""
 KEY = SECRET = "testing"
 """The moto server's (dummy) credentials: the cluster's Kubernetes secrets hold them."""
 

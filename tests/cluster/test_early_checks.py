@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster.conftest import DEPLOY, TOPOLOGY, cluster_secrets, registration_env
+from tests.cluster.conftest import DEPLOY, PPO_TOPOLOGY, cluster_secrets, registration_env
 from tests.conftest import BUCKET
 from tests.processes import free_port
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 S3_ONLY = {"AWS_DEFAULT_REGION": "us-east-1"}
 
 
-def run_prepare(cluster, root: str, extra=tuple(TOPOLOGY)):
+def run_prepare(cluster, root: str, extra=tuple(PPO_TOPOLOGY)):
     ex = cluster.execute("workflows.ppo.ppo_training",
                          {"preset": "configs/tiny_ppo.yaml", "overrides": [f"run.storage_root={root}", *extra],
                           "run_name": "early"})
@@ -72,6 +72,15 @@ def test_a_topology_other_than_the_registered_one_fails_first(full, make_cluster
     root = f"s3://{BUCKET}/early-{tmp_path.name}"
     error = run_prepare(make_cluster(full), root, ["actor.nproc_per_node=1"])  # the preset's 1 node
     assert "actor.nnodes × actor.nproc_per_node = 1 × 1, but the registered actor_update runs 2 × 2" in error
+    assert nothing_created(make_cluster(full), root) and _no_mlflow_run(mlflow_url, root)
+
+
+def test_a_resident_run_is_refused_on_a_cluster(full, make_cluster, tmp_path, mlflow_url):
+    """``run.resident`` starts its services as child processes of a local ``pyflyte run``; on a cluster they
+    are not started as nodes of the execution yet: refused in the first pod, before anything is created."""
+    root = f"s3://{BUCKET}/early-{tmp_path.name}"
+    error = run_prepare(make_cluster(full), root, [*PPO_TOPOLOGY, "run.resident=true"])
+    assert "run.resident=true runs locally only in this version" in error
     assert nothing_created(make_cluster(full), root) and _no_mlflow_run(mlflow_url, root)
 
 

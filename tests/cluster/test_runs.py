@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import DEPLOY, TOPOLOGY, registration_env
+from tests.cluster.conftest import DEPLOY, PPO_TOPOLOGY, TOPOLOGY, registration_env
 from tests.cluster.harness import Fault
 from tests.conftest import BUCKET
 from tests.integration.flyte_runs import FlyteRun, isolated_env
@@ -37,8 +37,12 @@ runs pipelined (``run.off_policy_steps=1``, docs/off_policy.md) with two ready n
 propeller runs them: the same checkpoints and metrics as the local run, which executes nodes one after
 another, and its rollout of iteration 1 beside iteration 0's chain (both iterations in one chunk: the
 pipeline restarts at a chunk's first iteration)."""
-PODS_TOPOLOGY = TOPOLOGY
-LOCAL_TOPOLOGY = ["actor.nnodes=1", "actor.nproc_per_node=4", "actor.micro_batch_size=4"]
+PODS_TOPOLOGY = {"ppo": PPO_TOPOLOGY, "grpo": TOPOLOGY}
+"""The registered topologies: the actor's 2 pods of 2 ranks and, for PPO, the critic's 2 pods of 1 rank."""
+LOCAL_TOPOLOGY = {"ppo": ["actor.nnodes=1", "actor.nproc_per_node=4", "actor.micro_batch_size=4",
+                          "critic.nnodes=1", "critic.nproc_per_node=2"],
+                  "grpo": ["actor.nnodes=1", "actor.nproc_per_node=4", "actor.micro_batch_size=4"]}
+"""The same world sizes on one node: the local run the pods must match file for file."""
 CASES = {"ppo": ("workflows/ppo.py", "ppo_training", "configs/tiny_ppo.yaml"),
          "grpo": ("workflows/reinforce.py", "reinforce_training", "configs/tiny_grpo.yaml")}
 NOT_COMPARED = ("time/", "throughput/")
@@ -62,7 +66,7 @@ def local_run(algo: str, root: str, s3: str, mlflow: str, home: Path) -> str:
     # ("local_files_only"), so without it the checkpoints differ in that one file (weights equal).
     env = isolated_env(home, {**s3_client_env(s3), "MLFLOW_TRACKING_URI": mlflow, "OMP_NUM_THREADS": "1",
                               "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
-    run = FlyteRun(workflow, entry, preset, RUN[algo] + LOCAL_TOPOLOGY + [f"run.storage_root={root}"], "local", env,
+    run = FlyteRun(workflow, entry, preset, RUN[algo] + LOCAL_TOPOLOGY[algo] + [f"run.storage_root={root}"], "local", env,
                    home / "pyflyte.log")
     return run.wait(timeout_s=1800)
 
@@ -77,7 +81,7 @@ def test_two_iterations_in_pods_match_a_local_run(algo, packages, make_cluster, 
     root = f"s3://{BUCKET}/{algo}-{tmp_path.name}"
     workflow, entry, preset = CASES[algo]
     ex = cluster.execute(f"workflows.{Path(workflow).stem}.{entry}",
-                         {"preset": preset, "overrides": RUN[algo] + PODS_TOPOLOGY + [f"run.storage_root={root}"],
+                         {"preset": preset, "overrides": RUN[algo] + PODS_TOPOLOGY[algo] + [f"run.storage_root={root}"],
                           "run_name": "pods"})
     report = "\n".join(f"{a.node:18s} {a.task:36s} try {a.attempt} {a.outcome:8s} {a.seconds:6.1f} s {a.error[:200]}"
                        for a in ex.attempts)
@@ -109,6 +113,8 @@ def test_two_iterations_in_pods_match_a_local_run(algo, packages, make_cluster, 
     # of each checkpoint between its ranks (iteration 1 reads the reference and actor 0).
     updates = [a for a in ex.attempts if a.task.endswith("actor_update")]
     assert [len(a.pods) for a in updates] == [2, 2]
+    if algo == "ppo":  # the critic update: a PyTorchJob of 2 pods too, matching the local 2-rank critic
+        assert [len(a.pods) for a in ex.attempts if a.task.endswith("critic_update")] == [2, 2]
     for pod in updates[1].pods:
         cache = pod.folder / "tmp" / "flyte-rlhf-checkpoints"
         assert len([d for d in os.listdir(cache) if not d.startswith(".") and os.path.isdir(cache / d)]) == 2
