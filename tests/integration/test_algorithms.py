@@ -40,21 +40,29 @@ def _pyflyte(workflow: str, entry: str, preset: str, overrides, run_name: str, d
 
 @pytest.mark.parametrize("algo", ["rloo", "reinforce_pp", "reinforce"])  # grpo: test_learns_the_tiny_task
 def test_critic_free_two_iterations(algo, tmp_path):
-    out = _pyflyte("workflows/reinforce.py", "reinforce_training", f"configs/tiny_{algo}.yaml",
-                   [f"run.storage_root={tmp_path}"] + SMALL, algo, tmp_path / "mlflow.db")
-    assert f"[{algo}] iter 2/2" in out
+    """Two iterations of each critic-free algorithm through the stage functions in this process (the
+    reinforce workflow's wiring runs under ``pyflyte`` for GRPO and Dr. GRPO below): the batches carry
+    every advantage column, no critic is trained or logged."""
+    import mlflow
+
+    from models.run.types import PolicyState
+    from models.stages.evaluate import run_evaluate
+    from tests.hub_runs import iterate
+    from tests.stages import tiny_run
+
+    with tiny_run(tmp_path, f"tiny_{algo}", SMALL, algo) as (cfg, run, state):
+        stats = iterate(cfg, run, state, 2)
+        run_evaluate(cfg, run, PolicyState.resumed(run.layout.read_state(), cfg.kl.coef, False))  # after the last
+        client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+        metrics = client.get_run(run.mlflow_run_id).data.metrics
     layout = RunLayout(str(tmp_path), algo)
     for i in range(2):
         batch = RolloutBatch.read(layout.batch_url(i, "advantages"))
         batch.validate(ADVANTAGE_COLUMNS)
         assert "values" not in batch.column_names
-        assert not os.path.exists(layout.critic_url(i))  # no critic task ran
+        assert not os.path.exists(layout.critic_url(i))  # no critic trained
     assert not os.path.exists(os.path.join(layout.url, "critic-init"))
-    import mlflow
-
-    client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    metrics = client.get_run(layout.read_run_info().mlflow_run_id).data.metrics
-    assert "actor/loss" in metrics and "eval/reward_mean" in metrics
+    assert len(stats) == 2 and "actor/loss" in metrics and "eval/reward_mean" in metrics
     assert not [k for k in metrics if k.startswith("critic/")]
 
 
@@ -95,38 +103,27 @@ def test_dr_grpo_with_the_rlvr_options(tmp_path):
 def test_learns_the_tiny_task(algo, workflow, tmp_path):
     """PPO and GRPO raise the tiny task's reward by >= 0.1 within 15 iterations: the preset as ``make demo``
     runs it, shortened, its policy after 15 iterations against the one it started from on 512 held-out
-    prompts, sampled at the training temperature with the same seed (paired: prompt difficulty cancels;
-    the rollout reward of iteration 1 against the last ones moves with each iteration's prompts).
+    prompts (both evaluated by the run itself, ``run.eval_before_training``), sampled at the training
+    temperature with the same seed (paired: prompt difficulty cancels; the rollout reward of iteration 1
+    against the last ones moves with each iteration's prompts).
 
     The PPO run is also what ``make demo`` prints: it runs in a user's environment (none of the quieting
     variables of this pytest process), registers its policy as the demo does, and its stdout and stderr
-    hold the project's own lines only (``console_lines.py``)."""
-    from models.engines import close_engines
-    from models.config.io import config_from_json_dict
-    from models.stages.evaluate import eval_reward
-    from models.run.types import RunHandle
-
-    quick = ["run.num_iterations=15", "run.eval_interval=15", "rollout.eval_temperature=1.0",
-             "data.num_demo_eval_prompts=512", "run.save_interval=100"]
+    hold the project's own lines only (``console_lines.py``). The GRPO run is resident (``run.resident``:
+    the engine and the actor as the run's services)."""
+    quick = ["run.num_iterations=15", "run.eval_interval=15", "run.eval_before_training=true",
+             "rollout.eval_temperature=1.0", "data.num_demo_eval_prompts=512", "run.save_interval=100"]
     if algo != "ppo":  # registering and logging the checkpoint prove nothing more here
-        quick += ["run.registered_model_name=", "run.checkpoint_artifact_max_mb=0"]
+        quick += ["run.registered_model_name=", "run.checkpoint_artifact_max_mb=0", "run.resident=true"]
     env = demo_env(tmp_path / "home") if algo == "ppo" else None
     out = _pyflyte(f"workflows/{workflow}.py", f"{workflow}_training", f"configs/tiny_{algo}.yaml",
                    [f"run.storage_root={tmp_path}"] + quick, algo, tmp_path / "mlflow.db", env=env, stderr=True)
     if algo == "ppo":  # formerly test_quiet_console.py
         assert "[ppo] iter 15/15" in out and "Run ppo finished: 15 iterations of ppo." in out
         assert {what: lines for what, lines in library_lines(out).items() if lines} == {}, out[-4000:]
-    layout = RunLayout(str(tmp_path), algo)
-    info = layout.read_run_info()
-    (after,) = _metrics(tmp_path / "mlflow.db", info.mlflow_run_id, "eval/reward_mean")
-    data = f"{layout.url}/data"
-    run = RunHandle(str(tmp_path), algo, info.mlflow_run_id, layout.reference_url(), f"{data}/train_prompts.jsonl",
-                    f"{data}/eval_prompts.jsonl")
-    try:
-        before = eval_reward(config_from_json_dict(info.config), run, run.reference_url)
-    finally:
-        close_engines()
-    rollout = _metrics(tmp_path / "mlflow.db", info.mlflow_run_id, "rollout/reward_mean")
+    run_id = RunLayout(str(tmp_path), algo).read_run_info().mlflow_run_id
+    before, after = _metrics(tmp_path / "mlflow.db", run_id, "eval/reward_mean")  # steps -1 and 14
+    rollout = _metrics(tmp_path / "mlflow.db", run_id, "rollout/reward_mean")
     print(f"{algo}: held-out reward {before:.3f} -> {after:.3f} ({after - before:+.3f}); rollout reward "
           f"{[round(r, 3) for r in rollout]}")
     assert len(rollout) == 15 and after - before >= 0.1
