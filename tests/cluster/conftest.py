@@ -21,13 +21,15 @@ from tests.processes import mlflow_server
 
 IMAGE = "registry.example.com/flyte-rlhf:harness"
 DEPLOY = ("configs/tiny_ppo.yaml", "actor.nnodes=2 actor.nproc_per_node=2 actor.micro_batch_size=4 "
-                                   "critic.nnodes=2 critic.nproc_per_node=1")
+                                   "critic.nnodes=2 critic.nproc_per_node=1 critic.micro_batch_size=32")
 """The deployment every package of these tests is compiled with: the actor update a two-node PyTorchJob
 of 2 ranks per node, the critic update one of two pods of one rank."""
 TOPOLOGY = ["actor.nnodes=2", "actor.nproc_per_node=2", "actor.micro_batch_size=4"]
 """Overrides that give a run the registered actor topology."""
-PPO_TOPOLOGY = TOPOLOGY + ["critic.nnodes=2", "critic.nproc_per_node=1"]
+CRITIC_TOPOLOGY = ["critic.nnodes=2", "critic.nproc_per_node=1"]
 """... and a PPO run the registered critic topology (a critic-free run refuses the critic's options)."""
+PPO_TOPOLOGY = TOPOLOGY + CRITIC_TOPOLOGY + ["critic.micro_batch_size=32"]
+"""The registered topologies for the preset's batch sizes (its critic minibatch of 64 over 2 ranks)."""
 KEY = SECRET = "testing"
 """The moto server's (dummy) credentials: the cluster's Kubernetes secrets hold them."""
 

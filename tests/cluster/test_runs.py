@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import DEPLOY, PPO_TOPOLOGY, TOPOLOGY, registration_env
+from tests.cluster.conftest import CRITIC_TOPOLOGY, DEPLOY, TOPOLOGY, registration_env
 from tests.cluster.harness import Fault
 from tests.conftest import BUCKET
 from tests.integration.flyte_runs import FlyteRun, isolated_env
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 COMMON = ["run.num_iterations=2", "run.iterations_per_chunk=1", "run.eval_interval=2", "run.save_interval=1",
           "rollout.prompts_per_iteration=8", "actor.minibatch_size=16", "data.num_demo_eval_prompts=8"]
-RUN = {"ppo": COMMON + ["critic.minibatch_size=16", "critic.micro_batch_size=16", "rollout.engine=hf"],
+RUN = {"ppo": COMMON + ["critic.minibatch_size=16", "critic.micro_batch_size=8", "rollout.engine=hf"],
        "grpo": [o for o in COMMON if not o.startswith("run.iterations_per_chunk")]
        + ["run.iterations_per_chunk=2", "run.off_policy_steps=1", "actor.tis_cap=2"]}
 """The critic's options only where there is a critic (an option the algorithm ignores is refused); PPO samples
@@ -37,7 +37,7 @@ runs pipelined (``run.off_policy_steps=1``, docs/off_policy.md) with two ready n
 propeller runs them: the same checkpoints and metrics as the local run, which executes nodes one after
 another, and its rollout of iteration 1 beside iteration 0's chain (both iterations in one chunk: the
 pipeline restarts at a chunk's first iteration)."""
-PODS_TOPOLOGY = {"ppo": PPO_TOPOLOGY, "grpo": TOPOLOGY}
+PODS_TOPOLOGY = {"ppo": TOPOLOGY + CRITIC_TOPOLOGY, "grpo": TOPOLOGY}
 """The registered topologies: the actor's 2 pods of 2 ranks and, for PPO, the critic's 2 pods of 1 rank."""
 LOCAL_TOPOLOGY = {"ppo": ["actor.nnodes=1", "actor.nproc_per_node=4", "actor.micro_batch_size=4",
                           "critic.nnodes=1", "critic.nproc_per_node=2"],
@@ -45,12 +45,8 @@ LOCAL_TOPOLOGY = {"ppo": ["actor.nnodes=1", "actor.nproc_per_node=4", "actor.mic
 """The same world sizes on one node: the local run the pods must match file for file."""
 CASES = {"ppo": ("workflows/ppo.py", "ppo_training", "configs/tiny_ppo.yaml"),
          "grpo": ("workflows/reinforce.py", "reinforce_training", "configs/tiny_grpo.yaml")}
-NOT_COMPARED = ("time/", "throughput/", "resident/")
-"""Wall-clock metrics: never equal between two runs; the resident mode's own (the weights' bytes)."""
-RESIDENT_LOCALLY = {"grpo"}
-"""The local run of these cases is resident (``run.resident``: the engine and the 4-rank actor as services,
-new weights to the engine in memory, off-policy weights held back): the stateless pods must match it file
-for file all the same."""
+NOT_COMPARED = ("time/", "throughput/")
+"""Wall-clock metrics: never equal between two runs."""
 
 
 def committed_files(store_fs, url: str) -> dict:
@@ -70,9 +66,7 @@ def local_run(algo: str, root: str, s3: str, mlflow: str, home: Path) -> str:
     # ("local_files_only"), so without it the checkpoints differ in that one file (weights equal).
     env = isolated_env(home, {**s3_client_env(s3), "MLFLOW_TRACKING_URI": mlflow, "OMP_NUM_THREADS": "1",
                               "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
-    resident = ["run.resident=true"] if algo in RESIDENT_LOCALLY else []
-    run = FlyteRun(workflow, entry, preset, RUN[algo] + LOCAL_TOPOLOGY[algo] + resident + [f"run.storage_root={root}"],
-                   "local", env,
+    run = FlyteRun(workflow, entry, preset, RUN[algo] + LOCAL_TOPOLOGY[algo] + [f"run.storage_root={root}"], "local", env,
                    home / "pyflyte.log")
     return run.wait(timeout_s=1800)
 

@@ -68,6 +68,13 @@ def test_the_topology_is_checked_with_the_rest():
         preflight.check_remote_run(load_config("tiny_ppo", S3 + ["actor.nproc_per_node=1"]), load_config("tiny_ppo"))
 
 
+def test_a_resident_run_is_refused_on_a_cluster():
+    """The resident services start as child processes of a local launch; on a cluster: refused, saying so."""
+    cfg = load_config("tiny_ppo", S3 + ["actor.nproc_per_node=1", "run.resident=true"])
+    with pytest.raises(ConfigError, match=r"run.resident=true runs locally only in this version.*run.resident=false"):
+        preflight.check_remote_run(cfg, load_config("tiny_ppo", ["actor.nproc_per_node=1"]))
+
+
 def test_the_image_commit_wins_over_git(monkeypatch):
     from models.run.setup import GIT_COMMIT_ENV, git_commit
 
