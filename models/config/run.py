@@ -60,7 +60,7 @@ class RunConfig:
     resident: bool = False
     """Keep the actor trainer, the generation engine and (PPO) the critic trainer loaded for the whole run
     as services the iteration's tasks call, instead of loading every model from storage in every task
-    (docs/cluster.md#resident-mode). New weights go from the trainer to the engine in memory; checkpoints
+    (docs/cluster.md#running-the-resident-mode). New weights go from the trainer to the engine in memory; checkpoints
     are written every ``save_interval`` only, and a crash resumes from the last one, redoing the
     iterations after it. Local runs start the services as child processes of ``pyflyte run``."""
     resident_idle_timeout_s: float = 1800.0

@@ -270,7 +270,7 @@ def check_remote_run(cfg: TrainConfig, registered: TrainConfig) -> None:
     check_remote_paths(cfg)
     if cfg.run.resident:
         raise ConfigError("run.resident=true runs locally only in this version: on a cluster its services are not "
-                          "started as nodes of the execution yet (docs/cluster.md#resident-mode); run it with "
+                          "started as nodes of the execution yet (docs/cluster.md#running-the-resident-mode); run it with "
                           "run.resident=false there")
     check_topology(cfg, registered)
     check_s3_credentials(cfg)
