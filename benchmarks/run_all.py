@@ -40,6 +40,7 @@ BENCHMARKS: Dict[str, str] = {
     "trl": "bench_trl.py",  # against TRL
     "lora": "bench_lora.py",  # LoRA vs full fine-tuning
     "gpu": "bench_gpu.py",  # actor update (FSDP2, bf16) and kernels on a GPU; a "skipped" row without one
+    "resident": "bench_resident.py",  # resident vs stateless s/iteration and rewards on the tiny presets (#29)
     "projection": "project_iteration.py",  # an iteration at 8B / 70B on paper, both run modes (docs/cluster.md)
     "pipeline": "bench_pipeline.py",  # on- vs off-policy s/iteration in the pod-level harness (docs/off_policy.md)
 }
