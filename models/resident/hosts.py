@@ -39,6 +39,7 @@ from models.stages.score_ranks import score_forward_ranks
 from models.stages.updates import commit_trained
 from models.training.distributed import DistInfo, full_state_dict, unwrap
 from models.training.optimizer_carry import carried_optimizer
+from models.training.probe import reference_logprobs
 from models.training.update import make_optimizer, stat_keys
 
 
@@ -159,7 +160,8 @@ class _TrainerHost:
     section = ""
     inner = ""
 
-    def __init__(self, cfg: TrainConfig, run: RunHandle, state: PolicyState, info: DistInfo, url: str, seed_offset: int):
+    def __init__(self, cfg: TrainConfig, run: RunHandle, state: PolicyState, info: DistInfo, url: str,
+                 seed_offset: int):
         self.info, self.version, self.url = info, state.iteration, url
         torch.manual_seed(cfg.run.seed * 7919 + state.iteration + seed_offset)  # as the task's load does
         self.model = self.load(cfg, url)
@@ -171,6 +173,9 @@ class _TrainerHost:
 
     def load(self, cfg: TrainConfig, url: str):
         raise NotImplementedError
+
+    def _pad(self) -> int:
+        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
     def _weight_decay(self, section) -> float:
         return 0.0
@@ -267,9 +272,6 @@ class ActorHost(_TrainerHost):
                                              forward=forward))
         return {"batch": out.batch.uri, "stats": out.stats}
 
-    def _pad(self) -> int:
-        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-
     def train(self, cfg, run, state, batch, times):
         return actor_stage.update_actor(cfg, run, state, batch, self.info, self.model, self.optimizer, times)
 
@@ -282,7 +284,8 @@ class ActorHost(_TrainerHost):
 
         t0 = time.perf_counter()
         full = full_state_dict(self.model)  # collective under FSDP2
-        probe = self.forward(lambda: probe_reference(self.model, len(self.tokenizer)))
+        sequences, logprobs = reference_logprobs(unwrap(self.model), len(self.tokenizer))  # every rank: FSDP2
+        probe = {"sequences": sequences, "logprobs": logprobs}
         if not self.info.is_main:
             return {}
         weights = {k[len("lm."):]: v for k, v in full.items() if k.startswith("lm.")} if full is not None \
@@ -319,7 +322,7 @@ class CriticHost(_TrainerHost):
         cfg, run, state = protocol.read_args(args)
         _check_iteration(self.name, self.version, state)
         batch = RolloutBatch.open(args["batch"])
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        pad = self._pad()
         flat = self.forward(lambda: score_forward_ranks(cfg, batch, None, None, self.model, pad, self.info))
         return flat["values"].tolist() if self.info.is_main else None  # each rank its share, rank 0 gathers
 
@@ -358,21 +361,6 @@ def critic_values(run: RunHandle, cfg: TrainConfig, state: PolicyState, batch: R
     values = protocol.call_service(run.layout, protocol.CRITIC, "values",
                                    protocol.request_args(cfg, run, state, batch.uri))
     return np.asarray(values, np.float32)
-
-
-def probe_reference(model, vocab_size: int) -> Dict[str, list]:
-    """The probe sequences and the trainer's log-probs of them through ``model`` (its training forward)."""
-    import pyarrow as pa
-
-    from models.data.batch_tensors import model_inputs
-    from models.training.policy import inputs_to
-    from models.training.probe import probe_sequences
-
-    seqs = probe_sequences(vocab_size)
-    table = pa.table({"prompt_tokens": [s[:1] for s in seqs], "response_tokens": [s[1:] for s in seqs]})
-    device = next(model.parameters()).device
-    logp, _ = model(inputs_to(model_inputs(table, 0), device), temperature=1.0, with_entropy=False)
-    return {"sequences": seqs, "logprobs": logp.float().cpu().tolist()}
 
 
 HOSTS = {protocol.ENGINE: EngineHost, protocol.ACTOR: ActorHost, protocol.CRITIC: CriticHost}

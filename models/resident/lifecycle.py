@@ -117,12 +117,7 @@ def stop_services(layout, timeout_s: float = 30.0) -> List[str]:
         try:
             proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _end(proc, 5.0)
         protocol.unpublish(layout, name)
     if procs:
         storage.remove(protocol.services_url(layout), recursive=True)
@@ -138,13 +133,17 @@ def running(layout) -> List[Tuple[str, subprocess.Popen, Path]]:
 def stop_all_services() -> None:
     """Stop every service this process started (the workflow's failure handler, and at exit)."""
     for url in list(_RUNNING):
-        procs = _RUNNING.get(url, [])
-        for _, proc, _ in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for _, proc, _ in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        _RUNNING.pop(url, None)
+        for _, proc, _ in _RUNNING.pop(url, []):
+            _end(proc)
+
+
+def _end(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if the process has not exited within ``timeout_s``."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
