@@ -11,6 +11,8 @@ import time
 import urllib.request
 from typing import Iterator
 
+from models.server.launch import end_process
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -33,12 +35,7 @@ def wait_http(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 30
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    end_process(proc, timeout_s)
 
 
 @contextlib.contextmanager

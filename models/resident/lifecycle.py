@@ -26,6 +26,7 @@ from typing import Dict, List, Tuple
 from models import storage
 from models.resident import protocol
 from models.resident.server import STOP
+from models.server.launch import end_process
 
 _RUNNING: Dict[str, List[Tuple[str, subprocess.Popen, Path]]] = {}
 """Services this process started, per run folder URL: ``(name, process, log path)``."""
@@ -117,7 +118,7 @@ def stop_services(layout, timeout_s: float = 30.0) -> List[str]:
         try:
             proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
-            _end(proc, 5.0)
+            end_process(proc, 5.0)
         protocol.unpublish(layout, name)
     if procs:
         storage.remove(protocol.services_url(layout), recursive=True)
@@ -134,16 +135,5 @@ def stop_all_services() -> None:
     """Stop every service this process started (the workflow's failure handler, and at exit)."""
     for url in list(_RUNNING):
         for _, proc, _ in _RUNNING.pop(url, []):
-            _end(proc)
+            end_process(proc)
 
-
-def _end(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL if the process has not exited within ``timeout_s``."""
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()

@@ -26,6 +26,18 @@ READY = " server ready on "
 """What both servers' ready lines hold (``reward server ready on URL ...``), the URL after it."""
 
 
+def end_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if ``proc`` has not exited within ``timeout_s``; nothing if it has exited."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class ServerProcess:
     """The server as a child process; ``url`` once started; stopped on ``stop()`` / context exit."""
 
@@ -71,14 +83,8 @@ class ServerProcess:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM (uvicorn shuts down gracefully), SIGKILL after ``timeout_s``."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            end_process(self.proc, timeout_s)
 
     def __enter__(self) -> "ServerProcess":
         return self.start()
