@@ -48,7 +48,9 @@ def finish_run(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Training
     from models.stages.finish import run_finish
 
     secrets.load(secrets.S3, secrets.MLFLOW)
-    stop_services(run.layout)  # a resident run's services: the run's checkpoints are all committed by now
+    # A resident run's services (this process's children locally, the service nodes on a cluster): the
+    # run's checkpoints are all committed by now.
+    stop_services(run.layout, launch=run_lock.execution_name())
     with run_lock.heartbeat(run.layout.lock_url):
         return run_finish(cfg, run, state)
 

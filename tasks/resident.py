@@ -20,6 +20,8 @@ THIN = dict(requests=Resources(cpu="500m", mem="1Gi"), secret_requests=secrets.r
 
 def _batch_call(service: str, op: str, cfg: TrainConfig, run: RunHandle, state: PolicyState, batch_uri=None, **extra):
     secrets.load(secrets.S3, secrets.MLFLOW)
+    launch = run_lock.execution_name()  # on a cluster, wait for the service nodes of this execution to come up
+    protocol.expect_launch(launch, 0.0 if launch == "local" else cfg.run.resident_start_timeout_s)
     with run_lock.heartbeat(run.layout.lock_url):
         out = protocol.call_service(run.layout, service, op, protocol.request_args(cfg, run, state, batch_uri, **extra))
     if isinstance(out, dict) and "stats" in out:  # JSON keeps 2.0 as 2.0 but a service's count may be an int

@@ -21,9 +21,10 @@ def prepare_run(preset: str, overrides: List[str], run_name: str, workflow: str)
     """Check what the run needs, then load and check the config, validate prompts before any model
     loads, lay out the run (reference policy, initial critic, prompts), start the MLflow run; or resume
     ``run_name``. ``workflow`` (``ppo`` or ``reinforce``) must suit ``run.algorithm``. With ``run.resident``
-    the run's services start here, from the state it starts or resumes at (``models/resident/lifecycle.py``)."""
+    a local run's services start here, from the state it starts or resumes at (``models/resident/lifecycle.py``)."""
     secrets.load(secrets.S3, secrets.MLFLOW)
     setup = prepare(preset, overrides, run_name, workflow, None if is_local_execution() else REGISTERED)
-    if setup.cfg.run.resident:  # the services of a resident run, as child processes of this one
+    if setup.cfg.run.resident and is_local_execution():  # the services as child processes of this one (on a
+        # cluster they are nodes of the execution: workflows/common.py's run_services)
         start_services(setup.cfg, setup.run, setup.state, launch=run_lock.execution_name())
     return setup

@@ -6,7 +6,8 @@ definitions under its own names (Flyte names a workflow after the module attribu
   → commit_iteration;
 - a chunk, :func:`next_chunk` (inside a ``@dynamic``): up to ``run.iterations_per_chunk`` iterations
   (:func:`chain_iterations`), then the chunk again on the rest;
-- a training run, :func:`train`: prepare_run → the chunks → finish_run.
+- a training run, :func:`train`: prepare_run → the chunks → finish_run, and beside the chunks
+  :func:`run_services`: a resident run's services on a cluster (nodes that end when finish_run stops them).
 
 Wiring only: every task is in ``tasks/``."""
 
@@ -14,10 +15,15 @@ from __future__ import annotations
 
 from typing import List, NamedTuple, Optional, Tuple
 
+from flytekit import Resources, dynamic
+
 from tasks.advantages import advantages
 from models.config import TrainConfig
+from models.run.types import PolicyState, RunHandle
+from models.stages.outputs import ServiceSummary
 from tasks.deploy import is_local_execution, resources_for, use_local_topology
-from tasks import resident
+from tasks import resident, secrets
+from tasks.services import actor_service, critic_service, engine_service
 from tasks.iteration import commit_iteration, evaluate, finish_run
 from tasks.rollout import rollout
 from tasks.run_tasks import prepare_run
@@ -147,9 +153,25 @@ class Trained(NamedTuple):
     """``finish_run``'s node: the run's :class:`~models.stages.finish.TrainingSummary`."""
 
 
+@dynamic(requests=Resources(cpu="500m", mem="1Gi"), secret_requests=secrets.requests(secrets.S3))
+def run_services(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> List[ServiceSummary]:
+    """A resident run's services on a cluster (``tasks/services.py``), started from ``state`` beside the
+    run's iterations, each with the run's resources; their summaries once ``finish_run`` stopped them.
+    Nothing for a stateless run, nor in a local execution (``prepare_run`` starts the services there)."""
+    if not cfg.run.resident or is_local_execution():
+        return []
+    nodes = [engine_service(cfg=cfg, run=run, state=state).with_overrides(**resources_for(cfg, "rollout")),
+             actor_service(cfg=cfg, run=run, state=state).with_overrides(**resources_for(cfg, "actor"))]
+    if cfg.uses_critic:
+        nodes.append(critic_service(cfg=cfg, run=run, state=state).with_overrides(**resources_for(cfg, "critic")))
+    return nodes
+
+
 def train(chunk, workflow: str, preset: str, overrides: List[str], run_name: str) -> Trained:
     """The body of a training workflow: ``prepare_run`` (as ``workflow``: ``ppo`` or ``reinforce``),
-    the run's iterations by ``chunk`` (its ``@dynamic``), ``finish_run``."""
+    the run's iterations by ``chunk`` (its ``@dynamic``), ``finish_run``; beside the iterations, a resident
+    run's services (:func:`run_services`: the workflow ends when they do, after ``finish_run`` stopped them)."""
     setup = prepare_run(preset=preset, overrides=overrides, run_name=run_name, workflow=workflow)
+    run_services(cfg=setup.cfg, run=setup.run, state=setup.state)
     final = chunk(cfg=setup.cfg, run=setup.run, state=setup.state)
     return Trained(setup, finish_run(cfg=setup.cfg, run=setup.run, state=final))

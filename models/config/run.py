@@ -66,6 +66,9 @@ class RunConfig:
     resident_idle_timeout_s: float = 1800.0
     """A resident service with no request for this long stops by itself (a backstop: the run stops its
     services when it finishes or fails)."""
+    resident_start_timeout_s: float = 1800.0
+    """On a cluster, how long an iteration's task waits for a service of its launch to come up (the services
+    start as nodes beside the first tasks and load their models first); then it fails naming the service."""
     seed: int = 0
     """Seed for prompt order, sampling and updates."""
     algorithm: str = "ppo"
@@ -105,4 +108,5 @@ class RunConfig:
         check(self.checkpoint_artifact_max_mb >= 0, "run.checkpoint_artifact_max_mb must be >= 0")
         check(self.lock_ttl_s > 0, "run.lock_ttl_s must be > 0")
         check(self.resident_idle_timeout_s > 0, "run.resident_idle_timeout_s must be > 0")
+        check(self.resident_start_timeout_s > 0, "run.resident_start_timeout_s must be > 0")
         _check_registered_model_name(self.registered_model_name)

@@ -63,16 +63,13 @@ class TrainConfig:
         self._check_resident()
 
     def _check_resident(self) -> None:
-        """What the resident services (``run.resident``) serve in this version: one node, with the services
-        it starts itself."""
+        """What the resident services (``run.resident``) serve in this version: the services the run starts
+        itself (a local run's on one node: ``models.stages.prepare``)."""
         if not self.run.resident:
             return
         for name, value, why in (
                 ("rollout.remote_url", self.rollout.remote_url, "the run starts its own engine service"),
-                ("critic.remote_url", self.critic.remote_url, "the run starts its own critic service"),
-                ("actor.nnodes > 1", self.actor.nnodes > 1, "the services run as child processes of the launch, "
-                 "on its node"),
-                ("critic.nnodes > 1", self.critic.nnodes > 1, "the services run on the launch's node")):
+                ("critic.remote_url", self.critic.remote_url, "the run starts its own critic service")):
             check(not value, f"run.resident=true does not support {name} (got {value!r}): {why}. Use the "
                              f"stateless mode (run.resident=false) for it")
 

@@ -103,10 +103,12 @@ def log_tail(path: Path, chars: int = 3000) -> str:
         return "(no log)"
 
 
-def stop_services(layout, timeout_s: float = 30.0) -> List[str]:
+def stop_services(layout, timeout_s: float = 30.0, launch: str = "") -> List[str]:
     """Stop the services this process started for the run at ``layout`` (``stop`` op, then SIGTERM, then
-    SIGKILL) and remove their addresses. Returns the names stopped."""
+    SIGKILL) and remove their addresses; with ``launch``, also those of that launch that other processes run
+    (on a cluster, the service nodes: each ends once stopped). Returns the names stopped."""
     procs = _RUNNING.pop(layout.url, [])
+    stopped = [name for name, _, _ in procs]
     for name, proc, _ in procs:
         if proc.poll() is None:
             try:
@@ -120,9 +122,31 @@ def stop_services(layout, timeout_s: float = 30.0) -> List[str]:
         except subprocess.TimeoutExpired:
             end_process(proc, 5.0)
         protocol.unpublish(layout, name)
+    if launch:
+        stopped += stop_published(layout, launch, [name for name, _, _ in procs])
     if procs:
         storage.remove(protocol.services_url(layout), recursive=True)
-    return [name for name, _, _ in procs]
+    return stopped
+
+
+def stop_published(layout, launch: str, skip=()) -> List[str]:
+    """Send ``stop`` to each service of ``launch`` published under the run (but those in ``skip``) and remove
+    its address; one that does not answer is gone already (its idle timeout, or its node failed)."""
+    stopped = []
+    for name in protocol.SERVICES:
+        url = protocol.address_url(layout, name)
+        if name in skip or not storage.exists(url):
+            continue
+        address = protocol.ServiceAddress(**storage.read_json(url))
+        if address.launch != launch:
+            continue
+        try:
+            protocol.call(address, STOP, {"reason": "the run finished"}, timeout_s=60)
+        except protocol.ServiceError:
+            pass
+        protocol.unpublish(layout, name)
+        stopped.append(name)
+    return stopped
 
 
 def running(layout) -> List[Tuple[str, subprocess.Popen, Path]]:

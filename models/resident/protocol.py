@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -76,14 +77,36 @@ def unpublish(layout: RunLayout, name: str) -> None:
     storage.remove(address_url(layout, name))
 
 
+_EXPECTED = {"launch": "", "wait_s": 0.0}
+"""The launch this process's calls go to, and how long :func:`find` waits for it (:func:`expect_launch`)."""
+
+
+def expect_launch(launch: str, wait_s: float = 0.0) -> None:
+    """Call only services of ``launch`` from this process, waiting up to ``wait_s`` for one to publish its
+    address. On a cluster the services start as nodes beside the iteration's first tasks, which wait for
+    them; a stale address of an earlier launch of the run is never used."""
+    _EXPECTED.update(launch=launch, wait_s=float(wait_s))
+
+
 def find(layout: RunLayout, name: str) -> ServiceAddress:
-    """The published address of service ``name``; :class:`ServiceGone` when none is published."""
-    url = address_url(layout, name)
-    if not storage.exists(url):
-        raise ServiceGone(f"{SERVICE_LABELS.get(name, name)} of run {layout.run_name} has not published an "
-                          f"address ({url}): the run's services are not running (run.resident=true starts them "
-                          f"when the run is launched; rerun the launch to resume)")
-    return ServiceAddress(**storage.read_json(url))
+    """The published address of service ``name`` (of the launch :func:`expect_launch` named, waiting for it
+    as long as that said); :class:`ServiceGone` when none is published."""
+    url, launch = address_url(layout, name), _EXPECTED["launch"]
+    deadline = time.monotonic() + _EXPECTED["wait_s"]
+    while True:
+        address = ServiceAddress(**storage.read_json(url)) if storage.exists(url) else None
+        if address is not None and (not launch or address.launch == launch):
+            return address
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(1.0)
+    if address is not None:
+        raise ServiceGone(f"{SERVICE_LABELS.get(name, name)} of run {layout.run_name} at {url} belongs to launch "
+                          f"{address.launch!r}, not to this one ({launch!r}), and none of this launch published an "
+                          f"address in {_EXPECTED['wait_s']:g} s (run.resident_start_timeout_s)")
+    raise ServiceGone(f"{SERVICE_LABELS.get(name, name)} of run {layout.run_name} has not published an "
+                      f"address ({url}): the run's services are not running (run.resident=true starts them "
+                      f"when the run is launched; rerun the launch to resume)")
 
 
 def post(address: ServiceAddress, path: str, body: bytes, content_type: str, timeout_s: float) -> Any:

@@ -59,8 +59,12 @@ class ServiceServer:
     time on every rank and posts the reply back."""
 
     def __init__(self, token: str, host: str = "127.0.0.1", port: int = 0, idle_timeout_s: float = 1800.0,
-                 parent_pid: int = 0):
+                 parent_pid: int = 0, advertise: str = ""):
+        """Listen on ``host`` (``0.0.0.0`` in a cluster pod); ``advertise``: the address the run's tasks reach
+        it at (the pod's IP; default ``host``)."""
         self.token, self.idle_timeout_s, self.parent_pid = token, idle_timeout_s, parent_pid
+        self.requests = 0
+        self.started = time.monotonic()
         self._cond = threading.Condition()
         self._pending: Optional[Request] = None
         self._reply: Optional[Tuple[int, dict]] = None
@@ -69,7 +73,7 @@ class ServiceServer:
         self.stopping = ""
         self.httpd = ThreadingHTTPServer((host, port), self._handler())
         self.httpd.daemon_threads = True
-        self.url = f"http://{host}:{self.httpd.server_address[1]}"
+        self.url = f"http://{advertise or host}:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         threading.Thread(target=self._watch, daemon=True).start()
 
@@ -92,6 +96,7 @@ class ServiceServer:
         """Queue ``request`` for the rank loop and wait for its reply (requests are served one at a time)."""
         with self._busy:
             self.last_request = time.monotonic()
+            self.requests += 1
             with self._cond:
                 if self.stopping:
                     return 503, {"error": f"the service is stopping: {self.stopping}", "kind": "ServiceStopping"}

@@ -261,6 +261,19 @@ def check_s3_credentials(cfg: TrainConfig) -> None:
                           f"the pods an IAM role")
 
 
+def check_local_resident(cfg: TrainConfig) -> None:
+    """A local resident run's services are child processes of ``pyflyte run`` on this machine: each trainer
+    on one node."""
+    if not cfg.run.resident:
+        return
+    for section in ("actor", "critic"):
+        nnodes = getattr(cfg, section).nnodes
+        if nnodes > 1 and (section == "actor" or cfg.uses_critic):
+            raise ConfigError(f"{section}.nnodes={nnodes}: a local run.resident=true run starts its services on this "
+                              f"machine, one node; set {section}.nnodes=1 (and {section}.nproc_per_node to the ranks), "
+                              f"or run it on a cluster (pyflyte run --remote)")
+
+
 def check_remote_run(cfg: TrainConfig, registered: TrainConfig) -> None:
     """What a remote run needs from the cluster, in the order a user fixes them: no local paths, the
     registered actor topology, S3 credentials, the tracking server (storage itself is probed next, by
@@ -268,10 +281,6 @@ def check_remote_run(cfg: TrainConfig, registered: TrainConfig) -> None:
     from models import tracking
 
     check_remote_paths(cfg)
-    if cfg.run.resident:
-        raise ConfigError("run.resident=true runs locally only in this version: on a cluster its services are not "
-                          "started as nodes of the execution yet (docs/cluster.md#running-the-resident-mode); run it with "
-                          "run.resident=false there")
     check_topology(cfg, registered)
     check_s3_credentials(cfg)
     check_tracking(tracking.tracking_uri(), remote=True)

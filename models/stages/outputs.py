@@ -38,3 +38,17 @@ class TrainingSummary:
     """Model Registry name of the final policy ("" when not registered)."""
     model_version: str = ""
     """Its version (alias ``candidate``)."""
+
+
+@dataclass(frozen=True)
+class ServiceSummary:
+    """What a resident service reports when it stops (``run.resident`` on a cluster: the output of its node)."""
+
+    name: str
+    """``engine``, ``actor`` or ``critic``."""
+    requests: int
+    """Requests it served (the stop request included)."""
+    seconds: float
+    """From listening to stopping (its models' load not included)."""
+    stopped: str
+    """Why it stopped: the run finished, or its idle timeout."""

@@ -10,7 +10,7 @@ from models.config import TrainConfig
 from models.config.io import config_from_json_dict, load_config
 from models.run import end as run_end
 from models.run.layout import RunLayout
-from models.run.preflight import check_remote_run, check_topology, check_tracking
+from models.run.preflight import check_local_resident, check_remote_run, check_topology, check_tracking
 from models.run.setup import DEFAULT_PRESETS, RunSetup, setup_run
 
 
@@ -22,6 +22,7 @@ def check_before_setup(preset: str, overrides: List[str], run_name: str, workflo
     with), in any run that the tracking server answers."""
     cfg = load_config(preset or DEFAULT_PRESETS.get(workflow, DEFAULT_PRESETS["ppo"]), list(overrides))
     if deployment is None:
+        check_local_resident(cfg)
         check_tracking(tracking.tracking_uri(), remote=False)
         return
     check_remote_run(cfg, deployment)

@@ -100,10 +100,20 @@ def count_bytes() -> Iterator[List[Transfer]]:
         _COUNTERS.remove(records)
 
 
+TRANSFER_LOG_ENV = "RLHF_STORAGE_LOG"
+"""A file every transfer of this process is appended to as a JSON line (``{"op", "url", "nbytes"}``): what a
+pod moved, for measurements across processes (``benchmarks/bench_resident.py --harness``); unset: none."""
+
+
 def count(op: str, url: str, nbytes: int) -> None:
-    """Add one transfer to every open :func:`count_bytes` (nothing when none is open)."""
+    """Add one transfer to every open :func:`count_bytes` (nothing when none is open), and to the file
+    ``RLHF_STORAGE_LOG`` names."""
     for records in _COUNTERS:
         records.append(Transfer(op, os.fspath(url), int(nbytes)))
+    log = os.environ.get(TRANSFER_LOG_ENV)
+    if log:
+        with open(log, "a") as f:
+            f.write(json.dumps({"op": op, "url": os.fspath(url), "nbytes": int(nbytes)}) + "\n")
 
 
 def utc_now_iso(timespec: str = "seconds") -> str:

@@ -11,13 +11,17 @@ error, or a pod that died (non-zero exit, killed, no document), uses one of the 
 fails the node at once. Not emulated: Flyte's task cache (datacatalog; every node runs), branch,
 gate, array and sub-workflow nodes, attribute-path promises.
 
-``parallelism`` > 1 runs independent nodes at once, as propeller does (1: one node at a time).
+``parallelism`` > 1 runs independent nodes at once, as propeller does (1: one node at a time), at each
+level of the graph. A node that fails for good aborts the execution's running nodes (their pods killed)
+as propeller's default failure policy (``FAIL_IMMEDIATELY``) does, so a long-running node (a resident
+run's service) never outlives a failed execution.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -69,6 +73,8 @@ class Execution:
     outputs: Optional[literals_pb2.LiteralMap] = None
     attempts: List[Attempt] = field(default_factory=list)
     error: str = ""
+    aborted: threading.Event = field(default_factory=threading.Event, repr=False)
+    """Set when a node failed for good: every running pod of the execution is killed."""
 
     def of_task(self, suffix: str) -> List[Attempt]:
         return [a for a in self.attempts if a.task.endswith(suffix)]
@@ -134,7 +140,11 @@ class Cluster:
                 done, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
                 for fut in done:
                     nid = running.pop(fut)
-                    scope[nid] = fut.result()  # a failed node raises here; the pool lets the others end
+                    try:
+                        scope[nid] = fut.result()
+                    except BaseException:  # FAIL_IMMEDIATELY: the running nodes are aborted
+                        ex.aborted.set()
+                        raise
         return literals_pb2.LiteralMap(literals={o.var: resolve(o.binding, scope) for o in outputs})
 
     def _node(self, ex: Execution, ctx, node, tasks, inputs: literals_pb2.LiteralMap, path: str):
@@ -148,6 +158,8 @@ class Cluster:
         size = self.store.write(inputs_url, inputs)
         user_left, system_left = retries, self.system_retries
         for attempt in itertools.count():
+            if ex.aborted.is_set():
+                raise NodeFailed(f"node {path} ({template.id.name}): aborted (another node failed)")
             a = Attempt(path, template.id.name, attempt, [], inputs_bytes=size)
             ex.attempts.append(a)
             try:
@@ -184,7 +196,7 @@ class Cluster:
                         "prevCheckpointPrefix": '""'}
         t0 = time.monotonic()
         a.pods = start_pods(template, self.pods, name, placeholders, ctx, a.attempt, extra)
-        wait_pods(a.pods, self.pods.timeout_s, kill_when=marker)
+        wait_pods(a.pods, self.pods.timeout_s, kill_when=marker, abort=ex.aborted)
         a.seconds = time.monotonic() - t0
         return self._collect(a, out_prefix)
 

@@ -27,6 +27,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,12 +186,14 @@ def end_pod(pod: Pod) -> None:
     pod.proc.wait()
 
 
-def wait_pods(pods: List[Pod], timeout_s: float, kill_when: Optional[Path] = None) -> None:
-    """Wait for every pod; kill them all at ``timeout_s`` or as soon as the file ``kill_when`` exists
-    (a fault: the node is lost there). Records exit codes, seconds and the disk each pod used."""
+def wait_pods(pods: List[Pod], timeout_s: float, kill_when: Optional[Path] = None,
+              abort: Optional[threading.Event] = None) -> None:
+    """Wait for every pod; kill them all at ``timeout_s``, as soon as the file ``kill_when`` exists
+    (a fault: the node is lost there) or when ``abort`` is set (the execution failed). Records exit codes,
+    seconds and the disk each pod used."""
     deadline = time.monotonic() + timeout_s
     while any(p.proc.poll() is None for p in pods):
-        lost = kill_when is not None and kill_when.exists()
+        lost = kill_when is not None and kill_when.exists() or abort is not None and abort.is_set()
         if lost or time.monotonic() > deadline:
             for p in pods:
                 if p.proc.poll() is None:

@@ -75,17 +75,6 @@ def test_a_topology_other_than_the_registered_one_fails_first(full, make_cluster
     assert nothing_created(make_cluster(full), root) and _no_mlflow_run(mlflow_url, root)
 
 
-def test_a_resident_run_is_refused_on_a_cluster(full, make_cluster, tmp_path, mlflow_url):
-    """``run.resident`` starts its services as child processes of a local ``pyflyte run``; on a cluster they
-    are not started as nodes of the execution yet: refused in the first pod, before anything is created
-    (here by the config's own check: the registered actor spans two nodes; with one node,
-    ``check_remote_run`` says "runs locally only in this version")."""
-    root = f"s3://{BUCKET}/early-{tmp_path.name}"
-    error = run_prepare(make_cluster(full), root, [*PPO_TOPOLOGY, "run.resident=true"])
-    assert "run.resident=true does not support actor.nnodes > 1" in error and "run.resident=false" in error
-    assert nothing_created(make_cluster(full), root) and _no_mlflow_run(mlflow_url, root)
-
-
 def test_missing_s3_secrets_are_named(full, make_cluster, tmp_path, mlflow_url):
     root = f"s3://{BUCKET}/early-{tmp_path.name}"
     cluster = make_cluster(full, secrets={k: v for k, v in cluster_secrets().items() if k[1] != "aws-access-key-id"})

@@ -1,6 +1,9 @@
 """Two iterations of PPO and of GRPO from the compiled package, every node a pod (``tests/cluster``),
 against the same seeds through a local ``pyflyte run``: the same checkpoints byte for byte, the same
-metrics, every run FINISHED in one ``mlflow server`` on 127.0.0.1.
+metrics, every run FINISHED in one ``mlflow server`` on 127.0.0.1. PPO runs stateless (every task loads
+its models), GRPO resident (``run.resident``): its services are nodes of the execution (the engine's pod,
+the actor trainer's two-pod PyTorchJob), the local run's child processes of ``pyflyte run``; none outlives
+its run.
 
 What differs on purpose: the pods' actor update is a two-node PyTorchJob (2 pods × 2 ranks, the
 operator's rendezvous environment on loopback), the local run's one node of 4 ranks (the same 4
@@ -29,14 +32,15 @@ COMMON = ["run.num_iterations=2", "run.iterations_per_chunk=1", "run.eval_interv
           "rollout.prompts_per_iteration=8", "actor.minibatch_size=16", "data.num_demo_eval_prompts=8"]
 RUN = {"ppo": COMMON + ["critic.minibatch_size=16", "critic.micro_batch_size=8", "rollout.engine=hf"],
        "grpo": [o for o in COMMON if not o.startswith("run.iterations_per_chunk")]
-       + ["run.iterations_per_chunk=2", "run.off_policy_steps=1", "actor.tis_cap=2"]}
+       + ["run.iterations_per_chunk=2", "run.off_policy_steps=1", "actor.tis_cap=2", "run.resident=true",
+          "run.resident_idle_timeout_s=600"]}
 """The critic's options only where there is a critic (an option the algorithm ignores is refused); PPO samples
 with the HF engine (its rollout and evaluation pods start in seconds: nothing here depends on the engine),
-GRPO with vLLM, so vLLM runs in pods from the package too. GRPO
-runs pipelined (``run.off_policy_steps=1``, docs/off_policy.md) with two ready nodes at a time, as
-propeller runs them: the same checkpoints and metrics as the local run, which executes nodes one after
-another, and its rollout of iteration 1 beside iteration 0's chain (both iterations in one chunk: the
-pipeline restarts at a chunk's first iteration)."""
+GRPO with vLLM, so vLLM runs in pods from the package too (in the engine service's pod). GRPO
+runs resident and pipelined (``run.off_policy_steps=1``, docs/off_policy.md) with two ready nodes at a time
+on each level of the graph, as propeller runs them: the same checkpoints and metrics as the local run, which
+executes nodes one after another, and its rollout of iteration 1 beside iteration 0's chain (both
+iterations in one chunk: the pipeline restarts at a chunk's first iteration)."""
 PODS_TOPOLOGY = {"ppo": TOPOLOGY + CRITIC_TOPOLOGY, "grpo": TOPOLOGY}
 """The registered topologies: the actor's 2 pods of 2 ranks and, for PPO, the critic's 2 pods of 1 rank."""
 LOCAL_TOPOLOGY = {"ppo": ["actor.nnodes=1", "actor.nproc_per_node=4", "actor.micro_batch_size=4",
@@ -109,22 +113,50 @@ def test_two_iterations_in_pods_match_a_local_run(algo, packages, make_cluster, 
     built = cluster.pods.image_env["RLHF_GIT_COMMIT"]  # the image's build argument: HEAD when the test began
     assert runs["pods"].data.tags["git_commit"] == built and len(built) == 40
 
-    # Each pod worked in its own folder; the two-node update ran as 2 pods, each sharing one download
-    # of each checkpoint between its ranks (iteration 1 reads the reference and actor 0).
+    folders = [p.folder for a in ex.attempts for p in a.pods]
+    assert len(set(folders)) == len(folders)  # each pod worked in its own folder
+    if algo == "ppo":
+        check_stateless_pods(ex)
+    if algo == "grpo":
+        check_services(ex, cluster, root)
+        check_pipelined(ex, client, runs["pods"].info.run_id, "_resident")
+
+
+def check_stateless_pods(ex) -> None:
+    """The two-node update ran as 2 pods, each sharing one download of each checkpoint between its ranks
+    (iteration 1 reads the reference and actor 0); the lost rollout pod's node ran again and went on."""
     updates = [a for a in ex.attempts if a.task.endswith("actor_update")]
     assert [len(a.pods) for a in updates] == [2, 2]
-    if algo == "ppo":  # the critic update: a PyTorchJob of 2 pods too, matching the local 2-rank critic
-        assert [len(a.pods) for a in ex.attempts if a.task.endswith("critic_update")] == [2, 2]
+    # the critic update: a PyTorchJob of 2 pods too, matching the local 2-rank critic
+    assert [len(a.pods) for a in ex.attempts if a.task.endswith("critic_update")] == [2, 2]
     for pod in updates[1].pods:
         cache = pod.folder / "tmp" / "flyte-rlhf-checkpoints"
         assert len([d for d in os.listdir(cache) if not d.startswith(".") and os.path.isdir(cache / d)]) == 2
-    folders = [p.folder for a in ex.attempts for p in a.pods]
-    assert len(set(folders)) == len(folders)
     rollouts = [(a.node, a.outcome) for a in ex.attempts if a.task.endswith(".rollout")]
-    if algo == "ppo":  # the lost pod's node ran again and went on
-        assert [o for _, o in rollouts] == ["outputs", "lost", "outputs"] and rollouts[1][0] == rollouts[2][0]
-    if algo == "grpo":
-        check_pipelined(ex, client, runs["pods"].info.run_id)
+    assert [o for _, o in rollouts] == ["outputs", "lost", "outputs"] and rollouts[1][0] == rollouts[2][0]
+
+
+def check_services(ex, cluster, root: str) -> None:
+    """A resident run's services were nodes of its execution: the engine one pod, the actor trainer a
+    PyTorchJob of the registered 2 pods; each served the run's thin tasks and ended because ``finish_run``
+    stopped it (not its idle timeout, not a kill), before the execution ended; their addresses are gone.
+    No task loaded a model: the iteration's pods are the thin ones."""
+    from models.resident import protocol
+
+    services = {a.task.rsplit(".", 1)[-1]: a for a in ex.attempts if a.task.endswith("_service")}
+    assert sorted(services) == ["actor_service", "engine_service"], sorted(services)
+    assert len(services["actor_service"].pods) == 2 and len(services["engine_service"].pods) == 1
+    finished = max(p.started + p.seconds for a in ex.of_task(".finish_run") for p in a.pods)
+    for name, a in services.items():
+        assert a.outcome == "outputs" and all(p.exit_code == 0 for p in a.pods), (name, a.error)
+        assert "stopping: the run finished" in a.pods[0].output(), a.pods[0].output()[-2000:]
+        assert max(p.started + p.seconds for p in a.pods) <= finished + 60  # ended with the run, not idle
+        assert all(p.proc.poll() is not None for p in a.pods)
+        summary = service_summary(cluster, ex, a)
+        assert summary.name == name.split("_")[0] and summary.stopped == "the run finished", summary
+        assert summary.requests >= {"engine_service": 3, "actor_service": 4}[name], summary  # its ops and the stop
+    assert not cluster.store.fs().exists(f"{root}/pods/services/{protocol.ENGINE}.json")
+    assert not [a for a in ex.attempts if a.task.split(".")[-1] in ("rollout", "score", "actor_update")]
 
 
 def spans(ex, task: str):
@@ -137,12 +169,26 @@ def overlap(a, b) -> float:
     return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
 
 
-def check_pipelined(ex, client, run_id: str) -> None:
+def service_summary(cluster, ex, a):
+    """The :class:`~models.stages.outputs.ServiceSummary` a service node returned (its ``outputs.pb``)."""
+    from flytekit.core.context_manager import FlyteContextManager
+    from flytekit.core.type_engine import TypeEngine
+    from flytekit.models.literals import Literal
+
+    from models.stages.outputs import ServiceSummary
+
+    doc = cluster.store.read_literals(f"{cluster.metadata_prefix}/{ex.id}/{a.node}/data/{a.attempt}/outputs.pb")
+    return TypeEngine.to_python_value(FlyteContextManager.current_context(), Literal.from_flyte_idl(doc.literals["o0"]),
+                                     ServiceSummary)
+
+
+def check_pipelined(ex, client, run_id: str, suffix: str = "") -> None:
     """With ``run.off_policy_steps=1`` the rollout of iteration 1 (sampled from the initial actor) needs
     nothing of iteration 0: it runs beside iteration 0's rollout, score or update, which an on-policy graph
-    never allows (every rollout waits for the commit before it); ``rollout/policy_lag`` is 0 then 1."""
-    rollouts = spans(ex, ".rollout")
-    chain = spans(ex, ".rollout")[:1] + spans(ex, ".score")[:1] + spans(ex, ".actor_update")[:1]
+    never allows (every rollout waits for the commit before it); ``rollout/policy_lag`` is 0 then 1.
+    ``suffix``: ``_resident`` for a resident run's thin tasks."""
+    rollouts = spans(ex, ".rollout" + suffix)
+    chain = rollouts[:1] + spans(ex, ".score" + suffix)[:1] + spans(ex, ".actor_update" + suffix)[:1]
     assert len(rollouts) == 2
     beside = sum(overlap(rollouts[1], other) for other in chain)
     assert beside > 0, f"rollout 1 {rollouts[1]} never ran beside iteration 0's chain {chain}"

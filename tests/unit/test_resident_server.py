@@ -77,3 +77,35 @@ def test_find_names_a_service_that_never_published(tmp_path):
     protocol.unpublish(layout, "engine")
     with pytest.raises(protocol.ServiceGone):
         protocol.find(layout, "engine")
+
+
+def test_a_cluster_task_waits_for_its_own_launch_and_finish_stops_it(tmp_path):
+    """On a cluster the services start beside the first tasks: a task waits for an address of its own
+    execution, never an earlier launch's; ``finish_run``'s stop reaches the published services of its launch
+    only, and removes their addresses."""
+    from models.resident.lifecycle import stop_services
+    from models.resident.service import cluster_addresses
+
+    layout = RunLayout(str(tmp_path), "r1")
+    protocol.publish(layout, protocol.ServiceAddress("engine", "http://127.0.0.1:1", "t", 41, "exec-old"))
+    try:
+        protocol.expect_launch("exec-new", wait_s=1.5)
+        with pytest.raises(protocol.ServiceGone, match=r"belongs to launch 'exec-old', not to this one \('exec-new'\).*"
+                                                       r"run.resident_start_timeout_s"):
+            protocol.find(layout, "engine")
+        server, _, thread, out = _start()
+        later = threading.Timer(0.5, protocol.publish, (layout, protocol.ServiceAddress(
+            "engine", server.url, "tok-en", 42, "exec-new")))
+        later.start()
+        assert protocol.find(layout, "engine").pid == 42  # waited for it
+        protocol.publish(layout, protocol.ServiceAddress("critic", "http://127.0.0.1:1", "t", 43, "exec-other"))
+        assert stop_services(layout, launch="exec-new") == ["engine"]
+        thread.join(5)
+        assert out["reason"] == "the run finished" and server.requests == 1
+        assert not (tmp_path / "r1" / "services" / "engine.json").exists()
+        assert (tmp_path / "r1" / "services" / "critic.json").exists()  # another launch's: left alone
+        server.close()
+    finally:
+        protocol.expect_launch("")
+    assert cluster_addresses({"RLHF_SERVICE_HOST": "127.0.0.1"}) == ("127.0.0.1", "127.0.0.1")
+    assert cluster_addresses({})[0] == "0.0.0.0"

@@ -68,11 +68,23 @@ def test_the_topology_is_checked_with_the_rest():
         preflight.check_remote_run(load_config("tiny_ppo", S3 + ["actor.nproc_per_node=1"]), load_config("tiny_ppo"))
 
 
-def test_a_resident_run_is_refused_on_a_cluster():
-    """The resident services start as child processes of a local launch; on a cluster: refused, saying so."""
-    cfg = load_config("tiny_ppo", S3 + ["actor.nproc_per_node=1", "run.resident=true"])
-    with pytest.raises(ConfigError, match=r"run.resident=true runs locally only in this version.*run.resident=false"):
-        preflight.check_remote_run(cfg, load_config("tiny_ppo", ["actor.nproc_per_node=1"]))
+def test_a_resident_run_on_several_nodes_needs_a_cluster(monkeypatch):
+    """A local resident run's services are child processes on this machine: a trainer of several nodes is
+    refused there, naming the field; on a cluster (its services nodes of the execution) the same config passes
+    every check (here up to the tracking server's, which is last)."""
+    cfg = load_config("tiny_ppo", S3 + ["actor.nnodes=2", "actor.nproc_per_node=1", "run.resident=true"])
+    with pytest.raises(ConfigError, match=r"actor.nnodes=2: a local run.resident=true run starts its services on "
+                                          r"this machine.*pyflyte run --remote"):
+        preflight.check_local_resident(cfg)
+    with pytest.raises(ConfigError, match=r"critic.nnodes=2"):
+        preflight.check_local_resident(load_config("tiny_ppo", ["run.resident=true", "critic.nnodes=2",
+                                                                "critic.micro_batch_size=32"]))
+    preflight.check_local_resident(load_config("tiny_ppo", ["run.resident=true"]))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIA")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+    monkeypatch.setenv(tracking.TRACKING_URI_ENV, "sqlite:///mlflow.db")
+    with pytest.raises(ConfigError, match=r"local to one pod in a remote execution"):
+        preflight.check_remote_run(cfg, load_config("tiny_ppo", ["actor.nnodes=2", "actor.nproc_per_node=1"]))
 
 
 def test_the_image_commit_wins_over_git(monkeypatch):

@@ -24,7 +24,8 @@ def test_training_differs_only_by_its_chunk():
     from workflows.reinforce import reinforce_training
 
     ppo, critic_free = node_entities(ppo_training), node_entities(reinforce_training)
-    assert ppo == ["tasks.iteration.finish_run", "tasks.run_tasks.prepare_run", "workflows.ppo.ppo_chunk"]
+    assert ppo == ["tasks.iteration.finish_run", "tasks.run_tasks.prepare_run", "workflows.common.run_services",
+                   "workflows.ppo.ppo_chunk"]
     assert critic_free == [n.replace("ppo.ppo_chunk", "reinforce.reinforce_chunk") for n in ppo]
     assert ppo_training.python_interface.inputs == reinforce_training.python_interface.inputs
     assert ppo_training.python_interface.outputs == reinforce_training.python_interface.outputs
