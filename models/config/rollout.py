@@ -60,6 +60,14 @@ class RolloutConfig:
     a GPU node, needing ``resources.rollout_gpu`` at least this; CPU workers pinned to disjoint cores on
     CPU). Sampled log-probs match one worker's within float tolerance; in-place weight reloads go to every
     worker (each loads its own slice). 1: one worker in the task's process."""
+    data_parallel_size: int = 1
+    """Engine replicas: this many copies of the engine (each of ``tensor_parallel_size`` workers), each in
+    its own process, the iteration's prompts dealt among them (``models/engines/replicas.py``; vLLM 0.32
+    has no offline data parallelism for dense models). For a node whose GPUs one engine cannot use: 8 GPUs
+    and a model that fits on 2 are ``tensor_parallel_size: 2``, ``data_parallel_size: 4``; the rollout task
+    needs ``resources.rollout_gpu`` at least their product (on CPU, a core per worker). Samples are seeded
+    per prompt and sample, so the batch is the same for any number of replicas; new weights go to every
+    replica, in place. vLLM or HF. 1: one engine in the task's process."""
     vllm_dtype: str = "float32"
     """vLLM weights/activations dtype. bf16 is faster but drifts from an fp32 trainer, so it needs
     ``actor.old_logprobs=recompute`` (the default: π_old from the trainer's own forward in ``score``)."""
@@ -110,6 +118,8 @@ class RolloutConfig:
         check(self.tensor_parallel_size == 1 or self.engine == "vllm",
               f"rollout.tensor_parallel_size={self.tensor_parallel_size} needs rollout.engine=vllm (the HF engine "
               f"runs in one process)")
+        check(self.data_parallel_size >= 1, f"rollout.data_parallel_size={self.data_parallel_size} must be >= 1 "
+                                            f"(1: one engine)")
         check_choice("rollout.lora_mode", self.lora_mode, ["adapter", "merged"])
         remote = urlsplit(self.remote_url)
         check(not self.remote_url or (remote.scheme in ("http", "https") and bool(remote.netloc)),

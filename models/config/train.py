@@ -90,10 +90,11 @@ class TrainConfig:
                   f"{', remote ' + r.remote_url if r.remote_url else ''}); bf16 samplers differ from an fp32 "
                   f"trainer by up to 0.4 nats/token: use actor.old_logprobs=recompute")
 
-        tp, gpus = self.rollout.tensor_parallel_size, self.resources.rollout_gpu
-        check(gpus == 0 or tp <= gpus,
-              f"rollout.tensor_parallel_size={tp} splits the engine over {tp} GPUs, but the rollout task has "
-              f"resources.rollout_gpu={gpus}: set resources.rollout_gpu={tp}")
+        r, gpus = self.rollout, self.resources.rollout_gpu
+        tp, dp = r.tensor_parallel_size, r.data_parallel_size
+        check(gpus == 0 or tp * dp <= gpus,
+              f"rollout.tensor_parallel_size={tp} x rollout.data_parallel_size={dp} splits the engine over {tp * dp} "
+              f"GPUs, but the rollout task has resources.rollout_gpu={gpus}: set resources.rollout_gpu={tp * dp}")
 
     def _check_batches(self) -> None:
         """GPUs per actor and critic node, and the batch split into minibatches and micro-batches on every rank."""

@@ -19,10 +19,15 @@ could not load (:mod:`models.engines.vllm_engine`). A trainer that holds its wei
 them without storage: :func:`pack_weights` to bytes, :func:`unpack_weights` back, and
 ``load_tensors`` copies them into the running engine (names and shapes checked first). Whether the
 engine then serves the trainer's weights is checked by :mod:`models.training.probe`.
+
+With ``data_parallel_size`` > 1 (``rollout.data_parallel_size``) the same interface is served by that many
+engines, each in its own process, the prompts dealt among them (:mod:`models.engines.replicas`: vLLM 0.32
+has no offline data parallelism for dense models).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -32,6 +37,7 @@ from models.engines.base import (MIN_ENGINE_TEMPERATURE, EngineLoadError, Engine
                                 GenerationEngine, SamplingSpec, WeightsLayout, eos_token_ids, sample_seed,
                                 stream_seed)
 from models.engines.hf_engine import HFEngine
+from models.engines.replicas import EngineReplicas
 from models.engines.vllm_engine import VLLM_LORA_RANKS, VLLM_MAX_LORA_RANK, VLLMEngine  # noqa: F401
 from models.engines.weights import pack_weights, unpack_weights  # noqa: F401
 
@@ -54,7 +60,12 @@ def _architecture_key(checkpoint_dir: str, kind: str, dtype: str) -> tuple:
     return (kind, dtype, tuple(sorted((k, str(v)) for k, v in arch.items())))
 
 
-def make_engine(kind: str, checkpoint_dir: str, **kwargs) -> GenerationEngine:
+def make_engine(kind: str, checkpoint_dir: str, data_parallel_size: int = 1, **kwargs) -> GenerationEngine:
+    """An engine of ``kind`` (``vllm`` or ``hf``) serving ``checkpoint_dir``; with ``data_parallel_size`` > 1,
+    that many replicas of it, each in its own process (:class:`EngineReplicas`)."""
+    if data_parallel_size > 1 and kind in ("vllm", "hf"):
+        return EngineReplicas(functools.partial(make_engine, kind, checkpoint_dir, **kwargs), data_parallel_size,
+                              workers=kwargs.get("tensor_parallel_size", 1))
     if kind == "vllm":
         return VLLMEngine(checkpoint_dir, **kwargs)
     if kind == "hf":
@@ -70,7 +81,7 @@ def get_engine(kind: str, checkpoint_dir: str, slot: str = "policy", **kwargs) -
     that serves LoRA adapters (``max_lora_rank > 0``) is only reused for the same rank limit.
     """
     key = _architecture_key(checkpoint_dir, kind, kwargs.get("dtype", "float32")) + (
-        kwargs.get("max_lora_rank", 0), kwargs.get("tensor_parallel_size", 1))
+        kwargs.get("max_lora_rank", 0), kwargs.get("tensor_parallel_size", 1), kwargs.get("data_parallel_size", 1))
     cached = _CACHE.get(slot)
     if cached is not None and cached.key == key:
         if cached.weights != checkpoint_dir:

@@ -89,6 +89,18 @@ def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     return stream_seed(seed, prompt_index, sample_index)
 
 
+def contiguous_shares(count: int, parts: int) -> List[Tuple[int, int]]:
+    """``(start, end)`` of ``parts`` contiguous shares of ``range(count)``, in order, sizes differing by
+    at most one (the first ``count % parts`` one longer)."""
+    size, extra = divmod(count, parts)
+    shares, start = [], 0
+    for part in range(parts):
+        end = start + size + (part < extra)
+        shares.append((start, end))
+        start = end
+    return shares
+
+
 def _eos_list(value: Any) -> List[int]:
     if value is None:
         return []
@@ -116,7 +128,8 @@ class GenerationEngine(Protocol):
     stats: EngineStats
 
     def generate(self, prompts: List[List[int]], spec: SamplingSpec) -> List[List[Generation]]:
-        """``prompts[i]`` → ``spec.n`` generations."""
+        """``prompts[i]`` → ``spec.n`` generations. (The in-process engines also take ``first_index``:
+        ``prompts`` are the request's prompts from that index on, for the seeds of :func:`sample_seed`.)"""
 
     def prompt_logprobs(self, sequences: List[List[int]]) -> List[List[float]]:
         """log p(token t | tokens < t) at temperature 1 for t ≥ 1 of each sequence (the probe's side)."""

@@ -116,7 +116,8 @@ class HFEngine(SwappableEngine):
         return out
 
     @torch.no_grad()
-    def generate(self, prompts: List[List[int]], spec: SamplingSpec) -> List[List[Generation]]:
+    def generate(self, prompts: List[List[int]], spec: SamplingSpec, first_index: int = 0) -> List[List[Generation]]:
+        """``first_index``: the index of ``prompts[0]`` in the whole request (see ``VLLMEngine.generate``)."""
         model = self._model()
         t0 = time.perf_counter()
         tok = self.tokenizer
@@ -129,7 +130,7 @@ class HFEngine(SwappableEngine):
         for i, p in enumerate(expanded):
             input_ids[i, max_len - len(p):] = torch.tensor(p)
             attn[i, max_len - len(p):] = 1
-        seeds = [sample_seed(spec.seed, i, j) for i in range(len(prompts)) for j in range(spec.n)]
+        seeds = [sample_seed(spec.seed, first_index + i, j) for i in range(len(prompts)) for j in range(spec.n)]
         step = _SampleStep(spec, seeds, max_len, stop_ids, torch.device(self.device))
         kwargs = dict(do_sample=False, max_new_tokens=spec.max_new_tokens, pad_token_id=pad_id,
                       eos_token_id=stop_ids or None, logits_processor=[step])

@@ -26,7 +26,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from models import console
-from models.engines.base import EngineLoadError, Generation, SamplingSpec, SwappableEngine, sample_seed
+from models.engines.base import (EngineLoadError, Generation, SamplingSpec, SwappableEngine, contiguous_shares,
+                                sample_seed)
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """``max_lora_rank`` values vLLM accepts (``vllm.config.lora.MaxLoRARanks``)."""
@@ -130,13 +131,7 @@ def cpu_worker_groups(cpus: Sequence[int], workers: int) -> str:
     if len(cpus) < workers:
         raise EngineLoadError(f"rollout.tensor_parallel_size={workers} needs a CPU core per worker; this process "
                               f"may use {len(cpus)} ({cpus})")
-    share, extra = divmod(len(cpus), workers)
-    groups, start = [], 0
-    for rank in range(workers):
-        end = start + share + (rank < extra)
-        groups.append(",".join(str(c) for c in cpus[start:end]))
-        start = end
-    return "|".join(groups)
+    return "|".join(",".join(str(c) for c in cpus[a:b]) for a, b in contiguous_shares(len(cpus), workers))
 
 
 def bind_cpu_workers(workers: int) -> None:
@@ -248,7 +243,9 @@ class VLLMEngine(SwappableEngine):
             k += len(s) - 1
         return out
 
-    def generate(self, prompts: List[List[int]], spec: SamplingSpec) -> List[List[Generation]]:
+    def generate(self, prompts: List[List[int]], spec: SamplingSpec, first_index: int = 0) -> List[List[Generation]]:
+        """``first_index``: the index of ``prompts[0]`` in the whole request (an engine replica's share),
+        so sample ``j`` of ``prompts[i]`` is seeded ``sample_seed(spec.seed, first_index + i, j)``."""
         from vllm import SamplingParams, TokensPrompt
 
         llm = self._llm()
@@ -258,7 +255,7 @@ class VLLMEngine(SwappableEngine):
         params = [SamplingParams(
             n=1, temperature=spec.temperature, top_p=1.0 if greedy else spec.top_p,
             top_k=0 if greedy else spec.top_k, max_tokens=spec.max_new_tokens, min_tokens=spec.min_new_tokens,
-            seed=sample_seed(spec.seed, i, j), logprobs=0, stop_token_ids=stop_ids,
+            seed=sample_seed(spec.seed, first_index + i, j), logprobs=0, stop_token_ids=stop_ids,
             stop=list(spec.stop_strings) or None,
         ) for i in range(len(prompts)) for j in range(spec.n)]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(spec.n)]

@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="vLLM engine seed (requests carry their own)")
     r.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="vLLM workers the engine is split over (GPUs, or groups of CPU cores)")
+    r.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas, each in its own process, requests' prompts dealt among them")
     return parser
 
 
@@ -140,7 +142,8 @@ def serve_rollout(args: argparse.Namespace) -> None:
     try:
         service = RolloutService(RolloutServiceConfig(
             args.checkpoint, args.engine, args.dtype, args.kv_cache_gib, args.gpu_memory_utilization,
-            args.max_model_len, args.max_lora_rank, args.seed, args.threads, args.tensor_parallel_size))
+            args.max_model_len, args.max_lora_rank, args.seed, args.threads, args.tensor_parallel_size,
+            args.data_parallel_size))
     except ValueError as err:  # bad settings, or a checkpoint that is not committed
         raise SystemExit(f"serve-rollout: {err}") from err
     sock, url = _bind(args.host, args.port)

@@ -61,6 +61,8 @@ class RolloutServiceConfig:
     """Torch intra-op threads of the engine thread; 0: torch's choice."""
     tensor_parallel_size: int = 1
     """vLLM workers the engine is split over (``rollout.tensor_parallel_size``)."""
+    data_parallel_size: int = 1
+    """Engine replicas, each in its own process, requests' prompts dealt among them (``rollout.data_parallel_size``)."""
 
     def __post_init__(self) -> None:
         if not self.checkpoint_url:
@@ -73,6 +75,8 @@ class RolloutServiceConfig:
             raise ValueError("need max_model_len >= 0 and max_lora_rank >= 0")
         if self.tensor_parallel_size < 1 or (self.tensor_parallel_size > 1 and self.engine != "vllm"):
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: need >= 1, and 1 with the HF engine")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size}: need >= 1")
 
 
 def _fetch(url: str) -> Tuple[str, Optional[str]]:
@@ -130,7 +134,7 @@ class RolloutService:
             dtype=config.dtype, kv_cache_gib=config.kv_cache_gib, seed=config.seed,
             gpu_memory_utilization=config.gpu_memory_utilization, max_model_len=config.max_model_len or None,
             max_lora_rank=config.max_lora_rank, tensor_parallel_size=config.tensor_parallel_size)
-        self.engine = make_engine(config.engine, local, **kwargs)
+        self.engine = make_engine(config.engine, local, data_parallel_size=config.data_parallel_size, **kwargs)
         self.vocab_size = _vocab_size(local)
 
     def _swap(self, role: str, url: Optional[str], load: Callable[[Optional[str]], None]) -> Optional[str]:

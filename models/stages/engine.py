@@ -51,6 +51,7 @@ def engine_for(cfg: TrainConfig, actor_url: str):
                   gpu_memory_utilization=r.vllm_gpu_memory_utilization, seed=cfg.run.seed,
                   tensor_parallel_size=r.tensor_parallel_size) \
         if r.engine == "vllm" else dict(dtype=cfg.model.dtype)
+    kwargs["data_parallel_size"] = r.data_parallel_size  # replicas of either engine
     local = local_checkpoint(actor_url)
     adapter = local if is_adapter(local) else None  # None before the first LoRA update: the base itself
     if not cfg.actor.lora.enabled or r.lora_mode == "merged":

