@@ -35,7 +35,8 @@ from models.stages import critic as critic_stage
 from models.stages.evaluate import run_evaluate
 from models.stages.rollout import run_rollout
 from models.stages.score import Scorers, run_score
-from models.stages.score_ranks import score_forward_ranks
+from models.stages.rewards import reward_source
+from models.stages.score_ranks import load_reward_model_ranks, score_forward_ranks
 from models.stages.updates import commit_trained
 from models.training.distributed import DistInfo, full_state_dict, unwrap
 from models.training.optimizer_carry import carried_optimizer
@@ -240,6 +241,10 @@ class ActorHost(_TrainerHost):
         else:
             self.ref = with_packing(PolicyLogprobs(load_hf(run.reference_url, AutoModelForCausalLM,
                                                            cfg.model.dtype)).eval(), cfg.model.pack_sequences)
+        # reward.source=model: the reward model stays loaded too, sharded on the ranks as the stateless
+        # score_ranks holds it (one rank: whole, the one-process score's reward source)
+        self.reward_model = load_reward_model_ranks(cfg, run, info) if info.world_size > 1 else None
+        self.rewards = reward_source(cfg, run) if cfg.reward.source == "model" and info.world_size == 1 else None
 
     @property
     def lm(self):
@@ -263,13 +268,14 @@ class ActorHost(_TrainerHost):
         _check_iteration(self.name, self.version, state)
         batch = RolloutBatch.open(args["batch"])
         actor = self.model if cfg.actor.old_logprobs == "recompute" else None
-        forward = functools.partial(score_forward_ranks, info=self.info)  # each rank its share of the rows
+        forward = functools.partial(score_forward_ranks, info=self.info,  # each rank its share of the rows
+                                    reward_model=self.reward_model)
         if not self.info.is_main:  # as many forwards as rank 0; rank 0 gathers the results
             self.forward(lambda: forward(cfg, batch, actor, self.ref, None, self._pad()))
             return None
         values = (lambda b: critic_values(run, cfg, state, b)) if cfg.uses_critic else None
-        out = self.forward(lambda: run_score(cfg, run, state, batch, Scorers(actor, self.ref, None, values),
-                                             forward=forward))
+        scorers = Scorers(actor, self.ref, None, values, self.rewards)
+        out = self.forward(lambda: run_score(cfg, run, state, batch, scorers, forward=forward))
         return {"batch": out.batch.uri, "stats": out.stats}
 
     def train(self, cfg, run, state, batch, times):

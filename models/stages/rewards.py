@@ -29,10 +29,12 @@ def reward_source(cfg: TrainConfig, run: RunHandle):
     return PlainSource(RemoteReward(server_client(cfg.reward.remote_url, cfg.reward.remote_timeout_s)), "reward_server")
 
 
-def batch_rewards(cfg: TrainConfig, run: RunHandle, batch: RolloutBatch, size: int, pad_id: int) -> RewardScores:
+def batch_rewards(cfg: TrainConfig, run: RunHandle, batch: RolloutBatch, size: int, pad_id: int,
+                  source=None) -> RewardScores:
     """The configured reward source's raw reward per sample of ``batch`` (functions given the samples'
     data columns, and for TRL's keyword form their conversations and response token ids), all finite
-    (else an error naming one)."""
+    (else an error naming one). ``source``: one :func:`reward_source` made before (a resident service holds
+    its reward model); default: made here."""
     table = batch.table
     columns = decode_data_columns(table.column("data_columns").to_pylist()) \
         if "data_columns" in table.column_names else {}
@@ -41,7 +43,7 @@ def batch_rewards(cfg: TrainConfig, run: RunHandle, batch: RolloutBatch, size: i
             columns[name] = table.column(name).to_pylist()
     messages = [json.loads(m) if m else None for m in table.column("prompt_messages").to_pylist()] \
         if "prompt_messages" in table.column_names else None
-    scores = reward_source(cfg, run)(table.column("prompt").to_pylist(), table.column("response").to_pylist(),
+    scores = (source or reward_source(cfg, run))(table.column("prompt").to_pylist(), table.column("response").to_pylist(),
                                      micro_batches(batch, size, pad_id), columns=columns, messages=messages,
                                      completion_ids=table.column("response_tokens").to_pylist())
     check_rewards(scores.total, cfg.reward.source)

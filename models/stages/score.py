@@ -59,6 +59,9 @@ class Scorers(NamedTuple):
     """The critic's values forward, when this process holds the critic."""
     values: Optional[Callable[[RolloutBatch], np.ndarray]] = None
     """The values computed elsewhere (the critic server, the critic service), flat in response order."""
+    rewards: Optional[Callable] = None
+    """The reward source held by the caller (:func:`models.stages.rewards.reward_source`: a resident actor
+    service's reward model, loaded once); None: made for this batch."""
 
 
 def load_scorers(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Scorers:
@@ -130,7 +133,7 @@ def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rollo
                 flat["values"] = s.values(batch)
         with timed(stats, "time/reward_s"):
             scores = model_rewards(cfg, flat.pop("rm_reward")) if "rm_reward" in flat \
-                else batch_rewards(cfg, run, batch, micro_batch_size(cfg), pad)
+                else batch_rewards(cfg, run, batch, micro_batch_size(cfg), pad, s.rewards)
         shaped, reward_metrics = shaped_rewards(cfg, state, scores)
         cols = {k: ragged.list_from_flat(flat[k], lengths, pa.float32())
                 for k in ("old_logprobs", "ref_logprobs", "values") if k in flat}

@@ -42,7 +42,20 @@ def reward_model(root) -> str:
     return url
 
 
-def test_two_ranks_write_the_score_batch_one_process_writes(tmp_path):
+def held_reward_model_scores(cfg, run, state, rollout, monkeypatch) -> dict:
+    """The one-process score with the reward model made once beforehand, as a resident actor service holds it
+    (``Scorers.rewards``): no reward source is made for the batch."""
+    from models.stages import rewards
+    from models.stages.score import Scorers, load_scorers
+
+    source = rewards.reward_source(cfg, run)
+    with monkeypatch.context() as m:
+        m.setattr(rewards, "reward_source", lambda *a: pytest.fail("the reward model was loaded again"))
+        out = run_score(cfg, run, state, rollout, load_scorers(cfg, run, state)._replace(rewards=source)).batch
+    return {c: out.column(c).to_numpy() for c in ("reward", "reward_raw")}
+
+
+def test_two_ranks_write_the_score_batch_one_process_writes(tmp_path, monkeypatch):
     with tiny_run(tmp_path, "tiny_ppo", OVERRIDES, "sharded-score", local_cache=False) as setup:
         rm = reward_model(tmp_path)
         data = to_dict(setup.cfg)
@@ -52,6 +65,7 @@ def test_two_ranks_write_the_score_batch_one_process_writes(tmp_path):
         rollout = run_rollout(cfg, run, state).batch
         one = run_score(cfg, run, state, rollout).batch  # read before the launch writes the same file again
         want = {c: flat(one, c) for c in COLUMNS} | {c: one.column(c).to_numpy() for c in ("reward", "reward_raw")}
+        held = held_reward_model_scores(cfg, run, state, rollout, monkeypatch)
         cfg = with_overrides(cfg, "actor.score_on_ranks=true", "actor.sharding=fsdp2")
         launch = task(task_config=elastic_for(cfg, local=True))(score_ranks.task_function)
         out = launch(cfg=cfg, run=run, state=state, batch=rollout)
@@ -61,4 +75,5 @@ def test_two_ranks_write_the_score_batch_one_process_writes(tmp_path):
         np.testing.assert_allclose(flat(out.batch, c), want[c], rtol=0, atol=1e-5, err_msg=c)
     for c in ("reward", "reward_raw"):
         assert np.ptp(want[c]) > 1e-3, c
+        np.testing.assert_array_equal(held[c], want[c], err_msg=c)  # a held reward model: the same rewards
         np.testing.assert_allclose(out.batch.column(c).to_numpy(), want[c], rtol=0, atol=1e-5, err_msg=c)
