@@ -219,9 +219,10 @@ def load_sharded_lora(local_dir: str, base_dir: str, auto_cls, info: DistInfo, s
                       compute_dtype: torch.dtype, adapt: Callable[[nn.Module], nn.Module],
                       wrapper: Callable[[nn.Module], nn.Module], pack: bool = False) -> nn.Module:
     """:func:`load_sharded` of a LoRA model: the frozen base of the full checkpoint in ``base_dir`` (in
-    ``compute_dtype``, as the whole load has it) read by shard, each rank its rows, with ``adapt(base)``'s adapter (``local_dir``'s
-    if that is an adapter folder, else fresh: :func:`models.training.lora.with_adapter`), made whole on
-    every rank (it is small) and each rank keeping its rows of it.
+    ``compute_dtype``, as the whole load has it) read by shard, each rank its rows, with ``adapt(base)``'s
+    adapter (``local_dir``'s if that is an adapter folder, else fresh:
+    :func:`models.training.lora.with_adapter`), made whole on every rank (it is small) and each rank
+    keeping its rows.
 
     The base is built on the meta device; peft gives a new adapter its base layer's device, so it is
     made over :func:`stand_ins` (real tensors of one element of storage), and its weights kept aside:

@@ -150,8 +150,9 @@ def _lora_load_and_train(name: str, ckpt: str, info: DistInfo, commit_url: str) 
     if info.is_main:
         save_trained(getattr(unwrap(sharded), inner), None, commit_url, ckpt, trained[0], prefix=f"{inner}.")
     dist.barrier()
-    return {"whole_loads": [sharded_whole, whole_whole], "rows": every, "forwards": [f[0] if isinstance(f, tuple) else f for f in forwards], "loaded": loaded,
-            "stats": stats, "trained": trained, "sharded": is_sharded(sharded), "inner": inner}
+    return {"whole_loads": [sharded_whole, whole_whole], "rows": every, "loaded": loaded, "stats": stats,
+            "forwards": [f[0] if isinstance(f, tuple) else f for f in forwards], "trained": trained,
+            "sharded": is_sharded(sharded), "inner": inner}
 
 
 def _worker(rank: int, world: int, port: int, cases: dict, out_dir: str) -> None:
