@@ -11,6 +11,11 @@ saved in float32 (as the run commits it) and in bfloat16 (as hub checkpoints shi
 - **sharded**: ``models.training.sharded_load.load_sharded``: the model built on the meta device,
   sharded, then each rank reads its rows of every weight out of the safetensors file.
 
+and the same two for a LoRA actor's first load (a fresh rank-16 adapter on every projection, the base
+frozen in float32): **whole** ``load_pretrained`` + ``with_adapter`` + ``wrap_for_training``, against
+**sharded** ``models.training.sharded_load.load_sharded_lora`` (the base read by shard, the adapter
+made whole on every rank and each keeping its rows).
+
 Each side runs in its own pair of fresh processes. A rank reports the rise of its resident-set
 high-water mark over the load alone: with torch, transformers and the process group in, it resets the
 mark to the present resident set (``echo 5 > /proc/self/clear_refs``), loads, and reports the mark
@@ -30,6 +35,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -62,16 +68,39 @@ def _status_kib(key: str) -> int:
     raise KeyError(key)
 
 
+LORA = SimpleNamespace(rank=16, alpha=32.0, dropout=0.0,
+                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+def _load(side: str, ckpt: str, info):
+    """``PolicyLogprobs`` of ``ckpt`` FSDP2-sharded over ``info``'s ranks, loaded as ``side`` says."""
+    import functools
+
+    import torch
+    from transformers import AutoModelForCausalLM as auto
+
+    from models.training.distributed import wrap_for_training
+    from models.training.lora import CAUSAL_LM, load_pretrained, with_adapter
+    from models.training.policy import PolicyLogprobs
+    from models.training.sharded_load import load_sharded, load_sharded_lora
+
+    adapt = functools.partial(with_adapter, local_dir=ckpt, spec=LORA, task_type=CAUSAL_LM)
+    if side == "sharded":
+        return load_sharded(ckpt, auto, info, "fsdp2", torch.float32, PolicyLogprobs)
+    if side == "lora-sharded":
+        return load_sharded_lora(ckpt, ckpt, auto, info, "fsdp2", torch.float32, adapt, PolicyLogprobs)
+    model = load_pretrained(ckpt, auto, torch.float32)
+    return wrap_for_training(PolicyLogprobs(adapt(model) if side == "lora-whole" else model), info, "fsdp2")
+
+
 def _rank(rank: int, port: int, side: str, ckpt: str, threads: int, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from models.training.distributed import DistInfo, wrap_for_training
-    from models.training.lora import load_pretrained
-    from models.training.policy import PolicyLogprobs
-    from models.training.sharded_load import load_sharded
+    from models.training.distributed import DistInfo
 
+    import peft  # noqa: F401
     import safetensors.torch  # noqa: F401  (what both sides import on their way, in before the measurement)
     import torch.distributed.fsdp  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
@@ -83,11 +112,7 @@ def _rank(rank: int, port: int, side: str, ckpt: str, threads: int, out_dir: str
     before = _status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the high-water mark starts again from here (ru_maxrss and VmHWM alike)
-    if side == "sharded":
-        model = load_sharded(ckpt, AutoModelForCausalLM, info, "fsdp2", torch.float32, PolicyLogprobs)
-    else:
-        model = wrap_for_training(PolicyLogprobs(load_pretrained(ckpt, AutoModelForCausalLM, torch.float32)), info,
-                                  "fsdp2")
+    model = _load(side, ckpt, info)
     rise = _status_kib("VmHWM") - before
     local = sum(p.to_local().numel() for p in model.parameters())
     with open(os.path.join(out_dir, f"{side}-{rank}.txt"), "w") as f:
@@ -110,6 +135,19 @@ def measure(side: str, ckpt: str, threads: int, out_dir: str):
     return per_rank
 
 
+SIDES = ("whole", "sharded", "lora-whole", "lora-sharded")
+
+
+def _rows(what: str, whole, sharded, params: int):
+    """One row per rank: the sharded load's rise of the high-water mark over the whole load's."""
+    mib = params * 4 / 2**20
+    return [row(SECTION, f"sharded vs whole load, {what}: peak host memory, rank {rank} of {RANKS}", s / w, "x",
+                f"sharded {s:.0f} MiB, whole {w:.0f} MiB (rise of the VmHWM over the load); the model "
+                f"{mib:.0f} MiB in float32 ({params / 1e6:.0f}M parameters), this rank holds {local / 1e6:.1f}M",
+                at_most=1 / RANKS + 0.1)
+            for rank, ((w, _), (s, local)) in enumerate(zip(whole, sharded))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_bench_args(parser)
@@ -119,15 +157,10 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="bench-sharded-load-") as tmp:
             ckpt = os.path.join(tmp, "checkpoint")
             params = build_checkpoint(ckpt, args.quick, dtype)
-            whole = measure("whole", ckpt, args.threads, tmp)
-            sharded = measure("sharded", ckpt, args.threads, tmp)
-        mib = params * 4 / 2**20
-        for rank, ((w, _), (s, local)) in enumerate(zip(whole, sharded)):
-            rows.append(row(SECTION, f"sharded vs whole load, {dtype} checkpoint: peak host memory, rank {rank} "
-                                     f"of {RANKS}", s / w, "x",
-                            f"sharded {s:.0f} MiB, whole {w:.0f} MiB (rise of the VmHWM over the load); the "
-                            f"model {mib:.0f} MiB in float32 ({params / 1e6:.0f}M parameters), this rank holds "
-                            f"{local / 1e6:.1f}M", at_most=1 / RANKS + 0.1))
+            sides = {side: measure(side, ckpt, args.threads, tmp) for side in SIDES}
+        for lora in ("", "lora-"):
+            rows += _rows(f"{'LoRA (rank 16) on a ' if lora else ''}{dtype} checkpoint", sides[f"{lora}whole"],
+                          sides[f"{lora}sharded"], params)
     print_rows(rows)
     write_rows(args.json, rows)
 

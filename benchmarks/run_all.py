@@ -41,6 +41,7 @@ BENCHMARKS: Dict[str, str] = {
     "lora": "bench_lora.py",  # LoRA vs full fine-tuning
     "gpu": "bench_gpu.py",  # actor update (FSDP2, bf16) and kernels on a GPU; a "skipped" row without one
     "resident": "bench_resident.py",  # resident vs stateless s/iteration and rewards on the tiny presets (#29)
+    "sharded_load": "bench_sharded_load.py",  # rank-local vs whole checkpoint load, full weights and LoRA (#30)
     "projection": "project_iteration.py",  # an iteration at 8B / 70B on paper, both run modes (docs/cluster.md)
     "pipeline": "bench_pipeline.py",  # on- vs off-policy s/iteration in the pod-level harness (docs/off_policy.md)
     "resident_pods": "bench_resident_pods.py",  # resident vs stateless in the pod-level harness (docs/cluster.md)

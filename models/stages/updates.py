@@ -5,6 +5,7 @@ body every rank of their elastic launch runs."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, Dict
 
 import torch
@@ -21,10 +22,11 @@ from models.run.types import RunHandle
 from models.stages.outputs import UpdateOutput  # noqa: F401  (re-exported: its home before the resident tasks)
 from models.training.distributed import (DistInfo, barrier, full_state_dict, init_distributed, shutdown_distributed,
                                          unwrap, uses_fsdp2, wrap_for_training)
-from models.training.lora import add_adapter, is_adapter, is_peft, save_adapter_checkpoint, trainable_in_float32
+from models.training.lora import (add_adapter, base_url, is_adapter, is_peft, save_adapter_checkpoint,
+                                  trainable_in_float32, with_adapter)
 from models.training.optimizer_carry import commit_optimizer
 from models.training.policy import with_packing
-from models.training.sharded_load import load_sharded
+from models.training.sharded_load import load_sharded, load_sharded_lora
 from models.training.update import LoopSettings, UpdateData, disable_dropout
 
 
@@ -60,11 +62,11 @@ def load_trainable(url: str, auto_cls, dtype: str, lora: LoraConfig, task_type: 
 
 
 def reads_shards(url: str, lora: LoraConfig, info: DistInfo, sharding: str) -> bool:
-    """Whether each rank reads only its shard of ``url`` (:mod:`models.training.sharded_load`): full
-    weights trained FSDP2-sharded over two ranks or more. A LoRA model loads whole on every rank (its
-    frozen base in the compute dtype, the adapter fresh or read by peft), as one process does."""
-    return (info.world_size > 1 and uses_fsdp2(sharding, info) and not lora.enabled
-            and not is_adapter(local_checkpoint(url)))
+    """Whether each rank reads only its shard of ``url`` (:mod:`models.training.sharded_load`): a model
+    trained FSDP2-sharded over two ranks or more, full weights or with ``lora`` an adapter on its base
+    (an adapter folder read without ``lora`` loads whole, as one process does)."""
+    return (info.world_size > 1 and uses_fsdp2(sharding, info)
+            and (lora.enabled or not is_adapter(local_checkpoint(url))))
 
 
 def load_for_update(url: str, auto_cls, dtype: str, lora: LoraConfig, task_type: str,
@@ -72,10 +74,16 @@ def load_for_update(url: str, auto_cls, dtype: str, lora: LoraConfig, task_type:
                     sharding: str = "auto") -> nn.Module:
     """``wrapper(model)`` of checkpoint ``url`` (:func:`load_trainable`) ready to train on ``info``'s ranks
     (:func:`models.training.distributed.wrap_for_training`), computing in ``dtype``; ``pack``:
-    ``model.pack_sequences``. Read rank by rank where :func:`reads_shards` says so."""
+    ``model.pack_sequences``. Read rank by rank where :func:`reads_shards` says so: a LoRA model's
+    frozen base by shard (in ``dtype``, as :func:`load_trainable` loads it), its adapter whole."""
     compute = getattr(torch, dtype)
     if reads_shards(url, lora, info, sharding):
-        return load_sharded(local_checkpoint(url), auto_cls, info, sharding, compute, wrapper, pack)
+        local = local_checkpoint(url)
+        if not lora.enabled:
+            return load_sharded(local, auto_cls, info, sharding, compute, wrapper, pack)
+        base = local_checkpoint(base_url(local)) if is_adapter(local) else local
+        adapt = functools.partial(with_adapter, local_dir=local, spec=lora, task_type=task_type)
+        return load_sharded_lora(local, base, auto_cls, info, sharding, compute, adapt, wrapper, pack)
     model = load_trainable(url, auto_cls, dtype, lora, task_type)
     return wrap_for_training(with_packing(wrapper(model), pack), info, sharding, compute)
 

@@ -14,7 +14,7 @@ import contextlib
 import datetime as dt
 import os
 from dataclasses import dataclass
-from typing import Dict, Iterator
+from typing import Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -156,7 +156,13 @@ def wrap_for_training(module: nn.Module, info: DistInfo, sharding: str = "auto",
         return module
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    return DDP(module)
+    return DDP(module, device_ids=ddp_device_ids(info))
+
+
+def ddp_device_ids(info: DistInfo) -> Optional[List[int]]:
+    """DDP's ``device_ids``: this rank's GPU on CUDA (``[local index]``: DDP's rule for a module on one
+    GPU, which it then runs and feeds there), None for a CPU module (its rule too)."""
+    return [info.device.index] if info.device.type == "cuda" else None
 
 
 def is_sharded(module: nn.Module) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tempfile
 from typing import Any, Callable, Dict, Mapping, Optional, Protocol, Sequence
@@ -101,6 +102,30 @@ def load_pretrained(local_dir: str, auto_cls: Any, dtype: torch.dtype, fetch: Fe
 
     base = auto_cls.from_pretrained(fetch(base_url(local_dir)), dtype=dtype, use_safetensors=True)
     return PeftModel.from_pretrained(base, local_dir, is_trainable=trainable)
+
+
+def with_adapter(base: nn.Module, local_dir: str, spec: LoraSpec, task_type: str) -> nn.Module:
+    """``base`` with a trainable adapter in float32 (:func:`trainable_in_float32`): the one of ``local_dir``
+    if it is an adapter folder, else a fresh one of ``spec`` (seeded by the caller's RNG)."""
+    if not is_adapter(local_dir):
+        return trainable_in_float32(add_adapter(base, spec, task_type))
+    from peft import PeftModel
+
+    return trainable_in_float32(PeftModel.from_pretrained(base, local_dir, is_trainable=True), local_dir)
+
+
+PEFT_LEVELS = re.compile(r"\.(base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
+"""The module levels peft puts between a base model's module and its parameters: the wrapped layer
+(``q_proj.base_layer.weight``) and a trained head's two copies (``score.original_module.weight``,
+``score.modules_to_save.default.weight``)."""
+
+
+def base_name(name: str) -> str:
+    """The base checkpoint's name of parameter ``name`` of a model peft wrapped (named from that model,
+    not from the ``PeftModel``): ``model.layers.0.self_attn.q_proj.base_layer.weight`` →
+    ``model.layers.0.self_attn.q_proj.weight``. An adapter's own matrices (``lora_A``) keep their names,
+    which no base checkpoint holds."""
+    return PEFT_LEVELS.sub("", name)
 
 
 def trainable_in_float32(model: nn.Module, local_dir: Optional[str] = None) -> nn.Module:

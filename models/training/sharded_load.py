@@ -12,6 +12,11 @@ Not ``safe_open(file).get_slice(name)[start:stop]``: it reads the same rows thro
 the file, whose pages then count in the rank's resident set beside the shard they were copied to
 (twice the shard; ``benchmarks/bench_sharded_load.py`` measured it at the whole load's peak).
 
+A LoRA model (:func:`load_sharded_lora`) reads its frozen base the same way from the full checkpoint
+the adapter names, each parameter under its base name (:func:`models.training.lora.base_name`); its
+adapter, small, is made whole on every rank (read from the adapter folder, or fresh from the caller's
+RNG as the whole load makes it) and each rank keeps its rows. The commit stays the adapter folder.
+
 Buffers are not sharded: those the checkpoint holds are read whole, the others (rotary ``inv_freq``)
 are computed by the model's own ``_init_weights``, as transformers' ``from_pretrained`` computes
 them. Tied weights (``lm_head = embed_tokens``) are one parameter, sharded and read once.
@@ -23,12 +28,13 @@ duplicates, and plans the read with collectives; reading the rows here needs no 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import os
 import struct
-from typing import Callable, Dict, Iterator, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
@@ -123,13 +129,22 @@ def _by_file(names: Iterator[Tuple[str, torch.Tensor]], files: Dict[str, str], l
     return grouped
 
 
-def fill_from_checkpoint(model: nn.Module, local_dir: str, files: Dict[str, str], info: DistInfo) -> None:
+def fill_from_checkpoint(model: nn.Module, local_dir: str, files: Dict[str, str], info: DistInfo,
+                         given: Optional[Dict[str, torch.Tensor]] = None,
+                         rename: Callable[[str], str] = lambda name: name) -> None:
     """Copy this rank's rows of every parameter of ``model`` (an HF model, sharded or not) and every
     persistent buffer the checkpoint holds out of ``local_dir``'s safetensors ``files``
-    (:func:`tensor_files`)."""
+    (:func:`tensor_files`), the checkpoint's tensor of a parameter named ``rename(name)``. ``given``:
+    parameters (by their name in ``model``) copied from these whole tensors instead (a LoRA adapter's)."""
+    given = given or {}
     persistent = set(model.state_dict(keep_vars=True))
-    buffers = [(n, b) for n, b in model.named_buffers() if n in persistent and n in files]
-    for path, tensors in _by_file(iter([*model.named_parameters(), *buffers]), files, local_dir).items():
+    params = [(rename(n), p) for n, p in model.named_parameters() if n not in given]
+    buffers = [(rename(n), b) for n, b in model.named_buffers() if n in persistent and rename(n) in files]
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in given:
+                _copy_rows(name, given[name], param, info)
+    for path, tensors in _by_file(iter([*params, *buffers]), files, local_dir).items():
         header, data_start = read_header(path)
         with open(path, "rb", buffering=0) as f, torch.no_grad():
             for name, param in tensors:
@@ -140,6 +155,14 @@ def fill_from_checkpoint(model: nn.Module, local_dir: str, files: Dict[str, str]
                 local, start = shard_rows(param, info)
                 if local.numel():
                     read_rows(f, header[name], data_start, start, local)
+
+
+def _copy_rows(name: str, whole: torch.Tensor, param: torch.Tensor, info: DistInfo) -> None:
+    """This rank's rows of ``whole`` into ``param``'s shard."""
+    if tuple(whole.shape) != tuple(param.shape):
+        raise ValueError(f"sharded load: {name} has shape {tuple(whole.shape)}, {tuple(param.shape)} in the model")
+    local, start = shard_rows(param, info)
+    local.copy_(whole[start:start + local.shape[0]])
 
 
 def materialise(module: nn.Module, model: nn.Module, device: torch.device) -> None:
@@ -165,8 +188,18 @@ def init_buffers(model: nn.Module) -> None:
         model._init_weights(module)
 
 
-def _unset_buffers(model: nn.Module, files: Dict[str, str]):
-    return [n for n, b in model.named_buffers() if b.is_floating_point() and n not in files and b.isnan().any()]
+def _unset_buffers(model: nn.Module, files: Dict[str, str], rename: Callable[[str], str]):
+    return [n for n, b in model.named_buffers()
+            if b.is_floating_point() and rename(n) not in files and b.isnan().any()]
+
+
+def meta_model(local_dir: str, auto_cls, dtype: torch.dtype) -> nn.Module:
+    """``auto_cls``'s model of ``local_dir``'s config on the meta device, its weights in ``dtype``."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(local_dir)
+    with torch.device("meta"):
+        return auto_cls.from_config(config, dtype=dtype)
 
 
 def load_sharded(local_dir: str, auto_cls, info: DistInfo, sharding: str, compute_dtype: torch.dtype,
@@ -177,22 +210,79 @@ def load_sharded(local_dir: str, auto_cls, info: DistInfo, sharding: str, comput
     (checked on the loaded model, :func:`models.training.policy.with_packing`).
 
     A collective: every rank calls it. Returns the module :func:`wrap_for_training` returns."""
-    from transformers import AutoConfig
+    model = meta_model(local_dir, auto_cls, torch.float32)
+    module = disable_dropout(model.eval())
+    return _shard_and_read(wrapper(module), model, local_dir, info, sharding, compute_dtype, pack)
 
-    config = AutoConfig.from_pretrained(local_dir)
-    with torch.device("meta"):
-        model = auto_cls.from_config(config, dtype=torch.float32)
-    module = wrap_for_training(wrapper(disable_dropout(model.eval())), info, sharding, compute_dtype)
+
+def load_sharded_lora(local_dir: str, base_dir: str, auto_cls, info: DistInfo, sharding: str,
+                      compute_dtype: torch.dtype, adapt: Callable[[nn.Module], nn.Module],
+                      wrapper: Callable[[nn.Module], nn.Module], pack: bool = False) -> nn.Module:
+    """:func:`load_sharded` of a LoRA model: the frozen base of the full checkpoint in ``base_dir`` (in
+    ``compute_dtype``, as the whole load has it) read by shard, each rank its rows, with ``adapt(base)``'s
+    adapter (``local_dir``'s if that is an adapter folder, else fresh:
+    :func:`models.training.lora.with_adapter`), made whole on every rank (it is small) and each rank
+    keeping its rows.
+
+    The base is built on the meta device; peft gives a new adapter its base layer's device, so it is
+    made over :func:`stand_ins` (real tensors of one element of storage), and its weights kept aside:
+    the trained ones of an adapter folder, or a fresh adapter's own matrices. A trained head's copy in
+    a fresh adapter (a critic's ``score``) is read from the base checkpoint into its float32 parameter:
+    under a bfloat16 ``compute_dtype`` the whole load copies it from the bfloat16 base, rounded. A
+    collective: every rank calls it."""
+    from models.training.lora import base_name, is_adapter
+
+    model = meta_model(base_dir, auto_cls, compute_dtype)
+    files = tensor_files(base_dir)
+    with stand_ins(model):
+        lora = disable_dropout(adapt(model).eval())
+        given = {n: p.detach().clone() for n, p in model.named_parameters()
+                 if p.requires_grad and (is_adapter(local_dir) or base_name(n) not in files)}
+    return _shard_and_read(wrapper(lora), model, base_dir, info, sharding, compute_dtype, pack, given, base_name)
+
+
+def _shard_and_read(top: nn.Module, model: nn.Module, local_dir: str, info: DistInfo, sharding: str,
+                    compute_dtype: torch.dtype, pack: bool, given: Optional[Dict[str, torch.Tensor]] = None,
+                    rename: Callable[[str], str] = lambda name: name) -> nn.Module:
+    """``top`` (a wrapper of meta-device ``model``) FSDP2-sharded, its storage made and every rank's rows
+    read (:func:`fill_from_checkpoint` of ``local_dir``, ``given`` and ``rename`` passed on)."""
+    module = wrap_for_training(top, info, sharding, compute_dtype)
     if not hasattr(module, "reshard"):
         raise ValueError(f"sharded load: sharding {sharding!r} over {info.world_size} rank(s) is not FSDP2")
     materialise(module, model, info.device)
     files = tensor_files(local_dir)
-    fill_from_checkpoint(model, local_dir, files, info)
-    unset = _unset_buffers(model, files)
+    fill_from_checkpoint(model, local_dir, files, info, given, rename)
+    unset = _unset_buffers(model, files, rename)
     if unset:
         raise ValueError(f"{local_dir}: buffers {unset} are neither in the checkpoint nor computed by "
                          f"{type(model).__name__}._init_weights")
     return _checked_packing(module, pack)
+
+
+@contextlib.contextmanager
+def stand_ins(model: nn.Module) -> Iterator[nn.Module]:
+    """Meta-device ``model``'s parameters as real tensors of their shapes and dtypes over one element of
+    storage (a zero expanded: no memory) while the block runs; afterwards the meta parameters back (ties
+    kept: one stand-in per parameter; frozen as their stand-ins were) and every real parameter made
+    since (an adapter's) on meta too."""
+    made: Dict[int, nn.Parameter] = {}
+    swapped = []
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                if id(p) not in made:
+                    made[id(p)] = nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), p.requires_grad)
+                swapped.append((module, name, p))
+                module._parameters[name] = made[id(p)]
+    try:
+        yield model
+    finally:
+        for module, name, p in swapped:
+            module._parameters[name] = p.requires_grad_(made[id(p)].requires_grad)  # peft froze the base
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is not None and not p.is_meta:
+                    module._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
 
 
 def _checked_packing(module: nn.Module, pack: bool) -> nn.Module:

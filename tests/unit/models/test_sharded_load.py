@@ -10,6 +10,7 @@ holds none of it).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -30,6 +31,7 @@ from tests.unit.models.update_rows import padded_rows
 
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))
 TWO = DistInfo(0, 2, 0, torch.device("cpu"))
+LORA = LoraConfig(rank=4)
 
 
 def role(name: str):
@@ -54,7 +56,25 @@ def committed(qwen2_chat_dir, llama_bpe_dir, tmp_path_factory):
     for name, src in (("qwen2", qwen2_chat_dir), ("llama", llama_bpe_dir), ("critic", critic)):
         save_checkpoint(str(src), str(root / name))
         out[name] = str(root / name)
+    out["adapter"] = _trained_adapter(out["qwen2"], str(root / "adapter"))
     return out
+
+
+def _trained_adapter(base: str, url: str) -> str:
+    """A LoRA adapter on ``base`` committed at ``url`` as an update commits one, its ``B`` random (as
+    trained: the adapter changes the outputs)."""
+    from transformers import AutoModelForCausalLM
+
+    from models.training.lora import add_adapter, save_adapter_checkpoint
+
+    torch.manual_seed(4)
+    model = add_adapter(load_pretrained(base, AutoModelForCausalLM, torch.float32), LORA, CAUSAL_LM)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    save_adapter_checkpoint(model, None, url, base)
+    return url
 
 
 def _update(model, info: DistInfo, loss_fn) -> dict:
@@ -80,13 +100,71 @@ def _load_and_train(name: str, ckpt: str, info: DistInfo) -> dict:
             "packed": [sharded.packed, today.packed]}
 
 
+@contextlib.contextmanager
+def whole_loads():
+    """The classes transformers' ``from_pretrained`` loads (the whole checkpoint) while the block runs."""
+    from transformers import PreTrainedModel
+
+    real = PreTrainedModel.__dict__["from_pretrained"]
+    names = []
+
+    def counted(cls, *args, **kwargs):
+        names.append(cls.__name__)
+        return real.__func__(cls, *args, **kwargs)
+
+    PreTrainedModel.from_pretrained = classmethod(counted)
+    try:
+        yield names
+    finally:
+        PreTrainedModel.from_pretrained = real
+
+
+def _lora_load_and_train(name: str, ckpt: str, info: DistInfo, commit_url: str) -> dict:
+    """On every rank: the LoRA model of ``ckpt`` (a fresh adapter on full weights, or an adapter folder)
+    loaded by shard and whole (then FSDP2-sharded), each seeded alike; their forwards, an update step on
+    each, the rows of every frozen base weight each rank holds, and the sharded one committed at
+    ``commit_url`` as the update commits it."""
+    import torch.distributed as dist
+
+    from models.stages.updates import save_trained
+
+    auto, task, wrapper, loss_fn = role(name)
+    assert reads_shards(ckpt, LORA, info, "fsdp2")
+    torch.manual_seed(11)
+    with whole_loads() as sharded_whole:
+        sharded = load_for_update(ckpt, auto, "float32", LORA, task, wrapper, True, info, "fsdp2")
+    torch.manual_seed(11)
+    with whole_loads() as whole_whole:
+        whole = wrap_for_training(with_packing(wrapper(load_trainable(ckpt, auto, "float32", LORA, task)), True),
+                                  info, "fsdp2")
+    rows = {n: (p.shape[0], p.to_local().shape[0]) for n, p in sharded.named_parameters() if not p.requires_grad}
+    every = [None] * info.world_size
+    dist.all_gather_object(every, rows)
+    data = padded_rows(LENGTHS, vocab=200)
+    with torch.no_grad():
+        forwards = [m(data) for m in (sharded, whole)]
+    loaded = [full_state_dict(m) for m in (sharded, whole)]
+    stats = [_update(m, info, loss_fn) for m in (sharded, whole)]
+    trained = [full_state_dict(m) for m in (sharded, whole)]
+    inner = "lm" if name == "actor" else "critic"
+    if info.is_main:
+        save_trained(getattr(unwrap(sharded), inner), None, commit_url, ckpt, trained[0], prefix=f"{inner}.")
+    dist.barrier()
+    return {"whole_loads": [sharded_whole, whole_whole], "rows": every, "loaded": loaded, "stats": stats,
+            "forwards": [f[0] if isinstance(f, tuple) else f for f in forwards], "trained": trained,
+            "sharded": is_sharded(sharded), "inner": inner}
+
+
 def _worker(rank: int, world: int, port: int, cases: dict, out_dir: str) -> None:
     import torch.distributed as dist
 
     info = join_gloo(rank, world, port)
     try:
         for case, (name, ckpt) in cases.items():
-            out = _load_and_train(name, ckpt, info)
+            if case in LORA_CASES:
+                out = _lora_load_and_train(name, ckpt, info, os.path.join(out_dir, f"{case}-commit"))
+            else:
+                out = _load_and_train(name, ckpt, info)
             if rank == 0:
                 torch.save(out, os.path.join(out_dir, f"{case}.pt"))
     finally:
@@ -94,15 +172,21 @@ def _worker(rank: int, world: int, port: int, cases: dict, out_dir: str) -> None
 
 
 CASES = {"qwen2": "actor", "llama": "actor", "critic": "critic"}
+LORA_CASES = {"lora_fresh": ("actor", "qwen2"), "lora_adapter": ("actor", "adapter"),
+              "lora_critic": ("critic", "critic")}
+"""A LoRA actor's first iteration (a fresh adapter on full weights) and a later one (an adapter folder),
+and a LoRA critic's first (peft trains a copy of its ``score`` head)."""
 
 
 @pytest.fixture(scope="module")
 def two_ranks(committed, tmp_path_factory):
-    """Rank 0's results for every case of :data:`CASES`, from one pair of processes."""
+    """Rank 0's results for every case of :data:`CASES` and :data:`LORA_CASES`, from one pair of
+    processes, and the folder of the LoRA cases' commits."""
     out = tmp_path_factory.mktemp("sharded-load")
     cases = {case: (name, committed[case]) for case, name in CASES.items()}
+    cases.update({case: (name, committed[ckpt]) for case, (name, ckpt) in LORA_CASES.items()})
     mp.spawn(_worker, args=(2, free_port(), cases, str(out)), nprocs=2, join=True)
-    return {case: torch.load(out / f"{case}.pt") for case in CASES}
+    return {case: torch.load(out / f"{case}.pt") for case in cases} | {"out": out}
 
 
 @pytest.mark.slow  # starts two ranks
@@ -135,6 +219,49 @@ def test_two_ranks_read_their_shards_as_one_process_reads_the_whole(case, two_ra
         torch.testing.assert_close(got["trained"][0][key], value, rtol=1e-6, atol=0, msg=key)
         moved = max(moved, float((value - got["loaded"][key]).abs().max()))
     assert moved > 1e-4  # the step changed the weights it compares
+
+
+@pytest.mark.slow  # starts two ranks
+@pytest.mark.parametrize("case", list(LORA_CASES))
+def test_two_ranks_read_their_shards_of_a_lora_base_as_the_whole_load(case, two_ranks, committed):
+    """A LoRA model loaded by shard holds on each rank only its half of every frozen base weight's rows
+    (``ceil(rows / 2)`` on rank 0, the rest on rank 1), the adapter as the whole load makes it; gathered,
+    its weights equal the whole load's bit for bit, and so do its log-probs (values for the critic)
+    before training. An update step gives the whole load's losses and weights, and the commit is an
+    adapter folder that peft loads on its base to the trained weights. Tolerance: rel 1e-6 (the same
+    sums in the same order; on this machine they agree exactly)."""
+    from models.training.lora import is_adapter
+
+    name, _ = LORA_CASES[case]
+    got = two_ranks[case]
+    assert got["sharded"]
+    assert got["whole_loads"][0] == [] and len(got["whole_loads"][1]) == 1  # no rank read the whole base
+    frozen = [k for k in got["rows"][0] if "lora_" not in k]
+    assert frozen and all(".base_layer." in k for k in frozen if "self_attn.q_proj" in k)
+    for key in frozen:
+        rows, mine = got["rows"][0][key]
+        assert mine == -(-rows // 2) and got["rows"][1][key] == (rows, rows - mine), key
+    assert not any("lora_" in k for k in got["rows"][0])  # the adapter trains
+    mine_loaded, whole_loaded = got["loaded"]
+    assert set(mine_loaded) == set(whole_loaded) and any("lora_A" in k for k in mine_loaded)
+    for key, value in whole_loaded.items():
+        assert mine_loaded[key].dtype == value.dtype and torch.equal(mine_loaded[key], value), key
+    torch.testing.assert_close(got["forwards"][0], got["forwards"][1], rtol=0, atol=0)
+    (mine, today), moved = got["stats"], 0.0
+    assert mine["steps"] == today["steps"] > 0
+    for key in ("loss", "grad_norm"):
+        assert mine[key] == pytest.approx(today[key], rel=1e-6), key
+    for key, value in got["trained"][1].items():
+        torch.testing.assert_close(got["trained"][0][key], value, rtol=1e-6, atol=0, msg=key)
+        moved = max(moved, float((value - mine_loaded[key]).abs().max()))
+    assert moved > 1e-4
+    commit = str(two_ranks["out"] / f"{case}-commit")
+    assert is_adapter(commit)
+    auto, *_ = role(name)
+    peft_loaded = load_pretrained(commit, auto, torch.float32).state_dict()
+    prefix = f"{got['inner']}."
+    for key, value in got["trained"][0].items():
+        assert torch.equal(peft_loaded[key[len(prefix):]], value), key
 
 
 def _empty_like_checkpoint(ckpt: str, auto):
@@ -197,8 +324,7 @@ def test_a_checkpoint_without_a_weight_or_of_another_shape_is_refused(qwen2_chat
 
 
 def test_only_full_weights_sharded_over_ranks_are_read_by_shard(qwen2_chat_dir, tmp_path):
-    """One process, DDP and LoRA keep today's whole load (a LoRA base loads in the compute dtype on
-    every rank)."""
+    """One process and DDP keep the whole load; FSDP2 over ranks reads by shard, a LoRA model's base too."""
     from models.checkpoint import save_checkpoint
 
     ckpt = str(tmp_path / "qwen2")
@@ -207,4 +333,5 @@ def test_only_full_weights_sharded_over_ranks_are_read_by_shard(qwen2_chat_dir, 
     assert not reads_shards(ckpt, LoraConfig(), CPU, "fsdp2")
     assert not reads_shards(ckpt, LoraConfig(), TWO, "ddp")
     assert not reads_shards(ckpt, LoraConfig(), TWO, "auto")  # auto on CPU is DDP
-    assert not reads_shards(ckpt, LoraConfig(rank=4), TWO, "fsdp2")
+    assert reads_shards(ckpt, LORA, TWO, "fsdp2")  # the LoRA base by shard
+    assert not reads_shards(ckpt, LORA, TWO, "ddp")

@@ -57,6 +57,15 @@ def test_micro_batches_are_dealt_by_length_each_once_and_balanced():
     assert [len(d) for d in deal(order[:3], 4, 2)] == [1, 0]
 
 
+def test_ddp_runs_each_ranks_model_on_its_own_gpu():
+    """``actor.sharding=ddp`` on GPUs (the score's models and the updates): DDP is given the rank's local
+    GPU, as it asks for a module on one GPU; a CPU module gets none, as before."""
+    from models.training.distributed import DistInfo, ddp_device_ids
+
+    assert ddp_device_ids(DistInfo(5, 8, 1, torch.device("cuda:1"))) == [1]
+    assert ddp_device_ids(DistInfo(1, 2, 1, torch.device("cpu"))) is None
+
+
 def test_score_on_ranks_asks_one_gpu_per_rank_and_the_70b_preset_sets_it():
     from models.config import ConfigError
 
