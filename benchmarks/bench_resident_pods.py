@@ -1,6 +1,6 @@
 """Resident vs stateless in the pod-level harness (``tests/cluster``): the compiled package, every node a fresh
-pod pinned to one core, two ready nodes at a time on each level of the graph (the 2-core machine as two cluster
-nodes).
+pod pinned to one of two cores (the 2-core machine as two cluster nodes), up to three ready nodes at a time on
+each level of the graph (the resident run's three services).
 
     python benchmarks/bench_resident_pods.py [--quick] [--iterations N] [--json PATH]
 
@@ -80,13 +80,13 @@ def pod_starts(ex) -> Tuple[int, int]:
 
 
 def run_mode(make, root: str, iterations: int, resident: bool) -> Dict[str, float]:
-    from tests.cluster.conftest import PPO_TOPOLOGY
+    from tests.cluster.conftest import CRITIC_TOPOLOGY, TOPOLOGY
 
     overrides = [f"run.num_iterations={iterations}", f"run.save_interval={iterations}", "run.eval_interval=0",
                  f"run.iterations_per_chunk={iterations}", "rollout.engine=hf", "rollout.prompts_per_iteration=8",
                  "actor.minibatch_size=16", "critic.minibatch_size=16", "critic.micro_batch_size=8",
                  f"run.resident={str(resident).lower()}", "run.resident_idle_timeout_s=600",
-                 f"run.storage_root={root}"] + PPO_TOPOLOGY
+                 f"run.storage_root={root}"] + TOPOLOGY + CRITIC_TOPOLOGY
     ex = make().execute("workflows.ppo.ppo_training", {"preset": "configs/tiny_ppo.yaml", "overrides": overrides,
                                                        "run_name": "bench"})
     if ex.error:
@@ -108,7 +108,9 @@ def measure(iterations: int) -> List[Row]:
     out = {}
     with tempfile.TemporaryDirectory() as tmp, moto_s3_server(BUCKET) as s3, mlflow_server(Path(tmp) / "mlflow") as ml:
         package = load_package(build_package(Path(tmp) / "package", IMAGE, *DEPLOY, registration_env(s3, ml)))
-        make = lambda: new_cluster(package, s3, Path(tmp) / "pods", Path(tmp) / "baked", parallelism=2,  # noqa: E731
+        # three ready nodes at a time: the resident run's three services run side by side (the iterations' graph
+        # has at most two ready nodes either way)
+        make = lambda: new_cluster(package, s3, Path(tmp) / "pods", Path(tmp) / "baked", parallelism=3,  # noqa: E731
                                    pin_cores=(0, 1), cluster_env={"RLHF_STORAGE_LOG": LOG})
         for mode in ("stateless", "resident"):
             out[mode] = run_mode(make, f"s3://{BUCKET}/{mode}", iterations, mode == "resident")

@@ -73,7 +73,9 @@ def serve_service(launch: ServiceLaunch, cfg, run, state, log: Optional[Callable
     from models.training.distributed import init_distributed, shutdown_distributed
 
     log = log or stderr_log(launch.name)
-    protocol.expect_launch(launch.launch)  # the other services it calls: of its own launch
+    # the other services it calls (the actor trainer calls the critic's and the engine's): of its own launch, waited
+    # for as the tasks wait (on a cluster they start side by side)
+    protocol.expect_launch(launch.launch, cfg.run.resident_start_timeout_s)
     info = init_distributed()
     fanout = RankFanout()
     host = HOSTS[launch.name](cfg, run, state, info)
