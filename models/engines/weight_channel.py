@@ -4,15 +4,15 @@ engine's receiver rank 1, as the peers' "update weights from distributed" does (
 
 Forming it: the engine's side (:class:`Receiver`) opens a ``TCPStore`` on a free port of the address it
 serves on and answers its :meth:`Receiver.offer` (the port, the backend, a key naming this channel in the
-store); the trainer's side (:class:`Sender`) joins with it. Backend: ``nccl`` when both ends are on CUDA, on two different GPUs (NCCL
-cannot join two ranks on one device), else ``gloo`` (the tensors go through host memory).
+store); the trainer's side (:class:`Sender`) joins with it. Backend: ``nccl`` when both ends are on CUDA,
+on two different GPUs (NCCL cannot join two ranks on one device), else ``gloo`` (through host memory).
 
-A push: :func:`plan` lays the state dict out as a few flat buffers, one dtype each and at most
-:data:`BUCKET_BYTES` (a tensor bigger than that gets its own), and a JSON header (names, dtypes, shapes,
-offsets, names that share a tensor); the header travels by other means (the engine service's HTTP op),
-the buffers by broadcast (:meth:`Sender.send`, :meth:`Receiver.receive`), and :func:`unflatten` gives the
-state dict back, bit for bit. Every wait is bounded by the channel's timeout; a failure raises
-:class:`ChannelError` and the channel is not used again.
+A push: :func:`plan` lays the state dict out in buckets, one dtype each and at most :data:`BUCKET_BYTES`
+(a tensor bigger than that gets its own), each sent as one flat buffer, and a JSON header (names,
+dtypes, shapes, offsets, names that share a tensor); the header travels by other means (the engine
+service's HTTP op), the buffers by broadcast (:meth:`Sender.send`, :meth:`Receiver.receive`), and
+:func:`unflatten` gives the state dict back, bit for bit. Every wait is bounded by the channel's timeout;
+a failure raises :class:`ChannelError` and the channel is not used again.
 """
 
 from __future__ import annotations
@@ -62,9 +62,10 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def plan(state: Mapping[str, torch.Tensor], bucket_bytes: int = BUCKET_BYTES
-         ) -> Tuple[Dict[str, Any], List[torch.Tensor]]:
-    """``(header, buffers)``: ``state``'s tensors copied into flat buffers, one dtype each (on the
-    tensors' device), and the JSON header :func:`unflatten` reads them back with."""
+         ) -> Tuple[Dict[str, Any], List[List[torch.Tensor]]]:
+    """``(header, buckets)``: ``state``'s tensors in buckets, one dtype each, each sent as one flat buffer
+    (:meth:`Sender.send` flattens them one at a time: one bucket's copy at once), and the JSON header
+    :func:`unflatten` reads the buffers back with."""
     distinct, aliases = distinct_tensors(state)
     groups: Dict[torch.dtype, List[List[str]]] = {}
     sizes: Dict[Tuple[torch.dtype, int], int] = {}
@@ -77,17 +78,17 @@ def plan(state: Mapping[str, torch.Tensor], bucket_bytes: int = BUCKET_BYTES
         sizes[key] = sizes.get(key, 0) + nbytes
         buckets[-1].append(name)
     header: Dict[str, Any] = {"tensors": [], "buffers": [], "aliases": aliases}
-    buffers = []
+    out = []
     for dtype, buckets in groups.items():
         for names in buckets:
-            offset, index = 0, len(buffers)
+            offset, index = 0, len(out)
             for name in names:
                 t = distinct[name]
                 header["tensors"].append([name, str(dtype).removeprefix("torch."), list(t.shape), index, offset])
                 offset += t.numel()
-            buffers.append(torch.cat([distinct[n].reshape(-1) for n in names]))  # [numel of the bucket]
+            out.append([distinct[n] for n in names])
             header["buffers"].append([str(dtype).removeprefix("torch."), offset])
-    return header, buffers
+    return header, out
 
 
 def check_header(header: Mapping[str, Any]) -> None:
@@ -232,18 +233,23 @@ class Sender:
         """Until the receiver takes push ``push`` (it may be busy with other work first; no broadcast waits
         on it meanwhile), ``give_up()`` is true (the receiver failed before), or ``timeout_s`` passed."""
         deadline = time.monotonic() + timeout_s
-        while not self.store.check([_ready_key(self.key, push)]):
+        while True:
+            try:
+                self.store.wait([_ready_key(self.key, push)], dt.timedelta(seconds=0.2))
+                return
+            except dist.DistStoreError:  # not yet: look again unless the receiver failed or time is up
+                pass
             if give_up():
                 raise ChannelError("the receiver gave up the push before taking it")
             if time.monotonic() > deadline:
                 raise ChannelError(f"the receiver did not take the push in {timeout_s:g} s")
-            time.sleep(0.02)
 
-    def send(self, buffers: List[torch.Tensor]) -> None:
-        """Broadcast :func:`plan`'s buffers (moved to the backend's device)."""
+    def send(self, buckets: List[List[torch.Tensor]]) -> None:
+        """Broadcast :func:`plan`'s buckets, each as one flat buffer on the backend's device."""
         device = _device(self.backend)
-        for buffer in buffers:
-            _broadcast(self.group, buffer.to(device), self.backend, self.timeout_s)
+        for bucket in buckets:
+            buffer = torch.cat([t.reshape(-1).to(device) for t in bucket])  # [numel of the bucket]
+            _broadcast(self.group, buffer, self.backend, self.timeout_s)
 
     def close(self) -> None:
         atexit.unregister(self.close)

@@ -64,7 +64,7 @@ class WeightSender:
             return self.sender
         self.close()
         host = urlsplit(address.url).hostname or "127.0.0.1"
-        offer = protocol.call(address, "channel", {"host": host, "gpu": gpu_id(), **self._timeout()}, 600.0)
+        offer = protocol.call(address, "channel", {"host": host, "gpu": gpu_id(), **self._timeout()}, HTTP_TIMEOUT_S)
         self.sender = Sender(host, offer, **self._timeout())
         self.engine_url = address.url
         return self.sender
@@ -80,12 +80,12 @@ class WeightSender:
         try:
             sender = self._join(address)
             backend = sender.backend
-            header, buffers = plan(state)
+            header, buckets = plan(state)
             self.pushes += 1
             op_args = {**args, "transport": "collective", "header": header, "push": self.pushes}
             reply = _in_background(lambda: protocol.call(address, "weights", op_args, HTTP_TIMEOUT_S))
             sender.wait_ready(self.pushes, reply.done, HTTP_TIMEOUT_S)
-            sender.send(buffers)
+            sender.send(buckets)
             out = reply.result()
         except (ChannelError, protocol.ServiceError) as err:
             self.close()  # the engine drops its end too: the next push forms a new channel
@@ -94,7 +94,7 @@ class WeightSender:
                        f"collective transport ({backend}) failed: {err}{_engine_error(reply, err)}. The engine does "
                        f"not serve them: rerun the launch to resume from the last checkpoint (or set "
                        f"run.resident_weight_transport=http)") from None
-        size = sum(b.numel() * b.element_size() for b in buffers)
+        size = sum(t.numel() * t.element_size() for bucket in buckets for t in bucket)
         return {**out, "resident/weights_bytes": float(size), "resident/weights_transport": TRANSPORT_CODES[backend]}
 
     def close(self) -> None:

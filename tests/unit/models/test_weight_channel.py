@@ -41,10 +41,10 @@ import json, os, sys
 from models.engines.weight_channel import Sender, plan
 from tests.unit.models.test_weight_channel import BUCKET, _state
 sender = Sender("127.0.0.1", {offer!r}, timeout_s=20)
-header, buffers = plan(_state(), BUCKET)
+header, buckets = plan(_state(), BUCKET)
 open({str(header_path)!r}, "w").write(json.dumps(header))
 sender.wait_ready(1, lambda: False, 20)
-sender.send(buffers if {stop_after} < 0 else buffers[:{stop_after}])
+sender.send(buckets if {stop_after} < 0 else buckets[:{stop_after}])
 if {stop_after} >= 0:
     os._exit(3)
 """
