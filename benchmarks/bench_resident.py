@@ -83,7 +83,7 @@ def bench_case(case: str, iterations: int, root: str) -> List[Row]:
             row("resident", f"{case}: max |reward resident - stateless|", gap, "",
                 f"{len(rewards['resident'])} iterations", at_most=1e-6),
             row("resident", f"{case}: weights trainer -> engine per update", statistics.median(transfer), "s",
-                f"{size[0] / 1e6:.1f} MB in memory (HTTP on loopback), probe included")]
+                f"{size[0] / 1e6:.1f} MB in memory (run.resident_weight_transport: its default), probe included")]
 
 
 def main(argv=None) -> int:

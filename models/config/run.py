@@ -63,6 +63,12 @@ class RunConfig:
     (docs/cluster.md#running-the-resident-mode). New weights go from the trainer to the engine in memory; checkpoints
     are written every ``save_interval`` only, and a crash resumes from the last one, redoing the
     iterations after it. Local runs start the services as child processes of ``pyflyte run``."""
+    resident_weight_transport: str = "collective"
+    """How a resident run's new actor weights reach the engine service after each update: ``collective``
+    (a process group of two between the actor trainer's rank 0 and the engine, NCCL when both are on
+    different GPUs, else gloo; the tensors by broadcast in a few flat buffers per dtype) or ``http`` (one
+    binary body of the engine service's ``weights`` op). LoRA sends the adapter alone, over HTTP either way
+    (docs/cluster.md#running-the-resident-mode)."""
     resident_idle_timeout_s: float = 1800.0
     """A resident service with no request for this long stops by itself (a backstop: the run stops its
     services when it finishes or fails)."""
@@ -109,4 +115,5 @@ class RunConfig:
         check(self.lock_ttl_s > 0, "run.lock_ttl_s must be > 0")
         check(self.resident_idle_timeout_s > 0, "run.resident_idle_timeout_s must be > 0")
         check(self.resident_start_timeout_s > 0, "run.resident_start_timeout_s must be > 0")
+        check_choice("run.resident_weight_transport", self.resident_weight_transport, ["collective", "http"])
         _check_registered_model_name(self.registered_model_name)

@@ -26,13 +26,12 @@ def _view_key(t: torch.Tensor) -> Tuple:
     return (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
 
 
-def pack_weights(state: Mapping[str, torch.Tensor]) -> bytes:
-    """``state`` (name → tensor, any device) as safetensors bytes; names that share one tensor (a tied
-    head) are written once, the others recorded as aliases."""
+def distinct_tensors(state: Mapping[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """``(tensors, aliases)``: ``state``'s tensors (detached), each tensor once under the first name it has,
+    and ``{other name: that name}`` for names that share it (a tied head)."""
     tensors: Dict[str, torch.Tensor] = {}
     aliases: Dict[str, str] = {}
     first: Dict[Tuple, str] = {}
-    storages = set()
     for name, t in state.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"weight {name!r} is a {type(t).__name__}, not a tensor")
@@ -42,6 +41,17 @@ def pack_weights(state: Mapping[str, torch.Tensor]) -> bytes:
             aliases[name] = first[key]
             continue
         first[key] = name
+        tensors[name] = t
+    return tensors, aliases
+
+
+def pack_weights(state: Mapping[str, torch.Tensor]) -> bytes:
+    """``state`` (name → tensor, any device) as safetensors bytes; names that share one tensor (a tied
+    head) are written once, the others recorded as aliases."""
+    distinct, aliases = distinct_tensors(state)
+    tensors: Dict[str, torch.Tensor] = {}
+    storages = set()
+    for name, t in distinct.items():
         cpu = t.to("cpu").contiguous()
         if cpu.numel() and cpu.untyped_storage().data_ptr() in storages:  # another view of a written storage
             cpu = cpu.clone()

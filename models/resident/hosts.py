@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 import torch
@@ -72,10 +72,12 @@ class EngineHost:
     (``pending``): the batch after an update is still sampled from the actor before it."""
 
     def __init__(self, cfg: TrainConfig, run: RunHandle, state: PolicyState, info: DistInfo):
+        from models.resident.channel import WeightReceiver
         from models.stages.engine import engine_for
 
         self.lora_mode, self.dtype = cfg.rollout.lora_mode, cfg.model.dtype
         self.adapter_folder = ""
+        self.channel = WeightReceiver()
         self.pending: Dict[int, Any] = {}
         if state.behaviour_url:  # resumed off-policy: the next batch comes from the actor before the state's
             self.engine = engine_for(cfg, state.behaviour_url)
@@ -95,11 +97,14 @@ class EngineHost:
         _check_iteration(protocol.ENGINE, self.version, state)
 
     def handle(self, op: str, args: Dict[str, Any], body: Optional[bytes]) -> Any:
+        if op == "channel":  # the actor trainer opens the collective weight channel
+            return self.channel.open(args)
         if op == "weights":
             if args.get("defer"):  # off-policy: loaded when a request asks for this actor
-                self.pending[int(args["version"])] = lambda: self.load(args, body)
+                self.pending[int(args["version"])] = self.incoming(args, body)
                 return {}
-            return self.load(args, body)
+            self.version = -1  # until the new weights are in and verified, the engine serves no iteration
+            return self.incoming(args, body)()
         cfg, run, state = protocol.read_args(args)
         self.serve(state.iteration, state)
         if op == "rollout":
@@ -109,17 +114,25 @@ class EngineHost:
             return run_evaluate(cfg, run, state, engine=self.engine)
         raise ValueError(f"the engine service has no op {op!r}")
 
-    def load(self, args: Dict[str, Any], body: bytes) -> Dict[str, float]:
-        """New weights from the actor trainer, in memory, then the probe against the trainer's forward."""
+    def incoming(self, args: Dict[str, Any], body: Optional[bytes]) -> Callable[[], Dict[str, float]]:
+        """New weights from the actor trainer, in memory: received now (over the collective channel, or
+        ``body``), loaded by the function returned (:meth:`load`)."""
         from models.engines.weights import unpack_weights
+
+        if "adapter_config" in args:  # LoRA: the adapter alone
+            return lambda: self.load(args, lambda: self.load_adapter(args["adapter_config"], body))
+        if args.get("transport") == "collective":
+            state = self.channel.receive(args)
+            return lambda: self.load(args, lambda: self.engine.load_tensors(state))
+        return lambda: self.load(args, lambda: self.engine.load_tensors(unpack_weights(body)))
+
+    def load(self, args: Dict[str, Any], put: Callable[[], None]) -> Dict[str, float]:
+        """``put()`` the new weights into the engine, then the probe against the trainer's forward."""
         from models.training.probe import verify_reference
 
         t0 = time.perf_counter()
         self.version = -1  # until the new weights are in and verified, the engine serves no iteration
-        if "adapter_config" in args:  # LoRA: the adapter alone
-            self.load_adapter(args["adapter_config"], body)
-        else:
-            self.engine.load_tensors(unpack_weights(body))
+        put()
         probe = args["probe"]
         result = verify_reference(self.engine, probe["sequences"], probe["logprobs"], float(args["tolerance"]),
                                   f"the actor of iteration {args['version']} (in memory)")
@@ -232,10 +245,12 @@ class ActorHost(_TrainerHost):
         super().__init__(cfg, run, state, info, state.actor_url, 0)
         from transformers import AutoModelForCausalLM
 
+        from models.resident.channel import WeightSender
         from models.training.load import load_hf
         from models.training.lora import without_adapter
         from models.training.policy import PolicyLogprobs, with_packing
 
+        self.channel = WeightSender()  # rank 0's end of the weight channel to the engine, formed at the first push
         if cfg.actor.lora.enabled:  # π_ref = the trained model with its adapter off, as score does it
             self.ref = without_adapter(self.model, self.lm)
         else:
@@ -285,8 +300,9 @@ class ActorHost(_TrainerHost):
         return stat_keys("actor", {**stats, "optimizer_steps_total": float(self.steps)})
 
     def after_update(self, cfg, run, state, times) -> Dict[str, float]:
-        """The new weights to the engine service, in memory."""
+        """The new weights to the engine service, in memory (:mod:`models.resident.channel`)."""
         from models.engines.weights import pack_weights
+        from models.resident.channel import http_push
 
         t0 = time.perf_counter()
         full = full_state_dict(self.model)  # collective under FSDP2
@@ -298,14 +314,15 @@ class ActorHost(_TrainerHost):
             else None
         args = {"version": state.iteration + 1, "probe": probe, "tolerance": cfg.probe_tolerance,
                 "defer": bool(cfg.run.off_policy_steps)}
-        if cfg.actor.lora.enabled:  # the adapter alone, as its checkpoint holds it
+        engine = protocol.find(run.layout, protocol.ENGINE)
+        if cfg.actor.lora.enabled:  # the adapter alone, as its checkpoint holds it (over HTTP: a few MB)
             config, body = adapter_files(self.lm, weights, self.url)
-            args["adapter_config"] = config
+            out = http_push(engine, {**args, "adapter_config": config}, body)
         else:
-            body = pack_weights(weights if weights is not None else self.lm.state_dict())
-        out = protocol.post_weights(protocol.find(run.layout, protocol.ENGINE), args, body)
-        return {**out, "time/weights_to_engine_s": time.perf_counter() - t0,
-                "resident/weights_bytes": float(len(body))}
+            weights = weights if weights is not None else self.lm.state_dict()
+            out = http_push(engine, args, pack_weights(weights)) if cfg.run.resident_weight_transport == "http" \
+                else self.channel.push(engine, args, weights)
+        return {**out, "time/weights_to_engine_s": time.perf_counter() - t0}
 
 
 class CriticHost(_TrainerHost):

@@ -9,7 +9,8 @@ and accepts ``POST {url}/call`` with ``Authorization: Bearer {token}`` and a JSO
 ``{"op": ..., "args": {...}}``. The reply is ``{"result": ...}``, or ``{"error": ..., "kind": ...}``
 with status 500 (the service's own error, its message naming the cause) or 401 (wrong token). New
 actor weights travel as ``POST {url}/weights``: JSON arguments and the packed tensors in one binary body
-(:func:`post_weights`).
+(:func:`post_weights`), or as a ``weights`` op whose tensors come over a collective
+(:mod:`models.resident.channel`, ``run.resident_weight_transport``).
 
 Names: ``engine`` (the generation engine: rollout and evaluation), ``actor`` (the actor trainer: π_old
 and π_ref, the update, the actor's checkpoints), ``critic`` (PPO: values, the update, its checkpoints).

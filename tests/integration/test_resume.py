@@ -247,4 +247,6 @@ def test_a_resident_run_killed_and_resumed_equals_the_stateless_one(runs, reside
     assert "the critic trainer service" in resident["killed"] and "does not answer" in resident["killed"], \
         resident["killed"][-4000:]
     assert resident["alive"] == [] and resident["alive_after"] == [], "a service outlived its run"
+    transports = _client(runs).get_metric_history(_run_id(runs, "resident"), "resident/weights_transport")
+    assert transports and {m.value for m in transports} == {1.0}, "the weights did not go over the gloo channel"
     _assert_equals_the_reference(runs, "resident")

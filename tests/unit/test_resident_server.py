@@ -1,5 +1,6 @@
 """The resident services' HTTP face and rank loop (models/resident/server.py, protocol.py) with a plain
-handler: the token, the reply, a failed op, the binary weights body, the stops (op, idle, parent gone)."""
+handler: the token, the reply, a failed op, the binary weights body, the stops (op, idle, parent gone); the
+weights over the collective channel (models/resident/channel.py) to a handler holding the engine's end."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import threading
 import pytest
 
 from models.resident import protocol
+from models.resident.channel import WeightReceiver, WeightSender
 from models.resident.server import RankFanout, ServiceServer, serve
 from models.run.layout import RunLayout
 
@@ -109,3 +111,43 @@ def test_a_cluster_task_waits_for_its_own_launch_and_finish_stops_it(tmp_path):
         protocol.expect_launch("")
     assert cluster_addresses({"RLHF_SERVICE_HOST": "127.0.0.1"}) == ("127.0.0.1", "127.0.0.1")
     assert cluster_addresses({})[0] == "0.0.0.0"
+class Engine:
+    """The engine service's side of the weights ops on the real channel end (models/resident/channel.py);
+    ``refuse`` makes the next ``weights`` op fail before it takes the tensors, as a stale request would."""
+
+    def __init__(self):
+        self.channel, self.got, self.refuse = WeightReceiver(), None, ""
+
+    def __call__(self, op, args, body):
+        if op == "channel":
+            return self.channel.open(args)
+        if self.refuse:
+            reason, self.refuse = self.refuse, ""
+            raise RuntimeError(reason)
+        self.got = self.channel.receive(args)
+        return {"version": args["version"], "probe": args["probe"]}
+
+
+def test_weights_over_the_collective_channel_and_a_refused_push(tmp_path):
+    import torch
+
+    server, engine = ServiceServer("tok-en"), Engine()
+    threading.Thread(target=serve, args=(server, RankFanout(), engine, lambda s: None), daemon=True).start()
+    address = protocol.ServiceAddress("engine", server.url, "tok-en", 1)
+    weights = {"embed": torch.randn(64, 8), "norm": torch.ones(8, dtype=torch.bfloat16)}
+    weights["head"] = weights["embed"]
+    sender = WeightSender(timeout_s=10)
+    out = sender.push(address, {"version": 1, "probe": [0.5]}, weights)
+    assert out["version"] == 1 and out["probe"] == [0.5] and out["resident/weights_transport"] == 1.0  # gloo
+    assert out["resident/weights_bytes"] == 64 * 8 * 4 + 8 * 2  # the tied head once
+    assert all(torch.equal(engine.got[k], v) for k, v in weights.items()) and engine.got["head"] is engine.got["embed"]
+    engine.refuse = "the engine holds the policy of iteration 0"
+    with pytest.raises(protocol.ServiceError, match=r"the weights of iteration 2 to the engine service at .* over the "
+                                                    r"collective transport \(gloo\) failed: .*the receiver gave up .*"
+                                                    r"iteration 0"):
+        sender.push(address, {"version": 2, "probe": []}, weights)
+    weights["norm"] = weights["norm"] * 2
+    assert sender.push(address, {"version": 2, "probe": []}, weights)["version"] == 2  # a new channel
+    assert torch.equal(engine.got["norm"], weights["norm"])
+    protocol.call(address, "stop", {})
+    server.close()
