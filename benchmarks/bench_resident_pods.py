@@ -57,19 +57,19 @@ def transfers(ex) -> List[dict]:
     return out
 
 
+def between_checkpoints(t: dict, checkpoint_iteration: int) -> bool:
+    """Whether a moved file of weights or optimizer state moved between checkpoints (:func:`state_bytes`)."""
+    keep = f"/iter-{checkpoint_iteration:06d}/"
+    return kind(t["url"]) in STATE and (t["task"] not in PER_RUN_TASKS or t["op"] == "write" and "/iter-" in t["url"]
+                                        and keep not in t["url"])
+
+
 def state_bytes(moved: List[dict], checkpoint_iteration: int) -> Tuple[int, int]:
     """``(between checkpoints, the rest)``: bytes of weights and optimizer state. A file moved between
     checkpoints is one written under an iteration folder other than the checkpoint's, or read by an iteration's
     task; the rest is the services' load at start and the checkpoint they write."""
-    between = rest = 0
-    keep = f"/iter-{checkpoint_iteration:06d}/"
-    for t in moved:
-        if kind(t["url"]) not in STATE:
-            continue
-        if t["task"] not in PER_RUN_TASKS or t["op"] == "write" and "/iter-" in t["url"] and keep not in t["url"]:
-            between += t["nbytes"]
-        else:
-            rest += t["nbytes"]
+    between = sum(t["nbytes"] for t in moved if between_checkpoints(t, checkpoint_iteration))
+    rest = sum(t["nbytes"] for t in moved if kind(t["url"]) in STATE) - between
     return between, rest
 
 
@@ -93,7 +93,11 @@ def run_mode(make, root: str, iterations: int, resident: bool) -> Dict[str, floa
         raise RuntimeError(f"{root}: {ex.error}")
     print(f"{root}: mean s per node: " + ", ".join(f"{t} {v:.0f}" for t, v in task_seconds(ex).items()), flush=True)
     ends = commit_spans(ex)
-    between, rest = state_bytes(transfers(ex), iterations - 1)
+    moved = transfers(ex)
+    for t in moved:  # what a reader needs to see where the state moved between checkpoints
+        if between_checkpoints(t, iterations - 1):
+            print(f"{root}: between checkpoints: {t['task']} {t['op']} {t['nbytes']} B {t['url']}", flush=True)
+    between, rest = state_bytes(moved, iterations - 1)
     per_iteration_pods, per_run_pods = pod_starts(ex)
     return {"s": (ends[-1] - ends[0]) / (len(ends) - 1), "between": between / iterations, "rest": rest,
             "pods": per_iteration_pods / iterations, "run_pods": per_run_pods}
