@@ -135,8 +135,20 @@ def _same_folder(name: str, whole: str, by_rank: str, files: list) -> None:
     assert set(os.listdir(by_rank)) == rest | set(files) | {INDEX}
     for f in rest - {"COMMITTED.json"}:
         assert (open(os.path.join(whole, f), "rb").read() == open(os.path.join(by_rank, f), "rb").read()), f
+    from safetensors import safe_open
+
     with open(os.path.join(by_rank, INDEX)) as f:
-        assert set(json.load(f)["weight_map"].values()) == set(files)
+        weight_map = json.load(f)["weight_map"]
+    assert set(weight_map.values()) == set(files)
+    for f in files:
+        with safe_open(os.path.join(by_rank, f), framework="pt") as st:
+            assert {k for k, v in weight_map.items() if v == f} == set(st.keys())
+    # the tensors save_pretrained stores of the unsharded model: a tied head once, as the embedding (rank 0's
+    # whole write, from a gathered state dict whose head is a copy, stores it twice)
+    plain = os.path.join(os.path.dirname(by_rank), f"{name}-plain")
+    auto.from_pretrained(whole, dtype=torch.float32).save_pretrained(plain)
+    with safe_open(os.path.join(plain, "model.safetensors"), framework="pt") as st:
+        assert set(weight_map) == set(st.keys())
     want = auto.from_pretrained(whole, dtype=torch.float32).state_dict()
     got = auto.from_pretrained(by_rank, dtype=torch.float32).state_dict()
     assert set(got) == set(want)
@@ -145,7 +157,8 @@ def _same_folder(name: str, whole: str, by_rank: str, files: list) -> None:
 
 
 def test_tensors_are_dealt_largest_first_to_the_lightest_rank():
-    """Hand-worked: 10 → rank 0, 7 → 1, 5 → 1 (7 < 10), 4 → 0 (10 < 12), 1 → 1 (12 < 14); equal sizes by name."""
+    """Hand-worked: 10 → rank 0, 7 → 1, 5 → 1 (7 < 10), 4 → 0 (10 < 12), 1 → 1 (12 < 14); equal sizes go
+    by name."""
     assert assign({"e": 1, "c": 5, "a": 10, "d": 4, "b": 7}, 2) == {"a": 0, "b": 1, "c": 1, "d": 0, "e": 1}
     assert assign({"y": 3, "x": 3}, 2) == {"x": 0, "y": 1}
     assert assign({"a": 1}, 3) == {"a": 0}
