@@ -125,7 +125,8 @@ class ActorConfig(ElasticTopology):
     dealt by bytes, each gathered to its owner rank only), in parallel, and rank 0 the index, configs,
     tokenizer and the commit marker (``models/training/weight_shards.py``), instead of every rank gathering
     the whole float32 model and rank 0 writing and uploading it alone. The folder loads as any Hugging Face
-    checkpoint. Under DDP or one process, and for a LoRA adapter (small), rank 0 commits as with false."""
+    checkpoint. Under DDP or one process, for a LoRA adapter (small) and for a model transformers converts
+    on save (fused experts, e.g. Mixtral), rank 0 commits as with false."""
     old_logprobs: str = "recompute"
     """π_old: ``recompute`` (a forward of the training-side actor in ``score``) or ``sampler`` (the
     engine's own log-probs, one forward less; only where the engine computes in the trainer's dtype,

@@ -44,8 +44,29 @@ def weight_file(rank: int, world: int) -> str:
 
 def applies(module: nn.Module, model: nn.Module, info: DistInfo) -> bool:
     """Whether the trained ``model`` (the HF model inside the training wrapper ``module``) is committed by
-    rank: full weights FSDP2-sharded over two ranks or more (a peft model's adapter is committed whole)."""
-    return info.world_size > 1 and is_sharded(module) and not is_peft(model)
+    rank: full weights FSDP2-sharded over two ranks or more (a peft model's adapter is committed whole),
+    stored under the names it holds them (:func:`converted` models are written whole by rank 0, said once)."""
+    if not (info.world_size > 1 and is_sharded(module) and not is_peft(model)):
+        return False
+    if converted(model):
+        if info.is_main:
+            print(f"checkpoint_by_rank: transformers converts {type(model).__name__}'s tensors on save "
+                  f"(fused or renamed weights), so rank 0 writes its checkpoint whole", flush=True)
+        return False
+    return True
+
+
+def converted(model: nn.Module) -> bool:
+    """Whether ``save_pretrained`` stores ``model``'s tensors under other names or shapes than it holds
+    them (a conversion mapping, e.g. Mixtral's fused experts): it reverts that over the whole state dict
+    at once, which no rank holds here. The conversions transformers' ``revert_weight_conversion`` applies."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    loaded = getattr(model, "_weight_conversions", None)
+    if loaded is not None:
+        return len(loaded) > 0
+    return any(not isinstance(c, PrefixChange) for c in get_model_conversion_mapping(model, add_legacy=False))
 
 
 def assign(sizes: Mapping[str, int], world: int) -> Dict[str, int]:

@@ -19,7 +19,7 @@ from models.config import ActorConfig, ConfigError, CriticConfig, LoraConfig
 from models.stages.updates import commit_trained, load_for_update
 from models.training.distributed import DistInfo, full_state_dict, unwrap
 from models.training.sharded_load import INDEX
-from models.training.weight_shards import applies, assign, weight_file
+from models.training.weight_shards import applies, assign, converted, weight_file
 from tests.processes import free_port
 from tests.unit.models.test_sharded_load import role
 from tests.unit.models.test_sharded_update import join_gloo
@@ -173,3 +173,17 @@ def test_one_process_commits_as_without_the_option(qwen2_chat_dir):
     assert not applies(model, model, DistInfo(0, 1, 0, torch.device("cpu")))
     with pytest.raises(ConfigError, match="critic.checkpoint_by_rank needs the critic inside the tasks"):
         CriticConfig(checkpoint_by_rank=True, remote_url="http://critic:8000")
+
+
+def test_a_model_transformers_converts_on_save_is_not_written_by_rank():
+    """Mixtral's experts are fused in memory and split by ``save_pretrained``: no rank holds the whole state
+    to split, so its checkpoint is rank 0's whole write; Llama and Qwen2 store what they hold."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config, \
+        Qwen2ForCausalLM
+
+    shape = dict(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=2)
+    with torch.device("meta"):
+        models = [LlamaForCausalLM(LlamaConfig(**shape)), Qwen2ForCausalLM(Qwen2Config(**shape)),
+                  MixtralForCausalLM(MixtralConfig(**shape, num_local_experts=2))]
+    assert [converted(m) for m in models] == [False, False, True]
