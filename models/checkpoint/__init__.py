@@ -145,9 +145,8 @@ def save_checkpoint(local_dir: str, url: str, overwrite: bool = False,
     def upload(rel: str) -> Dict[str, Any]:
         if rel.endswith(".safetensors"):
             check_finite(files[rel], rel, url)
-        digest, dst = file_digest(files[rel]), storage.join(tmp, rel)
-        if not (consume and storage.is_local(dst) and _hard_link(files[rel], storage.local_path(dst))):
-            storage.put_file(files[rel], dst)
+        digest = file_digest(files[rel])
+        put_checkpoint_file(files[rel], storage.join(tmp, rel), consume)
         return digest
 
     try:  # a failed upload leaves any old checkpoint intact
@@ -203,6 +202,13 @@ def check_finite(path: str, rel: str, url: str) -> None:
     if bad:
         raise CheckpointError(f"checkpoint {url}: '{rel}' holds NaN or inf in {len(bad)} tensor(s) ({', '.join(bad[:3])}"
                               f"{', ...' if len(bad) > 3 else ''}); weights that are not finite are never committed")
+
+
+def put_checkpoint_file(path: str, dst: str, consume: bool = False) -> None:
+    """Upload the local file ``path`` of a checkpoint being written to ``dst``; with ``consume`` (the caller
+    drops ``path`` afterwards) hard-linked instead where ``dst`` is on the same local filesystem."""
+    if not (consume and storage.is_local(dst) and _hard_link(path, storage.local_path(dst))):
+        storage.put_file(path, dst)
 
 
 def _hard_link(src: str, dst: str) -> bool:

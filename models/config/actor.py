@@ -119,6 +119,14 @@ class ActorConfig(ElasticTopology):
     it, the largest state term of a stateless iteration at scale (docs/cluster.md). The state then
     loads only on the same number of ranks (another count is an error naming both); under DDP or one
     process (every rank holds the whole state) the whole state is committed as with false."""
+    checkpoint_by_rank: bool = False
+    """Commit the trained weights by rank: under FSDP2 over two ranks or more each rank writes and uploads
+    one file of the Hugging Face sharded layout (``model-0000{r+1}-of-0000{n}.safetensors``, whole tensors
+    dealt by bytes, each gathered to its owner rank only), in parallel, and rank 0 the index, configs,
+    tokenizer and the commit marker (``models/training/weight_shards.py``), instead of every rank gathering
+    the whole float32 model and rank 0 writing and uploading it alone. The folder loads as any Hugging Face
+    checkpoint. Under DDP or one process, for a LoRA adapter (small) and for a model transformers converts
+    on save (fused experts, e.g. Mixtral), rank 0 commits as with false."""
     old_logprobs: str = "recompute"
     """π_old: ``recompute`` (a forward of the training-side actor in ``score``) or ``sampler`` (the
     engine's own log-probs, one forward less; only where the engine computes in the trainer's dtype,

@@ -39,6 +39,10 @@ class CriticConfig(ElasticTopology):
     ``models/training/optimizer_shards.py``): under FSDP2 on ``critic.nnodes × critic.nproc_per_node``
     ranks each rank writes and reads only its own shard, as a full critic at 70B needs (docs/cluster.md);
     one process or DDP (every rank holds the whole state) commits the whole state as with false."""
+    checkpoint_by_rank: bool = False
+    """Commit the trained critic's weights by rank, as ``actor.checkpoint_by_rank`` (the same code,
+    ``models/training/weight_shards.py``): under FSDP2 on two ranks or more each rank writes and uploads its
+    own file of the Hugging Face folder; one process, DDP or a LoRA critic commit from rank 0 as with false."""
     remote_url: str = ""
     """Critic server base URL; empty runs the critic inside the tasks."""
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -57,6 +61,9 @@ class CriticConfig(ElasticTopology):
         check(not (self.optimizer_state_sharded and self.remote_url),
               "critic.optimizer_state_sharded needs the critic inside the tasks: the critic server "
               "(critic.remote_url) keeps its optimizer in memory and commits none")
+        check(not (self.checkpoint_by_rank and self.remote_url),
+              "critic.checkpoint_by_rank needs the critic inside the tasks: the critic server "
+              "(critic.remote_url) commits its own checkpoints")
         check(self.lr > 0, "critic.lr must be > 0")
         check(self.epochs >= 1, "critic.epochs must be >= 1")
         check(self.minibatch_size >= 1 and self.micro_batch_size >= 1,

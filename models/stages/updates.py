@@ -26,6 +26,7 @@ from models.training.lora import (add_adapter, base_url, is_adapter, is_peft, sa
                                   trainable_in_float32, with_adapter)
 from models.training.optimizer_carry import commit_optimizer
 from models.training.policy import with_packing
+from models.training import weight_shards
 from models.training.sharded_load import load_sharded, load_sharded_lora
 from models.training.update import LoopSettings, UpdateData, disable_dropout
 
@@ -103,13 +104,19 @@ def save_trained(model, tokenizer, url: str, from_url: str, full_state=None, pre
 
 def commit_trained(model, optimizer, tokenizer, url: str, from_url: str, inner: str, section, times: Dict[str, float],
                    role: str, info: DistInfo) -> None:
-    """Every rank: commit the trained weights at ``url`` (a Hugging Face directory written by rank 0,
-    gathered from every rank's shard under FSDP2) and the optimizer state beside them, as ``section``
-    (``actor`` or ``critic``) says. ``inner``: the trained model's attribute in the training wrapper."""
-    full = full_state_dict(model)  # a collective under FSDP2: every rank takes part
+    """Every rank: commit the trained weights at ``url`` and the optimizer state beside them, as ``section``
+    (``actor`` or ``critic``) says. The weights are a Hugging Face directory: with ``checkpoint_by_rank``
+    under FSDP2 over ranks, each rank writes its own file of it (:mod:`models.training.weight_shards`);
+    else rank 0 writes it whole, gathered from every rank's shard under FSDP2. ``inner``: the trained
+    model's attribute in the training wrapper."""
+    trained = getattr(unwrap(model), inner)
+    by_rank = section.checkpoint_by_rank and weight_shards.applies(model, trained, info)
+    full = None if by_rank else full_state_dict(model)  # a collective under FSDP2: every rank takes part
     with naming_a_full_disk(url, model):
-        if info.is_main:
-            save_trained(getattr(unwrap(model), inner), tokenizer, url, from_url, full, prefix=f"{inner}.")
+        if by_rank:
+            weight_shards.save(trained, tokenizer, url, info)
+        elif info.is_main:
+            save_trained(trained, tokenizer, url, from_url, full, prefix=f"{inner}.")
         commit_optimizer(model, optimizer, url, section.keep_optimizer_state, times, role, info,
                          section.optimizer_state_sharded)
     barrier()
