@@ -58,16 +58,17 @@ def transfers(ex) -> List[dict]:
 
 
 def between_checkpoints(t: dict, checkpoint_iteration: int) -> bool:
-    """Whether a moved file of weights or optimizer state moved between checkpoints (:func:`state_bytes`)."""
-    keep = f"/iter-{checkpoint_iteration:06d}/"
-    return kind(t["url"]) in STATE and (t["task"] not in PER_RUN_TASKS or t["op"] == "write" and "/iter-" in t["url"]
-                                        and keep not in t["url"])
+    """Whether a moved file of weights or optimizer state moved between checkpoints (:func:`state_bytes`): not a
+    file of the checkpoint's iteration (written by the update or a service, read back by its commit to log it),
+    and moved by an iteration's task, or written by a service under another iteration."""
+    if kind(t["url"]) not in STATE or f"/iter-{checkpoint_iteration:06d}/" in t["url"]:
+        return False
+    return t["task"] not in PER_RUN_TASKS or t["op"] == "write" and "/iter-" in t["url"]
 
 
 def state_bytes(moved: List[dict], checkpoint_iteration: int) -> Tuple[int, int]:
-    """``(between checkpoints, the rest)``: bytes of weights and optimizer state. A file moved between
-    checkpoints is one written under an iteration folder other than the checkpoint's, or read by an iteration's
-    task; the rest is the services' load at start and the checkpoint they write."""
+    """``(between checkpoints, the rest)``: bytes of weights and optimizer state (:func:`between_checkpoints`);
+    the rest is the services' load at start, the checkpoint and its commit's read of it."""
     between = sum(t["nbytes"] for t in moved if between_checkpoints(t, checkpoint_iteration))
     rest = sum(t["nbytes"] for t in moved if kind(t["url"]) in STATE) - between
     return between, rest
@@ -103,7 +104,7 @@ def run_mode(make, root: str, iterations: int, resident: bool) -> Dict[str, floa
             "pods": per_iteration_pods / iterations, "run_pods": per_run_pods}
 
 
-def measure(iterations: int) -> List[Row]:
+def measure(iterations: int, modes=("stateless", "resident")) -> List[Row]:
     from tests.cluster.conftest import DEPLOY, IMAGE, new_cluster, registration_env
     from tests.cluster.package import build_package, load_package
     from tests.conftest import BUCKET
@@ -116,9 +117,10 @@ def measure(iterations: int) -> List[Row]:
         # has at most two ready nodes either way)
         make = lambda: new_cluster(package, s3, Path(tmp) / "pods", Path(tmp) / "baked", parallelism=3,  # noqa: E731
                                    pin_cores=(0, 1), cluster_env={"RLHF_STORAGE_LOG": LOG})
-        for mode in ("stateless", "resident"):
+        for mode in modes:
             out[mode] = run_mode(make, f"s3://{BUCKET}/{mode}", iterations, mode == "resident")
-    return rows(out, iterations)
+            print(f"{mode}: {out[mode]}", flush=True)
+    return rows(out, iterations) if len(out) == 2 else []
 
 
 def rows(out: Dict[str, Dict[str, float]], iterations: int) -> List[Row]:
@@ -138,8 +140,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_bench_args(parser)
     parser.add_argument("--iterations", type=int, default=0, help="iterations per run (default 6; --quick 3)")
+    parser.add_argument("--modes", default="stateless,resident", help="one mode alone prints its figures, no rows")
     args = parser.parse_args(argv)
-    out = measure(args.iterations or (3 if args.quick else 6))
+    out = measure(args.iterations or (3 if args.quick else 6), tuple(args.modes.split(",")))
     print_rows(out)
     write_rows(args.json, out)
     return 0

@@ -87,7 +87,8 @@ class WeightSender:
             sender.wait_ready(self.pushes, reply.done, HTTP_TIMEOUT_S)
             sender.send(buckets)
             out = reply.result()
-        except (ChannelError, protocol.ServiceError) as err:
+        except (ChannelError, protocol.ServiceError, torch.distributed.DistError, OSError) as err:
+            # (DistError: the engine's store or group gone mid-push, e.g. the engine killed)
             self.close()  # the engine drops its end too: the next push forms a new channel
             kind = type(err) if isinstance(err, protocol.ServiceError) else protocol.ServiceError
             raise kind(f"the weights of iteration {args['version']} to {address.label} at {address.url} over the "

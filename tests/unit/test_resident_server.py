@@ -111,6 +111,8 @@ def test_a_cluster_task_waits_for_its_own_launch_and_finish_stops_it(tmp_path):
         protocol.expect_launch("")
     assert cluster_addresses({"RLHF_SERVICE_HOST": "127.0.0.1"}) == ("127.0.0.1", "127.0.0.1")
     assert cluster_addresses({})[0] == "0.0.0.0"
+
+
 class Engine:
     """The engine service's side of the weights ops on the real channel end (models/resident/channel.py);
     ``refuse`` makes the next ``weights`` op fail before it takes the tensors, as a stale request would."""
@@ -149,5 +151,9 @@ def test_weights_over_the_collective_channel_and_a_refused_push(tmp_path):
     weights["norm"] = weights["norm"] * 2
     assert sender.push(address, {"version": 2, "probe": []}, weights)["version"] == 2  # a new channel
     assert torch.equal(engine.got["norm"], weights["norm"])
+    engine.channel.close()  # the engine's end gone under a formed channel (as when the engine is killed)
+    with pytest.raises(protocol.ServiceError, match=r"the weights of iteration 3 to the engine service at .* over the "
+                                                    r"collective transport \(gloo\) failed"):
+        sender.push(address, {"version": 3, "probe": []}, weights)
     protocol.call(address, "stop", {})
     server.close()

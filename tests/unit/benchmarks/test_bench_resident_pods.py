@@ -38,13 +38,15 @@ def test_state_bytes_between_checkpoints_and_pod_starts(tmp_path):
                                              t("write", "iter-000000/actor/model.safetensors", 7)]),
         _attempt(tmp_path, "rollout_resident", [t("write", "iter-000000/batch/rollout.arrow", 999)]),
         _attempt(tmp_path, "actor_update", [t("read", "iter-000000/actor/model.safetensors", 5)], pods=2),
+        _attempt(tmp_path, "commit_iteration", [t("read", "iter-000002/actor/model.safetensors", 10)]),
     ])
     moved = bench.transfers(ex)
-    assert len(moved) == 2 + 3 + 1 + 2 and moved[-1]["task"] == "actor_update"
+    assert len(moved) == 2 + 3 + 1 + 2 + 1 and moved[-1]["task"] == "commit_iteration"
     # between: the write of a non-checkpoint iteration (7) and the per-iteration task's reads (2 pods x 5);
-    # the batch is not state; the rest: the service's load (2 pods x 100) and the checkpoint (10 + 20)
-    assert bench.state_bytes(moved, checkpoint_iteration=2) == (7 + 10, 200 + 30)
-    assert bench.pod_starts(ex) == (3, 3)
+    # the batch is not state; the rest: the service's load (2 pods x 100), the checkpoint (10 + 20) and its
+    # commit's read of it (10)
+    assert bench.state_bytes(moved, checkpoint_iteration=2) == (7 + 10, 200 + 30 + 10)
+    assert bench.pod_starts(ex) == (4, 3)
 
 
 def test_rows_judge_the_resident_run():
