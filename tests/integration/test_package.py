@@ -22,7 +22,8 @@ PRESET = "configs/llama8b_ppo_gpu.yaml"
 HEAVY = {"tasks.rollout.rollout": "rollout", "tasks.score.score": "score", "tasks.score.score_ranks": "score",
          "tasks.updates.actor_update": "actor",
          "tasks.updates.critic_update": "critic", "tasks.iteration.evaluate": "rollout",
-         "tasks.retrain.promote_if_better": "rollout"}
+         "tasks.retrain.promote_if_better": "rollout", "tasks.services.engine_service": "rollout",
+         "tasks.services.actor_service": "actor", "tasks.services.critic_service": "critic"}
 
 
 TRACKING = "https://mlflow.example.com"
@@ -94,10 +95,12 @@ def _elastic_job(package, name: str, module: str = "updates"):
 
 def test_actor_update_is_an_elastic_pytorch_job(package):
     assert _elastic_job(package, "actor_update") == (2, 2, 8, 2)
+    assert _elastic_job(package, "actor_service", "services") == (2, 2, 8, 2)  # a resident run's actor trainer
 
 
 def test_critic_update_is_an_elastic_pytorch_job_of_its_own_topology(package):
     assert _elastic_job(package, "critic_update") == (2, 2, 1, 2)
+    assert _elastic_job(package, "critic_service", "services") == (2, 2, 1, 2)
 
 
 def test_score_on_ranks_is_an_elastic_pytorch_job_of_the_actors_topology(package):
