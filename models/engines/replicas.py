@@ -33,6 +33,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from models.engines.base import EngineLoadError, EngineStats, Generation, SamplingSpec, contiguous_shares
+from models.engines.vllm_engine import cpu_worker_groups
 
 LOAD_OPS = ("load_weights", "load_tensors", "set_adapter", "restart")
 """The operations every replica does; a failure of any is an :class:`EngineLoadError`."""
@@ -55,11 +56,8 @@ def replica_cpus(cpus: Sequence[int], binding: str, replicas: int, workers: int)
     (this process's ``cpus`` split into contiguous shares)."""
     total = replicas * workers
     if binding in ("", "auto"):
-        cpus = sorted(cpus)
-        if len(cpus) < total:
-            raise EngineLoadError(f"rollout.data_parallel_size={replicas} x tensor_parallel_size={workers} needs a "
-                                  f"CPU core per worker; this process may use {len(cpus)} ({cpus})")
-        groups = [",".join(str(c) for c in cpus[a:b]) for a, b in contiguous_shares(len(cpus), total)]
+        groups = cpu_worker_groups(cpus, total, f"rollout.data_parallel_size={replicas} x tensor_parallel_size="
+                                                f"{workers}").split("|")
     else:
         groups = binding.split("|")
         if len(groups) != total:

@@ -124,13 +124,14 @@ def _read_json(folder: str, name: str) -> Dict[str, Any]:
         return json.load(f)
 
 
-def cpu_worker_groups(cpus: Sequence[int], workers: int) -> str:
+def cpu_worker_groups(cpus: Sequence[int], workers: int, setting: str = "") -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``workers`` CPU workers its own contiguous share of
-    ``cpus`` (``"0,1|2,3"``); an :class:`EngineLoadError` if there are fewer CPUs than workers."""
+    ``cpus`` (``"0,1|2,3"``); an :class:`EngineLoadError` naming ``setting`` (default
+    ``rollout.tensor_parallel_size``) if there are fewer CPUs than workers."""
     cpus = sorted(cpus)
     if len(cpus) < workers:
-        raise EngineLoadError(f"rollout.tensor_parallel_size={workers} needs a CPU core per worker; this process "
-                              f"may use {len(cpus)} ({cpus})")
+        raise EngineLoadError(f"{setting or f'rollout.tensor_parallel_size={workers}'} needs a CPU core per worker; "
+                              f"this process may use {len(cpus)} ({cpus})")
     return "|".join(",".join(str(c) for c in cpus[a:b]) for a, b in contiguous_shares(len(cpus), workers))
 
 
