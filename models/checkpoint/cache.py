@@ -4,13 +4,21 @@ node (the ranks of an elastic update, the tasks of a long local run), keyed by c
     {root}/{digest}/           a verified copy of a committed checkpoint (with its COMMITTED.json)
     {root}/{digest}.ready      written after the copy is verified: the entry is whole (its time: last use)
     {root}/{digest}.lock       held while one process downloads it; the others wait, then reuse it
+    {root}/{digest}.use        a shared lock on it for each process using the entry (its pin)
     {root}/.evict.lock         held while entries are touched and evicted
 
 ``digest`` is the BLAKE3 of the marker's file list (names, sizes, digests), so the same weights
 committed at two URLs share an entry and a checkpoint rewritten at the same URL gets a new one.
 Every use touches its entry; after a use only the ``keep`` most recently used entries stay (the
-others are removed), so the cache holds at most ``keep`` checkpoints. ``keep`` must cover what one
-task reads at once (``score``: actor, reference, critic and reward model = 4, the default).
+others are removed). ``keep`` must cover what one task reads at once (``score``: actor, reference,
+critic and reward model = 4, the default).
+
+Processes of a node share the cache, so one process's use must not remove an entry another is still
+reading (two runs on one machine, a run's resident services beside its tasks). A process pins each
+entry it is handed: a shared ``flock`` on ``{digest}.use`` taken before the entry is checked and kept
+until the process has pinned ``keep`` newer entries of that cache, or exits (the kernel drops it, so
+a killed process never pins for ever). Eviction removes only entries it can lock exclusively, so the
+cache holds at most ``keep`` entries plus those other live processes still use.
 
 Root: ``RLHF_CHECKPOINT_CACHE`` (default ``{tempdir}/flyte-rlhf-checkpoints``: a pod's ranks share
 its ``/tmp``); ``keep``: ``RLHF_CHECKPOINT_CACHE_KEEP``.
@@ -25,7 +33,8 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any, Iterator, Mapping, Optional
+from collections import OrderedDict
+from typing import Any, Iterator, Mapping, Optional, Tuple
 
 import blake3
 
@@ -34,6 +43,11 @@ KEEP_ENV = "RLHF_CHECKPOINT_CACHE_KEEP"
 DEFAULT_KEEP = 4
 READY = ".ready"
 """Suffix of an entry's marker, beside the folder (the folder itself stays a plain checkpoint copy)."""
+USE = ".use"
+"""Suffix of an entry's pin file: every process using the entry holds a shared lock on it."""
+
+_PINS: "OrderedDict[Tuple[str, str], Any]" = OrderedDict()
+"""This process's pins, ``(root, key) -> open file`` holding the shared lock, least recent first."""
 
 
 def cache_root() -> str:
@@ -78,6 +92,7 @@ def cached(url: str, marker: Mapping[str, Any], download, root: Optional[str] = 
     os.makedirs(root, exist_ok=True)
     key = content_digest(marker)
     entry = os.path.join(root, key)
+    _pin(root, key, keep)  # before the check: an eviction under way finishes first, then we see it gone
     with _locked(f"{entry}.lock"):  # one download per node; the other ranks wait for it
         if not os.path.isfile(entry + READY):
             shutil.rmtree(entry, ignore_errors=True)  # leftovers of a process killed mid-download
@@ -86,9 +101,43 @@ def cached(url: str, marker: Mapping[str, Any], download, root: Optional[str] = 
     with _locked(os.path.join(root, ".evict.lock")):
         _touch(root, key)
         for _, name in entries(root)[keep:]:
-            if name != key:
+            if name == key:
+                continue
+            free = _unused_lock(root, name)
+            if free is None:
+                continue  # another process (or an older use in this one) still reads it
+            with free:
                 _remove(root, name)
     return entry
+
+
+def _pin(root: str, key: str, keep: int) -> None:
+    """Hold a shared lock on ``key``'s pin file for this process; let go of this process's oldest
+    pins of ``root`` beyond ``keep``."""
+    if (root, key) in _PINS:
+        _PINS.move_to_end((root, key))
+    else:
+        f = open(os.path.join(root, key + USE), "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH)  # waits while an eviction of this entry is under way
+        except BaseException:
+            f.close()
+            raise
+        _PINS[(root, key)] = f
+    mine = [k for k in _PINS if k[0] == root]
+    for old in mine[:max(len(mine) - keep, 0)]:
+        _PINS.pop(old).close()
+
+
+def _unused_lock(root: str, name: str):
+    """An open file holding the exclusive lock on ``name``'s pin (no process uses it), else None."""
+    f = open(os.path.join(root, name + USE), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    return f
 
 
 def _touch(root: str, key: str) -> None:

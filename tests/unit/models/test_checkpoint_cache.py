@@ -100,3 +100,38 @@ def test_a_corrupted_download_leaves_no_entry(tmp_path):
     with pytest.raises(Exception, match="fails its blake3 check"):
         cached(url, read_marker(url), download_checkpoint, root)
     assert entries(root) == []
+
+
+def _reader(url: str, root: str, out: str, done) -> None:
+    """A process of the node reading its entry until ``done`` is set (e.g. a vLLM engine loading it)."""
+    path = cached(url, read_marker(url), download_checkpoint, root, keep=1)
+    with open(out, "w") as f:
+        f.write(path)
+    done.wait(120)
+
+
+def test_an_entry_another_process_uses_is_not_evicted(tmp_path):
+    """Two runs on one machine share the cache: one's use never removes what the other still reads
+    (CI's failure of 2026-11-26: a vLLM engine pointed at a folder another run had evicted)."""
+    root = str(tmp_path / "cache")
+    a, b, c = (committed(tmp_path, n, bytes([i]) * 64) for i, n in enumerate("abc"))
+    ctx = multiprocessing.get_context("spawn")
+    done = ctx.Event()
+    reader = ctx.Process(target=_reader, args=(a, root, str(tmp_path / "path"), done))
+    reader.start()
+    try:
+        for _ in range(600):
+            if (tmp_path / "path").exists() and (tmp_path / "path").read_text():
+                break
+            reader.join(0.1)
+        entry_a = (tmp_path / "path").read_text()
+        cached(b, read_marker(b), download_checkpoint, root, keep=1)  # keep=1: a is beyond it, but in use
+        assert open(os.path.join(entry_a, "model.safetensors"), "rb").read() == b"\x00" * 64
+        assert os.path.isfile(entry_a + READY)
+    finally:
+        done.set()
+        reader.join(120)
+    assert reader.exitcode == 0
+    cached(c, read_marker(c), download_checkpoint, root, keep=1)  # the reader is gone: a and b may go now
+    assert {name for _, name in entries(root)} == {content_digest(read_marker(c))}
+    assert not os.path.exists(entry_a)
