@@ -14,11 +14,14 @@ there, naming it, instead of in a run.
   and ``ElasticWorkerResult``: a launch of the elastic workers the plugin does not offer (a forkserver);
   ``tasks/elastic.py``;
 - ``FlyteContextManager.current_context().output_metadata_tracker`` and ``flytekit.deck.deck.TimeLineDeck``:
-  rank 0's decks and output metadata handed to the task's process, as the plugin does; ``tasks/elastic.py``.
+  rank 0's decks and output metadata handed to the task's process, as the plugin does; ``tasks/elastic.py``;
+- ``DataclassTransformer.get_literal_type``: computed once per dataclass per process
+  (:func:`cache_dataclass_literal_types`, installed by ``tasks/__init__.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Callable, Dict, Optional
 
@@ -56,6 +59,37 @@ def replace_cli_error_printer(wrap: Callable[[Callable], Callable]) -> bool:
     replacement = wrap(original)
     replacement._flyte_rlhf = True
     cli.pretty_print_exception = replacement
+    return True
+
+
+def cache_dataclass_literal_types() -> bool:
+    """Make flytekit's ``DataclassTransformer.get_literal_type`` compute each dataclass's Flyte type once
+    per process. flytekit 1.16 rebuilds it for every task interface that names the dataclass, and for
+    every nested dataclass again inside it, each time building a JSON schema with mashumaro (which
+    compiles a serialiser class for every field default): importing the workflows (``pyflyte run``, every
+    pod's ``pyflyte-execute``) spent about 10 of its 12 s there, ``TrainConfig`` being in every task's
+    interface. The type depends only on the class, and flytekit never changes a returned one, so the
+    same object is returned. Unhashable arguments are passed through. Installed once: False after."""
+    from flytekit.core.type_engine import DataclassTransformer
+
+    original = DataclassTransformer.get_literal_type
+    if getattr(original, "_flyte_rlhf", False):
+        return False
+    memo: Dict[Any, Any] = {}
+
+    @functools.wraps(original)
+    def get_literal_type(self, t):
+        try:
+            return memo[t]
+        except KeyError:
+            memo[t] = found = original(self, t)
+            return found
+        except TypeError:  # an unhashable annotation: computed each time, as before
+            return original(self, t)
+
+    get_literal_type._flyte_rlhf = True
+    get_literal_type.uncached = original
+    DataclassTransformer.get_literal_type = get_literal_type
     return True
 
 

@@ -116,6 +116,36 @@ def test_rank0s_result_is_handed_over_as_the_plugin_does():
         assert tracker.get(value) is om
 
 
+def test_dataclass_types_are_computed_once_and_equal_flytekits_own():
+    """Every task module imported (``tasks/__init__.py`` installs the cache first): the config's Flyte type
+    from the cache is the one flytekit computes uncached (schema, field structure, annotation), and a
+    second interface naming it gets the same object without flytekit computing it again."""
+    import dataclasses
+
+    from flytekit.core.type_engine import DataclassTransformer, TypeEngine
+
+    import workflows.ppo  # noqa: F401  (every task and workflow defined: the cache in use)
+    from models.config import TrainConfig
+    from models.run.types import PolicyState
+
+    cached = DataclassTransformer.get_literal_type
+    assert cached._flyte_rlhf and not flyte_internals.cache_dataclass_literal_types()  # installed once
+    for t in (TrainConfig, PolicyState):
+        got = TypeEngine.to_literal_type(t)
+        want = cached.uncached(DataclassTransformer(), t)
+        assert got is not want and got.to_flyte_idl() == want.to_flyte_idl()
+        assert got.metadata["title"] == t.__name__ and set(got.structure.dataclass_type) == \
+            {f.name for f in dataclasses.fields(t)}
+        assert TypeEngine.to_literal_type(t) is got  # the second interface: no new computation
+
+    @dataclasses.dataclass
+    class Fresh:
+        x: int = 1
+
+    first = TypeEngine.to_literal_type(Fresh)  # a dataclass no task names: cached on first use
+    assert TypeEngine.to_literal_type(Fresh) is first and set(first.structure.dataclass_type) == {"x"}
+
+
 PRIVATE_FLYTE = ("_task_config", "_task_function", "_execute", "pretty_print_exception", "output_metadata_tracker",
                  "TimeLineDeck", "spawn_helper", "is_recoverable_worker_error", "sdk_in_container")
 
