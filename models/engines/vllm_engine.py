@@ -142,6 +142,16 @@ def bind_cpu_workers(workers: int) -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_worker_groups(os.sched_getaffinity(0), workers)
 
 
+def read_settings_afresh() -> None:
+    """Make vLLM read its ``VLLM_*`` settings from the environment again. Once an engine has started in a
+    process, vLLM caches every setting (``vllm.envs.enable_envs_cache``), so a later engine of that process
+    (a test's second engine, another tensor-parallel size in one run) would silently keep the first one's
+    CPU binding and KV-cache size; the engine being started re-enables the cache with this one's values."""
+    from vllm import envs
+
+    envs.disable_envs_cache()
+
+
 class VLLMEngine(SwappableEngine):
     """vLLM's offline ``LLM`` in this process (no engine subprocess; with ``tensor_parallel_size`` > 1
     its workers run in their own processes, one per GPU or per group of CPU cores), prompts as token ids."""
@@ -180,6 +190,7 @@ class VLLMEngine(SwappableEngine):
     def _start(self, checkpoint_dir: str) -> None:
         from vllm import LLM, SamplingParams, TokensPrompt
 
+        read_settings_afresh()
         self._lora = None
         self._checkpoint = checkpoint_dir
         self.llm = LLM(model=checkpoint_dir, **self._llm_kwargs)
