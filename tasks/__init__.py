@@ -14,4 +14,4 @@ from tasks.cli_errors import short_config_errors  # noqa: E402  (imports flyteki
 from tasks.flyte_internals import cache_dataclass_literal_types  # noqa: E402
 
 short_config_errors()
-cache_dataclass_literal_types()  # before any task is defined: ~10 s less per process that imports them
+cache_dataclass_literal_types()  # before any task is defined: ~5 s less per process importing the workflows

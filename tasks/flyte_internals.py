@@ -66,9 +66,9 @@ def cache_dataclass_literal_types() -> bool:
     """Make flytekit's ``DataclassTransformer.get_literal_type`` compute each dataclass's Flyte type once
     per process. flytekit 1.16 rebuilds it for every task interface that names the dataclass, and for
     every nested dataclass again inside it, each time building a JSON schema with mashumaro (which
-    compiles a serialiser class for every field default): importing the workflows (``pyflyte run``, every
-    pod's ``pyflyte-execute``) spent about 10 of its 12 s there, ``TrainConfig`` being in every task's
-    interface. The type depends only on the class, and flytekit never changes a returned one, so the
+    compiles a serialiser class for every field default), ``TrainConfig`` being in every task's interface:
+    importing the workflows (``pyflyte run``, a chunk's pod, ``pyflyte package``) took 12.2 s, 7.2 s with
+    this on the 2-core box (benchmarks/RESULTS.md, 2026-11-26). The type depends only on the class, and flytekit never changes a returned one, so the
     same object is returned. Unhashable arguments are passed through. Installed once: False after."""
     from flytekit.core.type_engine import DataclassTransformer
 
