@@ -53,7 +53,7 @@ def test_two_workers_serve_what_the_trainer_scores_and_reload_in_place(qwen2_sha
 
     # as after an earlier engine of this process: vLLM froze its settings (the CPU binding "auto"), so the
     # binding of 2 workers set below would be ignored and vLLM's own refuse 2 workers on one NUMA node
-    # (CI, 2026-11-26, when this test followed another vLLM test in its worker)
+    # (a fresh-clone make test of 2026-11-26, where this test followed another vLLM test in its worker)
     envs.enable_envs_cache()
     start = str(shutil.copytree(qwen2_sharp_dir, tmp_path / "start"))
     other = str(build_qwen2_chat(tmp_path / "other", HubModelConfig(logit_scale=10.0, seed=1)))
