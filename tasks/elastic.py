@@ -89,7 +89,7 @@ class ActorElasticTask(CustomLaunchElasticTask):
             out = elastic_launch(config=config, entrypoint=spawn_helper)(
                 cloudpickle.dumps(self.task_function), ctx.raw_output_prefix, None, None, kwargs)
         except ChildFailedError as e:
-            _, first = e.get_first_failure()
+            _, first = first_failure(e)
             if is_recoverable_worker_error(first):
                 raise FlyteRecoverableException(e.format_msg(), timestamp=first.timestamp)
             raise FlyteUserRuntimeException(RuntimeError(root_cause_first(e, self.name)), timestamp=first.timestamp)
@@ -101,14 +101,34 @@ class ActorElasticTask(CustomLaunchElasticTask):
         return adopt_rank0_result(out[0])  # a single node: rank 0 is here
 
 
+def failure_cause(failure) -> str:
+    return failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+
+
+def first_failure(e):
+    """``(rank, failure)`` of the root cause: the lowest rank that failed with the same error type as the
+    earliest failure. torchrun's own choice (the earliest timestamp, in whole seconds) is a race when
+    several recorded ranks raised the same error (a non-finite update fails on all of them). torchrun
+    records only the ranks that exited before it stopped the others, so which ranks are there is a race
+    too."""
+    _, earliest = e.get_first_failure()
+    kind = failure_cause(earliest).split(":", 1)[0]
+    rank = min(r for r, f in e.failures.items() if failure_cause(f).split(":", 1)[0] == kind)
+    return rank, e.failures[rank]
+
+
 def root_cause_first(e, task_name: str = "tasks.updates.actor_update") -> str:
     """A ``ChildFailedError``'s report with the first failed rank's own error on its first line (the
     report alone starts with the launcher's banner and buries it among the restarts' tracebacks), naming
-    the task (``actor_update``: "the actor update failed on rank 0: ...")."""
-    rank, first = e.get_first_failure()
-    cause = first.message.get("message", "") if isinstance(first.message, dict) else str(first.message)
+    the task (``actor_update``: "the actor update failed on rank 0: ...") and the other ranks that failed
+    with the same error."""
+    rank, first = first_failure(e)
+    cause = failure_cause(first)
+    kind = cause.split(":", 1)[0]
+    same = sorted(r for r, f in e.failures.items() if r != rank and failure_cause(f).split(":", 1)[0] == kind)
+    also = f" (also on rank{'s' if len(same) > 1 else ''} {', '.join(map(str, same))})" if same else ""
     what = task_name.rsplit(".", 1)[-1].replace("_", " ")
-    return f"the {what} failed on rank {rank}: {cause}\n{e.format_msg()}"
+    return f"the {what} failed on rank {rank}: {cause}{also}\n{e.format_msg()}"
 
 
 def worker_threads(nproc_per_node: int) -> int:

@@ -34,3 +34,39 @@ def test_a_config_error_is_found_inside_flytekits_scoped_wrapper():
     assert innermost_error(wrapped) is scoped.value
     assert one_line(_user_error(wrapped)).startswith("[flyte-rlhf] ConfigError: run.registered_model_name='a:b' ")
     assert _user_error(RuntimeError("a bug")) is None  # not a config error: flytekit's traceback stays
+
+
+def _failures(tmp_path, errors: dict):
+    """torchrun's own ``ProcessFailure`` records read from the error files its workers write."""
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    found = {}
+    for rank, (message, stamp) in errors.items():
+        path = tmp_path / f"error-{rank}.json"
+        path.write_text(json.dumps({"message": {"message": message, "extraInfo": {"py_callstack": "...",
+                                                                                   "timestamp": str(stamp)}}}))
+        found[rank] = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=1, error_file=str(path))
+    return found
+
+
+def test_an_error_every_rank_raised_is_named_on_rank_0_whichever_wrote_first(tmp_path):
+    """Both ranks raise NonFiniteUpdate and torchrun recorded both (they exited within one monitor tick);
+    rank 1's error file is stamped a second earlier: the report names rank 0 and says rank 1 failed the
+    same way, and a different error is still the root cause when it came first."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from tasks.elastic import first_failure, root_cause_first
+
+    same = ChildFailedError("actor_update", _failures(tmp_path, {0: ("NonFiniteUpdate: all 4 steps (loss nan)", 101),
+                                                                 1: ("NonFiniteUpdate: all 4 steps (loss inf)", 100)}))
+    assert first_failure(same)[0] == 0
+    assert same.get_first_failure()[0] == 1  # torchrun's own choice: the race
+    report = root_cause_first(same)
+    assert report.splitlines()[0] == "the actor update failed on rank 0: NonFiniteUpdate: all 4 steps (loss nan) " \
+                                     "(also on rank 1)"
+    other = ChildFailedError("actor_update", _failures(tmp_path, {0: ("DistBackendError: peer closed", 101),
+                                                                  1: ("MemoryError: out of host memory", 100)}))
+    assert root_cause_first(other, "critic_update").splitlines()[0] == \
+        "the critic update failed on rank 1: MemoryError: out of host memory"
