@@ -19,7 +19,7 @@ of a dense model need nothing from each other, so each here is a plain engine
   :class:`EngineLoadError` naming the replica. ``load_tensors`` sends the tensors through shared memory.
 - Resources: on GPU, replica ``r`` sees GPUs ``[r·tp, (r+1)·tp)`` of this process's; on CPU it is pinned to
   its own share of this process's cores, its vLLM workers bound inside that share as
-  :func:`~models.engines.vllm_engine.bind_cpu_workers` does for tensor parallelism (a
+  :func:`~models.engines.vllm_engine.cpu_workers_bound` does for tensor parallelism (a
   ``VLLM_CPU_OMP_THREADS_BIND`` the user set is split: it must list ``dp·tp`` groups).
 """
 

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import time
+from contextlib import contextmanager
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -135,11 +136,25 @@ def cpu_worker_groups(cpus: Sequence[int], workers: int, setting: str = "") -> s
     return "|".join(",".join(str(c) for c in cpus[a:b]) for a, b in contiguous_shares(len(cpus), workers))
 
 
-def bind_cpu_workers(workers: int) -> None:
-    """Pin vLLM's CPU workers to disjoint cores of this process's allowed set: its own binding gives
-    each worker a NUMA node, so it refuses more workers than nodes. A binding the user set wins."""
-    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_worker_groups(os.sched_getaffinity(0), workers)
+@contextmanager
+def cpu_workers_bound(workers: int):
+    """Within the block, pin vLLM's ``workers`` CPU workers to disjoint cores of this process's allowed set
+    (its own binding gives each worker a NUMA node, so it refuses more workers than nodes), through
+    ``VLLM_CPU_OMP_THREADS_BIND``, which the workers read when the engine starts them. The environment is
+    restored afterwards, so a later engine of this process (one worker) binds as vLLM would. A binding the
+    user set wins; one worker, or a GPU, leaves it alone."""
+    before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if workers <= 1 or torch.cuda.is_available() or before not in (None, "auto"):
+        yield
+        return
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_worker_groups(os.sched_getaffinity(0), workers)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
 
 
 def read_settings_afresh() -> None:
@@ -165,8 +180,6 @@ class VLLMEngine(SwappableEngine):
                                       generation_config="vllm", use_tqdm_on_load=console.verbose())
         if tensor_parallel_size > 1:  # workers in their own processes, each loading its slice
             kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="mp")
-            if not torch.cuda.is_available():
-                bind_cpu_workers(tensor_parallel_size)
         if max_model_len:  # default: the model's own limit
             kwargs["max_model_len"] = max_model_len
         if torch.cuda.is_available():
@@ -193,7 +206,8 @@ class VLLMEngine(SwappableEngine):
         read_settings_afresh()
         self._lora = None
         self._checkpoint = checkpoint_dir
-        self.llm = LLM(model=checkpoint_dir, **self._llm_kwargs)
+        with cpu_workers_bound(self._llm_kwargs.get("tensor_parallel_size", 1)):  # a restart binds them again
+            self.llm = LLM(model=checkpoint_dir, **self._llm_kwargs)
         eos = self.llm.get_tokenizer().eos_token_id
         self.llm.generate([TokensPrompt(prompt_token_ids=[eos])], SamplingParams(max_tokens=1),
                           use_tqdm=False)  # warm-up

@@ -7,6 +7,7 @@ sequences): a worker left on the old weights would give log-probs several nats o
 checkpoints are told apart by more than a nat. Weights from memory (``load_tensors``) reach every
 worker through ``collective_rpc``'s arguments (``tests/unit/models/engine_tensors.py``)."""
 
+import os
 import shutil
 
 import pytest
@@ -58,6 +59,7 @@ def test_two_workers_serve_what_the_trainer_scores_and_reload_in_place(qwen2_sha
     start = str(shutil.copytree(qwen2_sharp_dir, tmp_path / "start"))
     other = str(build_qwen2_chat(tmp_path / "other", HubModelConfig(logit_scale=10.0, seed=1)))
     engine = VLLMEngine(start, max_model_len=256, tensor_parallel_size=2)
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "auto"  # the workers' binding lasted their start only
     try:
         assert _gap(engine, start) < 1e-4  # float32 on both sides
         assert _sampled_logprob_gap(engine, start) < 1e-4

@@ -5,6 +5,8 @@ The reference for "serves checkpoint X" is a fresh engine started on X (same cod
 ``from_pretrained``), compared on greedy tokens and their log-probs.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -216,6 +218,28 @@ def test_cpu_workers_get_disjoint_shares_of_the_allowed_cores():
     assert cpu_worker_groups([4, 6], 2) == "4|6"
     with pytest.raises(EngineLoadError, match=r"tensor_parallel_size=2 needs a CPU core per worker; this process may use 1"):
         cpu_worker_groups([0], 2)
+
+
+def test_the_cpu_workers_binding_lasts_only_while_the_engine_starts(monkeypatch):
+    """vLLM's workers read the binding when the engine starts them; after that the process's environment
+    is as before, so a later one-worker engine of the process binds as vLLM would (not to one core)."""
+    from models.engines.vllm_engine import cpu_workers_bound
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    with cpu_workers_bound(2):
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0,1|2,3"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    with pytest.raises(RuntimeError, match="the engine failed"), cpu_workers_bound(4):
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1|2|3"
+        raise RuntimeError("the engine failed")
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+    with cpu_workers_bound(1):  # one worker: vLLM's own binding
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "2,3|0,1")
+    with cpu_workers_bound(2):  # the user's binding wins
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "2,3|0,1"
 
 
 def test_weights_from_memory_go_in_place_on_the_tiny_actor(ckpts):
