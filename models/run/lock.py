@@ -64,6 +64,19 @@ def _process_started(pid: int) -> float:
         return 0.0
 
 
+def _process_start_ticks(pid: int) -> int:
+    """The process's start in clock ticks after boot (field 22 of ``/proc/<pid>/stat``; 0 when there is
+    no such process, or no ``/proc``). Unlike psutil's ``create_time``, which adds the boot time read
+    afresh from the wall clock (``/proc/stat``'s ``btime``, whole seconds), it does not move when the
+    clock is stepped, so a live holder never looks like another process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return 0
+    return int(stat[stat.rindex(b")") + 2:].split()[19])  # after "pid (comm) ": field 3 onwards
+
+
 class Execution(NamedTuple):
     """A Flyte execution's id (flytekit's ``WorkflowExecutionIdentifier`` has the same three fields)."""
 
@@ -129,11 +142,15 @@ class Lease:
     """The lease is stale this long after ``heartbeat_at``."""
     released_at: str = ""
     """Set when the holder let go: the run is free."""
+    pid_start_ticks: int = 0
+    """That process's start in clock ticks after boot (Linux), what tells a reused pid; 0 in leases
+    written before it or where there is no ``/proc`` (then ``pid_started`` tells)."""
 
     @classmethod
     def new(cls, owner: str, ttl_s: float, acquired_at: str = "") -> "Lease":
         now, pid = _iso(_now()), os.getpid()
-        return cls(owner, socket.gethostname(), pid, _process_started(pid), acquired_at or now, now, ttl_s)
+        return cls(owner, socket.gethostname(), pid, _process_started(pid), acquired_at or now, now, ttl_s,
+                   pid_start_ticks=_process_start_ticks(pid))
 
     def age_s(self) -> float:
         return (_now() - dt.datetime.fromisoformat(self.heartbeat_at)).total_seconds()
@@ -142,6 +159,8 @@ class Lease:
         """A local holder on this host whose process is no more (or is another process now)."""
         if not self.owner.startswith("local:") or self.host != socket.gethostname():
             return False
+        if self.pid_start_ticks:
+            return _process_start_ticks(self.pid) != self.pid_start_ticks
         return abs(_process_started(self.pid) - self.pid_started) > 0.01
 
     def free_because(self) -> str:

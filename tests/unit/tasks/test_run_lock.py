@@ -4,6 +4,7 @@ then finds it lost. On a local folder and on S3 (moto)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -53,6 +54,26 @@ def test_a_stale_lock_is_taken_over_and_its_old_holder_stops(lock_url, caplog):
                                        rf"by {re.escape(B)}"):
         run_lock.renew(lock_url, A)
     assert not run_lock.release(lock_url, A)
+
+
+def test_a_clock_step_does_not_make_a_live_holder_look_gone(monkeypatch):
+    """psutil's start time is the boot time read afresh from the wall clock plus the start ticks, so a clock
+    step of a second moved it and the live holder of a run looked gone: a second launch took the run over.
+    The lease tells the process by its start ticks after boot; another process on that pid is still told."""
+    import psutil
+
+    lease = run_lock.Lease.new(run_lock.current_owner(), ttl_s=3600)
+    assert lease.pid_start_ticks > 0 and not lease.holder_gone()
+    started = psutil.Process.create_time
+    monkeypatch.setattr(psutil.Process, "create_time", lambda self: started(self) + 1.0)  # btime moved 1 s
+    assert not lease.holder_gone() and lease.free_because() == ""
+    reused = dataclasses.replace(lease, pid_start_ticks=lease.pid_start_ticks - 1)  # same pid, other process
+    assert reused.holder_gone()
+    old = json.loads(lease.encode())  # a lease written before the ticks: the start time tells, as it did
+    del old["pid_start_ticks"]
+    assert run_lock.Lease(**old).holder_gone()  # here the shifted create_time: looks gone
+    monkeypatch.setattr(psutil.Process, "create_time", started)
+    assert not run_lock.Lease(**old).holder_gone()
 
 
 @pytest.mark.slow
