@@ -145,6 +145,13 @@ def test_overview_shows_the_registered_policy_and_run_tags(server, browser, tmp_
     _open(browser, f"{base}/#/experiments/{exp}/runs/{run_id}", lambda d: "Registered models" in _page_text(d))
     from selenium.webdriver.common.by import By
 
+    def versions_shown(d) -> bool:  # the row's placeholder until the model versions arrive
+        after = _page_text(d).split("Registered models", 1)[-1]
+        return MODEL in after and "v1" in after.split("Description", 1)[0]
+
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(browser, 60).until(versions_shown, f"{MODEL} v1 should be listed under Registered models")
     heading = browser.find_element(By.XPATH, "//h4[normalize-space()='Registered models']")
     bottom = browser.execute_script("const r = arguments[0].getBoundingClientRect(); "
                                     "return window.innerHeight - r.bottom - 40;", heading)
@@ -152,8 +159,6 @@ def test_overview_shows_the_registered_policy_and_run_tags(server, browser, tmp_
     text = _page_text(browser)
     assert "tiny-review" in text  # the run's name
     assert f"Run tiny-review finished: {ITERATIONS} iterations of ppo." in text  # the description
-    after = text.split("Registered models", 1)[1]
-    assert MODEL in after and "v1" in after.split("Description", 1)[0]
     for tag in ("algorithm", "preset", "git_commit", "flyte_execution_id"):
         assert tag in text
     assert "Finished" in text
@@ -172,13 +177,15 @@ def test_model_metrics_tab_draws_reward_kl_length_and_loss_charts(server, browse
     from selenium.webdriver.support.ui import WebDriverWait
 
     WebDriverWait(browser, 60).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".js-plotly-plot")) >= 4)
-    time.sleep(1.5)
+
+    def last_step_drawn(d) -> bool:  # the x axis's tick of the last iteration, once the charts are drawn
+        return any(line.strip() == str(ITERATIONS - 1) for line in _page_text(d).splitlines())
+
+    WebDriverWait(browser, 30).until(last_step_drawn, "the x axis should reach the last iteration's step")
     text = _page_text(browser)
     for chart in ("reward_mean", "init_policy_kl", "response_length_mean", "loss"):
         assert f"tiny-review (" in text and chart in text, chart
     assert "rollout/reward_std" not in text  # the search really narrowed the charts
-    steps = [line for line in text.splitlines() if line.strip() == str(ITERATIONS - 1)]
-    assert steps, "the x axis should reach the last iteration's step"
     png = _screenshot(browser, tmp_path_factory, "mlflow_run_charts")
     assert 10_000 < os.path.getsize(png) < 300_000
 

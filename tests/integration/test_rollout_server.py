@@ -49,9 +49,10 @@ def ckpts(tmp_path_factory):
     return out
 
 
-def start(checkpoint: str, log: Path, *args: str) -> ServerProcess:
+def start(checkpoint: str, log: Path, *args: str, timeout_s: float = 120.0) -> ServerProcess:
     return ServerProcess(["--checkpoint", checkpoint, "--engine", "hf", "--threads", "1", *args],
-                         env={"RO_TEST_TOKEN": TOKEN}, log_path=log, command="serve-rollout").start()
+                         env={"RO_TEST_TOKEN": TOKEN}, log_path=log, command="serve-rollout",
+                         timeout_s=timeout_s).start()
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +182,8 @@ def test_vllm_server_equals_vllm_in_process(ckpts, tmp_path):
     pytest.importorskip("vllm")
     from models.engines import VLLMEngine
 
-    srv = start(ckpts["a"], tmp_path / "log", "--engine", "vllm", "--max-model-len", "64")
+    srv = start(ckpts["a"], tmp_path / "log", "--engine", "vllm", "--max-model-len", "64",
+                timeout_s=300)  # vLLM's start took 67 s on a loaded 2-core box (docs/multi_turn.md)
     try:
         with RolloutClient(srv.url, timeout_s=120) as client:
             remote = client.generate(PROMPTS, SPEC, ckpts["a"]).generations
