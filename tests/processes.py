@@ -4,6 +4,7 @@ a URL answers, stopping them (SIGTERM, then SIGKILL), and a moto S3 server with 
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import subprocess
 import sys
@@ -15,9 +16,31 @@ from models.server.launch import end_process
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port of 127.0.0.1 nothing listens on, for a child process to bind seconds later. It is taken below
+    the kernel's ephemeral range (``ip_local_port_range``), where no bind to port 0 meanwhile (gloo,
+    stores, servers of the other xdist worker) can land; a port 0 of our own was one such a bind could
+    take before the child bound it. Random, so the two workers' picks seldom meet."""
+    low = _ephemeral_low()
+    pick = random.SystemRandom()
+    for _ in range(200 if low > 12_000 else 0):
+        port = pick.randrange(10_000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below the range
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def wait_http(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 30.0) -> None:
