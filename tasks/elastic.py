@@ -72,13 +72,24 @@ class ActorElasticTask(CustomLaunchElasticTask):
                 torch.cuda.empty_cache()
 
     def _launch_from_forkserver(self, kwargs) -> Any:
+        c = self.task_config
+        user_threads = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = str(worker_threads(c.nproc_per_node))  # before the server imports torch
+        try:  # the agent hands it to the workers; this process's later tasks see the user's setting again
+            start_forkserver(PRELOAD)
+            return self._launch(kwargs)
+        finally:
+            if user_threads is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = user_threads
+
+    def _launch(self, kwargs) -> Any:
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
         c = self.task_config
-        os.environ["OMP_NUM_THREADS"] = str(worker_threads(c.nproc_per_node))  # before the server imports torch
-        start_forkserver(PRELOAD)
         ctx = flytekit.current_context()
         config = LaunchConfig(run_id=ctx.execution_id.name, min_nodes=self.min_nodes, max_nodes=self.max_nodes,
                               nproc_per_node=c.nproc_per_node, rdzv_backend=self.rdzv_backend,

@@ -48,13 +48,15 @@ def test_workers_come_from_one_forkserver_that_outlives_the_launch():
     assert first.parent_pid == second.parent_pid != os.getpid()  # the same server forked both launches
     # torchrun's per-worker share of the cores, unless OMP_NUM_THREADS says otherwise
     assert first.threads == int(preset or max((os.cpu_count() or 1) // 2, 1))
+    # and only theirs: a later one-worker task of this process (a local run's critic update after the
+    # actor's 2 ranks) gets every core again, not the launch's share
+    assert os.environ.get("OMP_NUM_THREADS") == preset
 
 
 @pytest.mark.parametrize("omp", ["2", None])
 def test_the_run_config_sets_the_local_worker_count(omp, monkeypatch):
     """One worker runs in the calling process, with the threads a launched one gets
-    (``OMP_NUM_THREADS`` when set, else every core), and the caller's thread count is restored.
-    The variable is pinned here: an earlier launch in this process may have set it."""
+    (``OMP_NUM_THREADS`` when set, else every core), and the caller's thread count is restored."""
     import torch
 
     if omp is None:
