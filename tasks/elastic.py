@@ -116,6 +116,11 @@ def failure_cause(failure) -> str:
     return failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
 
 
+def failure_kind(failure) -> str:
+    """The error's type as the worker reported it ("NonFiniteUpdate" of "NonFiniteUpdate: all 4 ...")."""
+    return failure_cause(failure).split(":", 1)[0]
+
+
 def first_failure(e):
     """``(rank, failure)`` of the root cause: the lowest rank that failed with the same error type as the
     earliest failure. torchrun's own choice (the earliest timestamp, in whole seconds) is a race when
@@ -123,8 +128,7 @@ def first_failure(e):
     records only the ranks that exited before it stopped the others, so which ranks are there is a race
     too."""
     _, earliest = e.get_first_failure()
-    kind = failure_cause(earliest).split(":", 1)[0]
-    rank = min(r for r, f in e.failures.items() if failure_cause(f).split(":", 1)[0] == kind)
+    rank = min(r for r, f in e.failures.items() if failure_kind(f) == failure_kind(earliest))
     return rank, e.failures[rank]
 
 
@@ -135,8 +139,7 @@ def root_cause_first(e, task_name: str = "tasks.updates.actor_update") -> str:
     with the same error."""
     rank, first = first_failure(e)
     cause = failure_cause(first)
-    kind = cause.split(":", 1)[0]
-    same = sorted(r for r, f in e.failures.items() if r != rank and failure_cause(f).split(":", 1)[0] == kind)
+    same = sorted(r for r, f in e.failures.items() if r != rank and failure_kind(f) == failure_kind(first))
     also = f" (also on rank{'s' if len(same) > 1 else ''} {', '.join(map(str, same))})" if same else ""
     what = task_name.rsplit(".", 1)[-1].replace("_", " ")
     return f"the {what} failed on rank {rank}: {cause}{also}\n{e.format_msg()}"
