@@ -28,6 +28,7 @@ from flytekit.exceptions.user import FlyteRecoverableException, FlyteUserRuntime
 from flytekit.extend import TaskPlugins
 from flytekitplugins.kfpytorch import Elastic
 
+from models.environ import environment
 from models.run import end as run_end
 from tasks.flyte_internals import CustomLaunchElasticTask, adopt_rank0_result, is_recoverable_worker_error, spawn_helper
 
@@ -72,17 +73,11 @@ class ActorElasticTask(CustomLaunchElasticTask):
                 torch.cuda.empty_cache()
 
     def _launch_from_forkserver(self, kwargs) -> Any:
-        c = self.task_config
-        user_threads = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = str(worker_threads(c.nproc_per_node))  # before the server imports torch
-        try:  # the agent hands it to the workers; this process's later tasks see the user's setting again
+        # set before the forkserver imports torch; the agent hands it to the workers, and this process's
+        # later tasks see the user's setting again
+        with environment({"OMP_NUM_THREADS": str(worker_threads(self.task_config.nproc_per_node))}):
             start_forkserver(PRELOAD)
             return self._launch(kwargs)
-        finally:
-            if user_threads is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = user_threads
 
     def _launch(self, kwargs) -> Any:
         from torch.distributed.elastic.multiprocessing.api import SignalException

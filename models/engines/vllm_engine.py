@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from models import console
+from models.environ import environment
 from models.engines.base import (EngineLoadError, Generation, SamplingSpec, SwappableEngine, contiguous_shares,
                                 sample_seed)
 
@@ -143,18 +144,11 @@ def cpu_workers_bound(workers: int):
     ``VLLM_CPU_OMP_THREADS_BIND``, which the workers read when the engine starts them. The environment is
     restored afterwards, so a later engine of this process (one worker) binds as vLLM would. A binding the
     user set wins; one worker, or a GPU, leaves it alone."""
-    before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    if workers <= 1 or torch.cuda.is_available() or before not in (None, "auto"):
+    ours = workers > 1 and not torch.cuda.is_available() and \
+        os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto"
+    with environment({"VLLM_CPU_OMP_THREADS_BIND": cpu_worker_groups(os.sched_getaffinity(0), workers)}
+                     if ours else {}):
         yield
-        return
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_worker_groups(os.sched_getaffinity(0), workers)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        else:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
 
 
 def read_settings_afresh() -> None:

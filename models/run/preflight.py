@@ -11,7 +11,6 @@ checked by :mod:`models.data.prompts` and :mod:`models.config`.
 
 from __future__ import annotations
 
-import os
 import uuid
 
 from models import storage
@@ -19,6 +18,7 @@ from models.checkpoint import PICKLE_SUFFIXES
 from models.rewards import RewardError
 from models.run import secrets
 from models.config import ConfigError, TrainConfig
+from models.environ import environment
 from models.tracking.redact import redact
 
 
@@ -226,23 +226,16 @@ def check_tracking(uri: str, remote: bool, timeout_s: float = 10.0) -> None:
                           f"execution: use object storage (s3://...) or leave it empty (the server's default)")
     from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT
 
-    saved = {v.name: os.environ.get(v.name) for v in (MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT)}
-    os.environ.update({MLFLOW_HTTP_REQUEST_MAX_RETRIES.name: "0",  # one try: answers now or never
-                       MLFLOW_HTTP_REQUEST_TIMEOUT.name: str(int(timeout_s))})
     try:
         from mlflow.tracking import MlflowClient
 
-        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+        with environment({MLFLOW_HTTP_REQUEST_MAX_RETRIES.name: "0",  # one try: answers now or never
+                          MLFLOW_HTTP_REQUEST_TIMEOUT.name: str(int(timeout_s))}):
+            MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
     except Exception as err:  # connection refused, DNS, 401/403, 5xx: all mean no run can be tracked
         raise ConfigError(f"MLflow tracking server {redact(uri)} is not reachable from this pod "
                           f"({type(err).__name__}: {redact(str(err))[:300]}); check the URI and the Flyte secret "
                           f"{secrets.GROUP}/mlflow-tracking-token, or {how}") from err
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def check_s3_credentials(cfg: TrainConfig) -> None:
