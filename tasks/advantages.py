@@ -9,10 +9,10 @@ from models.data.batch import RolloutBatch
 from models.run.types import PolicyState, RunHandle
 from models.stages.advantages import AdvantagesOutput, run_advantages
 from tasks import secrets
-from tasks.caching import CACHE_VERSION
+from tasks.caching import CACHED
 
 
-@task(cache=True, cache_version=CACHE_VERSION, retries=2, requests=Resources(cpu="1", mem="2Gi"),
+@task(**CACHED, retries=2, requests=Resources(cpu="1", mem="2Gi"),
       secret_requests=secrets.requests(secrets.S3))
 def advantages(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> AdvantagesOutput:
     """Token rewards, advantages, returns and the loss mask for the algorithm in ``cfg``."""

@@ -95,4 +95,26 @@ def publish(name: str, batch: RolloutBatch) -> None:
     """Add the batch's deck to the running task (shown in the Flyte console under ``name``)."""
     import flytekit
 
+    only_this_task()
     flytekit.Deck(name, batch_html(batch, f"{name}: iteration {batch.metadata.iteration}"))
+
+
+def only_this_task() -> None:
+    """In a local execution, forget the decks of the tasks that ran before this one in the process.
+
+    flytekit shares one list of decks (and one timeline deck) between all the tasks of a local execution,
+    and every task with decks renders the whole list again when it writes its own: the n-th such task paid
+    for the n before it, so a long local run grew slower every iteration (0.02 s more per iteration on the
+    tiny preset, most of the stateless iteration's growth: issue #36, benchmarks/bench_long_run.py). On a
+    cluster each task is its own process, and the list holds its own decks only."""
+    import flytekit
+    from flytekit import FlyteContextManager
+
+    state = FlyteContextManager.current_context().execution_state
+    if state is None or not state.is_local_execution():
+        return
+    params = flytekit.current_context()
+    timeline = params.timeline_deck  # the running task's (shared with those before it): its own times from now
+    timeline.time_info.clear()
+    params.decks.clear()
+    params.decks.append(timeline)

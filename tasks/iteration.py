@@ -23,35 +23,39 @@ from tasks.deploy import REGISTERED, resources_for
 
 @task(retries=2, requests=Resources(cpu="1", mem="2Gi"), secret_requests=secrets.requests(secrets.S3, secrets.MLFLOW))
 def commit_iteration(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List[Dict[str, float]],
-                     batch: RolloutBatch, actor_url: str, critic_url: str) -> PolicyState:
-    """Write ``state.json`` (the resume point), log the iteration's metrics and samples, prune checkpoints."""
+                     batch: RolloutBatch, actor_url: str, critic_url: str, launch: str = "") -> PolicyState:
+    """Write ``state.json`` (the resume point), log the iteration's metrics and samples, prune checkpoints.
+    ``launch``: the holder of the run's lock (``prepare_run``'s), in whichever execution of the run this runs."""
     secrets.load(secrets.S3, secrets.MLFLOW)
-    with run_lock.heartbeat(run.layout.lock_url):
+    run = run.for_launch(launch)
+    with run_lock.heartbeat(run.layout.lock_url, run.launch):
         return run_commit(cfg, run, state, stats, batch, actor_url, critic_url)
 
 
 @task(retries=2, secret_requests=secrets.requests(secrets.S3, secrets.MLFLOW, secrets.SERVER),
       **resources_for(REGISTERED, "rollout"))
-def evaluate(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> float:
+def evaluate(cfg: TrainConfig, run: RunHandle, state: PolicyState, launch: str = "") -> float:
     """Mean reward on the held-out prompts of the policy in ``state`` (logged at the iteration that made it)."""
     from models.stages.evaluate import run_evaluate  # here: commit_iteration's pod imports no torch
 
     secrets.load(secrets.S3, secrets.MLFLOW, secrets.SERVER)
-    with run_lock.heartbeat(run.layout.lock_url):
+    run = run.for_launch(launch)
+    with run_lock.heartbeat(run.layout.lock_url, run.launch):
         return run_evaluate(cfg, run, state)
 
 
 @task(retries=1, requests=Resources(cpu="2", mem="8Gi"), secret_requests=secrets.requests(secrets.S3, secrets.MLFLOW))
-def finish_run(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> TrainingSummary:
+def finish_run(cfg: TrainConfig, run: RunHandle, state: PolicyState, launch: str = "") -> TrainingSummary:
     """Log and register the final policy (alias ``candidate``), close the MLflow run and summarise
     (first iteration's reward, mean of the last two)."""
     from models.stages.finish import run_finish
 
     secrets.load(secrets.S3, secrets.MLFLOW)
+    run = run.for_launch(launch)
     # A resident run's services (this process's children locally, the service nodes on a cluster): the
     # run's checkpoints are all committed by now.
-    stop_services(run.layout, launch=run_lock.execution_name())
-    with run_lock.heartbeat(run.layout.lock_url):
+    stop_services(run.layout, launch=run_lock.execution_name(run.launch))
+    with run_lock.heartbeat(run.layout.lock_url, run.launch):
         return run_finish(cfg, run, state)
 
 

@@ -8,11 +8,11 @@ from models.config import TrainConfig
 from models.run.types import PolicyState, RunHandle
 from models.stages.rollout import RolloutOutput, run_rollout
 from tasks import decks, secrets
-from tasks.caching import CACHE_VERSION
+from tasks.caching import CACHED
 from tasks.deploy import REGISTERED, resources_for
 
 
-@task(cache=True, cache_version=CACHE_VERSION, retries=2, enable_deck=True, deck_fields=decks.DECK_FIELDS,
+@task(**CACHED, retries=2, enable_deck=True, deck_fields=decks.DECK_FIELDS,
       secret_requests=secrets.requests(secrets.S3, secrets.SERVER), **resources_for(REGISTERED, "rollout"))
 def rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState, ahead: int = 0) -> RolloutOutput:
     """Sample ``n_samples_per_prompt`` responses per prompt with vLLM (or HF) from the actor (for the

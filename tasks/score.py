@@ -12,11 +12,11 @@ from models.run.types import PolicyState, RunHandle
 from models.stages.score import ScoreOutput, run_score
 from models.stages.score_ranks import score_ranks as score_on_ranks
 from tasks import decks, secrets
-from tasks.caching import CACHE_VERSION
+from tasks.caching import CACHED
 from tasks.deploy import REGISTERED, elastic_for, resources_for
 
 
-@task(cache=True, cache_version=CACHE_VERSION, retries=2, enable_deck=True, deck_fields=decks.DECK_FIELDS,
+@task(**CACHED, retries=2, enable_deck=True, deck_fields=decks.DECK_FIELDS,
       secret_requests=secrets.requests(secrets.S3, secrets.SERVER), **resources_for(REGISTERED, "score"))
 def score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> ScoreOutput:
     """Recompute π_old with the training-side actor, π_ref, critic values and rewards."""
@@ -26,7 +26,7 @@ def score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBa
     return out
 
 
-@task(task_config=elastic_for(REGISTERED), cache=True, cache_version=CACHE_VERSION, retries=2, enable_deck=True,
+@task(task_config=elastic_for(REGISTERED), **CACHED, retries=2, enable_deck=True,
       deck_fields=decks.DECK_FIELDS, shared_memory=True, secret_requests=secrets.requests(secrets.S3, secrets.SERVER),
       **resources_for(REGISTERED, "score"))
 def score_ranks(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> ScoreOutput:

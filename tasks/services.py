@@ -27,27 +27,28 @@ from tasks.deploy import REGISTERED, elastic_for, resources_for
 SECRETS = (secrets.S3, secrets.MLFLOW, secrets.SERVER)
 
 
-def _serve(name: str, cfg: TrainConfig, run: RunHandle, state: PolicyState) -> ServiceSummary:
+def _serve(name: str, cfg: TrainConfig, run: RunHandle, state: PolicyState, launch: str) -> ServiceSummary:
     secrets.load(*SECRETS)
-    return serve_service(cluster_launch(name, cfg, run_lock.execution_name()), cfg, run, state)
+    run = run.for_launch(launch)
+    return serve_service(cluster_launch(name, cfg, run_lock.execution_name(run.launch)), cfg, run, state)
 
 
 @task(retries=0, secret_requests=secrets.requests(*SECRETS), **resources_for(REGISTERED, "rollout"))
-def engine_service(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> ServiceSummary:
+def engine_service(cfg: TrainConfig, run: RunHandle, state: PolicyState, launch: str = "") -> ServiceSummary:
     """The generation engine of the run: rollout and evaluation, new actor weights in memory."""
-    return _serve(protocol.ENGINE, cfg, run, state)
+    return _serve(protocol.ENGINE, cfg, run, state, launch)
 
 
 @task(task_config=elastic_for(REGISTERED), retries=0, shared_memory=True, secret_requests=secrets.requests(*SECRETS),
       **resources_for(REGISTERED, "actor"))
-def actor_service(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> ServiceSummary:
+def actor_service(cfg: TrainConfig, run: RunHandle, state: PolicyState, launch: str = "") -> ServiceSummary:
     """The actor trainer: ``actor.nnodes × actor.nproc_per_node`` ranks holding the actor, AdamW's state and
     π_ref; scores and updates."""
-    return _serve(protocol.ACTOR, cfg, run, state)
+    return _serve(protocol.ACTOR, cfg, run, state, launch)
 
 
 @task(task_config=elastic_for(REGISTERED, section="critic"), retries=0, shared_memory=True,
       secret_requests=secrets.requests(*SECRETS), **resources_for(REGISTERED, "critic"))
-def critic_service(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> ServiceSummary:
+def critic_service(cfg: TrainConfig, run: RunHandle, state: PolicyState, launch: str = "") -> ServiceSummary:
     """PPO's critic trainer on the critic's topology: values and updates."""
-    return _serve(protocol.CRITIC, cfg, run, state)
+    return _serve(protocol.CRITIC, cfg, run, state, launch)

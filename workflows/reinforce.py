@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import List
 
-from flytekit import dynamic, workflow
+from flytekit import LaunchPlan, dynamic, workflow
 
 from models.config import TrainConfig
 from models.run.types import PolicyState, RunHandle
 from models.stages.finish import TrainingSummary
 from tasks.iteration import training_failed
-from workflows.common import next_chunk, train, wire_iteration
+from workflows.common import chain_iterations, run_execution, train, wire_iteration
 
 CRITIC = False
 """The critic-free algorithms train the actor alone."""
@@ -30,9 +30,26 @@ def reinforce_iteration(cfg: TrainConfig, run: RunHandle, state: PolicyState) ->
 
 
 @dynamic
-def reinforce_chunk(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> PolicyState:
-    """Up to ``run.iterations_per_chunk`` iterations, then the next chunk."""
-    return next_chunk(reinforce_chunk, cfg, run, state, critic=CRITIC)
+def reinforce_chunk(cfg: TrainConfig, run: RunHandle, state: PolicyState, stop: int, launch: str) -> PolicyState:
+    """Iterations ``state.iteration`` … ``stop - 1`` (at most ``run.iterations_per_chunk``)."""
+    return chain_iterations(cfg, run, state, CRITIC, stop, launch)
+
+
+@dynamic
+def reinforce_iterations(cfg: TrainConfig, run: RunHandle, state: PolicyState, launch: str) -> PolicyState:
+    """Up to ``run.iterations_per_execution`` iterations in chunks, then the next execution of the run."""
+    return run_execution(reinforce_chunk, reinforce_execution_plan, cfg, run, state, launch)
+
+
+@workflow
+def reinforce_execution(cfg: TrainConfig, run: RunHandle, state: PolicyState, launch: str) -> PolicyState:
+    """One execution of a run's iterations from ``state`` (the run's first, then each launching the next);
+    the state after the run's last iteration. ``launch``: the holder of the run's lock."""
+    return reinforce_iterations(cfg=cfg, run=run, state=state, launch=launch)
+
+
+reinforce_execution_plan = LaunchPlan.get_or_create(reinforce_execution)
+"""The default launch plan of :func:`reinforce_execution`: a node of it is a new Flyte execution."""
 
 
 @workflow(on_failure=training_failed)
@@ -45,4 +62,4 @@ def reinforce_training(preset: str = "", overrides: List[str] = [], run_name: st
     :param overrides: config overrides as section.field=value, e.g. ["run.algorithm=rloo"]
     :param run_name: run folder under run.storage_root; an existing run is resumed from its state.json (docs/reliability.md)
     """
-    return train(reinforce_chunk, "reinforce", preset, overrides, run_name).summary
+    return train(reinforce_execution_plan, "reinforce", preset, overrides, run_name).summary

@@ -5,8 +5,8 @@
 
     pyflyte run workflows/retrain.py retrain --prompts_root prompts --overrides '["run.num_iterations=2"]'
 
-Wiring only: the training is ``ppo_training``'s own tasks (``prepare_run``, ``ppo_chunk``,
-``finish_run``); the retraining tasks are in ``tasks/retrain.py``.
+Wiring only: the training is ``ppo_training``'s own tasks and executions (``prepare_run``,
+``ppo_execution``, ``finish_run``); the retraining tasks are in ``tasks/retrain.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from flytekit import CronSchedule, LaunchPlan, workflow
 from models.stages.retrain import UNSET_DATE, RetrainResult
 from tasks.retrain import plan_retrain, promote_if_better
 from workflows.common import train
-from workflows.ppo import ppo_chunk
+from workflows.ppo import ppo_execution_plan
 
 
 @workflow
@@ -41,7 +41,7 @@ def retrain(prompts_root: str = "prompts", run_date: dt.datetime = UNSET_DATE,
     p = plan_retrain(prompts_root=prompts_root, run_date=run_date, registered_model_name=registered_model_name,
                      preset=preset, overrides=overrides, base_checkpoint=base_checkpoint,
                      heldout_prompts=heldout_prompts)
-    setup, summary = train(ppo_chunk, "ppo", preset, p.overrides, p.run_name)
+    setup, summary = train(ppo_execution_plan, "ppo", preset, p.overrides, p.run_name)
     return promote_if_better(cfg=setup.cfg, run=setup.run, summary=summary, champion_version=p.champion_version,
                              min_improvement=min_improvement)
 

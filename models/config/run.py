@@ -48,10 +48,17 @@ class RunConfig:
     save_interval: int = 5
     """Keep the checkpoints of every this-many-th iteration (the last is always kept)."""
     iterations_per_chunk: int = 8
-    """Iterations per sub-workflow, so long runs stay within Flyte's node limits. Each iteration adds about
-    19 KB to the chunk's ``futures.pb`` (every node binds the whole config; 555 KB for 20 PPO iterations
+    """Iterations per sub-workflow (a chunk), so each stays within Flyte's node limits. Each iteration adds
+    about 19 KB to the chunk's ``futures.pb`` (every node binds the whole config; 555 KB for 20 PPO iterations
     with evaluations, ``tests/cluster/test_literal_sizes.py``), which propeller reads within
     ``storage.limits.maxDownloadMBs`` (2 MB by default): keep it well below 100."""
+    iterations_per_execution: int = 200
+    """Iterations per Flyte execution on a cluster: a run is a chain of executions, each running up to this
+    many iterations (as chunks one after another) and then launching the next from the state it reached, so
+    no execution's record grows with the run. Propeller keeps every finished node's status in the
+    execution's one object (about 440 bytes per iteration of 8 nodes) and aborts a run past etcd's request
+    limit (1.5 MiB by default, about 3,000 iterations); 200 keeps each under 100 KB and each execution's
+    10 system retries fresh (docs/cluster.md#long-runs). A local run is one execution whatever this is."""
     off_policy_steps: int = 0
     """One-step off-policy pipelining (docs/off_policy.md): 0 samples each iteration's batch from the
     actor it updates (on-policy); 1 samples iteration k+1's batch from the actor of iteration k−1 while
@@ -106,6 +113,7 @@ class RunConfig:
               "run.eval_before_training needs run.eval_interval > 0 (held-out evaluation is off at 0)")
         check(self.save_interval >= 1, "run.save_interval must be >= 1")
         check(self.iterations_per_chunk >= 1, "run.iterations_per_chunk must be >= 1")
+        check(self.iterations_per_execution >= 1, "run.iterations_per_execution must be >= 1")
         check(self.off_policy_steps in (0, 1), f"run.off_policy_steps must be 0 (on-policy) or 1 (one-step "
                                                f"off-policy pipelining), got {self.off_policy_steps}")
         check_choice("run.algorithm", self.algorithm, list(algorithms.ALGORITHMS))

@@ -101,11 +101,12 @@ def current_execution() -> Execution:
     return Execution(*(os.environ.get(k, "") for k in _EXECUTION_ENV))
 
 
-def execution_name() -> str:
-    """The Flyte execution's name on a cluster (the ``flyte_execution_id`` tag the failure handler finds a
-    run by), else ``local``."""
-    ex = current_execution()
-    return ex.name if on_cluster(ex) else "local"
+def execution_name(owner: str = "") -> str:
+    """The Flyte execution's name in holder ``owner`` (default: this execution's) on a cluster (the
+    ``flyte_execution_id`` tag the failure handler finds a run by; a resident run's services are published
+    under it), else ``local``."""
+    owner = owner or current_owner()
+    return owner.rsplit("/", 1)[-1] if owner.startswith("flyte:") else "local"
 
 
 def execution_owner(ex) -> str:

@@ -47,6 +47,7 @@ RESUMABLE: Dict[str, str] = {
     "run.eval_before_training": "whether the starting policy is evaluated; no training step depends on it",
     "run.save_interval": "which checkpoints are kept from now on (the resume point's always is)",
     "run.iterations_per_chunk": "how iterations are grouped into sub-workflows: orchestration only",
+    "run.iterations_per_execution": "how iterations are grouped into Flyte executions: orchestration only",
     "run.num_logged_samples": "how many samples each iteration logs to MLflow",
     "run.checkpoint_artifact_max_mb": "which kept checkpoints are copied into MLflow",
     "run.registered_model_name": "where the final policy is registered, which happens at the end",

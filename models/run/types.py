@@ -31,6 +31,17 @@ class RunHandle:
     """Validated held-out prompts (JSONL) under the run."""
     reward_model_url: str = ""
     """Committed reward-model checkpoint when ``reward.source = model``."""
+    launch: str = ""
+    """The launch that holds the run's lock (:func:`models.run.lock.current_owner` in ``prepare_run``: the
+    Flyte execution that took the run, or the local ``pyflyte`` process). A long run is a chain of executions
+    (``run.iterations_per_execution``), and every task of each renews the lock as this holder and calls the
+    services this launch started. It travels as the tasks' own ``launch`` input, never inside the handle the
+    tasks pass on (their cache keys hold the handle, and a relaunch reuses the outputs the launch before it
+    cached): a task that needs it puts it back with :meth:`for_launch`. Empty: the task's own execution."""
+
+    def for_launch(self, launch: str) -> "RunHandle":
+        """This handle as held by ``launch`` (what a task that renews the lock or calls a service uses)."""
+        return dataclasses.replace(self, launch=launch)
 
     @property
     def layout(self) -> RunLayout:

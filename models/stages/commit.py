@@ -49,7 +49,7 @@ def run_commit(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List
                                         cfg.run.checkpoint_artifact_max_mb)
     reward_norm = next_reward_norm(state, batch)
     behaviour = state.actor_url if cfg.run.off_policy_steps else ""  # samples iteration i + 1 (docs/off_policy.md)
-    run_lock.renew(run.layout.lock_url)  # LostLock: another launch holds the run now, never write its state
+    run_lock.renew(run.layout.lock_url, run.launch)  # LostLock: another launch holds the run now, never write its state
     nxt = PolicyState(i + 1, actor_url or state.actor_url, critic_url or state.critic_url, kl, reward_norm, behaviour)
     if cfg.run.resident:  # the services hold the policy; the resume point moves with their checkpoints only
         storage.write_json(progress_url(run), {"iteration": i, "at": storage.utc_now_iso("milliseconds")})

@@ -80,7 +80,7 @@ def train_critic_ranks(cfg: TrainConfig, run: RunHandle, state: PolicyState, bat
     one by default): join the process group, train (:func:`train_critic`; rank 0 holds the run's lease
     meanwhile) and leave it. With ``critic.remote_url`` (one process) the critic server trains."""
     if cfg.critic.remote_url:
-        with run_lock.heartbeat(run.layout.lock_url):
+        with run_lock.heartbeat(run.layout.lock_url, run.launch):
             return train_critic(cfg, run, state, batch)
     return on_ranks(run, lambda info: train_critic(cfg, run, state, batch, info))
 

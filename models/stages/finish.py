@@ -31,7 +31,7 @@ def run_finish(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Training
         raise RuntimeError(f"final actor checkpoint {state.actor_url} is not committed")
     policy = registry.log_policy(run.mlflow_run_id, state.actor_url, cfg.run.registered_model_name)
     tracking.end_run(run.mlflow_run_id)
-    run_lock.release(run.layout.lock_url)
+    run_lock.release(run.layout.lock_url, run.launch)
     run_end.finished(run.layout.url)
     summary = TrainingSummary(run.layout.url, run.mlflow_run_id, state.iteration, first, last, state.actor_url,
                               cfg.run.registered_model_name if policy.version else "", policy.version)

@@ -127,7 +127,7 @@ def on_ranks(run: RunHandle, train: Callable[[DistInfo], UpdateOutput]) -> Updat
     rank (rank 0 holds the run's lease meanwhile) and leave it."""
     info = init_distributed()
     try:
-        with run_lock.heartbeat(run.layout.lock_url) if info.is_main else contextlib.nullcontext():
+        with run_lock.heartbeat(run.layout.lock_url, run.launch) if info.is_main else contextlib.nullcontext():
             out = train(info)
     except BaseException:
         shutdown_distributed(failed=True)  # no barrier: the other ranks may never reach it

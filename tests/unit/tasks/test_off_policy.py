@@ -46,7 +46,7 @@ def _graph(cfg, state: PolicyState, critic: bool):
     """``{node id: (task name, set of ancestor ids)}`` of one chunk as the dynamic workflow wires it."""
     @workflow
     def chunk() -> PolicyState:
-        return chain_iterations(cfg, RUN, state, critic)[0]
+        return chain_iterations(cfg, RUN, state, critic, cfg.run.num_iterations)
 
     nodes = {n.id: n for n in chunk.nodes}
     ancestors = {}
@@ -99,7 +99,7 @@ def test_a_resumed_chunk_samples_its_first_batch_from_the_older_actor():
 
     @workflow
     def chunk() -> PolicyState:
-        return chain_iterations(cfg, RUN, state, False)[0]
+        return chain_iterations(cfg, RUN, state, False, cfg.run.num_iterations)
 
     first = next(n for n in chunk.nodes if n.flyte_entity.name.endswith(".rollout"))
     bound = {b.var: b.binding for b in first.bindings}

@@ -1,5 +1,6 @@
 """PPO's and the critic-free workflows are one definition (``workflows/common.py``) bound twice: compiled,
-they hold the same nodes but for the critic's update and their own chunk, and take the same inputs."""
+they hold the same nodes but for the critic's update and their own executions of iterations, and take the same
+inputs."""
 
 from __future__ import annotations
 
@@ -19,13 +20,13 @@ def test_one_iteration_differs_only_by_the_critic_update():
     assert "tasks.updates.actor_update" in critic_free and "tasks.iteration.commit_iteration" in critic_free
 
 
-def test_training_differs_only_by_its_chunk():
+def test_training_differs_only_by_its_executions():
     from workflows.ppo import ppo_training
     from workflows.reinforce import reinforce_training
 
     ppo, critic_free = node_entities(ppo_training), node_entities(reinforce_training)
     assert ppo == ["tasks.iteration.finish_run", "tasks.run_tasks.prepare_run", "workflows.common.run_services",
-                   "workflows.ppo.ppo_chunk"]
-    assert critic_free == [n.replace("ppo.ppo_chunk", "reinforce.reinforce_chunk") for n in ppo]
+                   "workflows.ppo.ppo_execution"]  # the launch plan: the iterations run in executions of their own
+    assert critic_free == [n.replace("ppo.ppo_execution", "reinforce.reinforce_execution") for n in ppo]
     assert ppo_training.python_interface.inputs == reinforce_training.python_interface.inputs
     assert ppo_training.python_interface.outputs == reinforce_training.python_interface.outputs
