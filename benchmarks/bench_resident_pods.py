@@ -42,8 +42,8 @@ LOG = "storage-transfers.jsonl"
 """Each pod's transfer log, in its working folder (``RLHF_STORAGE_LOG`` relative to it)."""
 STATE = ("weights", "optimizer")
 PER_RUN_TASKS = ("prepare_run", "run_services", "engine_service", "actor_service", "critic_service",
-                 "ppo_chunk", "finish_run", "evaluate", "evaluate_resident")
-"""Nodes that run once per run (or per chunk), not per iteration."""
+                 "ppo_iterations", "ppo_chunk", "finish_run", "evaluate", "evaluate_resident")
+"""Nodes that run once per run (or per execution or chunk), not per iteration."""
 
 
 def transfers(ex) -> List[dict]:

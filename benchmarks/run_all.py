@@ -45,11 +45,13 @@ BENCHMARKS: Dict[str, str] = {
     "projection": "project_iteration.py",  # an iteration at 8B / 70B on paper, both run modes (docs/cluster.md)
     "pipeline": "bench_pipeline.py",  # on- vs off-policy s/iteration in the pod-level harness (docs/off_policy.md)
     "resident_pods": "bench_resident_pods.py",  # resident vs stateless in the pod-level harness (docs/cluster.md)
+    "long_run": "bench_long_run.py",  # s/iteration against the iteration index over 500 iterations (docs/cluster.md#long-runs)
 }
 """Section name -> script in this folder, in table order."""
-NOT_QUICK = {"pipeline": "tens of harness pods per run", "resident_pods": "tens of harness pods per run"}
+NOT_QUICK = {"pipeline": "tens of harness pods per run", "resident_pods": "tens of harness pods per run",
+             "long_run": "1,000 iterations through pyflyte run"}
 """Sections ``--quick`` leaves out unless named in ``--only`` (why: their cost)."""
-MIN_TIMEOUT_S = {"pipeline": 4 * 3600.0, "resident_pods": 3600.0}
+MIN_TIMEOUT_S = {"pipeline": 4 * 3600.0, "resident_pods": 3600.0, "long_run": 2 * 3600.0}
 """Sections that need more than ``--timeout-s``'s default: the pipeline's four harness runs took 39 min for the
 demo pair and 39 min for the compute-bound pair at 3 iterations on a loaded 2-core machine (benchmarks/RESULTS.md);
 ``make bench`` runs 4 iterations each. A larger ``--timeout-s`` wins."""

@@ -28,6 +28,13 @@ def _check_registered_model_name(name: str) -> None:
                    f"e.g. {fix!r}, or empty to log the final policy without registering it")
 
 
+MAX_ITERATIONS_PER_EXECUTION = 1000
+"""About 440 KB of an execution's record (propeller's ``FlyteWorkflow`` object), a third of etcd's default limit."""
+MAX_CHUNKS_PER_EXECUTION = 250
+"""About 1 MB of an execution's ``futures.pb`` (4 KB per chunk node of the 8B preset, measured by
+``tests/unit/tasks/test_long_runs.py``), half of propeller's default download limit."""
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """The run: where it lives, how long it is, how often it evaluates and saves. The user's settings
@@ -113,7 +120,16 @@ class RunConfig:
               "run.eval_before_training needs run.eval_interval > 0 (held-out evaluation is off at 0)")
         check(self.save_interval >= 1, "run.save_interval must be >= 1")
         check(self.iterations_per_chunk >= 1, "run.iterations_per_chunk must be >= 1")
-        check(self.iterations_per_execution >= 1, "run.iterations_per_execution must be >= 1")
+        check(1 <= self.iterations_per_execution <= MAX_ITERATIONS_PER_EXECUTION,
+              f"run.iterations_per_execution must be 1 to {MAX_ITERATIONS_PER_EXECUTION}: each iteration adds about "
+              f"440 bytes to its execution's record in etcd, which refuses 1.5 MiB (docs/cluster.md#long-runs)")
+        chunks = -(-self.iterations_per_execution // self.iterations_per_chunk)
+        check(chunks <= MAX_CHUNKS_PER_EXECUTION,
+              f"run.iterations_per_execution={self.iterations_per_execution} in chunks of run.iterations_per_chunk="
+              f"{self.iterations_per_chunk} is {chunks} chunks per execution, over {MAX_CHUNKS_PER_EXECUTION}: the "
+              f"execution's dynamic workflow binds the whole config once per chunk (about 4 KB each), and propeller "
+              f"reads it within storage.limits.maxDownloadMBs (2 MB by default). Raise run.iterations_per_chunk or "
+              f"lower run.iterations_per_execution")
         check(self.off_policy_steps in (0, 1), f"run.off_policy_steps must be 0 (on-policy) or 1 (one-step "
                                                f"off-policy pipelining), got {self.off_policy_steps}")
         check_choice("run.algorithm", self.algorithm, list(algorithms.ALGORITHMS))

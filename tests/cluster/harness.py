@@ -1,15 +1,16 @@
 """A pod-level stand-in for a Flyte cluster (a test tool): runs a workflow of the compiled package node
 by node, each task node as its template's own container command in fresh pods (:mod:`tests.cluster.pods`),
 inputs and outputs as literal protobufs in the object store, dynamic nodes by executing the
-``DynamicJobSpec`` (``futures.pb``) their pod writes (nested ones too), retries as propeller grants
-them.
+``DynamicJobSpec`` (``futures.pb``) their pod writes (nested ones too), a launch-plan node as a new
+execution of the launch plan's workflow (its own id, its own node count, which the node waits for, as
+propeller's launch-plan handler does), retries as propeller grants them.
 
 Retries: ``pyflyte-execute`` exits 0 on a task error and writes ``error.pb``. A RECOVERABLE user
 error, or a pod that died (non-zero exit, killed, no document), uses one of the node's ``retries``
 (from the node's metadata, else the task's); a RECOVERABLE system error one of
 ``system_retries`` (propeller's ``max-node-retries-system-failures``, default 3); NON_RECOVERABLE
 fails the node at once. Not emulated: Flyte's task cache (datacatalog; every node runs), branch,
-gate, array and sub-workflow nodes, attribute-path promises.
+gate, array and sub-workflow nodes, attribute-path promises, a launch plan's fixed or default inputs.
 
 ``parallelism`` > 1 runs independent nodes at once, as propeller does (1: one node at a time), at each
 level of the graph. A node that fails for good aborts the execution's running nodes (their pods killed)
@@ -33,6 +34,9 @@ from tests.cluster.literals import (LiteralTooLarge, ObjectStore, error_summary,
                                    upstream)
 from tests.cluster.package import Package
 from tests.cluster.pods import Pod, PodSettings, start_pods, wait_pods
+
+
+_COUNTING = threading.Lock()
 
 
 class NodeFailed(RuntimeError):
@@ -72,9 +76,23 @@ class Execution:
     id: str
     outputs: Optional[literals_pb2.LiteralMap] = None
     attempts: List[Attempt] = field(default_factory=list)
+    """Every node attempt, of this execution and of those its launch-plan nodes started."""
     error: str = ""
     aborted: threading.Event = field(default_factory=threading.Event, repr=False)
-    """Set when a node failed for good: every running pod of the execution is killed."""
+    """Set when a node failed for good: every running pod of the execution (and of the executions it
+    launched, and of the one that launched it) is killed."""
+    workflow: str = ""
+    nodes: int = 0
+    """Nodes of this execution's own record (static and dynamic ones, each counted once however often it
+    ran), not of the executions it launched."""
+    launched: List["Execution"] = field(default_factory=list)
+    """The executions its launch-plan nodes started, in order (each with its own)."""
+    parent: str = ""
+    """The execution whose launch-plan node started this one."""
+
+    def chain(self) -> List["Execution"]:
+        """This execution and every one it launched, depth first."""
+        return [self] + [e for child in self.launched for e in child.chain()]
 
     def of_task(self, suffix: str) -> List[Attempt]:
         return [a for a in self.attempts if a.task.endswith(suffix)]
@@ -97,14 +115,29 @@ class Cluster:
         """Run ``workflow`` of the package with python ``inputs``; the execution with its outputs, or its
         ``error`` (the failed node's) when it failed."""
         wf = self.package.workflows[workflow]
-        ex = Execution(name or f"e{uuid.uuid4().hex[:10]}")
-        ctx = {"execution": ex.id, "workflow": workflow, "version": "harness"}
-        literal_inputs = execution_inputs(wf.interface, inputs)
+        ex = Execution(name or f"e{uuid.uuid4().hex[:10]}", workflow=workflow)
         try:
-            ex.outputs = self._graph(ex, ctx, list(wf.nodes), self.package.tasks, literal_inputs, list(wf.outputs), "")
+            ex.outputs = self._workflow(ex, execution_inputs(wf.interface, inputs))
         except NodeFailed as err:
             ex.error = str(err)
         return ex
+
+    def _workflow(self, ex: Execution, inputs: literals_pb2.LiteralMap) -> literals_pb2.LiteralMap:
+        wf = self.package.workflows[ex.workflow]
+        ctx = {"execution": ex.id, "workflow": ex.workflow, "version": "harness"}
+        return self._graph(ex, ctx, list(wf.nodes), self.package.tasks, inputs, list(wf.outputs), "")
+
+    def _launch(self, ex: Execution, node, inputs: literals_pb2.LiteralMap, path: str) -> literals_pb2.LiteralMap:
+        """A launch-plan node: a new execution of the plan's workflow on the node's inputs; its outputs."""
+        plan = self.package.launch_plans[node.workflow_node.launchplan_ref.name]
+        child = Execution(f"e{uuid.uuid4().hex[:10]}", attempts=ex.attempts, aborted=ex.aborted,
+                          workflow=plan.spec.workflow_id.name, parent=ex.id)
+        ex.launched.append(child)
+        try:
+            return self._workflow(child, inputs)
+        except NodeFailed as err:
+            child.error = str(err)
+            raise NodeFailed(f"node {path} (launch plan {plan.id.name}): execution {child.id} failed: {err}") from err
 
     def run_task(self, task: str, inputs: literals_pb2.LiteralMap, name: str = "") -> Execution:
         """One node of the package's ``task`` on ``inputs``; a dynamic task's ``DynamicJobSpec`` is read
@@ -126,6 +159,8 @@ class Cluster:
     def _graph(self, ex: Execution, ctx, nodes, tasks: Mapping[str, tasks_pb2.TaskTemplate],
                inputs: literals_pb2.LiteralMap, outputs, path: str) -> literals_pb2.LiteralMap:
         scope: Dict[str, literals_pb2.LiteralMap] = {"": inputs}
+        with _COUNTING:  # (a dynamic node's graph runs in a pool thread)
+            ex.nodes += len(nodes)
         waiting = {n.id: n for n in nodes}
         deps = {n.id: upstream(n) & set(waiting) for n in nodes}
         with cf.ThreadPoolExecutor(max_workers=self.parallelism) as pool:
@@ -148,8 +183,10 @@ class Cluster:
         return literals_pb2.LiteralMap(literals={o.var: resolve(o.binding, scope) for o in outputs})
 
     def _node(self, ex: Execution, ctx, node, tasks, inputs: literals_pb2.LiteralMap, path: str):
+        if node.WhichOneof("target") == "workflow_node" and node.workflow_node.HasField("launchplan_ref"):
+            return self._launch(ex, node, inputs, path)
         if node.WhichOneof("target") != "task_node":
-            raise NotImplementedError(f"node {path}: only task nodes are run by the harness")
+            raise NotImplementedError(f"node {path}: only task and launch-plan nodes are run by the harness")
         template = tasks[node.task_node.reference_id.name]
         retries = node.metadata.retries.retries if node.metadata.HasField("retries") \
             else template.metadata.retries.retries

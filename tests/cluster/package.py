@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Mapping, Sequence
 
-from flyteidl.admin import task_pb2, workflow_pb2
+from flyteidl.admin import launch_plan_pb2, task_pb2, workflow_pb2
 from flyteidl.core import tasks_pb2, workflow_pb2 as core_workflow_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,11 +23,12 @@ BIN = os.path.dirname(sys.executable)
 
 @dataclass(frozen=True)
 class Package:
-    """Task templates by name and workflow templates by name (sub-workflows included)."""
+    """Task templates by name, workflow templates by name (sub-workflows included) and launch plans by name."""
 
     tasks: Dict[str, tasks_pb2.TaskTemplate]
     workflows: Dict[str, core_workflow_pb2.WorkflowTemplate]
     path: Path
+    launch_plans: Dict[str, launch_plan_pb2.LaunchPlan] = None
 
 
 def build_package(out: Path, image: str, deploy_preset: str, deploy_overrides: str,
@@ -58,7 +59,7 @@ def _read(path: str, cls):
 
 
 def load_package(tgz: Path) -> Package:
-    """Every ``*_1.pb`` (TaskSpec) and ``*_2.pb`` (WorkflowSpec) of the package."""
+    """Every ``*_1.pb`` (TaskSpec), ``*_2.pb`` (WorkflowSpec) and ``*_3.pb`` (LaunchPlan) of the package."""
     root = tgz.parent / (tgz.name + ".d")
     with tarfile.open(tgz) as tar:
         tar.extractall(root, filter="data")
@@ -71,7 +72,11 @@ def load_package(tgz: Path) -> Package:
         spec = _read(path, workflow_pb2.WorkflowSpec)
         for wf in [spec.template, *spec.sub_workflows]:
             workflows[wf.id.name] = wf
-    return Package(tasks, workflows, tgz)
+    plans = {}
+    for path in glob.glob(f"{root}/*_3.pb"):
+        plan = _read(path, launch_plan_pb2.LaunchPlan)
+        plans[plan.id.name] = plan
+    return Package(tasks, workflows, tgz, plans)
 
 
 _ENV_LINE = re.compile(r"^ENV\s+(.*)$")

@@ -1,9 +1,10 @@
-"""Two iterations of PPO and of GRPO from the compiled package, every node a pod (``tests/cluster``),
+"""PPO (two iterations) and GRPO (three) from the compiled package, every node a pod (``tests/cluster``),
 against the same seeds through a local ``pyflyte run``: the same checkpoints byte for byte, the same
 metrics, every run FINISHED in one ``mlflow server`` on 127.0.0.1. PPO runs stateless (every task loads
 its models), GRPO resident (``run.resident``): its services are nodes of the execution (the engine's pod,
 the actor trainer's two-pod PyTorchJob), the local run's child processes of ``pyflyte run``; none outlives
-its run.
+its run. Both pod runs span several executions (``run.iterations_per_execution``: PPO one iteration each,
+GRPO two then one, each launched by the one before, as a long run is cut on a cluster), the local runs one.
 
 What differs on purpose: the pods' actor update is a two-node PyTorchJob (2 pods × 2 ranks, the
 operator's rendezvous environment on loopback), the local run's one node of 4 ranks (the same 4
@@ -30,17 +31,23 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 COMMON = ["run.num_iterations=2", "run.iterations_per_chunk=1", "run.eval_interval=2", "run.save_interval=1",
           "rollout.prompts_per_iteration=8", "actor.minibatch_size=16", "data.num_demo_eval_prompts=8"]
-RUN = {"ppo": COMMON + ["critic.minibatch_size=16", "critic.micro_batch_size=8", "rollout.engine=hf"],
-       "grpo": [o for o in COMMON if not o.startswith("run.iterations_per_chunk")]
-       + ["run.iterations_per_chunk=2", "run.off_policy_steps=1", "actor.tis_cap=2", "run.resident=true",
-          "run.resident_idle_timeout_s=600"]}
+RUN = {"ppo": COMMON + ["critic.minibatch_size=16", "critic.micro_batch_size=8", "rollout.engine=hf",
+                         "run.iterations_per_execution=1"],
+       "grpo": [o for o in COMMON if not o.startswith(("run.iterations_per_chunk", "run.num_iterations"))]
+       + ["run.num_iterations=3", "run.iterations_per_chunk=2", "run.iterations_per_execution=2",
+          "run.off_policy_steps=1", "actor.tis_cap=2", "run.resident=true", "run.resident_idle_timeout_s=600"]}
+ITERATIONS = {"ppo": 2, "grpo": 3}
+EXECUTIONS = {"ppo": 3, "grpo": 3}
+"""The run's own execution (set-up, services, finish) and those of its iterations: PPO's two of one iteration,
+GRPO's of iterations 0-1 (pipelined in one chunk) and of iteration 2."""
 """The critic's options only where there is a critic (an option the algorithm ignores is refused); PPO samples
 with the HF engine (its rollout and evaluation pods start in seconds: nothing here depends on the engine),
 GRPO with vLLM, so vLLM runs in pods from the package too (in the engine service's pod). GRPO
 runs resident and pipelined (``run.off_policy_steps=1``, docs/off_policy.md) with two ready nodes at a time
 on each level of the graph, as propeller runs them: the same checkpoints and metrics as the local run, which
 executes nodes one after another, and its rollout of iteration 1 beside iteration 0's chain (both
-iterations in one chunk: the pipeline restarts at a chunk's first iteration)."""
+iterations in one chunk: the pipeline restarts at a chunk's first iteration, as in the execution of iteration 2,
+whose first batch is sampled from the actor of iteration 0 as the pipeline would have)."""
 PODS_TOPOLOGY = {"ppo": TOPOLOGY + CRITIC_TOPOLOGY, "grpo": TOPOLOGY}
 """The registered topologies: the actor's 2 pods of 2 ranks and, for PPO, the critic's 2 pods of 1 rank."""
 LOCAL_TOPOLOGY = {"ppo": ["actor.nnodes=1", "actor.nproc_per_node=4", "actor.micro_batch_size=4",
@@ -95,7 +102,7 @@ def test_two_iterations_in_pods_match_a_local_run(algo, packages, make_cluster, 
 
     fs = cluster.store.fs()
     differ = []
-    for i in range(2):
+    for i in range(ITERATIONS[algo]):
         for what in ["actor"] + (["critic"] if algo == "ppo" else []):
             pods_files = committed_files(fs, f"{root}/pods/iter-{i:06d}/{what}")
             local_files = committed_files(fs, f"{root}/local/iter-{i:06d}/{what}")
@@ -109,17 +116,30 @@ def test_two_iterations_in_pods_match_a_local_run(algo, packages, make_cluster, 
     differ += [f"{k}: pods {pods_m.get(k)} local {local_m.get(k)}" for k in set(pods_m) | set(local_m)
                if pods_m.get(k) != local_m.get(k)]
     assert not differ, "\n".join(sorted(differ))  # every checkpoint file and metric, not the first that differs
-    assert "eval/reward_mean" in pods_m and len(pods_m["rollout/reward_mean"]) == 2
+    assert "eval/reward_mean" in pods_m and len(pods_m["rollout/reward_mean"]) == ITERATIONS[algo]
     built = cluster.pods.image_env["RLHF_GIT_COMMIT"]  # the image's build argument: HEAD when the test began
     assert runs["pods"].data.tags["git_commit"] == built and len(built) == 40
 
     folders = [p.folder for a in ex.attempts for p in a.pods]
     assert len(set(folders)) == len(folders)  # each pod worked in its own folder
+    check_executions(ex, EXECUTIONS[algo])
     if algo == "ppo":
         check_stateless_pods(ex)
     if algo == "grpo":
         check_services(ex, cluster, root)
         check_pipelined(ex, client, runs["pods"].info.run_id, "_resident")
+
+
+def check_executions(ex, count: int) -> None:
+    """The run was a chain of ``count`` executions, each launched by the one before (the first by the run's
+    own, which holds only its set-up, services and finish), each recording its own nodes only: the largest
+    record holds a few iterations' nodes, however long the run."""
+    chain = ex.chain()
+    records = {e.id: e.nodes for e in chain}
+    print("executions (nodes of each record):", records)
+    assert len(chain) == count and [e.parent for e in chain[1:]] == [e.id for e in chain[:-1]], chain
+    assert [e.workflow.rsplit(".", 1)[-1] for e in chain[1:]] == [chain[1].workflow.rsplit(".", 1)[-1]] * (count - 1)
+    assert chain[0].nodes <= 7 and max(records.values()) <= 40, records  # (7: set-up, 3 services, the plan, finish)
 
 
 def check_stateless_pods(ex) -> None:
@@ -185,13 +205,14 @@ def service_summary(cluster, ex, a):
 def check_pipelined(ex, client, run_id: str, suffix: str = "") -> None:
     """With ``run.off_policy_steps=1`` the rollout of iteration 1 (sampled from the initial actor) needs
     nothing of iteration 0: it runs beside iteration 0's rollout, score or update, which an on-policy graph
-    never allows (every rollout waits for the commit before it); ``rollout/policy_lag`` is 0 then 1.
+    never allows (every rollout waits for the commit before it); ``rollout/policy_lag`` is 0, then 1 (iteration 2's
+    batch too, sampled at its execution's start from the actor of iteration 0).
     ``suffix``: ``_resident`` for a resident run's thin tasks."""
     rollouts = spans(ex, ".rollout" + suffix)
     chain = rollouts[:1] + spans(ex, ".score" + suffix)[:1] + spans(ex, ".actor_update" + suffix)[:1]
-    assert len(rollouts) == 2
+    assert len(rollouts) == 3  # iterations 0 and 1 (pipelined), 2 (its execution's first)
     beside = sum(overlap(rollouts[1], other) for other in chain)
     assert beside > 0, f"rollout 1 {rollouts[1]} never ran beside iteration 0's chain {chain}"
     print(f"rollout 1 ran {beside:.1f} s beside iteration 0's rollout, score and update")
     lag = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "rollout/policy_lag"))
-    assert lag == [(0, 0.0), (1, 1.0)]
+    assert lag == [(0, 0.0), (1, 1.0), (2, 1.0)]

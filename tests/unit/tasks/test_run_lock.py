@@ -157,6 +157,11 @@ def test_the_holder_is_the_execution_on_a_cluster_and_the_process_locally(monkey
     monkeypatch.setenv("FLYTE_INTERNAL_EXECUTION_DOMAIN", "development")
     monkeypatch.setenv("FLYTE_INTERNAL_EXECUTION_ID", "exec-a")
     assert run_lock.current_owner() == A
+    # A later execution of the run's chain (a long run, docs/cluster.md#long-runs) is told the holder: its tasks
+    # renew the lease as the execution that took the run, and call the services published under its name.
+    monkeypatch.setenv("FLYTE_INTERNAL_EXECUTION_ID", "exec-b")
+    assert run_lock.execution_name() == "exec-b" and run_lock.execution_name(A) == A.rsplit("/", 1)[-1]
+    assert run_lock.execution_name(local) == "local"
 
 
 def test_the_run_lifecycle_reads_the_execution_without_flytekit(monkeypatch):

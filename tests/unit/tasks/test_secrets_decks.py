@@ -72,3 +72,25 @@ def test_publish_adds_a_deck(name):
     before = len(ctx.decks)
     decks.publish(name, _scored_batch())
     assert [d.name for d in ctx.decks[before:]] == [name]
+
+
+def test_a_local_execution_renders_each_tasks_own_decks_only():
+    """flytekit shares one deck list (and one timeline) between the tasks of a local execution, and each task
+    with decks renders the whole list when it writes its own: the n-th task paid for the n before it (issue #36).
+    ``decks.only_this_task`` (called by ``publish``) keeps the list to the running task's."""
+    seen = []
+
+    @flytekit.task(enable_deck=True)
+    def noted(i: int) -> int:
+        decks.only_this_task()
+        ctx = flytekit.current_context()
+        seen.append((len(ctx.decks), len(ctx.timeline_deck.time_info)))
+        flytekit.Deck("mine", "<p>one</p>")
+        return i + 1
+
+    @flytekit.workflow
+    def four() -> int:
+        return noted(i=noted(i=noted(i=noted(i=0))))
+
+    assert four() == 4
+    assert seen == [(1, 0)] * 4  # the running task's timeline alone, never the decks of the tasks before
