@@ -83,7 +83,7 @@ def local_run(algo: str, root: str, s3: str, mlflow: str, home: Path) -> str:
 
 
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
-def test_two_iterations_in_pods_match_a_local_run(algo, packages, make_cluster, s3_server, mlflow_url, tmp_path):
+def test_a_run_across_executions_in_pods_matches_a_local_run(algo, packages, make_cluster, s3_server, mlflow_url, tmp_path):
     from mlflow.tracking import MlflowClient
 
     package = packages(*DEPLOY, registration_env(s3_server, mlflow_url))
