@@ -42,7 +42,7 @@ def test_the_summary_counts_iterations_and_names_only_checkpoints_that_exist(tmp
 def test_the_summary_says_what_retention_kept_and_its_size(tmp_path):
     """Checkpoints at 9 and 19 (an optimizer state beside 19's, a partial one at 18 that does not count as a
     checkpoint), batches of iterations 17-19, the run's own files: each line's count, names and bytes."""
-    cfg = load_config("tiny_ppo", ["run.num_iterations=20", "run.save_interval=10", "run.keep_checkpoints=1",
+    cfg = load_config("tiny_ppo", ["run.num_iterations=20", "run.save_interval=10", "run.keep_checkpoints=2",
                                    "run.keep_batches=3"])
     run = RunHandle(str(tmp_path), "r", "abc", "ref", "train", "eval")
     files = {"run.json": 100_000, "iter-000009/actor/COMMITTED.json": 200_000, "iter-000009/critic/w.safetensors": 300_000,
@@ -56,4 +56,4 @@ def test_the_summary_says_what_retention_kept_and_its_size(tmp_path):
     assert (f"  batches:        {tmp_path}/r/iter-*/{{rollouts,score,advantages}}.arrow: 3 iterations (17-19; 61.1 kB), "
             f"run.keep_batches=3") in lines
     assert (f"  checkpoints:    2 checkpoints (iter-000009, iter-000019; 2.0 MB), actor/ and critic/ under each, "
-            f"run.keep_checkpoints=1; final actor {tmp_path}/r/iter-000019/actor") in lines
+            f"run.keep_checkpoints=2; final actor {tmp_path}/r/iter-000019/actor") in lines
