@@ -135,7 +135,8 @@ def resident(cfg, run: RunHandle, iterations: Iterable[int]) -> None:
     # off-policy: the services also checkpoint 1, 4, 6 (behaviour actors); 4 goes when 5's is no longer needed
     (["run.keep_checkpoints=0", "run.keep_batches=0", "run.off_policy_steps=1", "actor.tis_cap=2"], 8, [6, 7], []),
     (["run.keep_checkpoints=0", "run.keep_batches=0", "run.off_policy_steps=1", "actor.tis_cap=2"], 6, [4, 5], []),
-    (["run.off_policy_steps=1", "actor.tis_cap=2"], 8, [1, 2, 4, 5, 6, 7], list(range(8))),  # -1: today's, every checkpoint
+    # -1: today's, every checkpoint the services wrote
+    (["run.off_policy_steps=1", "actor.tis_cap=2"], 8, [1, 2, 4, 5, 6, 7], list(range(8))),
 ])
 def test_a_resident_run_keeps_the_hand_worked_iterations(tmp_path, overrides, done, checkpoints, batches):
     cfg = _config("run.resident=true", "run.num_iterations=8", "run.save_interval=3", *overrides)
@@ -194,8 +195,9 @@ def test_a_retried_commit_finishes_the_deletions_and_returns_the_committed_state
     committed = run.layout.read_state()
     layout = run.layout
     storage.remove(layout.batch_url(3, "score"))  # as if the first try had deleted it
-    nxt = commit.run_commit(cfg, run, state, [{"rollout/reward_mean": 1.0}], RolloutBatch.open(layout.batch_url(3, "score")),
-                            layout.actor_url(3), layout.critic_url(3))
+    gone = RolloutBatch.open(layout.batch_url(3, "score"))
+    nxt = commit.run_commit(cfg, run, state, [{"rollout/reward_mean": 1.0}], gone, layout.actor_url(3),
+                            layout.critic_url(3))
     assert nxt == PolicyState(4, layout.actor_url(3), layout.critic_url(3), 0.1, {}, "")
     assert layout.read_state() == committed  # not written again
     assert kept(run) == ([3], [])

@@ -45,15 +45,16 @@ def test_the_summary_says_what_retention_kept_and_its_size(tmp_path):
     cfg = load_config("tiny_ppo", ["run.num_iterations=20", "run.save_interval=10", "run.keep_checkpoints=2",
                                    "run.keep_batches=3"])
     run = RunHandle(str(tmp_path), "r", "abc", "ref", "train", "eval")
-    files = {"run.json": 100_000, "iter-000009/actor/COMMITTED.json": 200_000, "iter-000009/critic/w.safetensors": 300_000,
-             "iter-000019/actor/COMMITTED.json": 500_000, "iter-000019/actor-optimizer/m.safetensors": 1_000_000,
-             "iter-000018/actor/config.json": 7, "iter-000017/rollouts.arrow": 1_000, "iter-000017/rollouts.arrow.blake3": 64}
+    files = {"run.json": 100_000, "iter-000009/actor/COMMITTED.json": 200_000,
+             "iter-000009/critic/w.safetensors": 300_000, "iter-000019/actor/COMMITTED.json": 500_000,
+             "iter-000019/actor-optimizer/m.safetensors": 1_000_000, "iter-000018/actor/config.json": 7,
+             "iter-000017/rollouts.arrow": 1_000, "iter-000017/rollouts.arrow.blake3": 64}
     files |= {f"iter-0000{j}/{stage}.arrow": 10_000 for j in (18, 19) for stage in ("rollouts", "score", "advantages")}
     _files(run, files)
     summary = TrainingSummary(f"{tmp_path}/r", "abc", 20, 0.25, 0.5, f"{tmp_path}/r/iter-000019/actor")
     lines = summary_text(cfg, run, summary, "", usage(run.layout)).splitlines()
     assert f"  run folder:     {tmp_path}/r  (run.json, state.json, data/, reference/; 2.2 MB in all)" in lines
-    assert (f"  batches:        {tmp_path}/r/iter-*/{{rollouts,score,advantages}}.arrow: 3 iterations (17-19; 61.1 kB), "
-            f"run.keep_batches=3") in lines
+    assert (f"  batches:        {tmp_path}/r/iter-*/{{rollouts,score,advantages}}.arrow: 3 iterations (17-19; "
+            f"61.1 kB), run.keep_batches=3") in lines
     assert (f"  checkpoints:    2 checkpoints (iter-000009, iter-000019; 2.0 MB), actor/ and critic/ under each, "
             f"run.keep_checkpoints=2; final actor {tmp_path}/r/iter-000019/actor") in lines
