@@ -54,6 +54,18 @@ class RunConfig:
     ``eval_interval`` > 0."""
     save_interval: int = 5
     """Keep the checkpoints of every this-many-th iteration (the last is always kept)."""
+    keep_checkpoints: int = -1
+    """How many of the checkpoints kept at ``save_interval`` survive: the newest this many, besides what a
+    resume needs (the checkpoints ``state.json`` names: the resume point's, and with ``off_policy_steps=1`` the
+    behaviour actor's, one iteration older) and every final policy's (the last iteration's when it committed:
+    the policy a finished run registers). An older one is deleted with its optimizer state and its MLflow
+    copy (``checkpoints/iter-*``) by the commit that drops it. -1: all (none deleted); 0: only those
+    (docs/concepts/run_layout.md#retention)."""
+    keep_batches: int = -1
+    """Batch files (``iter-*/{rollouts,score,advantages}.arrow`` and their ``.blake3``) kept: those of the last
+    this many committed iterations; 0: none (no task reads a committed iteration's batch, and a resume samples
+    the iteration after its resume point again). A resident run deletes them when its resume point moves
+    (every ``save_interval``), never past it. -1: all (none deleted)."""
     iterations_per_chunk: int = 8
     """Iterations per sub-workflow (a chunk), so each stays within Flyte's node limits. Each iteration adds
     about 19 KB to the chunk's ``futures.pb`` (every node binds the whole config; 555 KB for 20 PPO iterations
@@ -119,6 +131,8 @@ class RunConfig:
         check(not self.eval_before_training or self.eval_interval > 0,
               "run.eval_before_training needs run.eval_interval > 0 (held-out evaluation is off at 0)")
         check(self.save_interval >= 1, "run.save_interval must be >= 1")
+        for key, keep in (("keep_checkpoints", self.keep_checkpoints), ("keep_batches", self.keep_batches)):
+            check(keep >= -1, f"run.{key} must be >= -1 (-1 keeps all, 0 only what a resume needs), got {keep}")
         check(self.iterations_per_chunk >= 1, "run.iterations_per_chunk must be >= 1")
         check(1 <= self.iterations_per_execution <= MAX_ITERATIONS_PER_EXECUTION,
               f"run.iterations_per_execution must be 1 to {MAX_ITERATIONS_PER_EXECUTION}: each iteration adds about "

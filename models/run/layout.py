@@ -5,9 +5,10 @@
       state.json                     RunState: last completed iteration + checkpoints (resume point)
       lock.json                      the lease of the launch that trains the run (models/run/lock.py)
       reference/                     frozen initial policy (HF directory)
-      iter-000007/{stage}.arrow      the batch after each stage (rollouts, score, advantages)
+      iter-000007/{stage}.arrow      the batch after each stage (rollouts, score, advantages), and its .blake3
       iter-000007/actor/             actor checkpoint written by iteration 7
       iter-000007/critic/
+      iter-000007/actor-optimizer/   AdamW's state after that update (also critic-optimizer/)
 
 ``state.json`` is written last in an iteration, atomically, and may only point at
 committed checkpoints, so resuming from it never meets a half-written checkpoint.
@@ -23,6 +24,8 @@ from models import storage
 from models.checkpoint import CheckpointError, is_committed
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+BATCH_STAGES = ("rollouts", "score", "advantages")
+"""The stages that write an iteration's batch (``iter-000007/{stage}.arrow``): retention deletes these files."""
 
 
 @dataclass(frozen=True)
@@ -124,10 +127,15 @@ class RunLayout:
         return storage.join(self.url, f"iter-{iteration:06d}")
 
     def batch_url(self, iteration: int, stage: str = "rollouts") -> str:
-        """``{run}/iter-000007/{stage}.arrow``, e.g. stage ``rollouts``, ``score``, ``advantages``."""
-        if not re.match(r"^[a-z0-9_]+$", stage):
-            raise ValueError(f"stage {stage!r} must be lower-case letters, digits, '_'")
+        """``{run}/iter-000007/{stage}.arrow``, stage one of :data:`BATCH_STAGES`."""
+        if stage not in BATCH_STAGES:
+            raise ValueError(f"stage {stage!r} is not one of {BATCH_STAGES} (a new stage goes there, so that "
+                             f"retention deletes its batches too)")
         return storage.join(self.iter_dir(iteration), f"{stage}.arrow")
+
+    def batch_files(self, iteration: int) -> List[str]:
+        """Every batch file ``iteration`` may have written: each stage's ``.arrow`` and its ``.arrow.blake3``."""
+        return [u + suffix for u in (self.batch_url(iteration, s) for s in BATCH_STAGES) for suffix in ("", ".blake3")]
 
     def actor_url(self, iteration: int) -> str:
         """Actor checkpoint written by ``iteration``."""
@@ -136,6 +144,12 @@ class RunLayout:
     def critic_url(self, iteration: int) -> str:
         """Critic checkpoint written by ``iteration``."""
         return storage.join(self.iter_dir(iteration), "critic")
+
+    def iteration_of(self, url: Optional[str]) -> Optional[int]:
+        """The iteration whose actor or critic checkpoint ``url`` is (``{run}/iter-000007/actor``: 7), or None
+        (the reference, another run's, empty)."""
+        m = re.fullmatch(re.escape(self.url) + r"/iter-(\d{6})/(?:actor|critic)/?", url or "")
+        return int(m[1]) if m else None
 
     # --- run.json / state.json ----------------------------------------------------------------
     def write_run_info(self, info: RunInfo) -> None:

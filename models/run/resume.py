@@ -46,6 +46,9 @@ RESUMABLE: Dict[str, str] = {
     "run.eval_interval": "when held-out evaluation runs; no training step depends on it",
     "run.eval_before_training": "whether the starting policy is evaluated; no training step depends on it",
     "run.save_interval": "which checkpoints are kept from now on (the resume point's always is)",
+    "run.keep_checkpoints": "how many old checkpoints are kept from now on (what a resume needs always is): storage "
+                            "only",
+    "run.keep_batches": "how many old batches are kept from now on: no task reads a committed iteration's batch",
     "run.iterations_per_chunk": "how iterations are grouped into sub-workflows: orchestration only",
     "run.iterations_per_execution": "how iterations are grouped into Flyte executions: orchestration only",
     "run.num_logged_samples": "how many samples each iteration logs to MLflow",

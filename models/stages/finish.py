@@ -3,7 +3,7 @@ what a failed training execution leaves (its MLflow run marked FAILED, its lock 
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -12,8 +12,9 @@ from models.checkpoint import is_committed
 from models.config import RunConfig, TrainConfig
 from models.config.io import load_config
 from models.engines import close_engines
-from models.run import end as run_end, lock as run_lock
+from models.run import end as run_end, lock as run_lock, retention
 from models.run.health import check_healthy
+from models.run.retention import human_bytes
 from models.run.setup import DEFAULT_PRESETS
 from models.run.types import PolicyState, RunHandle
 from models.stages.outputs import TrainingSummary  # noqa: F401  (re-exported: its home before the resident tasks)
@@ -36,7 +37,7 @@ def run_finish(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Training
     summary = TrainingSummary(run.layout.url, run.mlflow_run_id, state.iteration, first, last, state.actor_url,
                               cfg.run.registered_model_name if policy.version else "", policy.version)
     curve = _write_curve(run)
-    text = summary_text(cfg, run, summary, curve)
+    text = summary_text(cfg, run, summary, curve, retention.usage(run.layout))
     head, *rest = text.splitlines()  # the run's description in the MLflow UI (Markdown)
     tracking.set_tags(run.mlflow_run_id, {"mlflow.note.content": "\n".join([f"**{head}**", ""] + [
         f"- {line.strip()}" for line in rest])})
@@ -54,24 +55,40 @@ def _write_curve(run: RunHandle) -> str:
     return plot(reward_curves([run.mlflow_run_id]), out, f"{run.run_name}: mean rollout reward")
 
 
-def summary_text(cfg: TrainConfig, run: RunHandle, s: TrainingSummary, curve: str) -> str:
-    saved = ", ".join(f"iter-{i:06d}" for i in range(cfg.run.num_iterations)
-                      if (i + 1) % cfg.run.save_interval == 0 or i + 1 == cfg.run.num_iterations)
+def summary_text(cfg: TrainConfig, run: RunHandle, s: TrainingSummary, curve: str, kept: retention.Usage) -> str:
+    """What a finished run prints; ``kept``: what its folder holds (:func:`models.run.retention.usage`)."""
+    roles = "actor/ and critic/" if cfg.uses_critic else "actor/"
     return "\n".join([
         f"Run {run.run_name} finished: {s.iterations} iteration{'' if s.iterations == 1 else 's'} of "
         f"{cfg.run.algorithm}.",
         f"  rollout reward: {s.reward_first:.3f} (iteration 1) -> {s.reward_last:.3f} (mean of the last two), "
         f"gain {s.reward_last - s.reward_first:+.3f}",
-        f"  run folder:     {s.run_url}  (run.json, state.json, data/, reference/)",
-        f"  batches:        {s.run_url}/iter-*/{{rollouts,score,advantages}}.arrow",
-        f"  checkpoints:    {saved} ({'actor/ and critic/' if cfg.uses_critic else 'actor/'} under each); "
-        f"final actor {s.final_actor_url}",
+        f"  run folder:     {s.run_url}  (run.json, state.json, data/, reference/; {human_bytes(kept.total)} in all)",
+        f"  batches:        {s.run_url}/iter-*/{{rollouts,score,advantages}}.arrow: "
+        f"{_named(kept.batches, 'iteration', str)}, run.keep_batches={cfg.run.keep_batches}",
+        f"  checkpoints:    {_named(kept.checkpoints, 'checkpoint', lambda i: f'iter-{i:06d}')}, {roles} under each, "
+        f"run.keep_checkpoints={cfg.run.keep_checkpoints}; final actor {s.final_actor_url}",
         f"  reward curve:   {curve or '(remote storage: see MLflow)'}",
         "  policy:         " + (f"models:/{s.registered_model}/{s.model_version} (alias {registry.CANDIDATE})"
                                 if s.model_version else "logged to the MLflow run (not registered)"),
         f"  review:         mlflow ui --backend-store-uri {redact(tracking.tracking_uri())}   "
         f"(experiment {cfg.run.mlflow_experiment}, run {run.run_name}, id {s.mlflow_run_id})",
     ])
+
+
+def _named(by_iteration: Dict[int, int], noun: str, name: Callable[[int], str]) -> str:
+    """``4 checkpoints (iter-000009, iter-000019, iter-000029, iter-000039; 2.3 MB)`` (six named at most),
+    ``10 iterations (30-39; 1.1 MB)`` (a contiguous range as one), or ``none``."""
+    its = sorted(by_iteration)
+    if not its:
+        return "none"
+    if len(its) > 2 and its[-1] - its[0] + 1 == len(its):
+        named = [f"{name(its[0])}-{name(its[-1])}"]
+    else:
+        named = [name(i) for i in its] if len(its) <= 6 else [name(i) for i in its[:3]] + ["..."] + \
+            [name(i) for i in its[-2:]]
+    return f"{len(its)} {noun}{'' if len(its) == 1 else 's'} ({', '.join(named)}; " \
+           f"{human_bytes(sum(by_iteration.values()))})"
 
 
 def mark_failed(preset: str, overrides: List[str], error: str) -> Optional[str]:

@@ -7,16 +7,19 @@ model version twice.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
-from typing import NamedTuple, Optional
+from typing import Iterable, NamedTuple, Optional
 
 from models.checkpoint import check_finite, download_checkpoint, is_committed, read_marker, save_checkpoint
 from models.console import mlflow_events_off
 from models.training.files import ADAPTER_CONFIG, is_adapter
 from models import tracking
 from models.tracking.redact import redact
+
+log = logging.getLogger(__name__)
 
 CANDIDATE = "candidate"
 """Alias of the newest trained policy (set by every finished run that registers its policy)."""
@@ -52,6 +55,29 @@ def log_checkpoint(run_id: str, name: str, url: str, max_mb: float) -> bool:
         return True
     c.log_artifacts(run_id, download_checkpoint(url), dest)
     return True
+
+
+def forget_checkpoints(run_id: str, iterations: Iterable[str]) -> None:
+    """Delete the MLflow copies :func:`log_checkpoint` made of the checkpoints of ``iterations``
+    (``iter-000009``: the artifacts ``checkpoints/iter-000009/``), then their ``checkpoint.iter-000009/*``
+    tags, which say a copy may exist: a call again after a crash finds the tags and finishes. A store that
+    cannot delete keeps the copy and its tag, with a warning: retention does not stop the run for it."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    c = tracking.client()
+    run = c.get_run(run_id)
+    for name in iterations:
+        tags = [t for t in run.data.tags if t.startswith(f"checkpoint.{name}/")]
+        if not tags:
+            continue
+        try:
+            get_artifact_repository(run.info.artifact_uri).delete_artifacts(f"checkpoints/{name}")
+        except (MlflowException, OSError, NotImplementedError) as err:
+            log.warning("MLflow run %s: cannot delete the artifacts checkpoints/%s (kept): %s", run_id, name, err)
+            continue
+        for tag in tags:
+            c.delete_tag(run_id, tag)
 
 
 def _logged_policy(run_id: str, actor_url: str):

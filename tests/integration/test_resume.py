@@ -1,7 +1,10 @@
 """Kill a whole local training run (SIGKILL of the ``pyflyte`` process group) during a rollout,
 during the elastic actor update and during a checkpoint commit (all in iteration 1, so each
 rerun resumes after iteration 0); rerun it with the same run name each time; compare with a
-run that was never interrupted (same seeds, other run name).
+run that was never interrupted (same seeds, other run name). The killed run keeps only what a resume
+needs (``run.keep_checkpoints=0``, ``run.keep_batches=0``): each rerun resumes after retention deleted
+iteration 0's batches, takes iteration 1's finished tasks from Flyte's cache (their batch files are
+after the resume point: kept), and the finished run holds the final checkpoints alone.
 
 The same run with ``run.resident=true`` (the actor, the critic and the engine as services for the
 whole run) has its critic service SIGKILLed during iteration 1; the run fails naming it, leaves no
@@ -26,6 +29,7 @@ from models import storage
 from models.checkpoint import is_committed, read_marker
 from models.data.batch import RolloutBatch
 from models.run.layout import RunLayout
+from models.run.retention import usage
 from tests.conftest import BUCKET
 from tests.integration.flyte_runs import FlyteRun, isolated_env
 
@@ -41,6 +45,7 @@ OVERRIDES = [f"run.num_iterations={ITERATIONS}", "run.eval_interval=2", "run.sav
              "critic.micro_batch_size=16", "data.num_demo_train_prompts=64", "data.num_demo_eval_prompts=8",
              # unused with reward.source=function, but a config value: it must not reach MLflow as is
              f"reward.remote_url=http://trainer:{URL_PASSWORD}@127.0.0.1:9/"]
+RETAIN = ["run.keep_checkpoints=0", "run.keep_batches=0"]  # the killed run's: only what a resume needs
 PER_ITERATION = ["rollout/reward_mean", "rollout/init_policy_kl", "actor/loss", "critic/loss", "adv/returns_mean"]
 
 
@@ -63,10 +68,11 @@ class Runs:
         state = self.layout(name).read_state()
         return -1 if state is None else state.iteration
 
-    def kill_at(self, name: str, attempt: int, point: str, check=None) -> None:
+    def kill_at(self, name: str, attempt: int, point: str, check=None, extra=()) -> None:
         """Start (or resume) ``name`` paused at ``point``; once it is there, SIGKILL the group."""
         faults = self.tmp / f"faults-{attempt}"
-        run = self.start(name, str(attempt), {"RLHF_FAULT_PAUSE": f"{point}:300", "RLHF_FAULT_DIR": str(faults)})
+        run = self.start(name, str(attempt), {"RLHF_FAULT_PAUSE": f"{point}:300", "RLHF_FAULT_DIR": str(faults)},
+                         extra)
         paused = faults / "paused"
         run.wait_until(lambda: paused.exists() and point in paused.read_text(), f"the pause at {point}")
         if check is not None:
@@ -92,10 +98,11 @@ def runs(s3_server, tmp_path_factory):
     r.logs.append(r.start("reference", "0").wait(900))
 
     layout = r.layout("resumed")
-    # 1. during the rollout of iteration 1 (iteration 0 committed, no batch written yet)
-    r.kill_at("resumed", 1, "rollout/iter-000001")
+    # 1. during the rollout of iteration 1 (iteration 0 committed, its batches deleted, none written yet)
+    r.kill_at("resumed", 1, "rollout/iter-000001", extra=RETAIN)
     assert r.state_iteration("resumed") == 0
     assert not storage.exists(layout.batch_url(1, "rollouts"))
+    assert usage(layout).batches == {} and list(usage(layout).checkpoints) == [0]
 
     # 2. during the elastic actor update of iteration 1 (its workers alive, nothing saved)
     def workers_alive(run: FlyteRun) -> None:
@@ -103,18 +110,20 @@ def runs(s3_server, tmp_path_factory):
         workers = [p for p in run.descendants() if "multiprocessing.forkserver" in " ".join(p.parent().cmdline())]
         assert len(workers) >= 2, [p.cmdline() for p in run.descendants()]
 
-    r.kill_at("resumed", 2, "actor_update/iter-000001", workers_alive)
+    r.kill_at("resumed", 2, "actor_update/iter-000001", workers_alive, RETAIN)
     assert r.state_iteration("resumed") == 0
     assert storage.exists(layout.batch_url(1, "advantages")) and not is_committed(layout.actor_url(1))
 
     # 3. during the commit of iteration 1's critic checkpoint (files in place, no marker yet);
     # the actor update finished: the rerun takes it from Flyte's cache
-    r.kill_at("resumed", 3, f"commit/{layout.critic_url(1)}")
+    r.kill_at("resumed", 3, f"commit/{layout.critic_url(1)}", extra=RETAIN)
     assert r.state_iteration("resumed") == 0 and is_committed(layout.actor_url(1))
     assert storage.exists(storage.join(layout.critic_url(1), "config.json"))
     assert not is_committed(layout.critic_url(1))
+    # what the rerun trains on (the cache's answer): compared with the reference, though retention deletes it
+    r.batch_1 = _advantages(layout, 1)
 
-    r.logs.append(r.start("resumed", "4").wait(900))
+    r.logs.append(r.start("resumed", "4", extra=RETAIN).wait(900))
     yield r
     mp.undo()
     s3fs.S3FileSystem.clear_instance_cache()
@@ -128,6 +137,11 @@ def _client(runs: Runs):
 
 def _run_id(runs: Runs, name: str) -> str:
     return runs.layout(name).read_run_info().mlflow_run_id
+
+
+def _advantages(layout: RunLayout, i: int):
+    """Iteration ``i``'s batch after the advantages stage, without its metadata (times, run name)."""
+    return RolloutBatch.read(layout.batch_url(i, "advantages")).table.replace_schema_metadata(None)
 
 
 def _weights_digest(url: str) -> str:
@@ -159,12 +173,24 @@ def test_resumed_run_completes_every_iteration_once(runs):
 
 
 def test_resumed_run_equals_the_uninterrupted_one(runs):
-    """With fixed seeds the resumed run is bit-identical: rewards, losses, batches, weights."""
-    _assert_equals_the_reference(runs, "resumed")
+    """With fixed seeds the resumed run is bit-identical: rewards, losses, batches, weights. Retention kept
+    the final checkpoints alone, here and in MLflow (the reference, keeping all, holds both iterations')."""
+    _assert_equals_the_reference(runs, "resumed", batches={1: runs.batch_1}, checkpoints=[1])
+    kept = usage(runs.layout("resumed"))
+    assert (list(kept.checkpoints), kept.batches) == ([1], {})
+    assert "  batches:        " in runs.logs[-1] and ".arrow: none, run.keep_batches=0" in runs.logs[-1]
+    client = _client(runs)
+    for name, copied in (("reference", [0, 1]), ("resumed", [1])):
+        assert [a.path for a in client.list_artifacts(_run_id(runs, name), "checkpoints")] == \
+            [f"checkpoints/iter-{i:06d}" for i in copied], name
+    tags = client.get_run(_run_id(runs, "resumed")).data.tags
+    assert sorted(t for t in tags if t.startswith("checkpoint.")) == ["checkpoint.iter-000001/actor",
+                                                                     "checkpoint.iter-000001/critic"]
 
 
-def _assert_equals_the_reference(runs: Runs, name: str) -> None:
-    """Run ``name`` has the uninterrupted run's metrics, batches and checkpoint files, bit for bit."""
+def _assert_equals_the_reference(runs: Runs, name: str, batches=None, checkpoints=range(ITERATIONS)) -> None:
+    """Run ``name`` has the uninterrupted run's metrics, batches (``batches``: ``{iteration: table}`` taken
+    before retention deleted them; default: its files) and checkpoint files (of ``checkpoints``), bit for bit."""
     client = _client(runs)
     ref_id, res_id = _run_id(runs, "reference"), _run_id(runs, name)
     for key in PER_ITERATION + ["eval/reward_mean"]:
@@ -172,10 +198,9 @@ def _assert_equals_the_reference(runs: Runs, name: str) -> None:
         res = sorted((m.step, m.value) for m in client.get_metric_history(res_id, key))
         assert ref == res, key
     ref_l, res_l = runs.layout("reference"), runs.layout(name)
-    for i in range(ITERATIONS):
-        a = RolloutBatch.read(ref_l.batch_url(i, "advantages")).table.replace_schema_metadata(None)
-        b = RolloutBatch.read(res_l.batch_url(i, "advantages")).table.replace_schema_metadata(None)
-        assert a.equals(b), f"iteration {i}: batches differ"
+    for i, b in (batches or {i: _advantages(res_l, i) for i in range(ITERATIONS)}).items():
+        assert _advantages(ref_l, i).equals(b), f"iteration {i}: batches differ"
+    for i in checkpoints:
         for url_a, url_b in ((ref_l.actor_url(i), res_l.actor_url(i)), (ref_l.critic_url(i), res_l.critic_url(i))):
             assert _weights_digest(url_a) == _weights_digest(url_b), url_b
 

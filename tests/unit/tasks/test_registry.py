@@ -49,6 +49,37 @@ def test_small_checkpoint_is_an_artifact_large_one_a_reference(mlflow_run, actor
     assert tags["checkpoint.iter-000001/actor"] == tags["checkpoint.iter-000003/actor"] == actor_url
 
 
+def test_forgotten_checkpoints_leave_mlflow_with_their_tags(mlflow_run, actor_url, monkeypatch, caplog):
+    """Retention deletes a checkpoint's MLflow copy with it (``run.keep_checkpoints``): the artifacts
+    ``checkpoints/iter-000004/`` and the ``checkpoint.iter-000004/*`` tags go, the kept iteration's stay, a
+    call again (after a crash) does nothing more, and a store that cannot delete keeps the copy and its tag."""
+    size_mb = registry.checkpoint_bytes(actor_url) / 2 ** 20
+    for name in ("iter-000004/actor", "iter-000004/critic", "iter-000009/actor", "iter-000014/actor"):
+        registry.log_checkpoint(mlflow_run, name, actor_url, max_mb=size_mb + 1)
+    registry.log_checkpoint(mlflow_run, "iter-000019/actor", actor_url, max_mb=size_mb / 2)  # a reference only
+    registry.forget_checkpoints(mlflow_run, ["iter-000004", "iter-000019", "iter-000002"])
+    registry.forget_checkpoints(mlflow_run, ["iter-000004"])  # again: nothing left to do
+    c = tracking.client()
+    assert [a.path for a in c.list_artifacts(mlflow_run, "checkpoints")] == \
+        ["checkpoints/iter-000009", "checkpoints/iter-000014"]
+    assert sorted(t for t in c.get_run(mlflow_run).data.tags if t.startswith("checkpoint.")) == \
+        ["checkpoint.iter-000009/actor", "checkpoint.iter-000014/actor"]
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.store.artifact import artifact_repository_registry
+
+    class Refuses:
+        def delete_artifacts(self, path):
+            raise MlflowException(f"deleting {path} is not allowed here")
+
+    with monkeypatch.context() as m:
+        m.setattr(artifact_repository_registry, "get_artifact_repository", lambda uri, **kwargs: Refuses())
+        registry.forget_checkpoints(mlflow_run, ["iter-000009"])
+    assert "cannot delete the artifacts checkpoints/iter-000009 (kept)" in caplog.text
+    assert "checkpoint.iter-000009/actor" in c.get_run(mlflow_run).data.tags
+    assert len(c.list_artifacts(mlflow_run, "checkpoints")) == 2
+
+
 def test_policy_registered_once_with_candidate_alias_and_comes_back(mlflow_run, actor_url, tmp_path):
     first = registry.log_policy(mlflow_run, actor_url, "tiny-policy")
     again = registry.log_policy(mlflow_run, actor_url, "tiny-policy")  # a retried finish_run
