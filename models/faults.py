@@ -1,7 +1,7 @@
 """Fault injection for the reliability tests: no-ops unless their environment variable is set.
 
 The tests kill a run at a chosen point and check it resumes as if nothing happened, or spoil an
-update and check the run stops. Three hooks:
+update and check the run stops, or slow an engine replica down. Four hooks:
 
 - ``RLHF_FAULT_PAUSE="<point>:<seconds>"`` — :func:`pause_point` with a name containing
   ``<point>`` announces itself (``{RLHF_FAULT_DIR}/paused``, holding the point's name) and
@@ -15,6 +15,9 @@ update and check the run stops. Three hooks:
 - ``RLHF_FAULT_NAN_ADVANTAGES="<iteration>:<rows>[,<iteration>:<rows>...]"`` —
   :func:`nan_advantages`: the actor update of that iteration sees NaN advantages, on the first
   ``<rows>`` rows of rank 0 or, with ``all``, on every row of every rank.
+- ``RLHF_FAULT_SLOW_REPLICA="<replica>:<seconds per prompt>"`` — :func:`slow_replica`: that engine
+  replica (``rollout.data_parallel_size``) sleeps that long per prompt of every chunk it is given, a
+  straggler for the dispatch test (read in the replica's process, so set it before the replicas start).
 
 Nothing here runs in a normal run: every hook returns at once when its variable is unset.
 """
@@ -27,6 +30,7 @@ import time
 PAUSE_ENV = "RLHF_FAULT_PAUSE"
 KILL_RANK_ENV = "RLHF_FAULT_KILL_RANK"
 NAN_ADVANTAGES_ENV = "RLHF_FAULT_NAN_ADVANTAGES"
+SLOW_REPLICA_ENV = "RLHF_FAULT_SLOW_REPLICA"
 DIR_ENV = "RLHF_FAULT_DIR"
 
 
@@ -71,3 +75,13 @@ def nan_advantages(adv, iteration: int, rank: int):
     adv = adv.clone()
     adv[: None if rows == "all" else int(rows)] = float("nan")
     return adv
+
+
+def slow_replica(replica: int, prompts: int) -> None:
+    """Sleep ``prompts`` × the seconds ``RLHF_FAULT_SLOW_REPLICA`` gives if it names engine replica ``replica``."""
+    spec = os.environ.get(SLOW_REPLICA_ENV)
+    if not spec:
+        return
+    which, _, seconds = spec.partition(":")
+    if int(which) == replica:
+        time.sleep(prompts * float(seconds))

@@ -62,12 +62,13 @@ class RolloutConfig:
     worker (each loads its own slice). 1: one worker in the task's process."""
     data_parallel_size: int = 1
     """Engine replicas: this many copies of the engine (each of ``tensor_parallel_size`` workers), each in
-    its own process, the iteration's prompts dealt among them (``models/engines/replicas.py``; vLLM 0.32
-    has no offline data parallelism for dense models). For a node whose GPUs one engine cannot use: 8 GPUs
+    its own process, fed per request: chunks of the iteration's prompts (a prompt's samples in one) go to
+    the first replica free, so a slow replica takes fewer (``models/engines/replicas.py``; vLLM 0.32 has no
+    offline data parallelism for dense models). For a node whose GPUs one engine cannot use: 8 GPUs
     and a model that fits on 2 are ``tensor_parallel_size: 2``, ``data_parallel_size: 4``; the rollout task
     needs ``resources.rollout_gpu`` at least their product (on CPU, a core per worker). Samples are seeded
-    per prompt and sample, so the batch is the same for any number of replicas; new weights go to every
-    replica, in place. vLLM or HF. 1: one engine in the task's process."""
+    per prompt and sample, so the batch is the same for any number of replicas and any order the chunks
+    finish in; new weights go to every replica, in place. vLLM or HF. 1: one engine in the task's process."""
     vllm_dtype: str = "float32"
     """vLLM weights/activations dtype. bf16 is faster but drifts from an fp32 trainer, so it needs
     ``actor.old_logprobs=recompute`` (the default: π_old from the trainer's own forward in ``score``)."""

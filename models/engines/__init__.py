@@ -21,8 +21,9 @@ them without storage: :func:`pack_weights` to bytes, :func:`unpack_weights` back
 engine then serves the trainer's weights is checked by :mod:`models.training.probe`.
 
 With ``data_parallel_size`` > 1 (``rollout.data_parallel_size``) the same interface is served by that many
-engines, each in its own process, the prompts dealt among them (:mod:`models.engines.replicas`: vLLM 0.32
-has no offline data parallelism for dense models).
+engines, each in its own process, fed per request: chunks of the prompts go to the first replica free
+(:mod:`models.engines.replicas`, :mod:`models.engines.dispatch`; vLLM 0.32 has no offline data parallelism
+for dense models).
 """
 
 from __future__ import annotations

@@ -10,10 +10,14 @@ platform-specific). Its ranks would also step in lockstep, each idle one running
 of a dense model need nothing from each other, so each here is a plain engine
 (:func:`models.engines.make_engine`: vLLM with its own ``tensor_parallel_size`` workers, or HF):
 
-- ``generate`` / ``prompt_logprobs`` deal the prompts in contiguous shares (sizes differing by at most
-  one) and put the answers back in prompt order. Replica ``r`` gets ``prompts[a:b]`` and seeds sample
-  ``j`` of its ``k``-th prompt ``sample_seed(seed, a + k, j)``, the seed one engine gives it, so a batch
-  is the same for any number of replicas (same tokens, log-probs within the engine's float noise).
+- ``generate`` / ``prompt_logprobs`` are fed per request: the prompts are cut into contiguous chunks (a
+  prompt's ``n`` samples always in one, so a GRPO group stays on one replica), each handed to the first
+  replica free (:mod:`models.engines.dispatch`: few large chunks first, small ones last), and the answers
+  are put back in prompt order. A slow replica takes fewer prompts instead of setting the call's time with a
+  fixed share. A chunk ``prompts[a:b]`` is told its first index, so sample ``j`` of prompt ``i`` is seeded
+  ``sample_seed(seed, i, j)`` (:func:`~models.engines.base.sample_seed`), the seed one engine gives it: a
+  batch is the same for any number of replicas and any order the chunks finish in (same tokens, log-probs
+  within the engine's float noise). :attr:`EngineReplicas.last_dispatch` says who did what in the last call.
 - ``load_weights`` / ``load_tensors`` / ``set_adapter`` / ``restart`` go to every replica at once; each
   reloads in place (or restarts, as :meth:`SwappableEngine.load_weights` decides); a failure in any raises
   :class:`EngineLoadError` naming the replica. ``load_tensors`` sends the tensors through shared memory.
@@ -30,13 +34,19 @@ import multiprocessing
 import os
 import time
 import weakref
+from collections import deque
+from multiprocessing.connection import wait
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from models.engines.base import EngineLoadError, EngineStats, Generation, SamplingSpec, contiguous_shares
+from models.engines.base import EngineLoadError, EngineStats, Generation, SamplingSpec
+from models.engines.dispatch import Dispatch, request_chunks
 from models.engines.vllm_engine import cpu_worker_groups
+from models.faults import slow_replica
 
 LOAD_OPS = ("load_weights", "load_tensors", "set_adapter", "restart")
 """The operations every replica does; a failure of any is an :class:`EngineLoadError`."""
+WORK_OPS = ("generate", "prompt_logprobs")
+"""The operations whose items are dispatched to the replicas in chunks (:mod:`models.engines.dispatch`)."""
 _ERRORS = {"EngineLoadError": EngineLoadError, "ValueError": ValueError}
 """Errors a replica's failed ``generate``/``prompt_logprobs`` raise here as themselves (others: RuntimeError)."""
 
@@ -93,9 +103,10 @@ def _counts(engine: Any) -> Tuple[int, int]:
     return engine.stats.reloads, engine.stats.restarts
 
 
-def _serve(conn: Any, make: Callable[[], Any], env: Dict[str, str], cores: List[int]) -> None:
-    """A replica's process: ``make()`` the engine, then do what the pipe asks until ``close`` or the pipe
-    ends. Every answer is ``(error or None, result, (reloads, restarts))``."""
+def _serve(conn: Any, make: Callable[[], Any], env: Dict[str, str], cores: List[int], replica: int) -> None:
+    """Replica ``replica``'s process: ``make()`` the engine, then do what the pipe asks until ``close`` or the
+    pipe ends. Every answer is ``(error or None, result, (reloads, restarts))``. A test can make it a straggler
+    (:func:`models.faults.slow_replica`)."""
     os.environ.update(env)
     if cores:
         import torch
@@ -114,6 +125,8 @@ def _serve(conn: Any, make: Callable[[], Any], env: Dict[str, str], cores: List[
         except EOFError:  # the parent is gone
             op, args, options = "close", (), {}
         try:
+            if op in WORK_OPS:
+                slow_replica(replica, len(args[0]))
             answer = (None, getattr(engine, op)(*args, **options), _counts(engine))
         except BaseException as err:
             answer = ((type(err).__name__, str(err)), None, _counts(engine))
@@ -137,11 +150,13 @@ class EngineReplicas:
         self._procs: List[Any] = []
         self._conns: List[Any] = []
         self._counts: List[Tuple[int, int]] = []  # per replica: its engine's (reloads, restarts)
+        self.last_dispatch = Dispatch.empty(replicas)
+        """The last ``generate``/``prompt_logprobs`` call's dispatch: who did how many prompts, in how long."""
         ctx = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads or CUDA
         for env, cores in _placements(replicas, workers):
             ours, theirs = ctx.Pipe()
             # not a daemon: a replica's vLLM starts its own tensor-parallel workers
-            proc = ctx.Process(target=_serve, args=(theirs, make, env, cores),
+            proc = ctx.Process(target=_serve, args=(theirs, make, env, cores, len(self._procs)),
                                name=f"engine-replica-{len(self._procs)}")
             proc.start()
             theirs.close()
@@ -182,24 +197,54 @@ class EngineReplicas:
             self._conns[r].send((op, args, options))
         return self._answers(list(per_rank))
 
-    def _dealt(self, op: str, items: List[Any], *args: Any) -> List[Any]:
-        """``op`` on contiguous shares of ``items``, its per-item results back in ``items``' order;
-        ``generate`` is told where its share starts (the seeds of :func:`sample_seed`)."""
-        shares = [(r, a, b) for r, (a, b) in enumerate(contiguous_shares(len(items), self.replicas)) if b > a]
-        calls = {r: ((items[a:b], *args), {"first_index": a} if op == "generate" else {}) for r, a, b in shares}
-        answers = self._call(op, calls)
-        self._raise_first(op, list(calls), answers)
-        return [item for _, result in answers for item in result]
+    def _dispatched(self, op: str, items: List[Any], *args: Any) -> List[Any]:
+        """``op`` on chunks of ``items`` (:func:`request_chunks`), each sent to the first replica free, its
+        per-item results put back in ``items``' order; ``generate`` is told where its chunk starts (the seeds of
+        :func:`sample_seed`). After a failure no new chunk is sent; the ones out are waited for (no answer is
+        left in a pipe), then the first failure raises, naming its replica."""
+        if not self._conns:
+            raise EngineLoadError("EngineReplicas is closed (closed by its owner, or a load failed on some replicas)")
+        t0 = time.perf_counter()
+        todo, free = deque(request_chunks(len(items), self.replicas)), deque(range(self.replicas))
+        out: Dict[int, Tuple[int, int, float]] = {}  # replica -> the chunk it is doing, since when
+        results: List[Any] = [None] * len(items)
+        failed: List[Tuple[int, Tuple[str, str]]] = []
+        dispatch = self.last_dispatch = Dispatch.empty(self.replicas)
+        while out or (todo and not failed):
+            while todo and free and not failed:
+                r, (a, b) = free.popleft(), todo.popleft()
+                try:
+                    self._conns[r].send((op, (items[a:b], *args), {"first_index": a} if op == "generate" else {}))
+                    out[r] = (a, b, time.perf_counter())
+                except (BrokenPipeError, OSError) as err:
+                    failed.append((r, ("EOFError", f"the replica's process ended ({type(err).__name__})")))
+            if not out:  # every send failed
+                break
+            ready = wait([self._conns[r] for r in out])
+            for r in [r for r in sorted(out) if self._conns[r] in ready]:
+                a, b, sent = out.pop(r)
+                [(error, result)] = self._answers([r])
+                if error is not None:
+                    failed.append((r, error))
+                    continue
+                dispatch.add(r, a, b, time.perf_counter() - sent)
+                results[a:b] = result
+                free.append(r)
+        dispatch.wall_s = time.perf_counter() - t0
+        if failed:
+            ranks, errors = zip(*failed)
+            self._raise_first(op, ranks, [(error, None) for error in errors])
+        return results
 
     def generate(self, prompts: List[List[int]], spec: SamplingSpec) -> List[List[Generation]]:
         t0 = time.perf_counter()
-        results = self._dealt("generate", prompts, spec)
+        results = self._dispatched("generate", prompts, spec)
         self.stats.generated_tokens += sum(len(g.tokens) for per_prompt in results for g in per_prompt)
         self.stats.generate_s += time.perf_counter() - t0
         return results
 
     def prompt_logprobs(self, sequences: List[List[int]]) -> List[List[float]]:
-        return self._dealt("prompt_logprobs", sequences)
+        return self._dispatched("prompt_logprobs", sequences)
 
     def _everywhere(self, op: str, *args: Any) -> None:
         """``op`` on every replica at once. Where it failed on some replicas only, they would serve

@@ -59,10 +59,10 @@ def _worst_logp_error(engine, ckpt) -> float:
 
 def test_same_layout_goes_in_place_and_serves_the_new_weights(engine, ckpts):
     assert _worst_logp_error(engine, ckpts["a"]) < 1e-3
-    # an engine replica's share (rollout.data_parallel_size): prompts[1:] from index 1 sample what one engine
-    # samples for them in the whole request (each sample's own seed)
-    whole, tail = engine.generate(PROMPTS, SAMPLE), engine.generate(PROMPTS[1:], SAMPLE, first_index=1)
-    assert [[g.tokens for g in p] for p in tail] == [[g.tokens for g in p] for p in whole[1:]]
+    # a chunk an engine replica is given (rollout.data_parallel_size): prompts[1:3] from index 1 sample what
+    # one engine samples for them in the whole request (each sample's own seed)
+    whole, chunk = engine.generate(PROMPTS, SAMPLE), engine.generate(PROMPTS[1:3], SAMPLE, first_index=1)
+    assert [[g.tokens for g in p] for p in chunk] == [[g.tokens for g in p] for p in whole[1:3]]
     assert _worst_logp_error(engine, ckpts["b"]) > 0.5  # the checkpoints are told apart
     engine.load_weights(ckpts["b"])  # the same prompts are in the prefix cache: it must be reset
     assert (engine.stats.reloads, engine.stats.restarts) == (1, 0)

@@ -1,23 +1,36 @@
 """Data-parallel engine replicas (``rollout.data_parallel_size``): the batch of two replicas is the batch
-of one engine (same tokens, log-probs within float noise), new weights reach every replica in place, a
-failure names its replica; each replica pinned to its own cores.
+of one engine (same tokens, log-probs within float noise), a slow replica takes fewer prompts, new weights
+reach every replica in place, a failure names its replica; each replica pinned to its own cores.
 
 The reference is one engine in this process on the same checkpoint and request: each sample has its own
-seed (:func:`models.engines.base.sample_seed` of its index in the whole request), so how prompts are dealt
-must not change a sample. The replicas are engine-agnostic processes; vLLM's side of the deal (a share's seeds
-from its first index) is checked on the vLLM engine tests/integration/test_engine_reload.py already starts."""
+seed (:func:`models.engines.base.sample_seed` of its index in the whole request), so which replica takes a
+chunk, and when, must not change a sample. The pair's second replica is a straggler throughout (it sleeps
+``SLOW_S`` per prompt: ``models/faults.py``), so every batch here is checked under uneven dispatch: the first
+replica takes the chunks after it, from other places of the request than one contiguous share. The replicas
+are engine-agnostic processes; vLLM's side (a chunk's seeds from its first index) is checked on the vLLM engine
+tests/integration/test_engine_reload.py already starts."""
+
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
 from models.engines import EngineLoadError, EngineReplicas, HFEngine, SamplingSpec, make_engine
 from models.engines.base import contiguous_shares
+from models.engines.dispatch import Dispatch, request_chunks
 from models.engines.replicas import replica_cpus, replica_gpus
+from models.environ import environment
+from models.environments.episodes import Environment, EpisodeLimits, Step, run_episodes
+from models.environments.tools import HermesParser
+from models.faults import SLOW_REPLICA_ENV
 from tests.unit.models.actor_checkpoints import PROMPTS, actor_dir, with_truncated_weights
 
-PROMPTS5 = PROMPTS + [[1, 30, 31, 32]]  # five: shares of 3 and 2, so the second replica's seeds start at 3
+PROMPTS5 = PROMPTS + [[1, 30, 31, 32]]  # five: chunks [0, 2), [2, 4) to the slow replica, then [4, 5)
 SAMPLED = SamplingSpec(n=2, temperature=1.0, max_new_tokens=6, seed=7)
+SLOW_S = 0.1
+"""Seconds per prompt the pair's second replica sleeps: a few HF calls of the fast one on the tiny model."""
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +41,8 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_pair(ckpts):
-    engine = make_engine("hf", ckpts["a"], data_parallel_size=2)
+    with environment({SLOW_REPLICA_ENV: f"1:{SLOW_S}"}):  # read by the replicas' processes as they start
+        engine = make_engine("hf", ckpts["a"], data_parallel_size=2)
     assert isinstance(engine, EngineReplicas) and engine.replicas == 2
     yield engine
     engine.close()
@@ -55,11 +69,49 @@ def test_two_hf_replicas_sample_the_batch_of_one_engine(hf_pair, ckpts):
     _assert_same_batch(hf_pair, one, prompts=PROMPTS5[:1])  # one prompt: the second replica idle
 
 
+def test_a_slow_replica_takes_fewer_prompts_than_its_share(hf_pair, ckpts):
+    prompts = [[1, 10 + i, 60 + i % 7] for i in range(32)]  # fixed shares: 16 each
+    _assert_same_batch(hf_pair, HFEngine(ckpts["a"]), prompts=prompts)
+    done = hf_pair.last_dispatch  # the pair's call (the first of the two)
+    # chunks of 8, 8, 4, 4, 2, 2, 2, 2: the slow replica sleeps 0.8 s on its first 8 while the fast one
+    # takes the rest, so fixed shares would have made the call wait 1.6 s of sleep on the slow one's 16
+    assert sum(done.prompts) == 32 and done.prompts[1] < 16 < done.prompts[0]
+    assert done.chunks[0] > done.chunks[1] >= 1
+
+
+def test_multi_turn_episodes_through_the_replicas_are_one_engines(hf_pair, ckpts):
+    """The episode loop calls ``generate`` once per turn on the active episodes (fewer each turn)."""
+    tok = AutoTokenizer.from_pretrained(ckpts["a"])
+    tok.chat_template = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }};{% endfor %}"
+                         "{% if add_generation_prompt %}a:{% endif %}")
+    spec = SamplingSpec(temperature=1.0, max_new_tokens=6, seed=3, stop_token_ids=tuple(range(4, 60)))
+
+    def episodes(engine):
+        envs = [TurnsEnv({"prompt": f"go {k}", "turns": 1 + k % 3}) for k in range(6)]
+        with ThreadPoolExecutor(1) as pool:
+            return run_episodes(engine, tok, envs, spec, EpisodeLimits(max_turns=3, max_episode_tokens=60),
+                                HermesParser(), pool)
+
+    ours, ref = episodes(hf_pair), episodes(HFEngine(ckpts["a"]))
+    assert [(e.response_ids, e.turns, e.done) for e in ours] == [(e.response_ids, e.turns, e.done) for e in ref]
+    assert max(e.turns for e in ours) == 3 and min(e.turns for e in ours) == 1
+    torch.testing.assert_close(torch.tensor(sum((e.logprobs for e in ours), [])),
+                               torch.tensor(sum((e.logprobs for e in ref), [])), rtol=0, atol=1e-5)
+
+
+class TurnsEnv(Environment):
+    """Done after the row's ``turns`` turns."""
+
+    def step(self, assistant, tool_results):
+        self.turns = getattr(self, "turns", 0) + 1
+        return Step(messages=[{"role": "user", "content": "more"}], done=self.turns == self.row["turns"])
+
+
 def test_new_weights_reach_every_replica_in_place(hf_pair, ckpts):
     before = _batch(hf_pair)[0]
     hf_pair.load_weights(ckpts["b"])
     assert (hf_pair.stats.reloads, hf_pair.stats.restarts) == (1, 0)
-    _assert_same_batch(hf_pair, HFEngine(ckpts["b"]))  # prompts 3 and 4 are the second replica's
+    _assert_same_batch(hf_pair, HFEngine(ckpts["b"]))  # prompts 2 and 3 are the second replica's
     assert _batch(hf_pair)[0] != before
     hf_pair.load_tensors(load_file(f"{ckpts['a']}/model.safetensors"))  # from memory, through shared memory
     _assert_same_batch(hf_pair, HFEngine(ckpts["a"]))
@@ -74,9 +126,31 @@ def test_a_failed_load_names_the_replica_and_leaves_them_serving(hf_pair, ckpts,
     _assert_same_batch(hf_pair, HFEngine(ckpts["a"]))
 
 
+def test_a_failed_chunk_names_its_replica_and_the_next_call_is_whole(hf_pair, ckpts):
+    bad = PROMPTS5[:4] + [[1, 10**6]]  # an id outside the vocabulary, in the last chunk
+    with pytest.raises(RuntimeError, match=r"engine replica [01] of 2: generate failed: IndexError"):
+        hf_pair.generate(bad, SAMPLED)
+    # the chunk still out was waited for: no stale answer to [2, 4) of the bad request in a pipe
+    _assert_same_batch(hf_pair, HFEngine(ckpts["a"]), prompts=PROMPTS5[::-1])
+
+
 def test_a_replica_that_cannot_start_is_named(tmp_path):
     with pytest.raises(EngineLoadError, match=r"engine replica 0 of 2: start failed: .*missing"):
         make_engine("hf", str(tmp_path / "missing"), data_parallel_size=2)
+
+
+def test_requests_are_cut_into_chunks_large_first():
+    assert request_chunks(5, 2) == [(0, 2), (2, 4), (4, 5)]
+    assert request_chunks(32, 2) == [(0, 8), (8, 16), (16, 20), (20, 24), (24, 26), (26, 28), (28, 30), (30, 32)]
+    assert [b - a for a, b in request_chunks(512, 4)] == [64] * 4 + [32] * 4 + [16] * 8  # never under 512/4/8
+    assert request_chunks(1, 3) == [(0, 1)] and request_chunks(0, 2) == []
+    for count in range(40):
+        for replicas in (2, 3, 8):
+            chunks = request_chunks(count, replicas)  # every prompt once, in order, no empty chunk
+            assert [i for a, b in chunks for i in range(a, b)] == list(range(count)) and all(b > a for a, b in chunks)
+    # fixed shares of 4 at the speed each replica showed (0.5 s and 1 s per prompt): the slow share's 4 s
+    assert Dispatch([6, 2], [3, 1], [3.0, 2.0]).fixed_shares_s() == 4.0
+    assert Dispatch([1, 0], [1, 0], [1.0, 0.0]).fixed_shares_s() == 0.0
 
 
 def test_shares_cores_and_gpus_are_split_per_replica():
