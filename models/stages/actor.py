@@ -14,7 +14,8 @@ from models.config import TrainConfig
 from models.data.batch import RolloutBatch
 from models.faults import nan_advantages, pause_point
 from models.run.types import PolicyState, RunHandle
-from models.stages.updates import UpdateOutput, commit_trained, load_for_update, loop_settings, on_ranks, update_data
+from models.stages.outputs import UpdateOutput
+from models.stages.updates import commit_trained, load_for_update, loop_settings, on_ranks, update_data
 from models.timing import timed
 from models.training.distributed import DistInfo
 from models.training.lora import CAUSAL_LM

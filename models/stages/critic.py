@@ -15,7 +15,8 @@ from models.data.batch import RolloutBatch
 from models.run import lock as run_lock
 from models.run.types import PolicyState, RunHandle
 from models.server.client import server_client
-from models.stages.updates import UpdateOutput, commit_trained, load_for_update, loop_settings, on_ranks, update_data
+from models.stages.outputs import UpdateOutput
+from models.stages.updates import commit_trained, load_for_update, loop_settings, on_ranks, update_data
 from models.timing import timed
 from models.training.distributed import DistInfo
 from models.training.lora import TOKEN_CLS

@@ -17,7 +17,7 @@ from models.data import ragged
 from models.data.batch import RolloutBatch
 from models.data.batch_schema import REWARD_NORM_KEY
 from models.run.types import PolicyState, RunHandle
-from models.stages.outputs import ScoreOutput  # noqa: F401  (re-exported: its home before the resident tasks)
+from models.stages.outputs import ScoreOutput
 from models.server.client import server_client
 from models.stages.batches import by_length, micro_batches
 from models.rewards.sources import RewardScores, as_scores, check_rewards

@@ -19,7 +19,7 @@ from models.config import LoraConfig
 from models.data.batch import RolloutBatch
 from models.run import lock as run_lock
 from models.run.types import RunHandle
-from models.stages.outputs import UpdateOutput  # noqa: F401  (re-exported: its home before the resident tasks)
+from models.stages.outputs import UpdateOutput
 from models.training.distributed import (DistInfo, barrier, full_state_dict, init_distributed, shutdown_distributed,
                                          unwrap, uses_fsdp2, wrap_for_training)
 from models.training.lora import (add_adapter, base_url, is_adapter, is_peft, save_adapter_checkpoint,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from models.config.io import load_config
-from models.stages.finish import TrainingSummary, summary_text
+from models.stages.finish import summary_text
+from models.stages.outputs import TrainingSummary
 from models.run.types import RunHandle
 
 
