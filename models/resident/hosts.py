@@ -28,7 +28,6 @@ from models.checkpoint.local import load_tokenizer
 from models.config import TrainConfig
 from models.data.batch import RolloutBatch
 from models.resident import protocol
-from models.stages.commit import resume_point_at
 from models.run.types import PolicyState, RunHandle
 from models.stages import actor as actor_stage
 from models.stages import critic as critic_stage
@@ -37,23 +36,13 @@ from models.stages.rollout import run_rollout
 from models.stages.score import Scorers, run_score
 from models.stages.rewards import reward_source
 from models.stages.score_ranks import load_reward_model_ranks, score_forward_ranks
-from models.stages.updates import commit_trained
+from models.stages.updates import load_trainee, saves_at, update_trainee
 from models.training.distributed import DistInfo, full_state_dict, unwrap
-from models.training.optimizer_carry import carried_optimizer
 from models.training.probe import reference_logprobs
-from models.training.update import make_optimizer, stat_keys
 
 
 class WrongIteration(RuntimeError):
     """The request is for another iteration than the one the service's policy is at."""
-
-
-def saves_at(cfg: TrainConfig, iteration: int) -> bool:
-    """Whether the services checkpoint after ``iteration``: the resume points (:func:`resume_point_at`) and,
-    with ``run.off_policy_steps=1``, the iteration before each (its actor samples the batch after the
-    resume point: the state's behaviour actor)."""
-    return resume_point_at(cfg, iteration) or bool(cfg.run.off_policy_steps) and \
-        iteration + 1 < cfg.run.num_iterations and resume_point_at(cfg, iteration + 1)
 
 
 def _check_iteration(name: str, holds: int, state: PolicyState) -> None:
@@ -167,35 +156,25 @@ class EngineHost:
 
 
 class _TrainerHost:
-    """What the actor and critic services share: the model and AdamW on every rank, the iteration held,
-    the last update's result (a retried request gets it again)."""
+    """What the actor and critic services share: the model and AdamW on every rank (the update stage's
+    :class:`~models.stages.updates.Trainee`), the iteration held, the last update's result (a retried request
+    gets it again)."""
 
-    name = ""
-    section = ""
-    inner = ""
+    role = actor_stage.ACTOR
 
-    def __init__(self, cfg: TrainConfig, run: RunHandle, state: PolicyState, info: DistInfo, url: str,
-                 seed_offset: int):
-        self.info, self.version, self.url = info, state.iteration, url
-        torch.manual_seed(cfg.run.seed * 7919 + state.iteration + seed_offset)  # as the task's load does
-        self.model = self.load(cfg, url)
-        s = getattr(cfg, self.section)
-        self.optimizer, self.steps = carried_optimizer(self.model, s.lr, self._weight_decay(s), url,
-                                                       s.keep_optimizer_state, {}, self.name, info)
+    def __init__(self, cfg: TrainConfig, run: RunHandle, state: PolicyState, info: DistInfo):
+        self.info, self.version = info, state.iteration
+        self.trainee = load_trainee(self.role, cfg, state, info, {})
+        self.model = self.trainee.model
         self.last: Optional[Dict[str, Any]] = None
         self.tokenizer = load_tokenizer(run.reference_url)
 
-    def load(self, cfg: TrainConfig, url: str):
-        raise NotImplementedError
+    @property
+    def name(self) -> str:
+        return self.role.name
 
     def _pad(self) -> int:
         return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-
-    def _weight_decay(self, section) -> float:
-        return 0.0
-
-    def train(self, cfg, run, state, batch, times) -> Dict[str, float]:
-        raise NotImplementedError
 
     def update(self, args: Dict[str, Any]) -> Dict[str, Any]:
         cfg, run, state = protocol.read_args(args)
@@ -203,29 +182,16 @@ class _TrainerHost:
             return self.last["result"]  # the same request again: its reply was lost
         _check_iteration(self.name, self.version, state)
         t0 = time.perf_counter()
-        s = getattr(cfg, self.section)
-        if not s.keep_optimizer_state:  # fresh moments every update, as the stateless task
-            self.optimizer, self.steps = make_optimizer(self.model, s.lr, self._weight_decay(s)), 0
-        times: Dict[str, float] = {}
-        stats = self.train(cfg, run, state, RolloutBatch.open(args["batch"]), times)
-        self.steps += int(stats["steps"])
-        url = ""
-        if saves_at(cfg, state.iteration):
-            url = getattr(run.layout, f"{self.name}_url")(state.iteration)
-            commit_trained(self.model, self.optimizer, self.tokenizer, url, self.url, self.inner, s, times,
-                           self.name, self.info)
-            self.url = url
+        out = update_trainee(self.role, cfg, run, state, RolloutBatch.open(args["batch"]), self.info, self.trainee,
+                             saves_at(cfg, state.iteration), {})
         self.version = state.iteration + 1
-        extra = self.after_update(cfg, run, state, times)
-        result = {"checkpoint_url": url, "stats": {**self.stats(stats), **times, **extra,
-                                                   f"time/{self.name}_update_s": time.perf_counter() - t0}}
+        extra = self.after_update(cfg, run, state)
+        result = {"checkpoint_url": out.checkpoint_url, "stats": {**out.stats, **extra,
+                                                                 f"time/{self.name}_update_s": time.perf_counter() - t0}}
         self.last = {"iteration": state.iteration, "result": result}
         return result
 
-    def stats(self, stats: Dict[str, float]) -> Dict[str, float]:
-        raise NotImplementedError
-
-    def after_update(self, cfg, run, state, times) -> Dict[str, float]:
+    def after_update(self, cfg, run, state) -> Dict[str, float]:
         return {}
 
     def forward(self, fn):
@@ -239,10 +205,10 @@ class _TrainerHost:
 
 
 class ActorHost(_TrainerHost):
-    name, section, inner = protocol.ACTOR, "actor", "lm"
+    role = actor_stage.ACTOR
 
     def __init__(self, cfg: TrainConfig, run: RunHandle, state: PolicyState, info: DistInfo):
-        super().__init__(cfg, run, state, info, state.actor_url, 0)
+        super().__init__(cfg, run, state, info)
         from transformers import AutoModelForCausalLM
 
         from models.resident.channel import WeightSender
@@ -263,13 +229,7 @@ class ActorHost(_TrainerHost):
 
     @property
     def lm(self):
-        return getattr(unwrap(self.model), self.inner)
-
-    def load(self, cfg, url):
-        return actor_stage.load_actor(cfg, url, self.info)
-
-    def _weight_decay(self, section) -> float:
-        return section.weight_decay
+        return getattr(unwrap(self.model), self.role.inner)
 
     def handle(self, op: str, args: Dict[str, Any], body: Optional[bytes]) -> Any:
         if op == "score":
@@ -293,13 +253,7 @@ class ActorHost(_TrainerHost):
         out = self.forward(lambda: run_score(cfg, run, state, batch, scorers, forward=forward))
         return {"batch": out.batch.uri, "stats": out.stats}
 
-    def train(self, cfg, run, state, batch, times):
-        return actor_stage.update_actor(cfg, run, state, batch, self.info, self.model, self.optimizer, times)
-
-    def stats(self, stats):
-        return stat_keys("actor", {**stats, "optimizer_steps_total": float(self.steps)})
-
-    def after_update(self, cfg, run, state, times) -> Dict[str, float]:
+    def after_update(self, cfg, run, state) -> Dict[str, float]:
         """The new weights to the engine service, in memory (:mod:`models.resident.channel`)."""
         from models.engines.weights import pack_weights
         from models.resident.channel import http_push
@@ -316,7 +270,7 @@ class ActorHost(_TrainerHost):
                 "defer": bool(cfg.run.off_policy_steps)}
         engine = protocol.find(run.layout, protocol.ENGINE)
         if cfg.actor.lora.enabled:  # the adapter alone, as its checkpoint holds it (over HTTP: a few MB)
-            config, body = adapter_files(self.lm, weights, self.url)
+            config, body = adapter_files(self.lm, weights, self.trainee.url)
             out = http_push(engine, {**args, "adapter_config": config}, body)
         else:
             weights = weights if weights is not None else self.lm.state_dict()
@@ -326,13 +280,7 @@ class ActorHost(_TrainerHost):
 
 
 class CriticHost(_TrainerHost):
-    name, section, inner = protocol.CRITIC, "critic", "critic"
-
-    def __init__(self, cfg: TrainConfig, run: RunHandle, state: PolicyState, info: DistInfo):
-        super().__init__(cfg, run, state, info, state.critic_url, 1)
-
-    def load(self, cfg, url):
-        return critic_stage.load_critic(cfg, url, self.info)
+    role = critic_stage.CRITIC
 
     def handle(self, op: str, args: Dict[str, Any], body: Optional[bytes]) -> Any:
         if op == "values":
@@ -349,11 +297,6 @@ class CriticHost(_TrainerHost):
         flat = self.forward(lambda: score_forward_ranks(cfg, batch, None, None, self.model, pad, self.info))
         return flat["values"].tolist() if self.info.is_main else None  # each rank its share, rank 0 gathers
 
-    def train(self, cfg, run, state, batch, times):
-        return critic_stage.update_critic(cfg, run, state, batch, self.info, self.model, self.optimizer, times)
-
-    def stats(self, stats):
-        return {**critic_stage.critic_stats(stats), "critic/optimizer_steps_total": float(self.steps)}
 
 
 def adapter_files(lm, state_dict, from_url: str):

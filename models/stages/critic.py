@@ -16,11 +16,11 @@ from models.run import lock as run_lock
 from models.run.types import PolicyState, RunHandle
 from models.server.client import server_client
 from models.stages.outputs import UpdateOutput
-from models.stages.updates import commit_trained, load_for_update, loop_settings, on_ranks, update_data
+from models.stages.updates import (Role, load_for_update, load_trainee, loop_settings, on_ranks, update_data,
+                                   update_trainee)
 from models.timing import timed
 from models.training.distributed import DistInfo
 from models.training.lora import TOKEN_CLS
-from models.training.optimizer_carry import carried_optimizer
 from models.training.policy import CriticValues
 from models.training.update import critic_loss_fn, run_update
 
@@ -62,18 +62,9 @@ def train_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
     if cfg.critic.remote_url:
         return train_remote_critic(cfg, run, state, batch, t0)
     info = info or DistInfo(0, 1, 0, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    torch.manual_seed(cfg.run.seed * 7919 + state.iteration + 1)
-    c = cfg.critic
-    model = load_critic(cfg, state.critic_url, info)
     times: Dict[str, float] = {}
-    optimizer, prior_steps = carried_optimizer(model, c.lr, 0.0, state.critic_url, c.keep_optimizer_state, times,
-                                               "critic", info)
-    stats = update_critic(cfg, run, state, batch, info, model, optimizer, times)
-    url = run.layout.critic_url(state.iteration)
-    commit_trained(model, optimizer, load_tokenizer(run.reference_url), url, state.critic_url, "critic", c, times,
-                   "critic", info)
-    return UpdateOutput(url, {**critic_stats(stats), "critic/optimizer_steps_total": prior_steps + stats["steps"],
-                              **times, "time/critic_update_s": time.perf_counter() - t0})
+    trainee = load_trainee(CRITIC, cfg, state, info, times)
+    return update_trainee(CRITIC, cfg, run, state, batch, info, trainee, True, times, t0)
 
 
 def train_critic_ranks(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> UpdateOutput:
@@ -115,3 +106,10 @@ def critic_stats(stats: Dict[str, float]) -> Dict[str, float]:
     counts = ("nonfinite_steps", "skipped_steps")
     return {f"critic/{k}": float(stats.get(k, 0.0)) if k in counts else stats[k]
             for k in CRITIC_STATS if k in stats or k in counts}
+
+
+def critic_stats_total(stats: Dict[str, float], steps_total: int) -> Dict[str, float]:
+    return {**critic_stats(stats), "critic/optimizer_steps_total": float(steps_total)}
+
+
+CRITIC = Role("critic", "critic", 1, load_critic, update_critic, critic_stats_total)
