@@ -7,8 +7,7 @@ from typing import List
 
 from flytekit import Resources, task
 
-from models.resident.lifecycle import start_services
-from models.run import lock as run_lock
+from models.hosts.resident import start_services
 from models.run.setup import RunSetup
 from models.stages.prepare import prepare
 from tasks import secrets
@@ -21,10 +20,10 @@ def prepare_run(preset: str, overrides: List[str], run_name: str, workflow: str)
     """Check what the run needs, then load and check the config, validate prompts before any model
     loads, lay out the run (reference policy, initial critic, prompts), start the MLflow run; or resume
     ``run_name``. ``workflow`` (``ppo`` or ``reinforce``) must suit ``run.algorithm``. With ``run.resident``
-    a local run's services start here, from the state it starts or resumes at (``models/resident/lifecycle.py``)."""
+    a local run's services start here, from the state it starts or resumes at (``models/hosts/resident.py``)."""
     secrets.load(secrets.S3, secrets.MLFLOW)
     setup = prepare(preset, overrides, run_name, workflow, None if is_local_execution() else REGISTERED)
     if setup.cfg.run.resident and is_local_execution():  # the services as child processes of this one (on a
         # cluster they are nodes of the execution: workflows/common.py's run_services)
-        start_services(setup.cfg, setup.run, setup.state, launch=run_lock.execution_name())
+        start_services(setup.cfg, setup.run, setup.state)
     return setup

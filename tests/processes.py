@@ -12,7 +12,14 @@ import time
 import urllib.request
 from typing import Iterator
 
-from models.server.launch import end_process
+from models.service.launch import ChildProcess, end_process
+
+
+def server_process(args, command: str = "serve", env=None, log_path=None, timeout_s: float = 120.0) -> ChildProcess:
+    """``python -m models.hosts {command} --port 0 {args}`` on 127.0.0.1 as a child process (``start()`` or a
+    ``with`` block starts it and waits until it listens: its ``url``)."""
+    return ChildProcess.python("models.hosts", [command, "--port", "0", *args], log_path=log_path, env=env,
+                               label=command, timeout_s=timeout_s)
 
 
 def free_port() -> int:

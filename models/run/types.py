@@ -31,6 +31,10 @@ class RunHandle:
     """Validated held-out prompts (JSONL) under the run."""
     reward_model_url: str = ""
     """Committed reward-model checkpoint when ``reward.source = model``."""
+    launch: str = ""
+    """``run.resident``: the launch whose services the run's tasks call (the Flyte execution that started or
+    resumed the run, ``local`` locally; every execution of that launch gets it with the handle); empty for a
+    stateless run."""
 
     @property
     def layout(self) -> RunLayout:

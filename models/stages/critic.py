@@ -14,7 +14,7 @@ from models.config import TrainConfig
 from models.data.batch import RolloutBatch
 from models.run import lock as run_lock
 from models.run.types import PolicyState, RunHandle
-from models.server.client import server_client
+from models.stages.services import critic_service
 from models.stages.outputs import UpdateOutput
 from models.stages.updates import (Role, load_for_update, load_trainee, loop_settings, on_ranks, update_data,
                                    update_trainee)
@@ -79,20 +79,16 @@ def train_critic_ranks(cfg: TrainConfig, run: RunHandle, state: PolicyState, bat
 
 def train_remote_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch,
                         t0: float) -> UpdateOutput:
-    """The critic server's ``train`` on this batch, then ``save`` to the run's critic URL."""
-    from models.server.schemas import TrainSettings
-
+    """The critic server's ``train`` on this batch (not resent: it steps the critic), then ``save`` to the run's
+    critic URL."""
     c = cfg.critic
-    t = batch.table
-    client = server_client(c.remote_url, cfg.reward.remote_timeout_s)
-    out = client.train(t.column("prompt_tokens").to_pylist(), t.column("response_tokens").to_pylist(),
-                       t.column("returns").to_pylist(), t.column("values").to_pylist(),
-                       TrainSettings(epochs=c.epochs, minibatch_size=c.minibatch_size,
-                                     micro_batch_size=c.micro_batch_size, grad_clip=c.grad_clip,
-                                     value_clip=c.value_clip, seed=cfg.run.seed * 1000 + state.iteration + 1))
+    client = critic_service(cfg, run)
+    settings = {"epochs": c.epochs, "minibatch_size": c.minibatch_size, "micro_batch_size": c.micro_batch_size,
+                "grad_clip": c.grad_clip, "value_clip": c.value_clip, "seed": cfg.run.seed * 1000 + state.iteration + 1}
+    out = client.call("train", {"batch": batch.uri, "settings": settings}, resend=False)
     url = run.layout.critic_url(state.iteration)
-    client.save(url, overwrite=True)
-    return UpdateOutput(url, {**critic_stats(out.stats), "time/critic_update_s": time.perf_counter() - t0})
+    client.call("save", {"url": url, "overwrite": True})
+    return UpdateOutput(url, {**critic_stats(out["stats"]), "time/critic_update_s": time.perf_counter() - t0})
 
 
 CRITIC_STATS = ("loss", "explained_variance", "grad_norm", "value_clip_frac", "steps", "nonfinite_steps",

@@ -3,12 +3,14 @@ the run laid out or resumed (``models/run/setup.py``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional
 
 from models import storage, tracking
 from models.config import TrainConfig
 from models.config.io import config_from_json_dict, load_config
 from models.run import end as run_end
+from models.run import lock as run_lock
 from models.run.layout import RunLayout
 from models.run.preflight import check_local_resident, check_remote_run, check_topology, check_tracking
 from models.run.setup import DEFAULT_PRESETS, RunSetup, setup_run
@@ -37,8 +39,11 @@ def prepare(preset: str, overrides: List[str], run_name: str, workflow: str,
     """Check what the run needs (:func:`check_before_setup`; ``deployment``: the registered tasks'
     config in a remote execution, None in a local one), then load and check the config, validate
     prompts before any model loads, lay out the run, start the MLflow run; or resume ``run_name``
-    (:func:`models.run.setup.setup_run`). A local execution holds the run's lock while it lasts."""
+    (:func:`models.run.setup.setup_run`). A local execution holds the run's lock while it lasts. A resident run's
+    handle names this launch (``RunHandle.launch``): the one whose services its tasks call."""
     check_before_setup(preset, overrides, run_name, workflow, deployment)
     setup = setup_run(preset, overrides, run_name, workflow)
     run_end.hold_if_local(setup.run.storage_root, setup.run.run_name, setup.run.mlflow_run_id, setup.cfg.run.lock_ttl_s)
+    if setup.cfg.run.resident:  # its services are this launch's: started by it, called by its tasks
+        setup = setup._replace(run=dataclasses.replace(setup.run, launch=run_lock.execution_name()))
     return setup

@@ -1,8 +1,8 @@
-"""``python -m models.server``: argument checks that fail before any model is loaded."""
+"""``python -m models.hosts``: argument checks that fail before any model is loaded."""
 
 import pytest
 
-from models.server.__main__ import main
+from models.hosts.__main__ import main
 
 
 def test_serve_needs_a_model():
@@ -24,10 +24,14 @@ def test_the_token_itself_is_not_a_flag(capsys):
 
 def test_serve_rollout_needs_a_committed_checkpoint(tmp_path):
     with pytest.raises(SystemExit, match=r"serve-rollout: checkpoint .*/missing is not committed"):
-        main(["serve-rollout", "--checkpoint", str(tmp_path / "missing"), "--engine", "hf"])
+        main(["serve-rollout", "--checkpoint", str(tmp_path / "missing"), "--engine", "hf", "--storage-root",
+              str(tmp_path)])
 
 
 def test_serve_rollout_names_its_engines(capsys):
     with pytest.raises(SystemExit):
-        main(["serve-rollout", "--checkpoint", "/x", "--engine", "trtllm"])
+        main(["serve-rollout", "--checkpoint", "/x", "--engine", "trtllm", "--storage-root", "/"])
     assert "argument --engine: invalid choice: 'trtllm'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve-rollout", "--checkpoint", "/x"])  # the root its requests' checkpoints must lie inside
+    assert "the following arguments are required: --storage-root" in capsys.readouterr().err

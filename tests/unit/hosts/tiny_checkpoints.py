@@ -41,3 +41,13 @@ def samples(n: int, seed: int = 0, vocab: int = 99, max_prompt: int = 12, max_re
     prompts = [torch.randint(4, vocab, (p,), generator=gen).tolist() for p in p_len]
     responses = [torch.randint(4, vocab, (r,), generator=gen).tolist() for r in r_len]
     return prompts, responses
+
+
+def write_batch(url, prompts, responses, **floats) -> str:
+    """A RolloutBatch of these token lists (and response-aligned float columns) written at ``url``."""
+    from models.data.batch import RolloutBatch
+    from models.data.batch_schema import BatchMetadata
+
+    RolloutBatch.from_columns(BatchMetadata(0, 0, "ppo"), prompt_tokens=prompts, response_tokens=responses,
+                              **floats).write(str(url))
+    return str(url)

@@ -1,41 +1,38 @@
-"""The model side of the rollout server, usable without HTTP: one generation engine, started once.
+"""The rollout server (``python -m models.hosts serve-rollout``), a host of the service layer: one generation
+engine, started once; its op ``generate`` samples from the committed checkpoint a request names (and a LoRA
+adapter on it), inside the storage root. New weights go into the running engine in place
+(:meth:`models.engines.GenerationEngine.load_weights`: vLLM ``reload_weights``, or a restart where that cannot
+work), so on a cluster the engine starts once per run instead of once per rollout pod; after every weight change
+the engine is probed against the trainer's forward (:func:`models.training.probe.ensure_serves`, as the rollout
+task probes its own): above ``probe_tolerance`` it restarts, and a gap that persists fails the request (409).
 
-Each request names the committed policy checkpoint to sample from (and optionally a LoRA
-adapter on it). When that is not the one served, the new weights go into the running engine
-in place (:meth:`models.engines.GenerationEngine.load_weights`: vLLM ``reload_weights`` +
-``reset_prefix_cache``, or a restart from the checkpoint where that cannot work), so on a
-cluster the engine start-up is paid once per run instead of once per rollout pod.
-
-After every weight change the engine is checked against the trainer's forward on a few fixed
-sequences (:func:`models.training.probe.ensure_serves`, as the rollout task does for an engine in its own
-process): above the request's ``probe_tolerance`` the engine restarts from the checkpoint, and a
-gap that persists fails the request (:class:`models.training.probe.EngineMismatchError`, 409).
-
-Every engine call (start, loads, generation, close) runs on one dedicated thread: that
-serialises requests (one engine, and a request must be sampled from the weights it named), and
-keeps thread-local state the engine depends on fixed — vLLM's CPU attention checks that each
-call runs with the OpenMP thread count it was planned with, which a web server's worker
-threads do not share.
+Every engine call runs on one dedicated thread: that serialises requests (one engine, each sampled from the
+weights it named) and keeps the thread-local state the engine depends on fixed (vLLM's CPU attention checks the
+OpenMP thread count it was planned with). Statuses: 413 over a size limit (``max_samples`` counts prompts × n,
+``max_tokens`` a prompt plus ``max_new_tokens``), 422 a malformed request, token ids outside the vocabulary or a
+checkpoint that is not committed, 409 an adapter for a server without LoRA or a probe that keeps failing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from models import storage
 from models.checkpoint import CheckpointError, download_checkpoint
-from models.engines import Generation, SamplingSpec, make_engine
+from models.engines import SamplingSpec, make_engine
 from models.training.lora import canonical_url
-from models.training.probe import ProbeResult, effective_tolerance, ensure_serves
-from models.server.service import InvalidRequest, NotLoaded, check_token_ids
+from models.training.probe import EngineMismatchError, ProbeResult, effective_tolerance, ensure_serves
+from models.hosts.reward_critic import STATUSES, InvalidRequest, NotLoaded, check_limits, check_token_ids
+from models.service.ops import Host, op
 
 
 @dataclass(frozen=True)
@@ -63,6 +60,9 @@ class RolloutServiceConfig:
     """vLLM workers the engine is split over (``rollout.tensor_parallel_size``)."""
     data_parallel_size: int = 1
     """Engine replicas, each in its own process, requests' prompts dealt among them (``rollout.data_parallel_size``)."""
+    max_samples: int = 1024
+    max_tokens: int = 8192
+    """Most prompts × n per request, most prompt + ``max_new_tokens`` tokens per prompt (413 above)."""
 
     def __post_init__(self) -> None:
         if not self.checkpoint_url:
@@ -96,17 +96,11 @@ def _vocab_size(checkpoint_dir: str) -> int:
         return int(json.load(f)["vocab_size"])
 
 
-class Served(NamedTuple):
-    """One request's answer: generations per prompt, where its time went, the probe's gap (or None)."""
-
-    generations: List[List[Generation]]
-    load_s: float
-    generate_s: float
-    probe_gap_max: Optional[float]
-
-
-class RolloutService:
+class RolloutHost(Host):
     """One engine; ``generate`` loads the named weights when they change, then samples."""
+
+    label = "rollout server"
+    statuses = {**STATUSES, EngineMismatchError: 409}
 
     def __init__(self, config: RolloutServiceConfig):
         self.config = config
@@ -189,20 +183,38 @@ class RolloutService:
         self.adapter_url = None
         self.engine.set_adapter(local_dir)
 
-    def generate(self, prompts: List[List[int]], spec: SamplingSpec, checkpoint_url: str,
+    @op
+    def generate(self, prompts: List[List[int]], sampling: Dict[str, Any], checkpoint_url: str,
                  adapter_url: Optional[str] = None, probe_tolerance: float = 1e-3,
-                 trainer_dtype: str = "float32") -> Served:
-        """Generations per prompt from the policy at ``checkpoint_url`` (+ ``adapter_url``), with the
-        seconds spent loading and generating and the probe's gap if the weights changed (against the
-        trainer's forward in ``trainer_dtype``); :class:`InvalidRequest` for empty prompts or ids
-        outside the vocabulary. Blocks until the engine thread has served the requests before this
-        one and this one."""
+                 trainer_dtype: str = "float32") -> Dict[str, Any]:
+        """``sampling["n"]`` generations per prompt from the policy at ``checkpoint_url`` (+ ``adapter_url``), the
+        seconds spent loading and generating and the probe's gap if the weights changed (against the trainer's
+        forward in ``trainer_dtype``; None: no change). Blocks until the engine thread has served the requests
+        before this one and this one."""
+        try:
+            spec = SamplingSpec(**sampling)
+        except (TypeError, ValueError) as err:
+            raise InvalidRequest(f"sampling: {err}") from err
+        if not isinstance(prompts, list) or not prompts or trainer_dtype not in ("float32", "bfloat16") \
+                or probe_tolerance < 0:
+            raise InvalidRequest("need >= 1 prompt, trainer_dtype float32 or bfloat16 and probe_tolerance >= 0")
+        check_token_ids(prompts, 2 ** 62, "prompts", row="prompt")  # lists of integers; the vocabulary below
+        check_limits(len(prompts) * spec.n, (len(p) + spec.max_new_tokens for p in prompts), self.config.max_samples,
+                     self.config.max_tokens, label="prompt {i} plus max_new_tokens")
         tolerance = effective_tolerance(probe_tolerance, self.config.dtype, trainer_dtype)
         return self._thread.submit(self._generate, prompts, spec, checkpoint_url, adapter_url, tolerance,
                                    trainer_dtype).result()
 
+    @op
+    def health(self) -> Dict[str, Any]:
+        stats = self.engine.stats
+        return {"status": "ok", "engine": self.config.engine, "checkpoint_url": self.checkpoint_url,
+                "adapter_url": self.adapter_url, "lora": self.lora, "vocab_size": self.vocab_size,
+                "engine_starts": 1 + stats.restarts, "reloads": stats.reloads, "requests": self.requests,
+                "prompts": self.prompts, "generated_tokens": stats.generated_tokens}
+
     def _generate(self, prompts: List[List[int]], spec: SamplingSpec, checkpoint_url: str,
-                  adapter_url: Optional[str], probe_tolerance: float, trainer_dtype: str) -> Served:
+                  adapter_url: Optional[str], probe_tolerance: float, trainer_dtype: str) -> Dict[str, Any]:
         t0 = time.perf_counter()
         gap = self._serve(checkpoint_url, adapter_url, probe_tolerance, trainer_dtype)
         t1 = time.perf_counter()
@@ -210,7 +222,8 @@ class RolloutService:
         generations = self.engine.generate(prompts, spec)
         self.requests += 1
         self.prompts += len(prompts)
-        return Served(generations, t1 - t0, time.perf_counter() - t1, gap)
+        return {"generations": [[dataclasses.asdict(g) for g in per_prompt] for per_prompt in generations],
+                "load_s": t1 - t0, "generate_s": time.perf_counter() - t1, "probe_gap_max": gap}
 
     def _check(self, prompts: Sequence[Sequence[int]], stop_token_ids: Sequence[int]) -> None:
         empty = next((i for i, p in enumerate(prompts) if not p), None)
