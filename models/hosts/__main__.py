@@ -19,7 +19,7 @@ import argparse
 import json
 import os
 import sys
-from typing import List, Optional
+from typing import Any, Callable, List, Optional
 
 from models import console
 
@@ -76,40 +76,31 @@ def _common_args(p: argparse.ArgumentParser, port: int, root: str, root_required
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
 
 
-def _token(env_name: str) -> Optional[str]:
-    if not env_name:
-        return None
-    value = os.environ.get(env_name, "")
-    if not value:
-        raise SystemExit(f"--token-env {env_name}: the environment variable is not set or empty")
-    return value
-
-
-def _serve(host, args: argparse.Namespace, line: str) -> None:
-    """Serve ``host`` on ``--host:--port`` with the token, root and body limit of the command line, requests in
-    parallel (the host keeps its own order); ``line``: the ready line's words after the URL."""
-    from models.service.launch import serve
-    from models.service.server import Settings
-
-    token = _token(args.token_env)
-    settings = Settings(token, args.storage_root, max_body_bytes=args.max_body_bytes, serial=False)
-
-    def announce(server) -> None:
-        print(f"{host.label} ready on {server.url} ({line}; auth: {'on' if token else 'off'})", flush=True)
-
-    try:
-        serve(host, settings, announce, args.host, args.port)
-    finally:
-        host.close()
-
-
-def _threads(args: argparse.Namespace) -> None:
+def _serve(args: argparse.Namespace, make: Callable[[], Any], line: Callable[[Any], str]) -> None:
+    """Serve the host ``make()`` builds on ``--host:--port`` with the token, root and body limit of the command line,
+    requests in parallel (the host keeps its own order); ``line``: the ready line's words after the URL."""
     import torch
     from transformers.utils import logging as hf_logging
 
+    from models.service.launch import serve
+    from models.service.server import Settings
+
+    token = (os.environ.get(args.token_env) or None) if args.token_env else None  # never the command line: ps
+    if args.token_env and token is None:
+        raise SystemExit(f"--token-env {args.token_env}: the environment variable is not set or empty")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()
+    host = make()
+
+    def announce(server) -> None:
+        print(f"{host.label} ready on {server.url} ({line(host)}; auth: {'on' if token else 'off'})", flush=True)
+
+    try:
+        serve(host, Settings(token, args.storage_root, max_body_bytes=args.max_body_bytes, serial=False), announce,
+              args.host, args.port)
+    finally:
+        host.close()
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -119,29 +110,26 @@ def serve(args: argparse.Namespace) -> None:
 
     if not (args.critic or args.reward_model):
         raise SystemExit("serve: give --critic, --reward-model or both")
-    _token(args.token_env)
-    _threads(args)
     config = ServiceConfig(args.critic, args.reward_model, args.lr, args.weight_decay,
                            args.device or ("cuda" if torch.cuda.is_available() else "cpu"), args.dtype,
                            pack_sequences=not args.no_pack_sequences, max_batch_size=args.max_batch_size,
                            max_delay_ms=args.max_delay_ms, max_samples=args.max_samples, max_tokens=args.max_tokens)
-    host = RewardCriticHost.load(config)
-    _serve(host, args, f"parts: {', '.join(host.parts)}")
+    _serve(args, lambda: RewardCriticHost.load(config), lambda host: f"parts: {', '.join(host.parts)}")
 
 
 def serve_rollout(args: argparse.Namespace) -> None:
     from models.hosts.rollout import RolloutHost, RolloutServiceConfig
 
-    _token(args.token_env)
-    _threads(args)
-    try:
-        host = RolloutHost(RolloutServiceConfig(
-            args.checkpoint, args.engine, args.dtype, args.kv_cache_gib, args.gpu_memory_utilization,
-            args.max_model_len, args.max_lora_rank, args.seed, args.threads, args.tensor_parallel_size,
-            args.data_parallel_size, args.max_samples, args.max_tokens))
-    except ValueError as err:  # bad settings, or a checkpoint that is not committed
-        raise SystemExit(f"serve-rollout: {err}") from err
-    _serve(host, args, f"engine: {args.engine}")
+    def make() -> RolloutHost:
+        try:
+            return RolloutHost(RolloutServiceConfig(
+                args.checkpoint, args.engine, args.dtype, args.kv_cache_gib, args.gpu_memory_utilization,
+                args.max_model_len, args.max_lora_rank, args.seed, args.threads, args.tensor_parallel_size,
+                args.data_parallel_size, args.max_samples, args.max_tokens))
+        except ValueError as err:  # bad settings, or a checkpoint that is not committed
+            raise SystemExit(f"serve-rollout: {err}") from err
+
+    _serve(args, make, lambda host: f"engine: {args.engine}")
 
 
 def resident(args: argparse.Namespace) -> None:

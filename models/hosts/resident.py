@@ -1,17 +1,15 @@
-"""A resident run's services (``run.resident``), torch-free until one starts: which a run keeps, one service's
-life in its process (:func:`serve_service`: the same for a local child process and a cluster's service node,
+"""A resident run's services (``run.resident``), torch-free until one starts: which a run keeps, one service's life
+in its process (:func:`serve_service`, the same in a local child process and a cluster's service node,
 ``tasks/services.py``), and locally their start and stop.
 
-Locally, where ``pyflyte run`` executes the workflow's nodes one at a time in its own process, the services run
-as child processes of that process (``python -m models.hosts {engine,actor,critic} --launch FILE``; the actor
-and the critic as ``nproc_per_node`` ranks of a ``torchrun`` launch when that is above 1): started by
-``prepare_run`` once the run is laid out (or resumed), each from the state the run resumes at; stopped by
-``finish_run``, by the workflow's failure handler, and when the process exits. A service also stops by itself
-when the process that started it is gone or after ``run.resident_idle_timeout_s`` without a request.
+Locally, where ``pyflyte run`` executes the nodes one at a time in its own process, the services are child
+processes of it (``python -m models.hosts {engine,actor,critic} --launch FILE``; a trainer as the ranks of a
+``torchrun`` launch when its ``nproc_per_node`` is above 1): started by ``prepare_run`` from the state the run
+starts or resumes at, stopped by ``finish_run``, the failure handler, and at the process's exit. A service also
+stops when the process that started it is gone or after ``run.resident_idle_timeout_s`` without a request.
 
-Where a service listens: locally on 127.0.0.1. In a cluster pod on every interface, published as the pod's own
-address (``RLHF_SERVICE_HOST`` names one address to listen on and publish instead: the pod harness sets
-127.0.0.1, so its services stay on loopback).
+A service listens locally on 127.0.0.1; in a cluster pod on every interface, published as the pod's address
+(``RLHF_SERVICE_HOST`` names one address to listen on and publish instead: the pod harness's loopback).
 """
 
 from __future__ import annotations
@@ -50,13 +48,11 @@ def needed(cfg) -> List[str]:
 
 
 def host_class(name: str):
-    if name == ENGINE:
-        from models.hosts.engine import EngineHost
-
-        return EngineHost
+    """The host class of service ``name`` (imported when a service starts: this module stays torch-free)."""
+    from models.hosts.engine import EngineHost
     from models.hosts.trainers import ActorHost, CriticHost
 
-    return {ACTOR: ActorHost, CRITIC: CriticHost}[name]
+    return {ENGINE: EngineHost, ACTOR: ActorHost, CRITIC: CriticHost}[name]
 
 
 def serve_service(name: str, cfg, run: RunHandle, state: PolicyState, token: str = "", listen: str = "127.0.0.1",

@@ -14,12 +14,10 @@ vocabulary, 409 a part not loaded or a checkpoint already committed (and the lay
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import itertools
 import os
 import queue
-import tempfile
 import threading
 import time
 from concurrent.futures import Future
@@ -31,7 +29,6 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from models import storage
 from models.checkpoint import download_checkpoint, save_model_checkpoint
 from models.data.batch import RolloutBatch
 from models.data.batch_tensors import model_inputs, padded_tensors
@@ -101,20 +98,19 @@ class ServiceConfig:
     reward_model_url: str = ""
     """Committed reward model (sequence classification, 1 label); empty: no reward model."""
     lr: float = 5e-5
-    """AdamW learning rate of the critic (the optimiser lives as long as the server)."""
+    """AdamW's learning rate (and ``weight_decay``) for the critic; the optimiser lives as long as the server."""
     weight_decay: float = 0.0
     device: str = "cpu"
     dtype: str = "float32"
-    """Compute dtype. The reward model is held in it; the critic trains float32 master weights (and saves them)
+    """Compute dtype: the reward model is held in it; the critic trains float32 master weights (and saves them)
     and computes in it under ``torch.autocast``."""
     infer_micro_batch_size: int = 64
-    """Rows per forward during ``infer`` (a larger batch runs in slices)."""
+    """Rows per forward (a larger batch runs in slices)."""
     pack_sequences: bool = True
     """The critic's forwards run rows packed end to end (``model.pack_sequences`` of training)."""
     max_batch_size: int = 64
-    """Most samples in one model batch of concurrent ``infer`` calls (a call is never split)."""
     max_delay_ms: float = 10.0
-    """Longest wait for more calls after the first one of a batch arrived."""
+    """Most samples in one model batch of concurrent ``infer`` calls, longest wait for more after the first."""
     max_samples: int = 1024
     max_tokens: int = 8192
     """Most samples per request, most prompt + response tokens per sample (413 above)."""
@@ -133,18 +129,16 @@ class ServiceConfig:
 
 
 def load_part(url: str, auto_cls, dtype: str) -> Tuple[nn.Module, Optional[object]]:
-    """``(model, tokenizer or None)`` from the committed checkpoint at ``url``; one label required."""
+    """``(model, tokenizer or None)`` from the committed checkpoint at ``url`` (verified; a remote one through the
+    node's checkpoint cache); one label required."""
     from transformers import AutoTokenizer
 
-    with contextlib.ExitStack() as stack:
-        tmp = None if storage.is_local(url) else stack.enter_context(tempfile.TemporaryDirectory(prefix="ckpt-"))
-        path = download_checkpoint(url, tmp)
-        model = auto_cls.from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True)
-        has_tok = any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
-        tokenizer = AutoTokenizer.from_pretrained(path) if has_tok else None
+    path = download_checkpoint(url)
+    model = auto_cls.from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True)
+    has_tok = any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
     if model.config.num_labels != 1:
         raise ValueError(f"{url}: expected a head with 1 label, got {model.config.num_labels}")
-    return model.eval(), tokenizer
+    return model.eval(), AutoTokenizer.from_pretrained(path) if has_tok else None
 
 
 def token_table(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], **floats) -> pa.Table:

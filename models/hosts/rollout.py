@@ -18,15 +18,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from models import storage
 from models.checkpoint import CheckpointError, download_checkpoint
 from models.engines import SamplingSpec, make_engine
 from models.training.lora import canonical_url
@@ -79,16 +77,15 @@ class RolloutServiceConfig:
             raise ValueError(f"data_parallel_size={self.data_parallel_size}: need >= 1")
 
 
-def _fetch(url: str) -> Tuple[str, Optional[str]]:
-    """``(local folder, folder to delete once unused or None)`` of the committed checkpoint at ``url``;
-    a checkpoint that is missing, uncommitted or fails its checksums is the caller's error (422)."""
+def _fetch(url: str) -> str:
+    """The local folder of the committed checkpoint at ``url`` (a remote one from the node's bounded checkpoint
+    cache); a checkpoint that is missing, uncommitted or fails its checksums is the caller's error (422)."""
     try:
-        local = download_checkpoint(url)
+        return download_checkpoint(url)
     except CheckpointError as err:
         raise InvalidRequest(str(err)) from err
     except FileNotFoundError as err:
         raise InvalidRequest(f"checkpoint {url} not found: {err}") from err
-    return local, None if storage.is_local(url) else local
 
 
 def _vocab_size(checkpoint_dir: str) -> int:
@@ -105,8 +102,6 @@ class RolloutHost(Host):
     def __init__(self, config: RolloutServiceConfig):
         self.config = config
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
-        self._owned: Dict[str, Optional[str]] = {}  # "weights"/"adapter" -> downloaded folder in use
-        self._dirs: Dict[str, Optional[str]] = {}  # "weights"/"adapter" -> local folder being served
         try:
             self._thread.submit(self._start).result()
         except BaseException:
@@ -115,6 +110,7 @@ class RolloutHost(Host):
         self.lora = config.engine == "hf" or config.max_lora_rank > 0
         self.checkpoint_url: Optional[str] = config.checkpoint_url
         self.adapter_url: Optional[str] = None
+        self.adapter: Optional[str] = None  # the local folders served
         self.requests = self.prompts = 0
         self._probed: Optional[ProbeResult] = None
 
@@ -122,30 +118,13 @@ class RolloutHost(Host):
         config = self.config
         if config.threads > 0:
             torch.set_num_threads(config.threads)
-        local, self._owned["weights"] = _fetch(config.checkpoint_url)
-        self._dirs = {"weights": local, "adapter": None}
+        self.weights = _fetch(config.checkpoint_url)
         kwargs = dict(dtype=config.dtype) if config.engine == "hf" else dict(
             dtype=config.dtype, kv_cache_gib=config.kv_cache_gib, seed=config.seed,
             gpu_memory_utilization=config.gpu_memory_utilization, max_model_len=config.max_model_len or None,
             max_lora_rank=config.max_lora_rank, tensor_parallel_size=config.tensor_parallel_size)
-        self.engine = make_engine(config.engine, local, data_parallel_size=config.data_parallel_size, **kwargs)
-        self.vocab_size = _vocab_size(local)
-
-    def _swap(self, role: str, url: Optional[str], load: Callable[[Optional[str]], None]) -> Optional[str]:
-        """Fetch ``url`` (None: nothing), ``load`` its folder and return it; then the previous download
-        of ``role`` is deleted, or on failure the new one."""
-        local, owned = _fetch(url) if url else (None, None)
-        try:
-            load(local)
-        except BaseException:
-            if owned:
-                shutil.rmtree(owned, ignore_errors=True)
-            raise
-        old, self._owned[role] = self._owned.get(role), owned
-        if old and old != owned:
-            shutil.rmtree(old, ignore_errors=True)
-        self._dirs[role] = local
-        return local
+        self.engine = make_engine(config.engine, self.weights, data_parallel_size=config.data_parallel_size, **kwargs)
+        self.vocab_size = _vocab_size(self.weights)
 
     def _serve(self, checkpoint_url: str, adapter_url: Optional[str], probe_tolerance: float,
                trainer_dtype: str) -> Optional[float]:
@@ -153,12 +132,15 @@ class RolloutHost(Host):
         if adapter_url is not None and not self.lora:
             raise NotLoaded("this rollout server serves no LoRA adapters: start it with --max-lora-rank R")
         if checkpoint_url != self.checkpoint_url:
-            local = self._swap("weights", checkpoint_url, self._load_weights)
-            self.checkpoint_url, self.vocab_size = checkpoint_url, _vocab_size(local)
+            weights = _fetch(checkpoint_url)  # a bad URL leaves the weights served alone
+            self.checkpoint_url = self.adapter_url = None  # unknown until the load succeeded; it drops the adapter
+            self.engine.load_weights(weights)
+            self.weights, self.checkpoint_url, self.vocab_size = weights, checkpoint_url, _vocab_size(weights)
         if adapter_url != self.adapter_url:
-            self._swap("adapter", adapter_url, self._load_adapter)
-            self.adapter_url = adapter_url
-        weights, adapter = self._dirs["weights"], self._dirs.get("adapter")
+            adapter, self.adapter_url = _fetch(adapter_url) if adapter_url else None, None
+            self.engine.set_adapter(adapter)
+            self.adapter, self.adapter_url = adapter, adapter_url
+        weights, adapter = self.weights, self.adapter
 
         def restart() -> None:
             self.engine.restart(weights)
@@ -166,7 +148,7 @@ class RolloutHost(Host):
                 self.engine.set_adapter(adapter)
 
         def fetch(url: str) -> str:  # an adapter's base is usually the checkpoint served already
-            return weights if canonical_url(url) == canonical_url(checkpoint_url) else _fetch(url)[0]
+            return weights if canonical_url(url) == canonical_url(checkpoint_url) else _fetch(url)
 
         done = ensure_serves(self.engine, (checkpoint_url, adapter_url), adapter or weights, probe_tolerance,
                              restart, fetch, what=adapter_url or checkpoint_url, dtype=trainer_dtype)
@@ -174,14 +156,6 @@ class RolloutHost(Host):
             return None
         self._probed = done
         return done.gap_max
-
-    def _load_weights(self, local_dir: str) -> None:
-        self.checkpoint_url = self.adapter_url = None  # unknown until the load succeeded; it drops the adapter
-        self.engine.load_weights(local_dir)
-
-    def _load_adapter(self, local_dir: Optional[str]) -> None:
-        self.adapter_url = None
-        self.engine.set_adapter(local_dir)
 
     @op
     def generate(self, prompts: List[List[int]], sampling: Dict[str, Any], checkpoint_url: str,
@@ -237,10 +211,6 @@ class RolloutHost(Host):
                                  f"[0, {self.vocab_size})")
 
     def close(self) -> None:
-        """Free the engine and delete the downloaded checkpoints (after the requests under way)."""
+        """Free the engine (after the requests under way)."""
         self._thread.submit(self.engine.close).result()
         self._thread.shutdown()
-        for owned in self._owned.values():
-            if owned:
-                shutil.rmtree(owned, ignore_errors=True)
-        self._owned.clear()

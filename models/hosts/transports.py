@@ -1,19 +1,17 @@
 """New actor weights from the actor trainer service to the engine service (``run.resident``): one interface,
-:class:`Transport`, whose :meth:`~Transport.send` runs on the trainer's rank 0 and whose
-:meth:`~Transport.receive` runs in the engine's ``weights`` op; both ends pick the same one from
-:data:`TRANSPORTS` by the run's config (:func:`transport_for`):
+:class:`Transport`, whose :meth:`~Transport.send` runs on the trainer's rank 0 and whose :meth:`~Transport.receive`
+runs in the engine's ``weights`` op; both ends take the same one from :func:`transport_for`:
 
-- ``collective`` (``run.resident_weight_transport``, the default): a process group of two, the trainer's
-  rank 0 and the engine service (:mod:`models.engines.weight_channel`; NCCL when both are on different GPUs,
-  else gloo). The trainer opens it at its first push (the engine's ``connect`` op answers where its store
-  listens: a free port on the address the service serves on); each push sends a header (names, shapes,
-  dtypes) with the ``weights`` op and the tensors by broadcast while that op runs, a few flat buffers per dtype.
-- ``http``: the tensors packed into the ``weights`` op's body (:func:`models.engines.weights.pack_weights`).
-- ``lora`` (``actor.lora``, whatever the setting): the adapter alone, its safetensors file as the body (a few MB).
+- ``collective`` (``run.resident_weight_transport``'s default): a process group of two, the trainer's rank 0 and
+  the engine (:mod:`models.engines.weight_channel`; NCCL between two GPUs, else gloo), formed at the first push
+  (the engine's ``connect`` op answers where its store listens) and kept; each push sends a header with the
+  ``weights`` op and the tensors by broadcast while that op runs, a few flat buffers per dtype;
+- ``http``: the tensors packed into the ``weights`` op's body (:func:`models.engines.weights.pack_weights`);
+- with ``actor.lora``, the adapter alone, its file as the body (a few MB).
 
-The engine then loads the tensors in place and checks them with the probe; until that passed it serves no
-iteration. A channel that does not form or breaks mid-push fails the update, naming the engine service and the
-transport; the next push forms a new one. Adding a transport: a subclass here, named in :data:`TRANSPORTS`.
+The engine then loads them in place and checks them with the probe; until that passed it serves no iteration. A
+channel that does not form or breaks mid-push fails the update, naming the engine and the transport; the next
+push forms a new one. Adding a transport: a subclass here, named in :data:`TRANSPORTS`.
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ import json
 import os
 import shutil
 import tempfile
-import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, Mapping, Optional
 from urllib.parse import urlsplit
 
@@ -111,19 +108,6 @@ class AdapterTransport(Transport):
         return put
 
 
-def _in_background(fn: Callable[[], Any]) -> Future:
-    done: Future = Future()
-
-    def run() -> None:
-        try:
-            done.set_result(fn())
-        except BaseException as err:  # noqa: BLE001 -- handed to the caller
-            done.set_exception(err)
-
-    threading.Thread(target=run, daemon=True, name="weights-op").start()
-    return done
-
-
 class CollectiveTransport(Transport):
     """A process group of two, formed at the first push and kept for the next."""
 
@@ -132,6 +116,7 @@ class CollectiveTransport(Transport):
         self.receiver: Optional[Receiver] = None
         self.engine_url, self.pushes = "", 0
         self.timeout = {} if timeout_s is None else {"timeout_s": timeout_s}
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="weights-op")
 
     def _join(self, engine: ServiceClient) -> Sender:
         if self.sender is not None and self.engine_url == engine.url:
@@ -151,7 +136,7 @@ class CollectiveTransport(Transport):
             header, buckets = plan(weights)
             self.pushes += 1
             op_args = {**args, "meta": {"header": header, "push": self.pushes}}
-            reply = _in_background(lambda: engine.call("weights", op_args))
+            reply = self.pool.submit(engine.call, "weights", op_args)  # the op takes the broadcasts while it runs
             sender.wait_ready(self.pushes, reply.done, engine.timeout_s)
             sender.send(buckets)
             out = reply.result()

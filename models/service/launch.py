@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -59,24 +58,14 @@ def end_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
 
 
 class ChildProcess:
-    """A service as a child process: ``command`` (its stdout and stderr into ``log_path``), :attr:`url` once
-    it printed its ready line; stopped on :meth:`stop` or leaving the ``with`` block."""
+    """A service as a child process (this checkout first on its path): ``command``, its output into ``log_path``,
+    :attr:`url` once it printed its ready line; stopped on :meth:`stop` or leaving the ``with`` block."""
 
-    def __init__(self, command: Sequence[str], log_path: Optional[str | Path] = None, label: str = "the service",
+    def __init__(self, command: Sequence[str], log_path: str | Path, label: str = "the service",
                  env: Optional[Dict[str, str]] = None, timeout_s: float = 120.0):
         self.command, self.label, self.env, self.timeout_s = list(command), label, dict(env or {}), timeout_s
-        if log_path is None:
-            fd, log_path = tempfile.mkstemp(prefix="service-", suffix=".log")
-            os.close(fd)
-        self.log_path = Path(log_path)
-        self.proc: Optional[subprocess.Popen] = None
-        self.url = ""
+        self.log_path, self.proc, self.url = Path(log_path), None, ""
         self._ready = threading.Event()
-
-    @classmethod
-    def python(cls, module: str, args: Sequence[str], **kw) -> "ChildProcess":
-        """``python -m module args`` with this checkout first on the path."""
-        return cls([sys.executable, "-m", module, *args], **kw)
 
     def spawn(self) -> "ChildProcess":
         env = {**os.environ, **self.env}
@@ -109,8 +98,8 @@ class ChildProcess:
                 raise ServiceGone(f"{self.label} {what}; its log ({self.log_path}) ends:\n{self.log_tail()}")
         return self.url
 
-    def start(self, timeout_s: Optional[float] = None) -> "ChildProcess":
-        self.spawn().wait_ready(timeout_s)
+    def start(self) -> "ChildProcess":
+        self.spawn().wait_ready()
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
