@@ -1,13 +1,9 @@
 """The services as commands: ``python -m models.hosts serve --critic URL --reward-model URL --storage-root URL
-[...]`` (the reward/critic server), ``python -m models.hosts serve-rollout --checkpoint URL --storage-root URL
---engine vllm|hf [...]`` (the rollout server), and a resident run's services, ``python -m models.hosts
-{engine,actor,critic} --launch FILE`` (``FILE``: JSON written by :mod:`models.hosts.resident`, mode 0600: the
-run's config, handle and state, the token, the launching process; the actor and critic may run as every rank of
-a ``torchrun`` launch).
-
-The servers' bearer token is read from the environment variable named by ``--token-env`` (never from the command
-line, where ``ps`` would show it); ``--port 0`` picks a free port. Every service prints one line when it accepts
-requests::
+[...]`` (the reward/critic server), ``serve-rollout --checkpoint URL --storage-root URL --engine vllm|hf [...]``
+(the rollout server), and a resident run's ``{engine,actor,critic} --launch FILE`` (``FILE``: written by
+:mod:`models.hosts.resident`, mode 0600: the run's config, handle, state and token; a trainer may run as every rank
+of a ``torchrun`` launch). A server's bearer token comes from the environment variable ``--token-env`` names (never
+the command line, which ``ps`` shows); ``--port 0`` picks a free port. Each prints one line once it listens::
 
     reward server ready on http://127.0.0.1:8123 (parts: critic, reward_model; auth: on)
     rollout server ready on http://127.0.0.1:8124 (engine: vllm; auth: on)
@@ -16,6 +12,7 @@ requests::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -31,20 +28,20 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="load the models and serve infer, values, train, save, health",
                        allow_abbrev=False)  # "--token VALUE" must not pass as --token-env
-    s.add_argument("--critic", default="", help="committed critic checkpoint URL (token classification)")
-    s.add_argument("--reward-model", default="", help="committed reward model URL (sequence classification)")
+    s.add_argument("--critic", dest="critic_url", default="", help="committed critic URL (token classification)")
+    s.add_argument("--reward-model", dest="reward_model_url", default="", help="committed reward model URL")
     _common_args(s, port=8123, root="fsspec URL inside which the batches it reads and the critics it saves lie")
     s.add_argument("--max-batch-size", type=int, default=64, help="most samples per model batch")
     s.add_argument("--max-delay-ms", type=float, default=10.0, help="longest wait to fill a batch")
     s.add_argument("--lr", type=float, default=5e-5, help="critic AdamW learning rate")
     s.add_argument("--weight-decay", type=float, default=0.0, help="critic AdamW weight decay")
     s.add_argument("--device", default="", help="torch device (default: cuda if available, else cpu)")
-    s.add_argument("--no-pack-sequences", action="store_true",
+    s.add_argument("--no-pack-sequences", dest="pack_sequences", action="store_false",
                    help="critic forwards on padded rows (default: rows packed end to end where the model allows)")
 
     r = sub.add_parser("serve-rollout", help="start a generation engine and serve generate, health",
                        allow_abbrev=False)
-    r.add_argument("--checkpoint", required=True, help="committed policy checkpoint URL the engine starts from")
+    r.add_argument("--checkpoint", dest="checkpoint_url", required=True, help="committed policy URL to start from")
     r.add_argument("--engine", default="vllm", choices=("vllm", "hf"), help="generation engine")
     _common_args(r, port=8124, root="fsspec URL inside which the checkpoints the requests name lie", root_required=True)
     r.add_argument("--kv-cache-gib", type=float, default=1.0, help="vLLM KV-cache space on CPU (GiB)")
@@ -103,18 +100,21 @@ def _serve(args: argparse.Namespace, make: Callable[[], Any], line: Callable[[An
         host.close()
 
 
+def _config(cls, args: argparse.Namespace, **given):
+    """``cls`` (a host's config) from the options of the same names."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}, **given)
+
+
 def serve(args: argparse.Namespace) -> None:
     import torch
 
     from models.hosts.reward_critic import RewardCriticHost, ServiceConfig
 
-    if not (args.critic or args.reward_model):
+    if not (args.critic_url or args.reward_model_url):
         raise SystemExit("serve: give --critic, --reward-model or both")
-    config = ServiceConfig(args.critic, args.reward_model, args.lr, args.weight_decay,
-                           args.device or ("cuda" if torch.cuda.is_available() else "cpu"), args.dtype,
-                           pack_sequences=not args.no_pack_sequences, max_batch_size=args.max_batch_size,
-                           max_delay_ms=args.max_delay_ms, max_samples=args.max_samples, max_tokens=args.max_tokens)
-    _serve(args, lambda: RewardCriticHost.load(config), lambda host: f"parts: {', '.join(host.parts)}")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    _serve(args, lambda: RewardCriticHost.load(_config(ServiceConfig, args)),
+           lambda host: f"parts: {', '.join(host.parts)}")
 
 
 def serve_rollout(args: argparse.Namespace) -> None:
@@ -122,10 +122,7 @@ def serve_rollout(args: argparse.Namespace) -> None:
 
     def make() -> RolloutHost:
         try:
-            return RolloutHost(RolloutServiceConfig(
-                args.checkpoint, args.engine, args.dtype, args.kv_cache_gib, args.gpu_memory_utilization,
-                args.max_model_len, args.max_lora_rank, args.seed, args.threads, args.tensor_parallel_size,
-                args.data_parallel_size, args.max_samples, args.max_tokens))
+            return RolloutHost(_config(RolloutServiceConfig, args))
         except ValueError as err:  # bad settings, or a checkpoint that is not committed
             raise SystemExit(f"serve-rollout: {err}") from err
 

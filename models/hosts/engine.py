@@ -1,12 +1,9 @@
-"""The engine service of a resident run (``run.resident``): the generation engine (vLLM or HF), started once
-from the state's actor; its ops run the rollout and evaluate stages with it, and take the new actor weights
-from the actor trainer in memory (:mod:`models.hosts.transports`), checked with the probe against the
-trainer's own forward before it serves them.
-
-Each op names the iteration it is for (its ``state``); an engine that holds another iteration's policy refuses
-it, so a task never samples from the wrong weights. With ``run.off_policy_steps=1`` the next actor's weights are
-kept until a request asks for that actor (``pending``): the batch after an update is still sampled from the
-actor before it.
+"""The engine service of a resident run (``run.resident``): the generation engine (vLLM or HF), started once from
+the state's actor; its ops run the rollout and evaluate stages with it, and take the actor's new weights in memory
+(:mod:`models.hosts.transports`), probed against the trainer's forward before it serves them. Each op names its
+iteration: an engine holding another iteration's policy refuses it. With ``run.off_policy_steps=1`` the next
+actor's weights wait (``pending``) until a request asks for that actor: the batch after an update is still
+sampled from the actor before it.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """A resident run's services (``run.resident``), torch-free until one starts: which a run keeps, one service's life
-in its process (:func:`serve_service`, the same in a local child process and a cluster's service node,
-``tasks/services.py``), and locally their start and stop.
-
-Locally, where ``pyflyte run`` executes the nodes one at a time in its own process, the services are child
-processes of it (``python -m models.hosts {engine,actor,critic} --launch FILE``; a trainer as the ranks of a
-``torchrun`` launch when its ``nproc_per_node`` is above 1): started by ``prepare_run`` from the state the run
-starts or resumes at, stopped by ``finish_run``, the failure handler, and at the process's exit. A service also
-stops when the process that started it is gone or after ``run.resident_idle_timeout_s`` without a request.
-
-A service listens locally on 127.0.0.1; in a cluster pod on every interface, published as the pod's address
-(``RLHF_SERVICE_HOST`` names one address to listen on and publish instead: the pod harness's loopback).
+in its process (:func:`serve_service`: a local child process, or a cluster's service node, ``tasks/services.py``),
+and locally their start and stop. Locally they are child processes of ``pyflyte run`` (a trainer as the ranks of a
+``torchrun`` launch when its ``nproc_per_node`` is above 1), listening on 127.0.0.1: started by ``prepare_run``
+from the state the run starts or resumes at, stopped by ``finish_run``, the failure handler and at the process's
+exit, or by themselves when it is gone or after ``run.resident_idle_timeout_s`` idle. In a cluster pod a service
+listens on every interface and publishes the pod's address (``RLHF_SERVICE_HOST``: one address for both).
 """
 
 from __future__ import annotations
@@ -72,8 +67,8 @@ def serve_service(name: str, cfg, run: RunHandle, state: PolicyState, token: str
                         parent_pid=parent_pid)
 
     def announce(server) -> None:
-        book.publish(run.layout.url, book.ServiceAddress(name, server.url, token, os.getpid(), run.launch,
-                                                         dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")))
+        started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        book.publish(run.layout.url, book.ServiceAddress(name, server.url, token, os.getpid(), run.launch, started))
         print(f"{LABELS[name]} ready on {server.url} at iteration {state.iteration}", flush=True)
 
     t0 = time.monotonic()

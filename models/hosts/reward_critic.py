@@ -374,6 +374,3 @@ class RewardCriticHost(Host):
                 "reward_model": c.reward_model_url or None, "vocab_size": self.vocab_size, "device": str(self.device),
                 "train_calls": self.train_calls, "optimizer_steps": self.optimizer_steps,
                 **{f"infer_{k}" if k != "largest_batch" else k: v for k, v in self.batcher.stats.items()}}
-
-    def close(self) -> None:
-        pass

@@ -35,29 +35,22 @@ from models.service.ops import Host, op
 
 @dataclass(frozen=True)
 class RolloutServiceConfig:
-    """The engine the service starts (the fields of :class:`models.engines.VLLMEngine`)."""
+    """The engine the server starts (the fields of :class:`models.engines.VLLMEngine`; each is the option of the same
+    name of ``python -m models.hosts serve-rollout``, whose help says what it does)."""
 
     checkpoint_url: str
-    """Committed policy checkpoint the engine starts from."""
     engine: str = "vllm"
-    """``vllm`` or ``hf`` (transformers ``generate``)."""
     dtype: str = "float32"
     kv_cache_gib: float = 1.0
-    """vLLM KV-cache space on CPU (``VLLM_CPU_KVCACHE_SPACE``)."""
     gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory vLLM may take."""
     max_model_len: int = 0
-    """Longest prompt + response vLLM plans for; 0: the model's own limit."""
     max_lora_rank: int = 0
     """vLLM: largest LoRA rank served (0: no adapters). The HF engine serves any adapter (peft)."""
     seed: int = 0
-    """vLLM engine seed (each request's sampling seed is its own)."""
     threads: int = 0
     """Torch intra-op threads of the engine thread; 0: torch's choice."""
     tensor_parallel_size: int = 1
-    """vLLM workers the engine is split over (``rollout.tensor_parallel_size``)."""
     data_parallel_size: int = 1
-    """Engine replicas, each in its own process, requests' prompts dealt among them (``rollout.data_parallel_size``)."""
     max_samples: int = 1024
     max_tokens: int = 8192
     """Most prompts × n per request, most prompt + ``max_new_tokens`` tokens per prompt (413 above)."""

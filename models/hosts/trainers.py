@@ -1,13 +1,10 @@
 """The trainer services of a resident run (``run.resident``): every rank of the actor's (the critic's) launch holds
-its shard of the model and AdamW's state (the update stage's :class:`~models.stages.updates.Trainee`), and runs
-the stage functions with them: ``update`` is :func:`~models.stages.updates.update_trainee` whole (a checkpoint
-every ``run.save_interval``), the actor's ``score`` is :func:`~models.stages.score.run_score` with π_old, π_ref
-(and the reward model) held here, the critic's ``values`` its share of the score stage's forward.
-
-Each op names the iteration it is for; a service that holds another iteration's policy refuses it. An ``update``
-asked again for the iteration it just did (a retried task whose reply was lost) returns that result instead of
-stepping twice. After the actor's update its new weights go to the engine service in memory
-(:mod:`models.hosts.transports`).
+its shard of the model and AdamW's state (a :class:`~models.stages.updates.Trainee`) and runs the stage functions
+with them: ``update`` is :func:`~models.stages.updates.update_trainee` (a checkpoint every ``run.save_interval``;
+the actor's new weights then go to the engine in memory), the actor's ``score`` :func:`~models.stages.score.run_score`
+with π_old, π_ref (and the reward model) held here, the critic's ``values`` its share of the score's forward.
+Each op names its iteration, refused by a service holding another; an ``update`` asked again for the iteration it
+just did (a retried task whose reply was lost) returns that result instead of stepping twice.
 """
 
 from __future__ import annotations
@@ -81,9 +78,6 @@ class TrainerHost(Host):
                 return fn()
         finally:
             self.model.train()
-
-    def close(self) -> None:
-        pass
 
 
 class ActorHost(TrainerHost):

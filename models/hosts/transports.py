@@ -56,11 +56,14 @@ class Transport:
         pass
 
 
+def _in_body(engine: ServiceClient, args: Dict[str, Any], body: bytes) -> Dict[str, float]:
+    out = engine.call("weights", args, body=body)
+    return {**out, "resident/weights_bytes": float(len(body)), "resident/weights_transport": CODES["http"]}
+
+
 class HTTPTransport(Transport):
     def send(self, engine, args, lm, weights):
-        body = pack_weights(weights)
-        out = engine.call("weights", args, body=body)
-        return {**out, "resident/weights_bytes": float(len(body)), "resident/weights_transport": CODES["http"]}
+        return _in_body(engine, args, pack_weights(weights))
 
     def receive(self, meta, body, engine):
         tensors = unpack_weights(body)
@@ -81,8 +84,7 @@ class AdapterTransport(Transport):
                 config = json.load(f)
             with open(os.path.join(tmp, ADAPTER_FILE), "rb") as f:
                 body = f.read()
-        out = engine.call("weights", {**args, "meta": {"adapter_config": config}}, body=body)
-        return {**out, "resident/weights_bytes": float(len(body)), "resident/weights_transport": CODES["http"]}
+        return _in_body(engine, {**args, "meta": {"adapter_config": config}}, body)
 
     def receive(self, meta, body, engine):
         from models.checkpoint.local import local_checkpoint

@@ -4,7 +4,7 @@ Torch-free; the hosts that hold the models sit above the stages (``models/hosts/
 
 | module   | holds                                                                                       |
 |----------|---------------------------------------------------------------------------------------------|
-| `ops`    | `@op` and `Host`: a host class's ops; the checks a request passes (unknown op, arguments, locations, config digest) |
+| `ops`    | `@op` and `Host`: a host class's ops; what a request must pass (op, arguments, locations, digest) |
 | `server` | `Server`: the one HTTP server (token guard, limits), serial on every rank or concurrent    |
 | `client` | `ServiceClient`: the one retrying client, errors naming the service                        |
 | `book`   | the address book of a run's services, in its folder, by launch                              |

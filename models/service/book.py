@@ -1,11 +1,7 @@
-"""The address book of a run's services, kept in the run's folder (so every task of the run finds them, on
-any node, across the Flyte executions of one launch)::
-
-    {run}/services/{name}.json     {"name", "url", "token", "pid", "launch", "started_at"}
-
-Each service publishes its address once it listens; a caller asks for the service of its own launch (the
-launch is part of the run handle it was given) and waits for it while the services start beside the first
-tasks; an earlier launch's address is never used.
+"""The address book of a run's services, in the run's folder (every task of the run finds them, on any node,
+across the Flyte executions of one launch): ``{run}/services/{name}.json``, published once a service listens. A
+caller asks for the service of its own launch (its run handle's), waiting while the services start beside the
+first tasks; an earlier launch's address is never used.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The client of every service, standard library only (a thin task imports it without torch): ``call`` runs an op
-(``client.call("score", {...})``, or ``client.score(...)`` as a method) and returns its result.
-
-Retries: a refused connection (the request never arrived) and 5xx answers are retried ``retries`` times
-with exponential backoff (``backoff_s · 2^k``, capped at ``max_backoff_s``); a connection dropped after
-the request went out is retried only for an op that may run twice (``resend``); 4xx answers and timeouts
-are not (retrying cannot fix them; a busy service is not helped by more load). Errors name the service::
+(``client.call("score", {...})``, or ``client.score(...)``) and returns its result. A refused connection and 5xx
+answers are retried ``retries`` times with exponential backoff (``backoff_s · 2^k``, capped); a connection dropped
+after the request went out only for an op that may run twice (``resend``); 4xx answers and timeouts never (retrying
+cannot fix them; a busy service is not helped by more load). Errors name the service::
 
     ServiceError: reward server at http://127.0.0.1:8123: infer returned 401: Unauthorized: bearer token ...
     ServiceGone: the critic trainer service at http://10.0.0.7:41234 does not answer (update: connection

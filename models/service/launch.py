@@ -1,8 +1,6 @@
-"""Starting a service: its life in its process (:func:`serve`: listen, say where, run the ops until stopped), and
-a service as a child process of this one (:class:`ChildProcess`: its log, waited on until it says where it
-listens). A run's services on a Flyte cluster are the nodes of its execution, each running :func:`serve`.
-
-Every service prints one line when it accepts requests, the URL after :data:`READY`::
+"""A service's life in its process (:func:`serve`: listen, say where, run the ops until stopped; a cluster's
+service node runs it too), and a service as a child process of this one (:class:`ChildProcess`: its log, waited
+on until it prints where it listens, the URL after :data:`READY`)::
 
     reward server ready on http://127.0.0.1:8123 (parts: critic, reward_model; auth: on)
 """

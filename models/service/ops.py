@@ -1,17 +1,10 @@
-"""Ops: the methods of a host class that a client may call, and what the layer checks before one runs.
-
-A host class marks its ops with :func:`op`; the server runs nothing else. A request names the op and its
-arguments, and is refused (:class:`Refused`, before any rank runs it) when:
-
-- the host has no such op (404);
-- it carries an argument the op does not take, or lacks one it needs (422): a service receives the run's
-  config and layout when it starts, so a request carries only what changes (the iteration's state, batch
-  URIs), never a config;
-- it names a location outside the service's root (403): every argument named ``url``, ``batch`` or
-  ``*_url``, nested ones included, must lie strictly inside it (the run's folder for a run's service,
-  ``--storage-root`` for a server), so a token holder cannot make a service read or write elsewhere with
-  its credentials;
-- it was sent for another config than the one the service started with (409: the digests differ).
+"""Ops: the methods of a host class a client may call (marked :func:`op`; the server runs nothing else), and the
+checks a request passes before any rank runs it. It is refused (:class:`Refused`) when the host has no such op
+(404); when it carries an argument the op does not take, or lacks one it needs (422: a service has the run's
+config and layout from its start, so a request carries only what changes, never a config); when it names a
+location outside the service's root (403: every argument named ``url``, ``batch`` or ``*_url``, nested ones
+included, lies strictly inside the run's folder, or a server's ``--storage-root``, so a token holder cannot make
+a service read or write elsewhere with its credentials); when it was sent for another config (409: digests).
 """
 
 from __future__ import annotations
@@ -57,6 +50,9 @@ class Host:
     @classmethod
     def ops(cls) -> Dict[str, Callable]:
         return {name: getattr(cls, name) for name in dir(cls) if getattr(getattr(cls, name), "is_op", False)}
+
+    def close(self) -> None:
+        """Free what the host holds (its engine) once the service stopped."""
 
     def status(self, err: BaseException) -> int:
         return next((code for kind, code in self.statuses.items() if isinstance(err, kind)), 500)
@@ -112,8 +108,9 @@ def check_request(host: Host, name: str, args: Mapping[str, Any], body: bool, re
     takes = [p for p in params if p != BODY]
     extra = sorted(set(args) - set(takes)) + ([BODY] if body and BODY not in params else [])
     if extra:
-        raise Refused(f"{host.label}'s op {name} takes no argument {extra[0]!r} (it takes {', '.join(takes) or 'none'}):"
-                      f" a request carries only what changes, the service has the run's config from its start")
+        raise Refused(f"{host.label}'s op {name} takes no argument {extra[0]!r} (it takes "
+                      f"{', '.join(takes) or 'none'}): a request carries only what changes, the service has the run's "
+                      f"config from its start")
     missing = [p for p, spec in params.items() if spec.default is inspect.Parameter.empty and p not in args
                and (p != BODY or not body)]
     if missing:

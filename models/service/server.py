@@ -1,18 +1,14 @@
-"""One HTTP server for every service, standard library only: ``POST /call`` with the bearer token runs an op of
-the host (:mod:`models.service.ops`) and answers ``{"result": ...}``, or ``{"error": ..., "kind": ...}`` with
-the status of the refusal or of the host's error (500 for any other).
+"""One HTTP server for every service, standard library only: ``POST /call`` with the bearer token runs an op of the
+host (:mod:`models.service.ops`) and answers ``{"result": ...}``, or ``{"error", "kind"}`` with the status of the
+refusal or the host's error (500 for any other). A body is JSON ``{"op", "args", "digest"}``, or
+(``application/octet-stream``) that JSON after its length in 8 bytes, then a blob the op takes as its ``body``
+(weights). The guard answers before anything is parsed: 401 without the token (constant-time compare), 411
+without a ``Content-Length``, 400 an unreadable one, 413 a body over ``max_body_bytes``.
 
-A body is JSON ``{"op", "args", "digest"}``, or (``application/octet-stream``) the same JSON after its
-length in 8 bytes, then a binary blob the op takes as its ``body`` (new weights). The guard runs before
-anything is parsed: 401 without the token (constant-time compare), 411 without a ``Content-Length``, 400 an
-unreadable one, 413 a body over ``max_body_bytes``.
-
-Two ways to run the ops. Serial (a run's services): a request waits for the one before it; the loop of
-:meth:`Server.serve` runs each on every rank of the service's process group (``share``: rank 0 hands it to
-the others) and rank 0 replies. Concurrent (the servers of ``models/hosts``): each request runs in its own
-thread, the host keeps its own order (its lock, its engine thread, its batcher). Either way a service stops
-on the ``stop`` op, when the process that launched the run is gone (``parent_pid``), or after
-``idle_timeout_s`` without a request, so none outlives its run.
+Serial (a run's services): one request at a time, run by the loop of :meth:`Server.serve` on every rank of the
+service (``share``: rank 0 hands it to the others), rank 0 replying. Concurrent (the servers someone starts): each
+request in its own thread, the host keeping its own order. A service stops on the ``stop`` op, when the process
+that launched the run is gone (``parent_pid``), or after ``idle_timeout_s`` without a request.
 """
 
 from __future__ import annotations
@@ -46,14 +42,13 @@ class Settings:
     root: str = ""
     """Where its requests' locations must lie (:func:`models.service.ops.inside`); empty: no location."""
     digest: str = ""
-    """The digest of the config it started with; a request must carry the same. Empty: no config."""
+    """The digest of the config it started with, which a request must carry; empty: no config."""
     max_body_bytes: int = 0
-    """Largest request body; bigger ones get 413. 0: no limit."""
     serial: bool = True
     idle_timeout_s: float = 0.0
-    """Stop after this long without a request; 0: never."""
     parent_pid: int = 0
-    """Stop when this process is gone; 0: no such watch."""
+    """The largest body (0: any), serial or concurrent ops, the stops: after ``idle_timeout_s`` without a request,
+    when process ``parent_pid`` is gone (0: neither)."""
 
 
 def to_json(value: Any) -> bytes:

@@ -1,13 +1,8 @@
-"""Which service a stage or a resident run's task calls, through the one client of :mod:`models.service`:
-
-- a run's own services (``run.resident``): ``engine``, ``actor``, ``critic``, found in the run's address book
-  under the launch its handle names (``RunHandle.launch``; on a cluster waiting up to
-  ``run.resident_start_timeout_s`` while they start beside the first tasks), called with the digest of the
-  run's config and only what changes: the iteration's state and batch URIs;
-- a server someone else started (``critic.remote_url``, ``reward.remote_url``, ``rollout.remote_url``): its URL,
-  the token of ``RLHF_SERVER_TOKEN``, retries.
-
-Torch-free: the thin tasks import it.
+"""Which service a stage or a resident run's task calls, through the one client of :mod:`models.service` (torch-free:
+the thin tasks import it): a run's own (``run.resident``: ``engine``, ``actor``, ``critic``, found in its address
+book under the launch its handle names, on a cluster waiting up to ``run.resident_start_timeout_s``; called with
+the digest of the run's config and only what changes, the state and batch URIs), or a server someone else started
+(``critic.remote_url``, ``reward.remote_url``, ``rollout.remote_url``: ``RLHF_SERVER_TOKEN``, retries).
 """
 
 from __future__ import annotations
