@@ -13,7 +13,8 @@ their adapters, and a long-lived service can call the same functions.
 | finish | :func:`models.stages.finish.run_finish` | :class:`~models.stages.outputs.TrainingSummary` |
 
 A run's launch is :func:`models.stages.prepare.prepare` (``models/run/setup.py`` lays the run out);
-scheduled retraining's plan and decision are in :mod:`models.stages.retrain`. Each stage takes the
+scheduled retraining's plan and decision are in :mod:`models.stages.retrain`; which service a stage calls (a
+resident run's own, or a server at ``*.remote_url``) is :mod:`models.stages.services`. Each stage takes the
 typed config (:mod:`models.config`), the run (:class:`~models.run.types.RunHandle`), the policy state
 (:class:`~models.run.types.PolicyState`) and a batch (:class:`~models.data.batch.RolloutBatch`) as it
 needs. Importing this package (or any of its modules) loads no flytekit.
