@@ -148,6 +148,11 @@ class Server:
         return serve_ranks(self.host, self, share, self.log)
 
     def close(self) -> None:
+        """Stop listening; a request that came in as the loop stopped gets 503."""
+        while not self._queue.empty():
+            _, reply = self._queue.get_nowait()
+            if reply is not None:
+                reply.set_result((503, {"error": f"{self.host.label} stopped: {self.stopping}", "kind": "Stopping"}))
         self.httpd.shutdown()
         self.httpd.server_close()
 

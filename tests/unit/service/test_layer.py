@@ -6,6 +6,7 @@ guard's 411/400/413) before the host runs anything; the address book by launch."
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -117,7 +118,11 @@ def test_the_guard_answers_before_reading_a_request(tmp_path):
     assert post(b" " * 150, {})[0] == 413
     assert "exceeds the limit of 100 bytes" in post(b" " * 150, {})[1]["error"]
     assert post(b"not json", {})[0] == 400
-    assert post(iter([b"{}"]), {"Transfer-Encoding": "chunked"})[0] == 411  # no Content-Length
+    host_port = server.url.split("//")[1].split(":")
+    with socket.create_connection((host_port[0], int(host_port[1])), timeout=10) as raw:  # no Content-Length
+        raw.sendall(f"POST /call HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                    f"Transfer-Encoding: chunked\r\n\r\n".encode())
+        assert raw.recv(100).startswith(b"HTTP/1.0 411")
     assert host.seen == []
     server.stop("done")
     server.close()
