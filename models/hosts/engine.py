@@ -85,12 +85,12 @@ class EngineHost(Host):
         when a request asks for that actor."""
         if not defer:
             self.version = -1  # until the new weights are in and verified, the engine serves no iteration
-        put = self.transport.receive(meta or {}, body, self.engine)
+        put = self.transport.receive(meta or {}, body)
 
         def load() -> Dict[str, float]:
             t0 = time.perf_counter()
             self.version = -1  # until the new weights are in and verified, the engine serves no iteration
-            put()
+            put(self.engine)
             result = verify_reference(self.engine, probe["sequences"], probe["logprobs"], float(tolerance),
                                       f"the actor of iteration {version} (in memory)")
             self.version = int(version)

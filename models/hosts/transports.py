@@ -45,8 +45,9 @@ class Transport:
         """Run the engine's ``weights`` op with ``args`` and the weights; its reply and what the push moved."""
         raise NotImplementedError
 
-    def receive(self, meta: Mapping[str, Any], body: Optional[bytes], engine) -> Callable[[], None]:
-        """The pushed weights, taken now; the function returned puts them into ``engine``."""
+    def receive(self, meta: Mapping[str, Any], body: Optional[bytes]) -> Callable[[Any], None]:
+        """The pushed weights, taken now; the function returned puts them into the engine it is given (the one
+        serving when they are loaded: off-policy, later)."""
         raise NotImplementedError
 
     def connect(self, **offer: Any) -> Dict[str, Any]:
@@ -65,9 +66,9 @@ class HTTPTransport(Transport):
     def send(self, engine, args, lm, weights):
         return _in_body(engine, args, pack_weights(weights))
 
-    def receive(self, meta, body, engine):
+    def receive(self, meta, body):
         tensors = unpack_weights(body)
-        return lambda: engine.load_tensors(tensors)
+        return lambda engine: engine.load_tensors(tensors)
 
 
 class AdapterTransport(Transport):
@@ -86,7 +87,7 @@ class AdapterTransport(Transport):
                 body = f.read()
         return _in_body(engine, {**args, "meta": {"adapter_config": config}}, body)
 
-    def receive(self, meta, body, engine):
+    def receive(self, meta, body):
         from models.checkpoint.local import local_checkpoint
         from models.training.lora import canonical_url
         from models.training.merge import merged_copy
@@ -98,7 +99,7 @@ class AdapterTransport(Transport):
         with open(os.path.join(folder, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
             json.dump(config, f)
 
-        def put() -> None:
+        def put(engine) -> None:
             if self.merged:
                 engine.load_weights(merged_copy(folder, local_checkpoint, getattr(torch, self.dtype)))
             else:
@@ -158,7 +159,7 @@ class CollectiveTransport(Transport):
         self.receiver = Receiver(host, gpu, **({} if timeout_s is None else {"timeout_s": float(timeout_s)}))
         return self.receiver.offer()
 
-    def receive(self, meta, body, engine):
+    def receive(self, meta, body):
         if self.receiver is None:
             raise ChannelError("the weights came over the collective transport, but no weight channel is open "
                                "(the actor trainer opens one with the connect op at its first push)")
@@ -169,7 +170,7 @@ class CollectiveTransport(Transport):
             self.close()
             raise ChannelError(f"receiving the weights from the actor trainer over the collective transport "
                                f"({backend}) failed: {err}") from err
-        return lambda: engine.load_tensors(tensors)
+        return lambda engine: engine.load_tensors(tensors)
 
     def close(self) -> None:
         for end in (self.sender, self.receiver):

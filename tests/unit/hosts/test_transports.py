@@ -36,7 +36,7 @@ class Engine(Host):
         if self.refuse:
             reason, self.refuse = self.refuse, ""
             raise RuntimeError(reason)
-        self.transport.receive(meta or {}, body, self)()
+        self.transport.receive(meta or {}, body)(self)
         return {"version": version, "probe": probe}
 
 
