@@ -2,7 +2,7 @@
 
     python benchmarks/bench_server.py [--seconds 60] [--clients 16] [--critic URL] [--reward-model URL]
 
-Starts ``python -m models.server serve`` on 127.0.0.1 (a free port; tiny random models
+Starts ``python -m models.hosts serve`` on 127.0.0.1 (a free port; tiny random models
 unless checkpoints are given), then:
 
 1. reference: every distinct request (``--variants`` per client, 1-4 samples each, distinct
@@ -33,9 +33,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from models.server.client import RewardCriticClient  # noqa: E402
-from models.server.launch import ServerProcess  # noqa: E402
-from tests.unit.server.tiny_checkpoints import commit_tiny_models, samples  # noqa: E402
+from models.service.client import ServiceClient  # noqa: E402
+from tests.processes import server_process  # noqa: E402
+from tests.unit.hosts.tiny_checkpoints import commit_tiny_models, samples  # noqa: E402
 
 Request = Tuple[List[List[int]], List[List[int]]]
 
@@ -45,23 +45,27 @@ def matches(got, ref, atol: float = 1e-4) -> bool:
     if len(got) != len(ref):
         return False
     for g, r in zip(got, ref):
-        if (g.values is None) != (r.values is None) or (g.reward is None) != (r.reward is None):
+        if (g["values"] is None) != (r["values"] is None) or (g["reward"] is None) != (r["reward"] is None):
             return False
-        if g.values is not None and (len(g.values) != len(r.values)
-                                     or not np.allclose(g.values, r.values, atol=atol, rtol=0)):
+        if g["values"] is not None and (len(g["values"]) != len(r["values"])
+                                        or not np.allclose(g["values"], r["values"], atol=atol, rtol=0)):
             return False
-        if g.reward is not None and abs(g.reward - r.reward) > atol:
+        if g["reward"] is not None and abs(g["reward"] - r["reward"]) > atol:
             return False
     return True
 
 
-def client_loop(client: RewardCriticClient, requests: List[Request], refs: list, deadline: float, out: dict) -> None:
+def infer(client: ServiceClient, prompts, responses):
+    return client.infer(samples=[{"prompt_tokens": p, "response_tokens": r} for p, r in zip(prompts, responses)])
+
+
+def client_loop(client: ServiceClient, requests: List[Request], refs: list, deadline: float, out: dict) -> None:
     i = 0
     while time.monotonic() < deadline:
         prompts, responses = requests[i % len(requests)]
         t0 = time.perf_counter()
         try:
-            got = client.infer(prompts, responses)
+            got = infer(client, prompts, responses)
         except Exception as err:  # noqa: BLE001 - every failure is a lost response
             out["lost"] += 1
             out["errors"].append(str(err))
@@ -98,20 +102,20 @@ def main() -> int:
                    "--max-delay-ms", str(args.max_delay_ms), "--threads", str(args.server_threads)]
     for flag, url in (("--critic", models["critic"]), ("--reward-model", models["reward_model"])):
         server_args += [flag, url] if url else []
-    server = ServerProcess(server_args, env={"BENCH_SERVER_TOKEN": token}, log_path=tmp / "server.log").start()
+    server = server_process(server_args, env={"BENCH_SERVER_TOKEN": token}, log_path=tmp / "server.log").start()
     url = server.url
     try:
         requests = [[samples(1 + (c + k) % 4, seed=10_000 + 100 * c + k) for k in range(args.variants)]
                     for c in range(args.clients)]
         assert len({repr(r) for per in requests for r in per}) == args.clients * args.variants, "requests not distinct"
-        ref_client = RewardCriticClient(url, token=token, timeout_s=args.timeout_s)
-        refs = [[ref_client.infer(*r) for r in per] for per in requests]
+        ref_client = ServiceClient(url, token, "reward server", timeout_s=args.timeout_s)
+        refs = [[infer(ref_client, *r) for r in per] for per in requests]
         before = ref_client.health()
         outs = [{"lost": 0, "mixed": 0, "samples": 0, "latency_s": [], "errors": []} for _ in range(args.clients)]
         t0 = time.monotonic()
         deadline = t0 + args.seconds
         threads = [threading.Thread(target=client_loop, daemon=True,
-                                    args=(RewardCriticClient(url, token=token, timeout_s=args.timeout_s, retries=0),
+                                    args=(ServiceClient(url, token, "reward server", timeout_s=args.timeout_s),
                                           requests[c], refs[c], deadline, outs[c]))
                    for c in range(args.clients)]
         for t in threads:
@@ -127,17 +131,17 @@ def main() -> int:
     lat = np.array([x for o in outs for x in o["latency_s"]]) * 1e3  # ms
     ok, lost, mixed = len(lat), sum(o["lost"] for o in outs) + hung, sum(o["mixed"] for o in outs)
     n_samples = sum(o["samples"] for o in outs)
-    batches = after.infer_batches - before.infer_batches
-    print(f"server {url}: parts {', '.join(after.parts)}; max batch {args.max_batch_size}, "
+    batches = after["infer_batches"] - before["infer_batches"]
+    print(f"server {url}: parts {', '.join(after['parts'])}; max batch {args.max_batch_size}, "
           f"max delay {args.max_delay_ms:g} ms; {args.clients} clients x {args.variants} distinct requests; "
           f"{wall:.1f} s")
     print(f"requests: {ok + lost} ({ok / wall:.1f}/s answered), samples: {n_samples} ({n_samples / wall:.1f}/s)")
     if ok:
         p50, p90, p99 = np.percentile(lat, [50, 90, 99])
         print(f"latency ms: p50 {p50:.1f}  p90 {p90:.1f}  p99 {p99:.1f}  max {lat.max():.1f}")
-    print(f"server batches: {batches} for {after.infer_requests - before.infer_requests} requests "
-          f"(mean {(after.infer_samples - before.infer_samples) / max(batches, 1):.1f} samples, "
-          f"largest {after.largest_batch})")
+    print(f"server batches: {batches} for {after['infer_requests'] - before['infer_requests']} requests "
+          f"(mean {(after['infer_samples'] - before['infer_samples']) / max(batches, 1):.1f} samples, "
+          f"largest {after['largest_batch']})")
     print(f"lost: {lost}  mixed: {mixed}")
     for err in sorted({e for o in outs for e in o["errors"]})[:5]:
         print(f"  error: {err}")

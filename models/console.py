@@ -16,7 +16,7 @@ into a failed reload (the engine restarts, with a warning naming the weights).
 
 It is called where a process starts using the project: on import of :mod:`tasks` and
 :mod:`workflows` (``pyflyte run``, a task pod's ``pyflyte-execute``, the elastic workers), by the
-servers (``python -m models.server``) and by the demos' model builders (``python -m models.demos.math_demo``,
+servers (``python -m models.hosts``) and by the demos' model builders (``python -m models.demos.math_demo``,
 ``python -m models.demos.tool_demo``). Environment variables are set with ``setdefault``, so a value
 the user exported wins, and child processes (elastic workers, vLLM's) inherit them.
 """

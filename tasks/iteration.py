@@ -12,7 +12,7 @@ from flytekit.types.error import FlyteError
 
 from models.config import TrainConfig
 from models.data.batch import RolloutBatch
-from models.resident.lifecycle import stop_all_services, stop_services
+from models.hosts.resident import stop_all_services, stop_services
 from models.run import lock as run_lock
 from models.run.types import PolicyState, RunHandle
 from models.stages.commit import run_commit
@@ -54,7 +54,7 @@ def finish_run(cfg: TrainConfig, run: RunHandle, state: PolicyState, launch: str
     run = run.for_launch(launch)
     # A resident run's services (this process's children locally, the service nodes on a cluster): the
     # run's checkpoints are all committed by now.
-    stop_services(run.layout, launch=run_lock.execution_name(run.launch))
+    stop_services(run)
     with run_lock.heartbeat(run.layout.lock_url, run.launch):
         return run_finish(cfg, run, state)
 

@@ -10,7 +10,7 @@ from flytekit import Resources, task
 
 from models.config import TrainConfig
 from models.run.types import RunHandle
-from models.stages.finish import TrainingSummary
+from models.stages.outputs import TrainingSummary
 from models.stages.retrain import RetrainPlan, RetrainResult, decide, plan
 from tasks import secrets
 from tasks.deploy import REGISTERED, resources_for

@@ -6,7 +6,8 @@ from flytekit import task
 
 from models.config import TrainConfig
 from models.run.types import PolicyState, RunHandle
-from models.stages.rollout import RolloutOutput, run_rollout
+from models.stages.outputs import RolloutOutput
+from models.stages.rollout import run_rollout
 from tasks import decks, secrets
 from tasks.caching import CACHED
 from tasks.deploy import REGISTERED, resources_for

@@ -8,7 +8,7 @@ from typing import List, NamedTuple
 from flytekit import Resources, task
 
 from models.config import TrainConfig
-from models.resident.lifecycle import start_services
+from models.hosts.resident import start_services
 from models.run import lock as run_lock
 from models.run.types import PolicyState, RunHandle
 from models.stages.prepare import prepare
@@ -33,11 +33,11 @@ def prepare_run(preset: str, overrides: List[str], run_name: str, workflow: str)
     """Check what the run needs, then load and check the config, validate prompts before any model
     loads, lay out the run (reference policy, initial critic, prompts), start the MLflow run; or resume
     ``run_name``. ``workflow`` (``ppo`` or ``reinforce``) must suit ``run.algorithm``. With ``run.resident``
-    a local run's services start here, from the state it starts or resumes at (``models/resident/lifecycle.py``)."""
+    a local run's services start here, from the state it starts or resumes at (``models/hosts/resident.py``)."""
     secrets.load(secrets.S3, secrets.MLFLOW)
     setup = prepare(preset, overrides, run_name, workflow, None if is_local_execution() else REGISTERED)
     launch = run_lock.current_owner()  # the holder of the run's lock (models/run/lock.py)
     if setup.cfg.run.resident and is_local_execution():  # the services as child processes of this one (on a
         # cluster they are nodes of the execution: workflows/common.py's run_services)
-        start_services(setup.cfg, setup.run, setup.state, launch=run_lock.execution_name(launch))
+        start_services(setup.cfg, setup.run.for_launch(launch), setup.state)
     return Prepared(*setup, launch)

@@ -9,7 +9,8 @@ from flytekit import task
 from models.config import TrainConfig
 from models.data.batch import RolloutBatch
 from models.run.types import PolicyState, RunHandle
-from models.stages.score import ScoreOutput, run_score
+from models.stages.outputs import ScoreOutput
+from models.stages.score import run_score
 from models.stages.score_ranks import score_ranks as score_on_ranks
 from tasks import decks, secrets
 from tasks.caching import CACHED

@@ -11,7 +11,7 @@ from models.data.batch import RolloutBatch
 from models.run.types import PolicyState, RunHandle
 from models.stages.actor import train_actor_ranks
 from models.stages.critic import train_critic_ranks
-from models.stages.updates import UpdateOutput
+from models.stages.outputs import UpdateOutput
 from tasks import secrets
 from tasks.caching import CACHED
 from tasks.deploy import REGISTERED, elastic_for, resources_for

@@ -4,15 +4,28 @@ a URL answers, stopping them (SIGTERM, then SIGKILL), and a moto S3 server with 
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from typing import Iterator
 
-from models.server.launch import end_process
+from models.service.launch import ChildProcess, end_process
+
+
+def server_process(args, command: str = "serve", env=None, log_path=None, timeout_s: float = 120.0) -> ChildProcess:
+    """``python -m models.hosts {command} --port 0 {args}`` on 127.0.0.1 as a child process (``start()`` or a
+    ``with`` block starts it and waits until it listens: its ``url``); its log in ``log_path`` (or a temporary
+    file)."""
+    if log_path is None:
+        fd, log_path = tempfile.mkstemp(prefix=f"{command}-", suffix=".log")
+        os.close(fd)
+    return ChildProcess([sys.executable, "-m", "models.hosts", command, "--port", "0", *args], log_path, command,
+                        env, timeout_s)
 
 
 def free_port() -> int:

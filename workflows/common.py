@@ -183,7 +183,7 @@ class Trained(NamedTuple):
     setup: object
     """``prepare_run``'s node: the run's config, handle, starting state and launch."""
     summary: object
-    """``finish_run``'s node: the run's :class:`~models.stages.finish.TrainingSummary`."""
+    """``finish_run``'s node: the run's :class:`~models.stages.outputs.TrainingSummary`."""
 
 
 @dynamic(requests=Resources(cpu="500m", mem="1Gi"), secret_requests=secrets.requests(secrets.S3))

@@ -15,7 +15,7 @@ from flytekit import LaunchPlan, dynamic, workflow
 
 from models.config import TrainConfig
 from models.run.types import PolicyState, RunHandle
-from models.stages.finish import TrainingSummary
+from models.stages.outputs import TrainingSummary
 from tasks.iteration import training_failed
 from workflows.common import chain_iterations, run_execution, train, wire_iteration
 

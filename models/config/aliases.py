@@ -10,6 +10,11 @@ so presets, overrides and the ``run.json`` of runs started before keep working (
 - ``model.builder`` is written one way (``module:function(key=value, ...)``, arguments in their order),
   so a resumed run compares it with the stored one by value.
 - A stored config's ``reward.function`` beside ``reward.functions`` is the old default, dropped.
+
+Removal: the project's own presets and code use none of the old keys; this module serves stored runs and
+users' presets only. Remove it (and its call in ``models/config/io.py``) once no run started before
+2026-11-25 is resumed or retrained any more, and at the latest with the first release after 2027-05-25,
+naming the old keys in that release's notes.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ class RolloutConfig:
     (vLLM ``enable_lora``, one LoRA request per iteration; HF through peft); ``merged`` merges the
     adapter into the base weights and reloads them in place."""
     remote_url: str = ""
-    """Rollout server base URL (``python -m models.server serve-rollout``); empty: an engine inside
+    """Rollout server base URL (``python -m models.hosts serve-rollout``); empty: an engine inside
     the task. The server keeps one engine for the whole run and loads each iteration's weights in
     place; its own ``--engine``/``--dtype`` apply, and with ``actor.lora`` it is sent the base
     checkpoint plus the adapter (start it with ``--max-lora-rank``)."""

@@ -149,7 +149,7 @@ class TrainConfig:
               "rollout.environment writes the messages the chat template renders: turn data.apply_chat_template "
               "and data.messages_column off (the environment gets each row's columns and its plain 'prompt')")
         check(not (self.uses_critic and self.critic.remote_url),
-              "rollout.environment with critic.remote_url: the critic server's /train has no loss_mask, so it "
+              "rollout.environment with critic.remote_url: the critic server's train op uses no loss_mask, so it "
               "would regress values on tool and template tokens; use the critic inside the workflow")
 
     def _check_off_policy(self) -> None:

@@ -40,8 +40,8 @@ from models.data import ragged
 from models import storage
 from models.checkpoint import buffer_digest
 from models.data.batch_schema import (ADVANTAGE_COLUMNS, COLUMN_TYPES, RESPONSE_ALIGNED, ROLLOUT_COLUMNS,
-                                SCORE_COLUMNS, BatchMetadata, BatchSchemaError, list_lengths,
-                                validate_table)
+                                SCORE_COLUMNS, BatchMetadata, BatchSchemaError, validate_table)
+from models.data.ragged import list_lengths
 
 if TYPE_CHECKING:
     import torch

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from models.storage import utc_now_iso
-from models.data.ragged import list_lengths  # noqa: F401  (re-exported)
+from models.data.ragged import list_lengths
 
 LIST_INT32 = pa.list_(pa.int32())
 LIST_FLOAT32 = pa.list_(pa.float32())

@@ -27,7 +27,7 @@ import numpy as np
 
 from models.data.ragged import shard_bounds
 from models.data.prompt_render import check_messages, render_prompts, report_unknown_chars
-from models.data.prompt_sources import ErrorList, PromptDataError, Record, read_records, resolve_files  # noqa: F401
+from models.data.prompt_sources import ErrorList, PromptDataError, Record, read_records
 
 
 

@@ -52,6 +52,9 @@ class SamplingSpec:
         if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
             raise ValueError(f"need temperature >= 0, top_k >= 0 and 0 < top_p <= 1 (got {self.temperature}, "
                              f"{self.top_k}, {self.top_p})")
+        if self.n < 1 or self.max_new_tokens < 1 or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"need n >= 1, max_new_tokens >= 1 and 0 <= min_new_tokens <= max_new_tokens (got "
+                             f"{self.n}, {self.max_new_tokens}, {self.min_new_tokens})")
 
 
 @dataclass

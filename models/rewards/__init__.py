@@ -69,7 +69,10 @@ MOVED_MODULES = {
     "models.rewards": "models.rewards",
 }
 """Modules a spec may still name by their path before ``models/`` was grouped by concept (2026-11-25),
-and where they are now: a config written then keeps working."""
+and where they are now: a config written then keeps working. Removal: no preset or code of the project names
+an old path; remove the table (keeping ``models.rewards``) once no run started before 2026-11-25 is resumed or
+retrained any more, and at the latest with the first release after 2027-05-25, naming the old paths in that
+release's notes."""
 
 
 def parse_spec(spec: str) -> RewardSpec:

@@ -159,19 +159,18 @@ def check_reward_functions(cfg: TrainConfig, probe) -> None:
 
 
 def check_server(url: str, what: str, timeout_s: float, num_tokens: int) -> None:
-    """``/health`` of the reward/critic server answers in time with the configured token
-    (``ServerError`` naming the URL: unreachable, timed out, 401, 5xx after retries), serves
+    """The reward/critic server's ``health`` op answers in time with the configured token
+    (``ServiceError`` naming the URL: unreachable, timed out, 401, 5xx after retries), serves
     the needed model, and that model's vocabulary holds the tokenizer's ``num_tokens`` ids."""
-    from models.server.client import server_client
+    from models.service.client import ServiceClient, server_token
 
-    with server_client(url, timeout_s) as client:
-        health = client.health()
+    health = ServiceClient(url, server_token(), "reward server", timeout_s=timeout_s, retries=3).call("health")
     need = {"reward": "reward_model", "critic": "critic"}[what]
-    if need not in health.parts:
-        raise ConfigError(f"{what} server {url} serves {health.parts}, not a {need}")
-    if health.vocab_size < num_tokens:
-        raise ConfigError(f"{what} server {url}: its model's vocabulary has {health.vocab_size} tokens, the "
-                          f"run's tokenizer {num_tokens}; token ids >= {health.vocab_size} would index past it")
+    if need not in health["parts"]:
+        raise ConfigError(f"{what} server {url} serves {health['parts']}, not a {need}")
+    if health["vocab_size"] < num_tokens:
+        raise ConfigError(f"{what} server {url}: its model's vocabulary has {health['vocab_size']} tokens, the "
+                          f"run's tokenizer {num_tokens}; token ids >= {health['vocab_size']} would index past it")
 
 
 def check_sources(cfg: TrainConfig, probe, num_tokens: int) -> None:

@@ -44,6 +44,14 @@ class RunHandle:
         return dataclasses.replace(self, launch=launch)
 
     @property
+    def launch_name(self) -> str:
+        """The name a resident run's services are published and found under: the Flyte execution's name of the
+        launch on a cluster, ``local`` locally (:func:`models.run.lock.execution_name`)."""
+        from models.run.lock import execution_name
+
+        return execution_name(self.launch)
+
+    @property
     def layout(self) -> RunLayout:
         return RunLayout(self.storage_root, self.run_name)
 

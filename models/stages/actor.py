@@ -14,11 +14,12 @@ from models.config import TrainConfig
 from models.data.batch import RolloutBatch
 from models.faults import nan_advantages, pause_point
 from models.run.types import PolicyState, RunHandle
-from models.stages.updates import UpdateOutput, commit_trained, load_for_update, loop_settings, on_ranks, update_data
+from models.stages.outputs import UpdateOutput
+from models.stages.updates import (Role, load_for_update, load_trainee, loop_settings, on_ranks, update_data,
+                                   update_trainee)
 from models.timing import timed
 from models.training.distributed import DistInfo
 from models.training.lora import CAUSAL_LM
-from models.training.optimizer_carry import carried_optimizer
 from models.training.policy import PolicyLogprobs
 from models.training.update import actor_loss_fn, run_update, stat_keys
 
@@ -65,24 +66,19 @@ def update_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
     return stats
 
 
+def actor_stats(stats: Dict[str, float], steps_total: int) -> Dict[str, float]:
+    return stat_keys("actor", {**stats, "optimizer_steps_total": float(steps_total)})
+
+
+ACTOR = Role("actor", "lm", 0, load_actor, update_actor, actor_stats, lambda section: section.weight_decay)
+
+
 def train_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch,
                 info: DistInfo) -> UpdateOutput:
     """The body every rank runs: its shard, DDP/FSDP2, the update, rank 0 commits the checkpoint."""
-    t0 = time.perf_counter()
-    torch.manual_seed(cfg.run.seed * 7919 + state.iteration)
-    a = cfg.actor
-    model = load_actor(cfg, state.actor_url, info)
-    times: Dict[str, float] = {}
-    optimizer, prior_steps = carried_optimizer(model, a.lr, a.weight_decay, state.actor_url, a.keep_optimizer_state,
-                                               times, "actor", info)
-    stats = update_actor(cfg, run, state, batch, info, model, optimizer, times)
-    url = run.layout.actor_url(state.iteration)
-    commit_trained(model, optimizer, load_tokenizer(run.reference_url), url, state.actor_url, "lm", a, times,
-                   "actor", info)
-    stats["optimizer_steps_total"] = prior_steps + stats["steps"]
-    out = {**stat_keys("actor", stats), **times}
-    out["time/actor_update_s"] = time.perf_counter() - t0
-    return UpdateOutput(url, out)
+    t0, times = time.perf_counter(), {}
+    trainee = load_trainee(ACTOR, cfg, state, info, times)
+    return update_trainee(ACTOR, cfg, run, state, batch, info, trainee, True, times, t0)
 
 
 def train_actor_ranks(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> UpdateOutput:

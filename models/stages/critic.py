@@ -14,12 +14,13 @@ from models.config import TrainConfig
 from models.data.batch import RolloutBatch
 from models.run import lock as run_lock
 from models.run.types import PolicyState, RunHandle
-from models.server.client import server_client
-from models.stages.updates import UpdateOutput, commit_trained, load_for_update, loop_settings, on_ranks, update_data
+from models.stages.services import critic_service
+from models.stages.outputs import UpdateOutput
+from models.stages.updates import (Role, load_for_update, load_trainee, loop_settings, on_ranks, update_data,
+                                   update_trainee)
 from models.timing import timed
 from models.training.distributed import DistInfo
 from models.training.lora import TOKEN_CLS
-from models.training.optimizer_carry import carried_optimizer
 from models.training.policy import CriticValues
 from models.training.update import critic_loss_fn, run_update
 
@@ -61,18 +62,9 @@ def train_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Ro
     if cfg.critic.remote_url:
         return train_remote_critic(cfg, run, state, batch, t0)
     info = info or DistInfo(0, 1, 0, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    torch.manual_seed(cfg.run.seed * 7919 + state.iteration + 1)
-    c = cfg.critic
-    model = load_critic(cfg, state.critic_url, info)
     times: Dict[str, float] = {}
-    optimizer, prior_steps = carried_optimizer(model, c.lr, 0.0, state.critic_url, c.keep_optimizer_state, times,
-                                               "critic", info)
-    stats = update_critic(cfg, run, state, batch, info, model, optimizer, times)
-    url = run.layout.critic_url(state.iteration)
-    commit_trained(model, optimizer, load_tokenizer(run.reference_url), url, state.critic_url, "critic", c, times,
-                   "critic", info)
-    return UpdateOutput(url, {**critic_stats(stats), "critic/optimizer_steps_total": prior_steps + stats["steps"],
-                              **times, "time/critic_update_s": time.perf_counter() - t0})
+    trainee = load_trainee(CRITIC, cfg, state, info, times)
+    return update_trainee(CRITIC, cfg, run, state, batch, info, trainee, True, times, t0)
 
 
 def train_critic_ranks(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch) -> UpdateOutput:
@@ -87,20 +79,16 @@ def train_critic_ranks(cfg: TrainConfig, run: RunHandle, state: PolicyState, bat
 
 def train_remote_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch,
                         t0: float) -> UpdateOutput:
-    """The critic server's ``train`` on this batch, then ``save`` to the run's critic URL."""
-    from models.server.schemas import TrainSettings
-
+    """The critic server's ``train`` on this batch (not resent: it steps the critic), then ``save`` to the run's
+    critic URL."""
     c = cfg.critic
-    t = batch.table
-    client = server_client(c.remote_url, cfg.reward.remote_timeout_s)
-    out = client.train(t.column("prompt_tokens").to_pylist(), t.column("response_tokens").to_pylist(),
-                       t.column("returns").to_pylist(), t.column("values").to_pylist(),
-                       TrainSettings(epochs=c.epochs, minibatch_size=c.minibatch_size,
-                                     micro_batch_size=c.micro_batch_size, grad_clip=c.grad_clip,
-                                     value_clip=c.value_clip, seed=cfg.run.seed * 1000 + state.iteration + 1))
+    client = critic_service(cfg, run)
+    settings = {"epochs": c.epochs, "minibatch_size": c.minibatch_size, "micro_batch_size": c.micro_batch_size,
+                "grad_clip": c.grad_clip, "value_clip": c.value_clip, "seed": cfg.run.seed * 1000 + state.iteration + 1}
+    out = client.call("train", {"batch": batch.uri, "settings": settings}, resend=False)
     url = run.layout.critic_url(state.iteration)
-    client.save(url, overwrite=True)
-    return UpdateOutput(url, {**critic_stats(out.stats), "time/critic_update_s": time.perf_counter() - t0})
+    client.call("save", {"url": url, "overwrite": True})
+    return UpdateOutput(url, {**critic_stats(out["stats"]), "time/critic_update_s": time.perf_counter() - t0})
 
 
 CRITIC_STATS = ("loss", "explained_variance", "grad_norm", "value_clip_frac", "steps", "nonfinite_steps",
@@ -114,3 +102,10 @@ def critic_stats(stats: Dict[str, float]) -> Dict[str, float]:
     counts = ("nonfinite_steps", "skipped_steps")
     return {f"critic/{k}": float(stats.get(k, 0.0)) if k in counts else stats[k]
             for k in CRITIC_STATS if k in stats or k in counts}
+
+
+def critic_stats_total(stats: Dict[str, float], steps_total: int) -> Dict[str, float]:
+    return {**critic_stats(stats), "critic/optimizer_steps_total": float(steps_total)}
+
+
+CRITIC = Role("critic", "critic", 1, load_critic, update_critic, critic_stats_total)

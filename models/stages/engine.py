@@ -3,7 +3,9 @@ or merged) or the rollout server, probed against the trainer after every weight 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import List, Optional
 
 import torch
 
@@ -12,18 +14,56 @@ from models.checkpoint.local import local_checkpoint
 from models.training.load import base_checkpoint_url
 from models.config import TrainConfig
 from models.engines import get_engine
-from models.server.client import server_token
-from models.server.rollout_client import RemoteEngine, RolloutClient
+from models.engines.base import EngineStats, Generation, SamplingSpec
+from models.stages.services import server
 from models.training.lora import base_url, is_adapter
 from models.training.merge import merged_copy
 from models.training.probe import ensure_serves
 
 
+class RemoteEngine:
+    """:class:`models.engines.GenerationEngine` on a rollout server (its ``generate`` op): ``load_weights`` and
+    ``set_adapter`` take committed checkpoint URLs (as the server sees them) and only record them; the server
+    loads them with the next ``generate``, probed against the trainer's forward in ``trainer_dtype``."""
+
+    def __init__(self, client, checkpoint_url: str = "", adapter_url: Optional[str] = None,
+                 probe_tolerance: float = 1e-3):
+        self.client, self.checkpoint_url, self.adapter_url = client, checkpoint_url, adapter_url
+        self.probe_tolerance, self.trainer_dtype = probe_tolerance, "float32"
+        self.stats = EngineStats()
+
+    def load_weights(self, checkpoint_url: str) -> None:
+        """Sample from the committed checkpoint at ``checkpoint_url`` from now on (no adapter)."""
+        self.checkpoint_url, self.adapter_url = checkpoint_url, None
+
+    def set_adapter(self, adapter_url: Optional[str]) -> None:
+        self.adapter_url = adapter_url
+
+    def generate(self, prompts: List[List[int]], spec: SamplingSpec) -> List[List[Generation]]:
+        if not self.checkpoint_url:
+            raise ValueError("RemoteEngine: call load_weights(checkpoint_url) before generate")
+        sampling = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(spec).items()}
+        out = self.client.call("generate", {
+            "prompts": [list(map(int, p)) for p in prompts], "sampling": sampling, "checkpoint_url": self.checkpoint_url,
+            "adapter_url": self.adapter_url, "probe_tolerance": self.probe_tolerance,
+            "trainer_dtype": self.trainer_dtype})
+        if out["probe_gap_max"] is not None:
+            self.stats.extra["probe_gap_max"] = out["probe_gap_max"]
+        self.stats.reload_s += out["load_s"]
+        self.stats.generate_s += out["generate_s"]
+        generations = [[Generation(g["tokens"], g["logprobs"], g["is_end"]) for g in per_prompt]
+                       for per_prompt in out["generations"]]
+        self.stats.generated_tokens += sum(len(g.tokens) for per_prompt in generations for g in per_prompt)
+        return generations
+
+    def close(self) -> None:
+        pass
+
+
 @functools.lru_cache(maxsize=4)
 def _remote_engine(url: str, timeout_s: float) -> RemoteEngine:
-    """One per process and server, so connections are reused across iterations (as ``get_engine``
-    reuses an in-process engine)."""
-    return RemoteEngine(RolloutClient(url, token=server_token(), timeout_s=timeout_s))
+    """One per process and server (as ``get_engine`` reuses an in-process engine)."""
+    return RemoteEngine(server(url, timeout_s, "rollout server"))
 
 
 def remote_engine_for(cfg: TrainConfig, actor_url: str) -> RemoteEngine:

@@ -17,7 +17,7 @@ from models.run.health import check_healthy
 from models.run.retention import human_bytes
 from models.run.setup import DEFAULT_PRESETS
 from models.run.types import PolicyState, RunHandle
-from models.stages.outputs import TrainingSummary  # noqa: F401  (re-exported: its home before the resident tasks)
+from models.stages.outputs import TrainingSummary
 from models.tracking import registry
 from models.tracking.redact import redact
 

@@ -17,7 +17,7 @@ from models.config import TrainConfig
 from models.config.io import load_config
 from models.run.types import RunHandle
 from models.stages.evaluate import eval_reward
-from models.stages.finish import TrainingSummary
+from models.stages.outputs import TrainingSummary
 from models.tracking import registry
 
 UNSET_DATE = dt.datetime(1970, 1, 1)

@@ -4,16 +4,19 @@ and the shaped reward the advantages use; the score and evaluate stages share th
 from __future__ import annotations
 
 import json
-from typing import Dict, Tuple
+from typing import Dict, Iterable, List, Sequence, Tuple
+
+import numpy as np
 
 from models.training.load import load_hf
 from models.config import TrainConfig
 from models.data.batch import RolloutBatch
 from models.data.batch_schema import decode_data_columns
 from models.rewards.scaling import RunningMoments, ShapedRewards, out_of_range, shape_rewards
+from models.rewards import RewardError
 from models.rewards.sources import FunctionRewards, ModelReward, PlainSource, RewardScores, check_rewards
 from models.run.types import PolicyState, RunHandle
-from models.server.client import server_client
+from models.stages.services import server
 from models.stages.batches import micro_batches
 
 
@@ -24,9 +27,50 @@ def reward_source(cfg: TrainConfig, run: RunHandle):
         return FunctionRewards.from_config(cfg.reward)
     if cfg.reward.source == "model":
         return ModelReward(load_hf(run.reward_model_url, AutoModelForSequenceClassification), run.reward_model_url)
-    from models.server.client import RemoteReward
+    return PlainSource(RemoteReward(server(cfg.reward.remote_url, cfg.reward.remote_timeout_s, "reward server")),
+                       "reward_server")
 
-    return PlainSource(RemoteReward(server_client(cfg.reward.remote_url, cfg.reward.remote_timeout_s)), "reward_server")
+
+def tokens_from_inputs(inputs) -> Tuple[List[List[int]], List[List[int]]]:
+    """Prompt and response token lists of each row of right-padded ``ModelInputs``: row b holds ``P_b`` prompt then
+    ``R_b`` response tokens; ``R_b = response_mask[b].sum()`` and ``P_b = attention_mask[b].sum() - R_b``."""
+    ids = inputs.input_ids.cpu().numpy()  # [B, L]
+    total = inputs.attention_mask.cpu().numpy().sum(1).astype(np.int64)  # [B]
+    p_len = total - inputs.response_mask.cpu().numpy().sum(1).astype(np.int64)  # [B]
+    rows = np.split(ids[np.arange(ids.shape[1])[None, :] < total[:, None]], np.cumsum(total)[:-1])  # B × [P+R]
+    return [row[:p].tolist() for row, p in zip(rows, p_len)], [row[p:].tolist() for row, p in zip(rows, p_len)]
+
+
+class RemoteReward:
+    """A reward source scored by a reward server's reward model (its ``infer`` op), called like the other sources."""
+
+    def __init__(self, client, max_samples_per_request: int = 256):
+        self.client, self.chunk = client, max_samples_per_request
+
+    def __call__(self, prompts: Sequence[str], responses: Sequence[str], micro_batches: Iterable = ()) -> List[float]:
+        """Rewards of the rows of ``micro_batches`` (the texts only fix the sample count)."""
+        prompt_tokens, response_tokens = [], []
+        for inputs in micro_batches:
+            p, r = tokens_from_inputs(inputs)
+            prompt_tokens += p
+            response_tokens += r
+        if len(prompt_tokens) != len(prompts):
+            raise RewardError(f"reward server {self.client.url}: micro-batches hold {len(prompt_tokens)} rows "
+                              f"for {len(prompts)} samples")
+        return self.score_tokens(prompt_tokens, response_tokens)
+
+    def score_tokens(self, prompt_tokens: Sequence[Sequence[int]],
+                     response_tokens: Sequence[Sequence[int]]) -> List[float]:
+        """One finite reward per sample, else :class:`RewardError` naming the first bad sample."""
+        rewards: List[float] = []
+        for start in range(0, len(prompt_tokens), self.chunk):
+            samples = [{"prompt_tokens": list(map(int, p)), "response_tokens": list(map(int, r))} for p, r in
+                       zip(prompt_tokens[start:start + self.chunk], response_tokens[start:start + self.chunk])]
+            results = self.client.call("infer", {"samples": samples})
+            if any(r["reward"] is None for r in results):
+                raise RewardError(f"reward server {self.client.url} has no reward model loaded")
+            rewards += [r["reward"] for r in results]
+        return check_rewards(rewards, f"server {self.client.url}").astype(float).tolist()
 
 
 def batch_rewards(cfg: TrainConfig, run: RunHandle, batch: RolloutBatch, size: int, pad_id: int,

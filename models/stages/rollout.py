@@ -18,7 +18,7 @@ from models.environments.tools import get_parser
 from models.faults import pause_point
 from models.run.data import read_run_prompts, sample_columns
 from models.run.types import PolicyState, RunHandle
-from models.stages.outputs import RolloutOutput  # noqa: F401  (re-exported: its home before the resident tasks)
+from models.stages.outputs import RolloutOutput
 from models.stages.engine import engine_for
 from models.timing import timed
 

@@ -17,8 +17,8 @@ from models.data import ragged
 from models.data.batch import RolloutBatch
 from models.data.batch_schema import REWARD_NORM_KEY
 from models.run.types import PolicyState, RunHandle
-from models.stages.outputs import ScoreOutput  # noqa: F401  (re-exported: its home before the resident tasks)
-from models.server.client import server_client
+from models.stages.outputs import ScoreOutput
+from models.stages.services import critic_service
 from models.stages.batches import by_length, micro_batches
 from models.rewards.sources import RewardScores, as_scores, check_rewards
 from models.stages.rewards import batch_rewards, shaped_rewards
@@ -30,13 +30,13 @@ from models.training.scoring import score_microbatches
 
 
 
-def remote_values(cfg: TrainConfig, batch: RolloutBatch) -> np.ndarray:
-    """Critic values from the critic server's ``infer``, flat in row-major response order."""
-    client = server_client(cfg.critic.remote_url, cfg.reward.remote_timeout_s)
-    results = client.infer(batch.column("prompt_tokens").to_pylist(), batch.column("response_tokens").to_pylist())
-    if any(r.values is None for r in results):
-        raise ValueError(f"critic server {cfg.critic.remote_url} has no critic loaded")
-    return np.concatenate([np.asarray(r.values, np.float32) for r in results]) if results else np.zeros(0, np.float32)
+def service_values(service, state: PolicyState) -> Callable[[RolloutBatch], np.ndarray]:
+    """The critic's values from a service (``critic.remote_url``'s server or a resident run's critic service,
+    :func:`models.stages.services.critic_service`), flat in row-major response order."""
+    def values(batch: RolloutBatch) -> np.ndarray:
+        return np.asarray(service.call("values", {"batch": batch.uri, "iteration": state.iteration}), np.float32)
+
+    return values
 
 
 def check_reference_base(actor_url: str, reference_url: str) -> None:
@@ -58,7 +58,7 @@ class Scorers(NamedTuple):
     critic: Optional[torch.nn.Module] = None
     """The critic's values forward, when this process holds the critic."""
     values: Optional[Callable[[RolloutBatch], np.ndarray]] = None
-    """The values computed elsewhere (the critic server, the critic service), flat in response order."""
+    """The values computed elsewhere (:func:`service_values`), flat in response order."""
     rewards: Optional[Callable] = None
     """The reward source held by the caller (:func:`models.stages.rewards.reward_source`: a resident actor
     service's reward model, loaded once); None: made for this batch."""
@@ -73,20 +73,28 @@ def load_scorers(cfg: TrainConfig, run: RunHandle, state: PolicyState) -> Scorer
     actor_lm = load_hf(state.actor_url, AutoModelForCausalLM, dtype) if recompute or cfg.actor.lora.enabled \
         else None
     actor = with_packing(PolicyLogprobs(actor_lm).eval(), pack) if actor_lm is not None else None
-    if cfg.actor.lora.enabled:  # π_ref = the same model with its adapter off; no second copy
+    if cfg.actor.lora.enabled:
         check_reference_base(state.actor_url, run.reference_url)
-        ref = without_adapter(actor, actor_lm)
-    else:
-        ref = with_packing(PolicyLogprobs(load_hf(run.reference_url, AutoModelForCausalLM, dtype)).eval(), pack)
+    ref = reference_scorer(cfg, run, actor, actor_lm)
     local_critic = cfg.uses_critic and not cfg.critic.remote_url
     critic = with_packing(CriticValues(load_hf(state.critic_url, AutoModelForTokenClassification, dtype)).eval(),
                           pack) if local_critic else None
-    values = (lambda b: remote_values(cfg, b)) if cfg.uses_critic and cfg.critic.remote_url else None
+    values = service_values(critic_service(cfg, run), state) if cfg.uses_critic and cfg.critic.remote_url else None
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the score pod's GPU when it has one
     for model in (actor, ref, critic):
         if model is not None:
             model.to(device)
     return Scorers(actor if recompute else None, ref, critic, values)
+
+
+def reference_scorer(cfg: TrainConfig, run: RunHandle, actor, actor_lm):
+    """π_ref's forward: with LoRA the actor's model with its adapter off (no second copy), else the reference."""
+    from transformers import AutoModelForCausalLM
+
+    if cfg.actor.lora.enabled:
+        return without_adapter(actor, actor_lm)
+    return with_packing(PolicyLogprobs(load_hf(run.reference_url, AutoModelForCausalLM, cfg.model.dtype)).eval(),
+                        cfg.model.pack_sequences)
 
 
 def micro_batch_size(cfg: TrainConfig) -> int:

@@ -31,8 +31,9 @@ from models.data.batch_tensors import model_inputs
 from models.run.types import PolicyState, RunHandle
 from models.stages.batches import by_length
 from models.stages.outputs import ScoreOutput
-from models.stages.score import (Scorers, check_reference_base, load_scorers, micro_batch_size, remote_values,
-                                 run_score, score_forward)
+from models.stages.score import (Scorers, check_reference_base, load_scorers, micro_batch_size, run_score,
+                                 score_forward, service_values)
+from models.stages.services import critic_service
 from models.stages.score_metrics import check_sampling_temperature
 from models.stages.updates import load_for_update, on_ranks, reads_shards
 from models.training.distributed import DistInfo, unwrap, wrap_for_training
@@ -116,7 +117,7 @@ def load_scorers_ranks(cfg: TrainConfig, run: RunHandle, state: PolicyState, inf
     remote = bool(cfg.critic.remote_url)
     critic = load(state.critic_url, AutoModelForTokenClassification, cfg.critic.lora, TOKEN_CLS, CriticValues) \
         if cfg.uses_critic and not remote else None
-    values = (lambda b: remote_values(cfg, b)) if cfg.uses_critic and remote else None
+    values = service_values(critic_service(cfg, run), state) if cfg.uses_critic and remote else None
     return Scorers(actor if recompute else None, ref, critic, values)
 
 

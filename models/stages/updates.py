@@ -1,35 +1,38 @@
 """What the actor and the critic update share: a batch's rows as update tensors, the loop's settings,
-the model to train loaded from its checkpoint and the trained model committed, their outputs, and the
-body every rank of their elastic launch runs."""
+the model to train loaded from its checkpoint and the trained model committed, the update's recipe
+(:func:`load_trainee`, :func:`update_trainee`: a stateless task runs it once, a resident service keeps the
+:class:`Trainee` between updates), and the body every rank of their elastic launch runs."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, Dict
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, NamedTuple
 
 import torch
 from torch import nn
 
 from models.checkpoint import save_model_checkpoint
 from models.checkpoint.disk_full import naming_a_full_disk
-from models.checkpoint.local import local_checkpoint
+from models.checkpoint.local import load_tokenizer, local_checkpoint
 from models.training.load import base_checkpoint_url, load_hf
-from models.config import LoraConfig
+from models.config import LoraConfig, TrainConfig
 from models.data.batch import RolloutBatch
 from models.run import lock as run_lock
-from models.run.types import RunHandle
-from models.stages.outputs import UpdateOutput  # noqa: F401  (re-exported: its home before the resident tasks)
+from models.run.types import PolicyState, RunHandle
+from models.stages.commit import resume_point_at
+from models.stages.outputs import UpdateOutput
 from models.training.distributed import (DistInfo, barrier, full_state_dict, init_distributed, shutdown_distributed,
                                          unwrap, uses_fsdp2, wrap_for_training)
 from models.training.lora import (add_adapter, base_url, is_adapter, is_peft, save_adapter_checkpoint,
                                   trainable_in_float32, with_adapter)
-from models.training.optimizer_carry import commit_optimizer
+from models.training.optimizer_carry import carried_optimizer, commit_optimizer
 from models.training.policy import with_packing
 from models.training import weight_shards
 from models.training.sharded_load import load_sharded, load_sharded_lora
-from models.training.update import LoopSettings, UpdateData, disable_dropout
-
+from models.training.update import LoopSettings, UpdateData, disable_dropout, make_optimizer
 
 
 def update_data(batch: RolloutBatch, pad_id: int, columns, shard) -> UpdateData:
@@ -134,3 +137,74 @@ def on_ranks(run: RunHandle, train: Callable[[DistInfo], UpdateOutput]) -> Updat
         raise
     shutdown_distributed()
     return out
+
+
+class Role(NamedTuple):
+    """What the actor's and the critic's update differ by (``ACTOR`` in :mod:`models.stages.actor`, ``CRITIC``
+    in :mod:`models.stages.critic`)."""
+
+    name: str
+    """``actor`` or ``critic``: the config section, the state's and the layout's URL, the metrics' prefix."""
+    inner: str
+    """The trained model's attribute in the training wrapper."""
+    seed_offset: int
+    load: Callable
+    """``(cfg, url, info)``: the model to train from a checkpoint."""
+    train: Callable
+    """``(cfg, run, state, batch, info, model, optimizer, times)``: one update's loop, its statistics."""
+    stats: Callable[[Dict[str, float], int], Dict[str, float]]
+    """The logged statistics of the loop's and the optimizer steps taken in all."""
+    weight_decay: Callable = lambda section: 0.0
+
+
+@dataclass
+class Trainee:
+    """A model in training and what one update hands the next: AdamW, its steps so far and the checkpoint it
+    was last committed to. A stateless task loads it for one update; a resident service keeps it."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    steps: int
+    url: str
+
+
+def load_trainee(role: Role, cfg: TrainConfig, state: PolicyState, info: DistInfo,
+                 times: Dict[str, float]) -> Trainee:
+    """The model to train from the state's checkpoint, with its AdamW (``keep_optimizer_state``: the state
+    committed beside it), seeded as the update of ``state.iteration`` (a fresh LoRA adapter's draw)."""
+    torch.manual_seed(cfg.run.seed * 7919 + state.iteration + role.seed_offset)
+    s, url = getattr(cfg, role.name), getattr(state, f"{role.name}_url")
+    model = role.load(cfg, url, info)
+    optimizer, steps = carried_optimizer(model, s.lr, role.weight_decay(s), url, s.keep_optimizer_state, times,
+                                         role.name, info)
+    return Trainee(model, optimizer, steps, url)
+
+
+def saves_at(cfg: TrainConfig, iteration: int) -> bool:
+    """Whether a resident run's services checkpoint after ``iteration``: the resume points
+    (:func:`~models.stages.commit.resume_point_at`) and, with ``run.off_policy_steps=1``, the iteration before
+    each (its actor samples the batch after the resume point: the state's behaviour actor)."""
+    return resume_point_at(cfg, iteration) or bool(cfg.run.off_policy_steps) and \
+        iteration + 1 < cfg.run.num_iterations and resume_point_at(cfg, iteration + 1)
+
+
+def update_trainee(role: Role, cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch,
+                   info: DistInfo, trainee: Trainee, commit: bool, times: Dict[str, float],
+                   started: float = 0.0) -> UpdateOutput:
+    """Every rank: one update of ``trainee`` on ``batch`` (fresh AdamW moments unless ``keep_optimizer_state``),
+    then with ``commit`` its checkpoint as the iteration's (else no URL), and the statistics; ``started``:
+    when the update's work began (default: now)."""
+    t0 = started or time.perf_counter()
+    s = getattr(cfg, role.name)
+    if not s.keep_optimizer_state:
+        trainee.optimizer, trainee.steps = make_optimizer(trainee.model, s.lr, role.weight_decay(s)), 0
+    stats = role.train(cfg, run, state, batch, info, trainee.model, trainee.optimizer, times)
+    trainee.steps += int(stats["steps"])
+    url = ""
+    if commit:
+        url = getattr(run.layout, f"{role.name}_url")(state.iteration)
+        commit_trained(trainee.model, trainee.optimizer, load_tokenizer(run.reference_url), url, trainee.url,
+                       role.inner, s, times, role.name, info)
+        trainee.url = url
+    return UpdateOutput(url, {**role.stats(stats, trainee.steps), **times,
+                              f"time/{role.name}_update_s": time.perf_counter() - t0})

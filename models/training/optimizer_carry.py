@@ -9,7 +9,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from models.training import optimizer_state
-from models.training.optimizer_state import optimizer_url
+from models.training.files import optimizer_url
 from models.timing import timed
 from models.training.distributed import DistInfo
 from models.training.update import make_optimizer

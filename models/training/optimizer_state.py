@@ -31,7 +31,6 @@ from torch import nn
 
 from models.checkpoint import is_committed, read_marker, save_checkpoint, staging_dir, verified_copy
 from models.training.distributed import DistInfo, is_sharded, unwrap
-from models.training.files import optimizer_url  # noqa: F401  (re-exported; torch-free there)
 
 FILE = "optimizer.safetensors"
 MOMENTS = ("exp_avg", "exp_avg_sq")

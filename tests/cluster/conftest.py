@@ -88,7 +88,7 @@ def new_cluster(package, s3_server: str, pods_root: Path, baked: Path, secrets: 
     prefix = f"s3://{BUCKET}/cluster-{uuid.uuid4().hex[:8]}"
     # Propeller's default variables: its metadata bucket's endpoint and keys; no instance metadata
     # service on this cluster (botocore would look for one outside the loopback network).
-    # A resident run's service pods listen and publish on loopback (models/resident/service.py).
+    # A resident run's service pods listen and publish on loopback (models/hosts/resident.py).
     default = {"FLYTE_AWS_ENDPOINT": s3_server, "FLYTE_AWS_ACCESS_KEY_ID": KEY,
                "FLYTE_AWS_SECRET_ACCESS_KEY": SECRET, "AWS_EC2_METADATA_DISABLED": "true",
                "RLHF_SERVICE_HOST": "127.0.0.1"}

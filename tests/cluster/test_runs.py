@@ -161,7 +161,7 @@ def check_services(ex, cluster, root: str) -> None:
     PyTorchJob of the registered 2 pods; each served the run's thin tasks and ended because ``finish_run``
     stopped it (not its idle timeout, not a kill), before the execution ended; their addresses are gone.
     No task loaded a model: the iteration's pods are the thin ones."""
-    from models.resident import protocol
+    from models.service import book
 
     services = {a.task.rsplit(".", 1)[-1]: a for a in ex.attempts if a.task.endswith("_service")}
     assert sorted(services) == ["actor_service", "engine_service"], sorted(services)
@@ -175,7 +175,7 @@ def check_services(ex, cluster, root: str) -> None:
         summary = service_summary(cluster, ex, a)
         assert summary.name == name.split("_")[0] and summary.stopped == "the run finished", summary
         assert summary.requests >= {"engine_service": 3, "actor_service": 4}[name], summary  # its ops and the stop
-    assert not cluster.store.fs().exists(f"{root}/pods/services/{protocol.ENGINE}.json")
+    assert not cluster.store.fs().exists(book.address_url(f"{root}/pods", "engine"))
     assert not [a for a in ex.attempts if a.task.split(".")[-1] in ("rollout", "score", "actor_update")]
 
 

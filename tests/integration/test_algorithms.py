@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from models.checkpoint import is_committed
-from models.server.launch import ServerProcess
 from models.data.batch import ADVANTAGE_COLUMNS, RolloutBatch
 from models.run.layout import RunLayout
 from tests.integration.console_lines import demo_env, library_lines
+from tests.processes import server_process
 
 pytestmark = pytest.mark.integration
 
@@ -170,8 +170,8 @@ def test_remote_critic_matches_in_task_critic(ppo_run, tmp_path):
     root, _, setup, ro = ppo_run
     local = run_score(setup.cfg, setup.run, setup.state, ro.batch)
     token = "s3cret-token"
-    with ServerProcess(["--critic", setup.state.critic_url, "--storage-root", str(root), "--threads", "1",
-                        "--token-env", "RS_TOKEN"], env={"RS_TOKEN": token}, log_path=tmp_path / "srv.log") as srv:
+    with server_process(["--critic", setup.state.critic_url, "--storage-root", str(root), "--threads", "1",
+                         "--token-env", "RS_TOKEN"], env={"RS_TOKEN": token}, log_path=tmp_path / "srv.log") as srv:
         os.environ["RLHF_SERVER_TOKEN"] = token
         try:
             cfg = _with(setup.cfg, critic={"remote_url": srv.url})
@@ -201,7 +201,7 @@ def test_remote_reward_model_matches_local(ppo_run, tmp_path):
     save_checkpoint(str(save_model(build_reward_model(TinyModelConfig(), tok), tok, tmp_path / "rm")), rm_url)
     local_cfg = _with(setup.cfg, reward={"source": "model", "model_path": rm_url})
     local = run_score(local_cfg, dataclasses.replace(setup.run, reward_model_url=rm_url), setup.state, ro.batch)
-    with ServerProcess(["--reward-model", rm_url, "--threads", "1"], log_path=tmp_path / "srv.log") as srv:
+    with server_process(["--reward-model", rm_url, "--threads", "1"], log_path=tmp_path / "srv.log") as srv:
         cfg = _with(setup.cfg, reward={"source": "remote", "remote_url": srv.url})
         remote = run_score(cfg, setup.run, setup.state, ro.batch)
         remote_eval = eval_reward(cfg, setup.run, setup.state.actor_url)
@@ -215,8 +215,8 @@ def test_remote_reward_model_matches_local(ppo_run, tmp_path):
 
 def test_ppo_end_to_end_with_critic_server(ppo_run, tmp_path):
     root, _, setup, _ = ppo_run
-    with ServerProcess(["--critic", setup.state.critic_url, "--storage-root", str(tmp_path), "--threads", "1"],
-                       log_path=tmp_path / "srv.log") as srv:
+    with server_process(["--critic", setup.state.critic_url, "--storage-root", str(tmp_path), "--threads", "1"],
+                        log_path=tmp_path / "srv.log") as srv:
         out = _pyflyte("workflows/ppo.py", "ppo_training", "configs/tiny_ppo.yaml",
                        [f"run.storage_root={tmp_path}", f"critic.remote_url={srv.url}"] + SMALL + CRITIC_SMALL,
                        "e2e-remote", tmp_path / "mlflow.db")

@@ -14,8 +14,9 @@ from transformers import AutoTokenizer
 from models.checkpoint import save_checkpoint
 from models.engines import HFEngine, SamplingSpec
 from models.environments.episodes import EpisodeLimits, run_episodes
-from models.server.launch import ServerProcess
-from models.server.rollout_client import RemoteEngine, RolloutClient
+from models.service.client import ServiceClient
+from models.stages.engine import RemoteEngine
+from tests.processes import server_process
 from models.environments.tools import HermesParser
 from tests.unit.episodes.test_episodes import TalkEnv
 
@@ -38,15 +39,14 @@ def test_episodes_through_the_rollout_server_equal_the_engine_in_process(qwen2_c
     torch.set_num_threads(1)
     try:
         local = _episodes(HFEngine(committed), tok)
-        srv = ServerProcess(["--checkpoint", committed, "--engine", "hf", "--threads", "1"],
-                            log_path=tmp_path / "server.log", command="serve-rollout").start()
+        srv = server_process(["--checkpoint", committed, "--engine", "hf", "--threads", "1", "--storage-root",
+                              str(tmp_path)], "serve-rollout", log_path=tmp_path / "server.log").start()
         try:
-            with RolloutClient(srv.url, timeout_s=120) as client:
-                engine = RemoteEngine(client, committed, probe_tolerance=0.0)
-                calls = []
-                generate = engine.generate
-                engine.generate = lambda prompts, spec: calls.append(len(prompts)) or generate(prompts, spec)
-                remote = _episodes(engine, tok)
+            engine = RemoteEngine(ServiceClient(srv.url, timeout_s=120), committed, probe_tolerance=0.0)
+            calls = []
+            generate = engine.generate
+            engine.generate = lambda prompts, spec: calls.append(len(prompts)) or generate(prompts, spec)
+            remote = _episodes(engine, tok)
         finally:
             srv.stop()
     finally:

@@ -14,7 +14,7 @@ import pytest
 
 from models import storage
 from models.checkpoint import download_checkpoint, is_committed
-from models.training.optimizer_state import optimizer_url
+from models.training.files import optimizer_url
 from models.data.batch import ADVANTAGE_COLUMNS, RolloutBatch
 from models.config.io import load_config
 from models.run.layout import RunLayout

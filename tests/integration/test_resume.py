@@ -242,10 +242,10 @@ def _alive(pid: int) -> bool:
 
 
 def _service_pids(layout: RunLayout) -> dict:
-    from models.resident import protocol
+    from models.service import book
+    from models.stages.services import SERVICES
 
-    return {n: storage.read_json(protocol.address_url(layout, n))["pid"] for n in protocol.SERVICES
-            if storage.exists(protocol.address_url(layout, n))}
+    return {n: address.pid for n in SERVICES if (address := book.read(layout.url, n)) is not None}
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The rollout server for real: ``python -m models.server serve-rollout`` on 127.0.0.1 (HF engine),
+"""The rollout server for real: ``python -m models.hosts serve-rollout`` on 127.0.0.1 (HF engine),
 checked against the same engine run in this process on the same checkpoint and seed.
 
 Both sides run torch with one thread, so the same checkpoint, prompts and seed give the same
@@ -18,9 +18,9 @@ import torch
 
 from models.checkpoint import save_checkpoint
 from models.engines import HFEngine, SamplingSpec
-from models.server.client import ServerError
-from models.server.launch import ServerProcess
-from models.server.rollout_client import RemoteEngine, RolloutClient
+from models.service.client import ServiceClient, ServiceError
+from models.stages.engine import RemoteEngine
+from tests.processes import server_process
 from tests.unit.models.actor_checkpoints import PROMPTS, actor_dir
 
 pytestmark = pytest.mark.integration
@@ -49,16 +49,18 @@ def ckpts(tmp_path_factory):
     return out
 
 
-def start(checkpoint: str, log: Path, *args: str, timeout_s: float = 120.0) -> ServerProcess:
-    return ServerProcess(["--checkpoint", checkpoint, "--engine", "hf", "--threads", "1", *args],
-                         env={"RO_TEST_TOKEN": TOKEN}, log_path=log, command="serve-rollout",
-                         timeout_s=timeout_s).start()
+def start(checkpoint: str, log: Path, *args: str, timeout_s: float = 120.0, root: str = ""):
+    """The server; the checkpoints its requests name lie under ``root`` (default: where ``checkpoint`` is)."""
+    return server_process(["--checkpoint", checkpoint, "--engine", "hf", "--threads", "1", "--storage-root",
+                           root or str(Path(checkpoint).parents[1]), *args], "serve-rollout", {"RO_TEST_TOKEN": TOKEN},
+                          log, timeout_s).start()
 
 
 @pytest.fixture(scope="module")
 def server(ckpts, tmp_path_factory):
     srv = start(ckpts["a"], tmp_path_factory.mktemp("server") / "server.log", "--token-env", "RO_TEST_TOKEN",
-                "--max-samples", "16", "--max-tokens", "64", "--max-body-bytes", "20000")
+                "--max-samples", "16", "--max-tokens", "64", "--max-body-bytes", "20000",
+                root=str(tmp_path_factory.getbasetemp()))  # the tests' runs and checkpoints
     try:
         yield srv.url
     finally:
@@ -67,8 +69,13 @@ def server(ckpts, tmp_path_factory):
 
 @pytest.fixture
 def client(server):
-    with RolloutClient(server, token=TOKEN, timeout_s=120) as c:
-        yield c
+    return ServiceClient(server, TOKEN, "rollout server", timeout_s=120)
+
+
+def generate(client, prompts, spec, checkpoint_url, adapter_url=None):
+    """The server's generations through the engine face the rollout stage uses (:class:`RemoteEngine`)."""
+    engine = RemoteEngine(client, checkpoint_url, adapter_url)
+    return engine.generate(prompts, spec)
 
 
 def in_process(checkpoint: str, spec: SamplingSpec = SPEC):
@@ -88,62 +95,62 @@ def assert_same(got, want) -> None:
 
 
 def test_remote_generate_equals_the_engine_in_process(client, ckpts):
-    out = client.generate(PROMPTS, SPEC, ckpts["a"])
-    assert [len(p) for p in out.generations] == [SPEC.n] * len(PROMPTS)
-    assert_same(out.generations, in_process(ckpts["a"]))
+    out = generate(client, PROMPTS, SPEC, ckpts["a"])
+    assert [len(p) for p in out] == [SPEC.n] * len(PROMPTS)
+    assert_same(out, in_process(ckpts["a"]))
     greedy = dataclasses.replace(SPEC, n=1, temperature=0.0, min_new_tokens=6)
-    assert_same(client.generate(PROMPTS, greedy, ckpts["a"]).generations, in_process(ckpts["a"], greedy))
+    assert_same(generate(client, PROMPTS, greedy, ckpts["a"]), in_process(ckpts["a"], greedy))
 
 
 def test_a_new_checkpoint_goes_in_place_and_is_served(client, ckpts):
     before = client.health()
-    out = client.generate(PROMPTS, SPEC, ckpts["b"])
+    out = generate(client, PROMPTS, SPEC, ckpts["b"])
     after = client.health()
-    assert after.checkpoint_url == ckpts["b"]
-    assert after.engine_starts == 1 and after.reloads == before.reloads + 1
+    assert after["checkpoint_url"] == ckpts["b"]
+    assert after["engine_starts"] == 1 and after["reloads"] == before["reloads"] + 1
     reference_b = in_process(ckpts["b"])
-    assert_same(out.generations, reference_b)
+    assert_same(out, reference_b)
     assert [[g.tokens for g in p] for p in reference_b] != [[g.tokens for g in p] for p in in_process(ckpts["a"])]
     engine = RemoteEngine(client)  # the GenerationEngine face: load_weights records the URL
     engine.load_weights(ckpts["a"])
     assert_same(engine.generate(PROMPTS, SPEC), in_process(ckpts["a"]))
-    assert client.health().checkpoint_url == ckpts["a"] and engine.stats.generated_tokens > 0
+    assert client.health()["checkpoint_url"] == ckpts["a"] and engine.stats.generated_tokens > 0
 
 
 def test_token_bad_input_and_limits_are_refused_with_a_clear_status(server, client, ckpts, tmp_path):
-    with RolloutClient(server, timeout_s=30) as anonymous:
-        with pytest.raises(ServerError, match=r"/generate returned 401: bearer token missing or wrong"):
-            anonymous.generate(PROMPTS, SPEC, ckpts["a"])
+    with pytest.raises(ServiceError, match=r"generate returned 401: Unauthorized: bearer token missing or wrong"):
+        generate(ServiceClient(server, timeout_s=30), PROMPTS, SPEC, ckpts["a"])
+    sampling = {"n": 3, "max_new_tokens": 6, "seed": 7}
     cases = [
-        (([[1, 5], [1, 500]], SPEC, ckpts["a"]), 422,
+        (([[1, 5], [1, 500]], sampling, ckpts["a"]), 422,
          r"prompt 1: token id 500 in prompts is outside the vocabulary \[0, 99\)"),
-        (([[1, 5], []], SPEC, ckpts["a"]), 422, r"prompt 1 is empty"),
-        (([[1, 5]], SPEC, str(tmp_path / "nothing")), 422, r"checkpoint .*nothing is not committed"),
-        (([[1, 5]], dataclasses.replace(SPEC, min_new_tokens=9), ckpts["a"]), 422,
-         r"min_new_tokens=9 exceeds max_new_tokens=6"),
-        (([[1, 5]] * 6, SPEC, ckpts["a"]), 413, r"request has 18 samples; this server accepts at most 16"),
-        (([[1, 5], [1] * 60], SPEC, ckpts["a"]), 413,
+        (([[1, 5], []], sampling, ckpts["a"]), 422, r"prompt 1 is empty"),
+        (([[1, 5]], sampling, "/nothing"), 403, r"checkpoint_url '/nothing' is outside"),
+        (([[1, 5]], sampling, str(tmp_path / "nothing")), 422, r"checkpoint .*nothing is not committed"),
+        (([[1, 5]], {**sampling, "min_new_tokens": 9}, ckpts["a"]), 422,
+         r"0 <= min_new_tokens <= max_new_tokens \(got 3, 6, 9\)"),
+        (([[1, 5]] * 6, sampling, ckpts["a"]), 413, r"request has 18 samples; this server accepts at most 16"),
+        (([[1, 5], [1] * 60], sampling, ckpts["a"]), 413,
          r"prompt 1 plus max_new_tokens has 66 tokens; this server accepts at most 64"),
-        (([[1] * 2000] * 5, dataclasses.replace(SPEC, n=1), ckpts["a"]), 413,
-         r"request body exceeds the server limit of 20000 bytes"),
+        (([[1] * 2000] * 5, {**sampling, "n": 1}, ckpts["a"]), 413, r"exceeds the limit of 20000 bytes"),
     ]
-    for args, status, message in cases:
-        with pytest.raises(ServerError, match=message) as err:
-            client.generate(*args)
+    for (prompts, spec, url), status, message in cases:
+        with pytest.raises(ServiceError, match=message) as err:
+            client.call("generate", {"prompts": prompts, "sampling": spec, "checkpoint_url": url})
         assert (err.value.status, err.value.attempts) == (status, 1)
-    assert client.health().checkpoint_url is not None  # a bad URL leaves the served weights alone
+    assert client.health()["checkpoint_url"] is not None  # a bad URL leaves the served weights alone
 
 
 def test_killed_server_gives_a_clear_error_after_the_retries(ckpts, tmp_path):
     srv = start(ckpts["a"], tmp_path / "log")
-    client = RolloutClient(srv.url, timeout_s=60, retries=3, backoff_s=0.05)
+    client = ServiceClient(srv.url, label="rollout server", timeout_s=60, retries=3, backoff_s=0.05)
     try:
-        assert len(client.generate([[1, 5]], SPEC, ckpts["a"]).generations[0]) == SPEC.n
+        assert len(generate(client, [[1, 5]], SPEC, ckpts["a"])[0]) == SPEC.n
     finally:
         srv.stop()
-    with pytest.raises(ServerError) as err:
+    with pytest.raises(ServiceError) as err:
         RemoteEngine(client, ckpts["a"]).generate([[1, 5]], SPEC)
-    assert str(err.value) == f"rollout server {srv.url}/generate unreachable after 4 attempts (connection refused)"
+    assert str(err.value) == f"rollout server at {srv.url} does not answer (generate: connection refused, 4 attempts)."
     assert err.value.attempts == 4
 
 
@@ -171,8 +178,7 @@ def test_rollout_and_eval_tasks_through_the_server_match_the_engine_in_the_task(
     assert {c: remote.column(c).to_pylist() for c in columns} == {c: want[c] for c in columns}
     np.testing.assert_allclose(np.concatenate(remote.column("sampler_logprobs").to_pylist()),
                                np.concatenate(want["sampler_logprobs"]), atol=1e-5, rtol=0)
-    with RolloutClient(server, token=TOKEN) as c:
-        assert c.health().checkpoint_url == setup.state.actor_url
+    assert ServiceClient(server, TOKEN).health()["checkpoint_url"] == setup.state.actor_url
     remote_eval = eval_reward(remote_cfg, setup.run, setup.state.actor_url)
     assert remote_eval == pytest.approx(eval_reward(setup.cfg, setup.run, setup.state.actor_url), abs=1e-6)
 
@@ -185,11 +191,11 @@ def test_vllm_server_equals_vllm_in_process(ckpts, tmp_path):
     srv = start(ckpts["a"], tmp_path / "log", "--engine", "vllm", "--max-model-len", "64",
                 timeout_s=300)  # vLLM's start took 67 s on a loaded 2-core box (docs/multi_turn.md)
     try:
-        with RolloutClient(srv.url, timeout_s=120) as client:
-            remote = client.generate(PROMPTS, SPEC, ckpts["a"]).generations
-            assert client.health().engine == "vllm"
-            with pytest.raises(ServerError, match="returned 409: this rollout server serves no LoRA adapters"):
-                client.generate(PROMPTS, SPEC, ckpts["a"], adapter_url=ckpts["b"])
+        client = ServiceClient(srv.url, label="rollout server", timeout_s=120)
+        remote = generate(client, PROMPTS, SPEC, ckpts["a"])
+        assert client.health()["engine"] == "vllm"
+        with pytest.raises(ServiceError, match="returned 409: NotLoaded: this rollout server serves no LoRA adapters"):
+            generate(client, PROMPTS, SPEC, ckpts["a"], adapter_url=ckpts["b"])
     finally:
         srv.stop()
     engine = VLLMEngine(ckpts["a"], max_model_len=64)

@@ -14,7 +14,7 @@ from flytekit import task
 from flytekitplugins.kfpytorch import Elastic
 from safetensors.torch import load_file
 
-from models.training.optimizer_state import optimizer_url
+from models.training.files import optimizer_url
 from tasks.updates import actor_update
 from tests.stages import tiny_run, to_advantages, with_overrides
 

@@ -20,7 +20,7 @@ import torch
 from flytekit import task
 from safetensors.torch import load_file
 
-from models.training.optimizer_state import optimizer_url
+from models.training.files import optimizer_url
 from tasks.deploy import elastic_for
 from tasks.updates import critic_update
 from tests.integration.test_sharded_actor_update import _local, stage_inputs

@@ -21,7 +21,7 @@ from models import storage
 from models.checkpoint import CheckpointError
 from models.rewards.workers import RewardTimeout
 from models.rewards import RewardError
-from models.server.client import ServerError
+from models.service.client import ServiceError
 from models.storage import StorageError
 from models.run import setup as run_setup
 from models.config import ConfigError
@@ -44,7 +44,7 @@ class ModelWorkStarted(AssertionError):
 
 
 class HealthStub:
-    """``GET /health`` on 127.0.0.1: ``status`` after ``delay_s``; 401 unless the bearer token is ``token``."""
+    """The ``health`` op on 127.0.0.1: ``status`` after ``delay_s``; 401 unless the bearer token is ``token``."""
 
     def __init__(self, status: int = 200, delay_s: float = 0.0, token: str = "", parts=("reward_model",),
                  vocab_size: int = 99):
@@ -53,11 +53,12 @@ class HealthStub:
                 "infer_batches": 0, "largest_batch": 0}
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 time.sleep(delay_s)
-                code, data = status, body if status == 200 else {"detail": "model exploded"}
+                code, data = status, {"result": body} if status == 200 else {"error": "model exploded"}
                 if token and self.headers.get("Authorization") != f"Bearer {token}":
-                    code, data = 401, {"detail": "bearer token missing or wrong"}
+                    code, data = 401, {"error": "bearer token missing or wrong", "kind": "Unauthorized"}
                 raw = json.dumps(data).encode()
                 try:
                     self.send_response(code)
@@ -194,24 +195,24 @@ CASES = [
     ("reward inf", lambda w, a, r, m: base(w, a) + [f"reward.function={REWARDS}:reward_inf"], "ppo", RewardError,
      r"reward_inf': sample 3 got non-finite value inf"),
     ("reward server unreachable", lambda w, a, r, m: base(w, a) + [
-        "reward.source=remote", f"reward.remote_url=http://127.0.0.1:{free_port()}"], "ppo", ServerError,
-     r"reward server http://127\.0\.0\.1:\d+/health unreachable after 4 attempts \(connection refused\)"),
+        "reward.source=remote", f"reward.remote_url=http://127.0.0.1:{free_port()}"], "ppo", ServiceError,
+     r"reward server at http://127\.0\.0\.1:\d+ does not answer \(health: connection refused, 4 attempts\)"),
     ("reward server slow", lambda w, a, r, m: base(w, a) + [
         "reward.source=remote", f"reward.remote_url={stub(r, delay_s=3)}", "reward.remote_timeout_s=0.3"], "ppo",
-     ServerError, r"reward server http://127\.0\.0\.1:\d+/health timed out after 0\.3 s"),
+     ServiceError, r"reward server at http://127\.0\.0\.1:\d+: health timed out after 0\.3 s"),
     ("reward server answers 500", lambda w, a, r, m: base(w, a) + [
-        "reward.source=remote", f"reward.remote_url={stub(r, status=500)}"], "ppo", ServerError,
-     r"/health returned 500 after 4 attempts: model exploded"),
+        "reward.source=remote", f"reward.remote_url={stub(r, status=500)}"], "ppo", ServiceError,
+     r": health returned 500 after 4 attempts: Error: model exploded"),
     ("reward server answers 401", lambda w, a, r, m: with_env(m, "RLHF_SERVER_TOKEN", "wrong-token") + base(w, a) + [
-        "reward.source=remote", f"reward.remote_url={stub(r, token='right-token')}"], "ppo", ServerError,
-     r"/health returned 401: bearer token missing or wrong"),
+        "reward.source=remote", f"reward.remote_url={stub(r, token='right-token')}"], "ppo", ServiceError,
+     r": health returned 401: Unauthorized: bearer token missing or wrong"),
     ("reward server without a reward model", lambda w, a, r, m: base(w, a) + [
         "reward.source=remote", f"reward.remote_url={stub(r, parts=('critic',))}"], "ppo", ConfigError,
      r"reward server http://127\.0\.0\.1:\d+ serves \['critic'\], not a reward_model"),
     ("critic server unreachable", lambda w, a, r, m: base(w, a) + [
         f"reward.function={REWARDS}:reward_zero", f"critic.remote_url=http://127.0.0.1:{free_port()}"], "ppo",
-     ServerError,
-     r"reward server http://127\.0\.0\.1:\d+/health unreachable"),
+     ServiceError,
+     r"reward server at http://127\.0\.0\.1:\d+ does not answer"),
     ("storage unreachable", lambda w, a, r, m: s3_endpoint(m, f"http://127.0.0.1:{free_port()}") + base(w, a) + [
         "run.storage_root=s3://rlhf-test/runs"], "ppo", StorageError,
      r"write failed for s3://rlhf-test/runs/case/\.write-check-\w+ after 4 attempt"),

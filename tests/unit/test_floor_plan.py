@@ -26,13 +26,14 @@ from tests.import_graph import (ROOT, explicit, import_cycles, import_statements
 
 MODEL_FLOORS: Tuple[Tuple[str, ...], ...] = (
     ("demos",),  # the demo presets' builders: tests, benchmarks and `python -m models.demos.*` use them
-    ("resident",),  # a resident run's services: the stage functions with models kept loaded, their HTTP face
+    ("hosts",),  # what a service holds: the models kept loaded, its ops calling the stage functions whole
     ("stages",),  # one plain function per iteration stage, called by the Flyte tasks (and by services)
     ("run",),  # a run's lifecycle: set-up, preflight checks, resume, layout, lock, end, health
     ("tracking",),  # MLflow: metrics, the model registry, reports
     ("config",),  # TrainConfig: reads the algorithms, checks against the engines' and rewards' limits
     ("algorithms",),  # one declaration per algorithm
-    ("server",),  # the reward/critic and rollout servers and their clients (the stages and preflight call them)
+    ("service",),  # the service layer: one server, client, launcher, address book, the ops' checks (stages and
+    # preflight call services through it; the hosts serve on it)
     ("environments",),  # multi-turn episodes: an engine's turns, a reward at the end
     ("rewards",),  # reward functions, reward models, their workers
     ("training",),  # forwards, the update loop, LoRA, the probe, AdamW's state, distributed set-up
@@ -177,6 +178,13 @@ def test_rule_holds(rule):
     check, reason = RULES[rule]
     found = check()
     assert not found, f"{reason}:\n" + "\n".join(found)
+
+
+def test_the_service_layer_sits_below_the_stages_and_the_hosts_above():
+    """A host calls stage functions with its models; a stage calls a service through the layer: neither the layer
+    nor a stage may import a host, and the layer knows no stage (issue 37)."""
+    hosts, stages, service = (floor_index(f"models.{name}") for name in ("hosts", "stages", "service"))
+    assert hosts < stages < service, [floor_name(i) for i in (hosts, stages, service)]
 
 
 def test_models_is_no_flat_drawer():

@@ -8,7 +8,7 @@
   no ``pickle``/``joblib``/``np.load(allow_pickle=True)``, no ``trust_remote_code=True``).
 - MLflow params and tags are masked (:mod:`models.tracking.redact`).
 
-The server's token, size caps and save-path checks are tested in ``tests/unit/server``
+The server's token, size caps and save-path checks are tested in ``tests/unit/hosts``
 (``test_app.py``, ``test_paths.py``) and ``tests/integration/test_server.py``.
 """
 

@@ -21,7 +21,7 @@ HEAVY = ("torch", "transformers", "vllm", "peft")
 
 THIN_MODULES = ("models.config", "models.config.io", "models.run.types", "models.run.layout", "models.run.lock",
                 "models.data.batch", "models.data.batch_schema", "models.tracking", "models.stages.commit",
-                "tasks.batch_type", "models.stages.outputs", "models.resident.protocol", "models.resident.lifecycle",
+                "tasks.batch_type", "models.stages.outputs", "models.stages.services", "models.hosts.resident",
                 "tasks.resident", "tasks.iteration")
 """What a thin task imports: the config and its YAML reader, the run's handle, layout and lock, the
 RolloutBatch file (its tensor methods import torch when called), MLflow tracking, the commit stage, the

@@ -12,6 +12,7 @@ from torch import nn
 from models.training import optimizer_state
 from models.checkpoint import is_committed, read_marker
 from models.training.distributed import DistInfo
+from models.training.files import optimizer_url
 from models.training.update import make_optimizer
 
 MAIN = DistInfo(0, 1, 0, torch.device("cpu"))
@@ -125,4 +126,4 @@ def test_state_on_s3_round_trips(s3_url):
 @pytest.mark.parametrize("url,want", [("s3://b/run/iter-000003/actor", "s3://b/run/iter-000003/actor-optimizer"),
                                       ("/runs/r/iter-000003/critic/", "/runs/r/iter-000003/critic-optimizer")])
 def test_state_lives_beside_its_checkpoint(url, want):
-    assert optimizer_state.optimizer_url(url) == want
+    assert optimizer_url(url) == want

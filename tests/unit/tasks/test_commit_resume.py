@@ -73,7 +73,7 @@ def test_optimizer_state_stays_with_the_newest_checkpoint_only(run, tmp_path, sa
 
     from models import storage
     from models.checkpoint import is_committed
-    from models.training.optimizer_state import optimizer_url
+    from models.training.files import optimizer_url
 
     handle, actor0, batch = run
     cfg = TrainConfig()
@@ -123,7 +123,7 @@ def test_a_resident_commit_moves_the_resume_point_with_the_checkpoints_only(run,
 
     from models import storage
     from models.stages.commit import progress_url
-    from models.training.optimizer_state import optimizer_url
+    from models.training.files import optimizer_url
 
     handle, actor0, batch = run
     cfg = TrainConfig()

@@ -111,8 +111,8 @@ def test_without_retention_state_json_is_the_file_it_always_was(tmp_path):
 
 def resident(cfg, run: RunHandle, iterations: Iterable[int]) -> None:
     """A resident run's commits: the services checkpoint at the resume points (and, off-policy, the iteration
-    before each, ``models/resident/hosts.py:saves_at``); ``state.json`` moves at the resume points only."""
-    from models.resident.hosts import saves_at
+    before each, ``models/stages/updates.py:saves_at``); ``state.json`` moves at the resume points only."""
+    from models.stages.updates import saves_at
 
     layout, state = run.layout, PolicyState(0, run.reference_url)
     for i in iterations:

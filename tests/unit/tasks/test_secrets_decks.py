@@ -32,7 +32,7 @@ def test_secrets_exported_only_when_mounted_and_not_empty(monkeypatch):
     assert "AWS_SECRET_ACCESS_KEY" not in os.environ
     assert os.environ["MLFLOW_TRACKING_TOKEN"] == "from-env"
     # the servers' token requested as a Flyte secret is the one the reward/critic/rollout clients send
-    from models.server.client import server_token
+    from models.service.client import server_token
 
     for request in secrets.requests(secrets.SERVER):
         _mount(monkeypatch, request.key, "tok-from-secret")

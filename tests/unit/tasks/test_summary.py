@@ -8,7 +8,8 @@ import pytest
 from models import storage
 from models.config.io import load_config
 from models.run.retention import usage
-from models.stages.finish import TrainingSummary, summary_text
+from models.stages.finish import summary_text
+from models.stages.outputs import TrainingSummary
 from models.run.types import RunHandle
 
 

@@ -1,0 +1,107 @@
+"""The engine service of a resident run (``run.resident``): the generation engine (vLLM or HF), started once from
+the state's actor; its ops run the rollout and evaluate stages with it, and take the actor's new weights in memory
+(:mod:`models.hosts.transports`), probed against the trainer's forward before it serves them. Each op names its
+iteration: an engine holding another iteration's policy refuses it. With ``run.off_policy_steps=1`` the next
+actor's weights wait (``pending``) until a request asks for that actor: the batch after an update is still
+sampled from the actor before it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, Optional
+
+from models.config import TrainConfig
+from models.hosts.transports import transport_for
+from models.run.types import PolicyState, RunHandle
+from models.service.ops import Host, op
+from models.stages.engine import engine_for
+from models.stages.evaluate import run_evaluate
+from models.stages.rollout import run_rollout
+from models.stages.services import LABELS
+from models.training.distributed import DistInfo
+from models.training.probe import verify_reference
+
+
+class WrongIteration(RuntimeError):
+    """The request is for another iteration than the one the service's policy is at."""
+
+
+def check_iteration(label: str, holds: int, iteration: int) -> None:
+    if holds < 0:
+        raise WrongIteration(f"{label} serves no policy: its last weight update failed (see the actor update's "
+                             f"error); rerun the launch to resume from the last checkpoint")
+    if iteration != holds:
+        raise WrongIteration(f"{label} holds the policy of iteration {holds}, but the request is for iteration "
+                             f"{iteration}: the run's services and its resume point disagree (rerun the launch to "
+                             f"restart them from the last checkpoint)")
+
+
+class EngineHost(Host):
+    label = LABELS["engine"]
+    statuses = {WrongIteration: 409}
+
+    def __init__(self, cfg: TrainConfig, run: RunHandle, state: PolicyState, info: DistInfo):
+        self.cfg, self.run = cfg, run
+        self.transport = transport_for(cfg, run.reference_url)
+        self.pending: Dict[int, Callable[[], Any]] = {}
+        if state.behaviour_url:  # resumed off-policy: the next batch comes from the actor before the state's
+            self.engine = engine_for(cfg, state.behaviour_url)
+            self.version = state.iteration - 1
+            self.pending[state.iteration] = lambda: setattr(self, "engine", engine_for(cfg, state.actor_url))
+        else:
+            self.engine = engine_for(cfg, state.actor_url)  # from the checkpoint, probed as a task's engine is
+            self.version = state.iteration
+
+    def serve(self, state: Dict[str, Any]) -> PolicyState:
+        """The request's state, once the engine serves its actor: the one held, or the next one kept pending."""
+        state = PolicyState(**state)
+        if state.iteration != self.version and state.iteration in self.pending:
+            apply = self.pending.pop(state.iteration)
+            self.version = -1  # until the new weights are in and verified
+            apply()
+            self.version = state.iteration
+        check_iteration(self.label, self.version, state.iteration)
+        return state
+
+    @op
+    def rollout(self, state: Dict[str, Any], ahead: int = 0) -> Dict[str, Any]:
+        out = run_rollout(self.cfg, self.run, self.serve(state), ahead, engine=self.engine)
+        return {"batch": out.batch.uri, "stats": out.stats}
+
+    @op
+    def evaluate(self, state: Dict[str, Any]) -> float:
+        return run_evaluate(self.cfg, self.run, self.serve(state), engine=self.engine)
+
+    @op
+    def connect(self, host: str, gpu: str = "", timeout_s: Optional[float] = None) -> Dict[str, Any]:
+        """The engine's end of the transport's channel (the collective's), for the actor trainer to join."""
+        return self.transport.connect(host=host, gpu=gpu, timeout_s=timeout_s)
+
+    @op
+    def weights(self, version: int, probe: Dict[str, Any], tolerance: float, defer: bool = False,
+                meta: Optional[Dict[str, Any]] = None, body: Optional[bytes] = None) -> Dict[str, float]:
+        """The actor of iteration ``version`` from the trainer: taken now, loaded now or (``defer``, off-policy)
+        when a request asks for that actor."""
+        if not defer:
+            self.version = -1  # until the new weights are in and verified, the engine serves no iteration
+        put = self.transport.receive(meta or {}, body)
+
+        def load() -> Dict[str, float]:
+            t0 = time.perf_counter()
+            self.version = -1  # until the new weights are in and verified, the engine serves no iteration
+            put(self.engine)
+            result = verify_reference(self.engine, probe["sequences"], probe["logprobs"], float(tolerance),
+                                      f"the actor of iteration {version} (in memory)")
+            self.version = int(version)
+            return {"rollout/probe_gap_max": result.gap_max if result is not None else 0.0,
+                    "time/weights_load_s": time.perf_counter() - t0}
+
+        if defer:
+            self.pending[int(version)] = load
+            return {}
+        return load()
+
+    def close(self) -> None:
+        self.transport.close()
+        self.engine.close()

@@ -1,0 +1,143 @@
+"""A resident run's services (``run.resident``), torch-free until one starts: which a run keeps, one service's life
+in its process (:func:`serve_service`: a local child process, or a cluster's service node, ``tasks/services.py``),
+and locally their start and stop. Locally they are child processes of ``pyflyte run`` (a trainer as the ranks of a
+``torchrun`` launch when its ``nproc_per_node`` is above 1), listening on 127.0.0.1: started by ``prepare_run``
+from the state the run starts or resumes at, stopped by ``finish_run``, the failure handler and at the process's
+exit, or by themselves when it is gone or after ``run.resident_idle_timeout_s`` idle. In a cluster pod a service
+listens on every interface and publishes the pod's address (``RLHF_SERVICE_HOST``: one address for both).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime as dt
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+from models import storage
+from models.config.io import to_dict
+from models.run.types import PolicyState, RunHandle
+from models.service import book
+from models.service.launch import ChildProcess, end_process, serve
+from models.service.server import RankFanout, Settings
+from models.stages.outputs import ServiceSummary
+from models.stages.services import ACTOR, CRITIC, ENGINE, LABELS, SERVICES, config_digest
+
+SERVICE_HOST_ENV = "RLHF_SERVICE_HOST"
+_RUNNING: Dict[str, List[ChildProcess]] = {}
+"""Services this process started, per run folder URL."""
+
+
+def needed(cfg) -> List[str]:
+    """The services a resident run of ``cfg`` keeps: the engine, the actor, and the critic for PPO."""
+    return [ENGINE, ACTOR] + ([CRITIC] if cfg.uses_critic else [])
+
+
+def host_class(name: str):
+    """The host class of service ``name`` (imported when a service starts: this module stays torch-free)."""
+    from models.hosts.engine import EngineHost
+    from models.hosts.trainers import ActorHost, CriticHost
+
+    return {ENGINE: EngineHost, ACTOR: ActorHost, CRITIC: CriticHost}[name]
+
+
+def serve_service(name: str, cfg, run: RunHandle, state: PolicyState, token: str = "", listen: str = "127.0.0.1",
+                  advertise: str = "", parent_pid: int = 0, log: Optional[Callable[[str], None]] = None) \
+        -> ServiceSummary:
+    """Hold service ``name`` of the run from ``state`` (every rank of a trainer service builds its shard) and serve
+    its ops until it is stopped; rank 0 listens and publishes its address with ``token`` (empty: a fresh one)
+    once all ranks are ready. Rank 0's summary (the other ranks' too)."""
+    from models.training.distributed import init_distributed, shutdown_distributed
+
+    log = log or (lambda line: print(f"[{name} service] {line}", file=sys.stderr, flush=True))
+    info = init_distributed()
+    share = RankFanout()
+    host = host_class(name)(cfg, run, state, info)
+    token = token or secrets.token_urlsafe(32)
+    settings = Settings(token, run.layout.url, config_digest(cfg), idle_timeout_s=cfg.run.resident_idle_timeout_s,
+                        parent_pid=parent_pid)
+
+    def announce(server) -> None:
+        started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        book.publish(run.layout.url, book.ServiceAddress(name, server.url, token, os.getpid(), run.launch_name, started))
+        print(f"{LABELS[name]} ready on {server.url} at iteration {state.iteration}", flush=True)
+
+    t0 = time.monotonic()
+    reason, requests = serve(host, settings, announce, listen, 0, advertise, info.is_main, share, log)
+    log(f"stopping: {reason}")
+    host.close()
+    shutdown_distributed()
+    return ServiceSummary(name, requests, round(time.monotonic() - t0, 3), reason)
+
+
+def cluster_addresses(environ=os.environ) -> Tuple[str, str]:
+    """``(listen, advertise)`` of a service in a cluster pod (see the module docstring)."""
+    named = environ.get(SERVICE_HOST_ENV, "")
+    if named:
+        return named, named
+    return "0.0.0.0", socket.gethostbyname(socket.gethostname())
+
+
+def _command(cfg, name: str, launch_file: str) -> List[str]:
+    nproc = {ACTOR: cfg.actor.nproc_per_node, CRITIC: cfg.critic.nproc_per_node}.get(name, 1)
+    module = ["-m", "models.hosts", name, "--launch", launch_file]
+    if nproc > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *module]
+    return [sys.executable, *module]
+
+
+def start_services(cfg, run: RunHandle, state: PolicyState, timeout_s: float = 600.0) -> List[str]:
+    """Start the run's services as child processes from ``state`` and wait until each listens (its address
+    published for the launch ``run`` names); their URLs. One that exits first fails the start with its log's
+    tail; the others are stopped."""
+    stop_services(run)  # a previous launch's, if this process still holds any
+    folder = Path(tempfile.mkdtemp(prefix=f"resident-{run.run_name}-"))
+    launch_file = folder / "launch.json"
+    fd = os.open(launch_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # it holds the token
+    with os.fdopen(fd, "w") as f:
+        json.dump({"cfg": to_dict(cfg), "run": dataclasses.asdict(run), "state": dataclasses.asdict(state),
+                   "token": secrets.token_urlsafe(32), "parent_pid": os.getpid()}, f)
+    for name in SERVICES:
+        book.unpublish(run.layout.url, name)
+    children = [ChildProcess(_command(cfg, name, str(launch_file)), folder / f"{name}.log", LABELS[name]).spawn()
+                for name in needed(cfg)]
+    _RUNNING[run.layout.url] = children
+    try:
+        return [child.wait_ready(timeout_s) for child in children]
+    except BaseException:
+        stop_services(run)
+        raise
+
+
+def stop_services(run: RunHandle, timeout_s: float = 30.0) -> List[str]:
+    """Stop the services of the launch ``run`` names (the ``stop`` op, then SIGTERM, then SIGKILL for the child
+    processes this process started) and remove their addresses; on a cluster the service nodes each end once
+    stopped. Returns the names stopped."""
+    children = _RUNNING.pop(run.layout.url, [])
+    stopped = book.stop_published(run.layout.url, run.launch_name, SERVICES, "the run finished") if run.launch else []
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        try:
+            child.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            child.stop(5.0)
+    if children:
+        storage.remove(book.services_url(run.layout.url), recursive=True)
+    return stopped
+
+
+@atexit.register
+def stop_all_services() -> None:
+    """Stop every service this process started (the workflow's failure handler, and at exit)."""
+    for url in list(_RUNNING):
+        for child in _RUNNING.pop(url, []):
+            end_process(child.proc)
