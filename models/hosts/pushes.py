@@ -22,11 +22,6 @@ from models.engines.weight_stream import (BUCKET_BYTES, BucketWriter, PushError,
 from models.training.weight_source import WeightSource
 
 
-def engine_dtype(cfg) -> str:
-    """The dtype the engine computes in: ``rollout.vllm_dtype`` for vLLM, ``model.dtype`` for the HF engine."""
-    return cfg.rollout.vllm_dtype if cfg.rollout.engine == "vllm" else cfg.model.dtype
-
-
 class Push:
     """The sender's settings: floating-point tensors travel as ``dtype``, at most ``bucket_bytes`` a bucket."""
 

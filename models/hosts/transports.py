@@ -9,8 +9,8 @@ runs in the engine's ``weights`` op; both ends take the same one from :func:`tra
 - ``http``: the same buckets, one after the other, as the ``weights`` op's body;
 - with ``actor.lora``, the adapter alone, its file as the body (a few MB).
 
-Full weights go at the engine's dtype (:func:`engine_dtype`: ``rollout.vllm_dtype`` for vLLM, ``model.dtype``
-for the HF engine; the trainer casts each tensor as it gathers it, round to nearest even, as a checkpoint load
+Full weights go at the engine's dtype (``TrainConfig.engine_dtype``: ``rollout.vllm_dtype`` for vLLM,
+``model.dtype`` for the HF engine; the trainer casts each tensor as it gathers it, round to nearest even, as a checkpoint load
 casts), in buckets (:mod:`models.engines.weight_stream`): the trainer's rank 0 gathers a bucket's tensors (one
 FSDP2 gather each, every rank taking part) and sends it before it gathers the next, and the engine loads each
 bucket before it receives the next (with ``run.off_policy_steps=1`` it keeps them until the push is served).
@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 import torch
 
 from models.engines.weight_channel import ChannelError, Receiver, Sender, gpu_id
-from models.hosts.pushes import Push, engine_dtype, received, sealed
+from models.hosts.pushes import Push, received, sealed
 from models.service.client import ServiceClient, ServiceError
 from models.training.files import ADAPTER_CONFIG
 from models.training.weight_source import WeightSource
@@ -257,4 +257,4 @@ def transport_for(cfg, reference_url: str = "") -> Transport:
     the engine's dtype."""
     if cfg.actor.lora.enabled:
         return AdapterTransport(cfg.rollout.lora_mode == "merged", cfg.model.dtype, reference_url)
-    return TRANSPORTS[cfg.run.resident_weight_transport](engine_dtype(cfg))
+    return TRANSPORTS[cfg.run.resident_weight_transport](cfg.engine_dtype)

@@ -39,8 +39,7 @@ def sampling_spec(cfg: TrainConfig, run: RunHandle, seed: int, n: int, temperatu
 def sampling_record(cfg: TrainConfig, spec: SamplingSpec) -> str:
     """What the batch was sampled with, as its metadata records it (JSON)."""
     r = cfg.rollout
-    dtype = r.vllm_dtype if r.engine == "vllm" else cfg.model.dtype
-    engine = f"remote {r.remote_url}" if r.remote_url else f"{r.engine} ({dtype})"
+    engine = f"remote {r.remote_url}" if r.remote_url else f"{r.engine} ({cfg.engine_dtype})"
     return json.dumps({"engine": engine, "temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k,
                        "max_new_tokens": spec.max_new_tokens, "seed": spec.seed,
                        "stop_token_ids": list(spec.stop_token_ids), "stop_strings": list(spec.stop_strings)},

@@ -5,13 +5,15 @@ same responses; at float32 the engine holds the trainer's weights bit for bit, a
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from models.engines import HFEngine, SamplingSpec
 from models.engines.weight_stream import bits
-from models.hosts.pushes import Push, engine_dtype, received, sealed
+from models.hosts.pushes import Push, received, sealed
 from models.training.distributed import DistInfo
 from models.training.weight_source import WeightSource
 from tests.unit.models.actor_checkpoints import PROMPTS, actor_dir
@@ -51,8 +53,14 @@ def test_a_push_serves_what_the_stateless_engine_loads_from_the_checkpoint(ckpts
     assert resident.generate(PROMPTS, spec) == stateless.generate(PROMPTS, spec)
 
 
-def test_the_engine_dtype_is_the_engines_own():
+def test_the_push_travels_at_the_engines_dtype():
     from models.config.io import load_config
+    from models.hosts.transports import transport_for
 
-    assert engine_dtype(load_config("tiny_ppo", ["rollout.engine=vllm", "rollout.vllm_dtype=bfloat16"])) == "bfloat16"
-    assert engine_dtype(load_config("tiny_ppo", ["rollout.engine=hf", "rollout.vllm_dtype=bfloat16"])) == "float32"
+    vllm = load_config("tiny_ppo", ["rollout.engine=vllm", "rollout.vllm_dtype=bfloat16"])
+    hf = load_config("tiny_ppo", ["rollout.engine=hf", "rollout.vllm_dtype=bfloat16"])
+    assert (vllm.engine_dtype, hf.engine_dtype) == ("bfloat16", "float32")
+    for transport in ("collective", "http"):
+        assert transport_for(dataclasses.replace(vllm, run=dataclasses.replace(vllm.run, resident_weight_transport=
+                                                                                transport))).push.dtype == torch.bfloat16
+    assert transport_for(hf).push.dtype == torch.float32
