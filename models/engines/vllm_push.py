@@ -251,17 +251,18 @@ def read_back(worker: Any, positions: Dict[str, List[int]], metas: Dict[str, Tup
     plan = _where(worker, metas)
     out: Dict[str, List[Optional[int]]] = {name: [None] * len(where) for name, where in positions.items()}
     wanted: Dict[Tuple[int, str], list] = {}  # (layer, weight) -> [(name, i, flat position in the weight)]
-    layers: Dict[int, Tuple[torch.nn.Module, Tuple[int, ...]]] = {}
+    layers: Dict[Tuple[int, str], Tuple[torch.nn.Module, Tuple[int, ...]]] = {}  # -> (layer, the weight's shape)
     for name, where in positions.items():
         for layer, weight, shape, written, read in plan.get(name, []):
-            layers[id(layer)] = (layer, shape)
+            layers[(id(layer), weight)] = (layer, shape)
             for i, flat in enumerate(where):
                 index = index_in(int(flat), read)
                 if index is not None:
                     wanted.setdefault((id(layer), weight), []).append((name, i, _at(written, index)))
     with torch.no_grad():
-        for (lid, weight), items in wanted.items():
-            layer, shape = layers[lid]
+        for key, items in wanted.items():
+            layer, shape = layers[key]
+            weight = key[1]
             values = _values(layer, weight, shape, [q for _, _, q in items])
             for (name, i, _), v in zip(items, values):
                 out[name][i] = int(bits(v.to(getattr(torch, metas[name][1])).reshape(1)).item())

@@ -47,13 +47,15 @@ def _numel(shape) -> int:
 
 
 class Sealed:
-    """The buckets of ``header``, each filled from ``source`` (gathered and cast one tensor at a time) and sealed
-    when its last tensor is in; the samples drawn with a generator seeded ``push``."""
+    """The buckets of ``header``, each filled from ``source`` (gathered one tensor at a time, cast to ``dtype`` by
+    each rank before the gather) and sealed when its last tensor is in; the samples drawn with a generator
+    seeded ``push``."""
 
-    def __init__(self, header: Mapping[str, Any], source: WeightSource, device, push: int):
+    def __init__(self, header: Mapping[str, Any], source: WeightSource, device, push: int,
+                 dtype: Optional[torch.dtype] = None):
         self.header, self.device = header, torch.device(device)
         self.generator = torch.Generator().manual_seed(int(push))
-        self.gathered = source.gathered(self.device)
+        self.gathered = source.gathered(self.device, dtype)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         buckets = [[] for _ in self.header["buckets"]]
@@ -74,8 +76,9 @@ class Sealed:
             pass
 
 
-def sealed(header: Mapping[str, Any], source: WeightSource, device, push: int) -> Sealed:
-    return Sealed(header, source, device, push)
+def sealed(header: Mapping[str, Any], source: WeightSource, device, push: int,
+           dtype: Optional[torch.dtype] = None) -> Sealed:
+    return Sealed(header, source, device, push, dtype)
 
 
 class Held:

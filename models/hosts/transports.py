@@ -58,7 +58,7 @@ class Transport:
 
     def follow(self, source: WeightSource) -> None:
         """A trainer rank other than 0, while rank 0 sends: its part in the gathers."""
-        source.follow()
+        source.follow(self.push.dtype)
 
     def receive(self, meta: Mapping[str, Any], body: Optional[bytes], engine=None) -> Callable[[Any], Dict[str, float]]:
         """The pushed weights, taken now: loaded into ``engine`` as they arrive, or (None: off-policy, the push
@@ -84,7 +84,7 @@ class HTTPTransport(Transport):
     def send(self, engine, args, lm, source):
         header = self.push.header(source, "cpu")
         body = b"".join(bytes(bucket.numpy()) for bucket in sealed(header, source, torch.device("cpu"),
-                                                                   int(args["version"])))
+                                                                   int(args["version"]), self.push.dtype))
         out = engine.call("weights", {**args, "meta": {"header": header}}, body=body)
         return {**out, **self.push.stats(header), "resident/weights_transport": CODES["http"]}
 
@@ -189,12 +189,12 @@ class CollectiveTransport(Transport):
             op_args = {**args, "meta": {"header": header, "push": self.pushes}}
             reply = self.pool.submit(engine.call, "weights", op_args)  # the op takes the broadcasts while it runs
             sender.wait_ready(self.pushes, reply.done, engine.timeout_s)
-            buckets = sealed(header, source, sender.device, self.pushes)
+            buckets = sealed(header, source, sender.device, self.pushes, self.push.dtype)
             for bucket in buckets:
                 sender.send_bucket(bucket)
             out = reply.result()
         except BaseException as err:
-            source.follow() if buckets is None else buckets.drain()  # the other ranks gather the rest: take part
+            source.follow(self.push.dtype) if buckets is None else buckets.drain()  # the other ranks' gathers
             self.close()  # the engine drops its end too: the next push forms a new channel
             if not isinstance(err, (ChannelError, ServiceError, torch.distributed.DistError, OSError)):
                 raise  # (DistError: the engine's store or group gone mid-push, e.g. the engine killed)

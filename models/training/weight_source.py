@@ -57,20 +57,26 @@ class WeightSource:
     def parameters(self) -> int:
         return sum(t.numel() for t in self.state.values())
 
-    def gathered(self, device: torch.device) -> Iterator[Tuple[str, Optional[torch.Tensor]]]:
-        """``(name, the whole tensor on ``device`` as trained)`` on rank 0, ``(name, None)`` on the others, one
-        tensor at a time, in :meth:`tensors`' order: a collective under FSDP2, so every rank iterates all of it."""
-        sharded = any(hasattr(t, "to_local") for t in self.state.values())
+    def gathered(self, device: torch.device, dtype: Optional[torch.dtype] = None
+                 ) -> Iterator[Tuple[str, Optional[torch.Tensor]]]:
+        """``(name, the whole tensor on ``device``)`` on rank 0, ``(name, None)`` on the others, one tensor at a
+        time, in :meth:`tensors`' order, floating point cast to ``dtype`` (None: as trained) by each rank before
+        its rows travel: a collective under FSDP2, so every rank iterates all of it."""
+        sharded = self.sharded()
         for name, t in self.state.items():
+            cast = dtype if dtype is not None and t.dtype.is_floating_point else None
             if sharded:
-                yield name, gather_to(t, 0, self.info, device)
+                yield name, gather_to(t, 0, self.info, device, cast)
             else:
-                yield name, t.detach().to(device) if self.info.is_main else None
+                yield name, t.detach().to(device, cast) if self.info.is_main else None
 
-    def follow(self) -> None:
-        """What a rank other than 0 does during a push: its part in every gather (nothing without FSDP2)."""
-        if any(hasattr(t, "to_local") for t in self.state.values()):
-            for _ in self.gathered(self.info.device):
+    def sharded(self) -> bool:
+        return any(hasattr(t, "to_local") for t in self.state.values())
+
+    def follow(self, dtype: Optional[torch.dtype] = None) -> None:
+        """What a rank other than 0 does during a push at ``dtype``: its part in every gather (none without FSDP2)."""
+        if self.sharded():
+            for _ in self.gathered(self.info.device, dtype):
                 pass
 
     def full(self) -> Dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ def push(engine, model, dtype: str, bucket_bytes: int = 1 << 14) -> dict:
     source = WeightSource(model, INFO, prefix="")
     pusher = Push(getattr(torch, dtype), bucket_bytes)
     header = pusher.header(source, "cpu")
-    out = received(header, enumerate(sealed(header, source, "cpu", 1)), engine)(engine)
+    out = received(header, enumerate(sealed(header, source, "cpu", 1, pusher.dtype)), engine)(engine)
     return {**out, **pusher.stats(header), "buckets": len(header["buckets"])}
 
 

@@ -145,7 +145,7 @@ def test_a_push_is_at_the_engine_dtype_and_streamed_bucket_by_bucket(dtype, monk
     events: List[str] = []
     source = WeightSource(state, INFO)
     gathered = source.gathered
-    source.gathered = lambda device: ((events.append(f"gather {n}"), (n, t))[1] for n, t in gathered(device))
+    source.gathered = lambda *a: ((events.append(f"gather {n}"), (n, t))[1] for n, t in gathered(*a))
     send_bucket = weight_channel.Sender.send_bucket
     monkeypatch.setattr(weight_channel.Sender, "send_bucket",
                         lambda self, b: (events.append("send"), send_bucket(self, b))[1])
@@ -161,7 +161,7 @@ def test_a_push_is_at_the_engine_dtype_and_streamed_bucket_by_bucket(dtype, monk
     assert buckets == (40 if width == 4 else 20) and len(engine.chunks) == buckets
     assert events.index("send") < events.index("gather layers.39.w")  # streamed, not gathered whole first
     assert out["resident/receiver_peak_bytes"] <= 2 * (bucket + 16 * 8 * 2 + 8)  # two buckets, samples included
-    assert out["resident/receiver_peak_bytes"] * 10 < width * params
+    assert out["resident/receiver_peak_bytes"] * 5 < width * params  # not the whole state (20 or 40 buckets)
     client.call("stop")
     server.close()
 
