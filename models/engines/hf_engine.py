@@ -14,6 +14,7 @@ import torch
 
 from kernels.sampling import exponential_race, processed_logprobs
 from models.engines.base import EngineLoadError, Generation, SamplingSpec, SwappableEngine, sample_seed
+from models.faults import drop_pushed
 
 
 class _SampleStep:
@@ -81,10 +82,10 @@ class HFEngine(SwappableEngine):
         self._left = set(names)
 
     def _push_chunk_in_place(self, tensors: Dict[str, torch.Tensor]) -> None:
-        unexpected = self._model().load_state_dict(tensors, strict=False).unexpected_keys
+        self._left -= set(tensors)
+        unexpected = self._model().load_state_dict(drop_pushed(tensors), strict=False).unexpected_keys
         if unexpected:
             raise RuntimeError(f"the weights given do not fit the engine's model: unexpected={unexpected[:5]}")
-        self._left -= set(tensors)
 
     def _end_push_in_place(self) -> None:
         if self._left:

@@ -136,6 +136,14 @@ def llm_kwargs(checkpoint_dir: str, dtype: str, gpu_memory_utilization: float, m
     return kwargs
 
 
+def cuda_graphs(llm) -> bool:
+    """Whether the started ``LLM`` replays CUDA graphs (its compilation config's ``cudagraph_mode``)."""
+    from vllm.config import CUDAGraphMode
+
+    mode = getattr(llm.llm_engine.vllm_config.compilation_config, "cudagraph_mode", None)
+    return mode is not None and mode != CUDAGraphMode.NONE
+
+
 class VLLMEngine(SwappableEngine):
     """vLLM's offline ``LLM`` in this process (no engine subprocess; with ``tensor_parallel_size`` > 1
     its workers run in their own processes, one per GPU or per group of CPU cores), prompts as token ids."""
@@ -163,6 +171,7 @@ class VLLMEngine(SwappableEngine):
         self._checkpoint = checkpoint_dir
         with cpu_workers_bound(self._llm_kwargs.get("tensor_parallel_size", 1)):  # a restart binds them again
             self.llm = LLM(model=checkpoint_dir, **self._llm_kwargs)
+        self.stats.extra["cuda_graphs"] = float(cuda_graphs(self.llm))
         eos = self.llm.get_tokenizer().eos_token_id
         self.llm.generate([TokensPrompt(prompt_token_ids=[eos])], SamplingParams(max_tokens=1),
                           use_tqdm=False)  # warm-up

@@ -28,6 +28,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from models.faults import drop_pushed
+
 _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
                    "vllm.model_executor.model_loader.reload.inplace")
 _NOT_LOADED = ": Failed to load weights"
@@ -125,7 +127,7 @@ def _mapped(shared: Dict[str, Any]) -> Dict[str, torch.Tensor]:
 def chunk(worker: Any, tensors: Optional[Dict[str, torch.Tensor]] = None,
           shared: Optional[Dict[str, Any]] = None) -> None:
     """Load ``tensors`` (in this process: the engine's own worker), or the chunk in shared memory ``shared``."""
-    weights = tensors if tensors is not None else _mapped(shared or {})
+    weights = drop_pushed(tensors if tensors is not None else _mapped(shared or {}))
     with _config(worker):
         loaded = worker.model_runner.get_model().load_weights(iter(weights.items()))
     _STATE[id(worker)]["loaded"] |= set(loaded or ())

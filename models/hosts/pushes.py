@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import time
-import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
@@ -82,31 +81,41 @@ def sealed(header: Mapping[str, Any], source: WeightSource, device, push: int,
 
 
 class Held:
-    """The receiver's buffers alive at once: their bytes now and at most (a buffer counts until it is freed, the
-    engine's references to it included)."""
+    """The receiver's buckets alive at once, in bytes: now and at most. A bucket is alive while anything holds its
+    memory (the engine's loader may keep views of it until a layer is complete), which the count of its storage's
+    owners tells (``torch._C._storage_Use_Count``; ours is one of them, dropped as soon as it is the last, before
+    the next bucket is allocated: :meth:`alloc`)."""
 
     def __init__(self) -> None:
+        self.storages: List[torch.UntypedStorage] = []
         self.now = self.peak = 0
 
+    def alloc(self, make: Callable[[int, torch.device], torch.Tensor]) -> Callable[[int, torch.device], torch.Tensor]:
+        """``make`` (a bucket's allocator), each bucket counted from its allocation."""
+        return lambda nbytes, device: self.add(make(nbytes, device))
+
     def add(self, buffer: torch.Tensor) -> torch.Tensor:
-        n = buffer.numel()
-        self.now += n
+        storage = buffer.untyped_storage()
+        if any(s.data_ptr() == storage.data_ptr() for s in self.storages):
+            return buffer  # counted when it was allocated
+        self.storages = [s for s in self.storages if torch._C._storage_Use_Count(s._cdata) > 1] + [storage]
+        self.now = sum(s.nbytes() for s in self.storages)
         self.peak = max(self.peak, self.now)
-        weakref.finalize(buffer, self._free, n)
         return buffer
 
-    def _free(self, n: int) -> None:
-        self.now -= n
+    def clear(self) -> None:
+        self.storages = []
 
 
-def received(header: Mapping[str, Any], buckets: Iterable[Tuple[int, torch.Tensor]], engine=None
-             ) -> Callable[[Any], Dict[str, float]]:
+def received(header: Mapping[str, Any], buckets: Iterable[Tuple[int, torch.Tensor]], engine=None,
+             held: Optional[Held] = None) -> Callable[[Any], Dict[str, float]]:
     """The receiver's end of a push: ``buckets`` (``(index, bytes)`` as they arrive) opened, their checksums
     checked, and loaded into ``engine`` one at a time; or, without ``engine``, kept. The function returned puts
     the kept buckets into the engine it is given (the streamed ones are in already), reads the samples back and
     compares them (:class:`~models.engines.weight_stream.PushError` naming the first tensor that differs), and
-    returns the push's figures: ``resident/receiver_peak_bytes`` (the most bytes of buckets alive at once)."""
-    held, samples, kept = Held(), {}, []
+    returns the push's figures: ``resident/receiver_peak_bytes`` (the most bytes of buckets alive at once: ``held``,
+    which counted them from their allocation, or from their arrival)."""
+    held, samples, kept = held or Held(), {}, []
     t0 = time.perf_counter()
     into = engine
     if into is not None:
@@ -123,6 +132,7 @@ def received(header: Mapping[str, Any], buckets: Iterable[Tuple[int, torch.Tenso
             raise PushError("the push was loaded into another engine than the one it is put into")
         t1 = time.perf_counter()
         dtypes = {name: dtype for name, dtype, *_ in header["tensors"]}
+        held.clear()
         check_read_back(header, samples, engine.read_back(positions(samples), dtypes),
                         "after the push, reading the weights back")
         return {"resident/receiver_peak_bytes": float(held.peak), "time/weights_receive_s": receive_s,

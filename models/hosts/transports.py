@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 import torch
 
 from models.engines.weight_channel import ChannelError, Receiver, Sender, gpu_id
-from models.hosts.pushes import Push, received, sealed
+from models.hosts.pushes import Held, Push, received, sealed
 from models.service.client import ServiceClient, ServiceError
 from models.training.files import ADAPTER_CONFIG
 from models.training.weight_source import WeightSource
@@ -215,9 +215,10 @@ class CollectiveTransport(Transport):
             raise ChannelError("the weights came over the collective transport, but no weight channel is open "
                                "(the actor trainer opens one with the connect op at its first push)")
         receiver, backend = self.receiver, self.receiver.backend
-        alloc = engine.push_buffer if engine is not None else _in_memory
+        held = Held()
+        alloc = held.alloc(engine.push_buffer if engine is not None else _in_memory)
         try:
-            return received(meta["header"], receiver.buckets(meta["header"], int(meta["push"]), alloc), engine)
+            return received(meta["header"], receiver.buckets(meta["header"], int(meta["push"]), alloc), engine, held)
         except Exception as err:
             self.close()
             raise ChannelError(f"receiving the weights from the actor trainer over the collective transport "

@@ -100,4 +100,6 @@ def throughput_stats(cols: RolloutColumns, episode_cols: Dict[str, Any], engine)
              "throughput/rollout_tokens_per_s": n_tokens / max(cols.generate_s, 1e-9)}
     if "probe_gap_max" in engine.stats.extra:  # engine vs trainer on the probe after this weight change
         stats["rollout/probe_gap_max"] = float(engine.stats.extra["probe_gap_max"])
+    if "cuda_graphs" in engine.stats.extra:  # vLLM: replaying CUDA graphs, or eager (rollout.enforce_eager)
+        stats["rollout/cuda_graphs"] = float(engine.stats.extra["cuda_graphs"])
     return stats

@@ -27,20 +27,23 @@ def ckpts(tmp_path_factory):
     return {"a": actor_dir(root / "a", seed=0), "b": actor_dir(root / "b", seed=1)}
 
 
-def push(engine, model, dtype: str, bucket_bytes: int = 1 << 14) -> dict:
-    """``model``'s weights through both ends of a push at ``dtype`` (several buckets), into ``engine``."""
+def push(engine, model, dtype: str, bucket_bytes: int = 1 << 14, defer: bool = False) -> dict:
+    """``model``'s weights through both ends of a push at ``dtype`` (several buckets), into ``engine`` as they
+    arrive, or (``defer``: off-policy) kept until they are put into it."""
     source = WeightSource(model, INFO, prefix="")
     pusher = Push(getattr(torch, dtype), bucket_bytes)
     header = pusher.header(source, "cpu")
-    out = received(header, enumerate(sealed(header, source, "cpu", 1, pusher.dtype)), engine)(engine)
-    return {**out, **pusher.stats(header), "buckets": len(header["buckets"])}
+    put = received(header, enumerate(sealed(header, source, "cpu", 1, pusher.dtype)), None if defer else engine)
+    return {**put(engine), **pusher.stats(header), "buckets": len(header["buckets"])}
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_a_push_serves_what_the_stateless_engine_loads_from_the_checkpoint(ckpts, dtype):
+@pytest.mark.parametrize("dtype,defer", [("bfloat16", False), ("float32", False), ("bfloat16", True)])
+def test_a_push_serves_what_the_stateless_engine_loads_from_the_checkpoint(ckpts, dtype, defer):
+    """Streamed, the engine holds a bucket or two at once; kept for later (off-policy), the whole push."""
     trained = AutoModelForCausalLM.from_pretrained(ckpts["b"], dtype=torch.float32)  # the trainer's master weights
     resident = HFEngine(ckpts["a"], dtype=dtype)
-    out = push(resident, trained, dtype)
+    out = push(resident, trained, dtype, defer=defer)
+    assert (out["resident/receiver_peak_bytes"] > out["resident/weights_bytes"]) == defer
     stateless = HFEngine(ckpts["b"], dtype=dtype)  # the stateless mode: the committed checkpoint, cast on load
     held, loaded = resident.model.state_dict(), stateless.model.state_dict()
     assert out["buckets"] > 3 and set(held) == set(loaded)
