@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -32,6 +33,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.rows import Row, add_bench_args, print_rows, row, write_rows  # noqa: E402
+
+
+URL_LINE = "engine serving at "
 
 
 def resident_set() -> int:
@@ -53,8 +57,6 @@ def peak_set() -> int:
 
 def serve_engine(folder: str, kind: str, dtype: str) -> None:
     """The child: the engine, and its two push ops on a server; prints its URL, then serves until stopped."""
-    import threading
-
     import torch
 
     from models.engines import make_engine
@@ -94,7 +96,7 @@ def serve_engine(folder: str, kind: str, dtype: str) -> None:
 
     server = Server(PushHost(), Settings("bench"))
     threading.Thread(target=server.serve, daemon=True).start()
-    print(server.url, flush=True)
+    print(f"{URL_LINE}{server.url}", flush=True)
     sys.stdin.read()  # until the parent closes it
     server.close()
     engine.close()
@@ -157,7 +159,13 @@ def main(argv=None) -> int:
                               "--dtype", args.dtype], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
-        client = ServiceClient(child.stdout.readline().strip(), "bench", "the engine service")
+        line = ""
+        while not line.startswith(URL_LINE):  # vLLM prints its own lines first
+            line = child.stdout.readline()
+            if not line:
+                raise SystemExit("the engine's process ended before it served")
+        client = ServiceClient(line[len(URL_LINE):].strip(), "bench", "the engine service")
+        threading.Thread(target=child.stdout.read, daemon=True).start()  # the rest, so its pipe never fills
         bucket = int(args.bucket_mib * 2**20)
         push(client, model, args.dtype, bucket, 1)  # warm-up: the channel's and the allocators' first use
         streamed = push(client, model, args.dtype, bucket, 2)

@@ -143,6 +143,10 @@ class GenerationEngine(Protocol):
     def load_tensors(self, state: Mapping[str, Any]) -> None:
         """Serve the weights ``state`` (named as in a Hugging Face state dict) from now on, in place."""
 
+    def begin_push(self, shapes: Mapping[str, Sequence[int]]) -> None:
+        """The same in chunks (``push_chunk``, then ``end_push``; ``abort_push`` gives up; ``push_buffer`` a chunk's
+        buffer; ``read_back`` what the engine holds): a resident run's push (the in-process engines)."""
+
     def restart(self, checkpoint_dir: str) -> None:
         """Build the engine anew from ``checkpoint_dir`` (no adapter)."""
 

@@ -185,8 +185,9 @@ class VLLMEngine(SwappableEngine):
         self._shared: Dict[int, str] = {}
 
     def push_buffer(self, nbytes: int, device: Any) -> torch.Tensor:
-        """With tensor-parallel workers (other processes), a file in shared memory they map; else in memory."""
-        if self._workers() == 1:
+        """With tensor-parallel workers (other processes), a file in shared memory they map; else (or on a GPU, where
+        the chunk goes to shared memory when it is pushed) an ordinary buffer."""
+        if self._workers() == 1 or torch.device(device).type != "cpu":
             return super().push_buffer(nbytes, device)
         path = os.path.join(vllm_push.shared_dir(), f"rlhf-push-{os.getpid()}-{time.monotonic_ns()}")
         buffer = torch.from_file(path, shared=True, size=int(nbytes), dtype=torch.uint8)
