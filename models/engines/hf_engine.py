@@ -14,6 +14,7 @@ import torch
 
 from kernels.sampling import exponential_race, processed_logprobs
 from models.engines.base import EngineLoadError, Generation, SamplingSpec, SwappableEngine, sample_seed
+from models.engines.weight_stream import bits
 from models.faults import drop_pushed
 
 
@@ -105,8 +106,6 @@ class HFEngine(SwappableEngine):
             self.model.tie_weights()
 
     def read_back(self, positions, dtypes):
-        from models.engines.weight_stream import bits
-
         state = self._model().state_dict()
         out = {}
         for name, where in positions.items():

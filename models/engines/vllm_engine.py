@@ -33,6 +33,7 @@ import torch
 from models import console
 from models.environ import environment
 from models.engines import vllm_push
+from models.engines.weight_stream import merge_held
 from models.engines.base import (EngineLoadError, Generation, SamplingSpec, SwappableEngine, contiguous_shares,
                                 sample_seed)
 
@@ -234,8 +235,6 @@ class VLLMEngine(SwappableEngine):
         self._copy_in(vllm_push.finish, {})
 
     def read_back(self, positions, dtypes):
-        from models.engines.weight_stream import merge_held
-
         metas = {name: (list(shape), dtypes.get(name, self._llm_kwargs["dtype"]))
                  for name, shape in self._layout.shapes.items()}
         parts = self._llm().collective_rpc(vllm_push.read_back, args=({k: list(v) for k, v in positions.items()},

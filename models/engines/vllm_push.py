@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from models.engines.weight_stream import bits
 from models.faults import drop_pushed
 
 _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
@@ -248,8 +249,6 @@ def read_back(worker: Any, positions: Dict[str, List[int]], metas: Dict[str, Tup
               ) -> Dict[str, List[Optional[int]]]:
     """The bits this worker holds at ``positions`` of each pushed tensor (``metas``: every pushed tensor's shape
     and dtype), cast to the dtype it was pushed at; None where it holds no such element."""
-    from models.engines.weight_stream import bits
-
     plan = _where(worker, metas)
     out: Dict[str, List[Optional[int]]] = {name: [None] * len(where) for name, where in positions.items()}
     wanted: Dict[Tuple[int, str], list] = {}  # (layer, weight) -> [(name, i, flat position in the weight)]

@@ -80,6 +80,10 @@ def sealed(header: Mapping[str, Any], source: WeightSource, device, push: int,
     return Sealed(header, source, device, push, dtype)
 
 
+SETTLE_S = 0.5
+"""Longest wait for a received bucket to be let go before the next is allocated (:meth:`Held.alloc`)."""
+
+
 class Held:
     """The receiver's buckets alive at once, in bytes: now and at most. A bucket is alive while anything holds its
     memory (the engine's loader may keep views of it until a layer is complete), which the count of its storage's
@@ -91,17 +95,32 @@ class Held:
         self.now = self.peak = 0
 
     def alloc(self, make: Callable[[int, torch.device], torch.Tensor]) -> Callable[[int, torch.device], torch.Tensor]:
-        """``make`` (a bucket's allocator), each bucket counted from its allocation."""
-        return lambda nbytes, device: self.add(make(nbytes, device))
+        """``make`` (a bucket's allocator), each bucket counted from its allocation (the ones nothing else holds
+        let go first, so the count never keeps one alive). With two buckets alive it waits up to
+        :data:`SETTLE_S` for one to be let go (a collective's work object can hold a received bucket a moment after
+        its wait returned), so the receiver holds two at most unless the engine keeps views of more."""
+        def fresh(nbytes: int, device: torch.device) -> torch.Tensor:
+            self._prune()
+            deadline = time.monotonic() + SETTLE_S
+            while len(self.storages) >= 2 and time.monotonic() < deadline:
+                time.sleep(0.001)
+                self._prune()
+            return self.add(make(nbytes, device))
+
+        return fresh
 
     def add(self, buffer: torch.Tensor) -> torch.Tensor:
         storage = buffer.untyped_storage()
         if any(s.data_ptr() == storage.data_ptr() for s in self.storages):
             return buffer  # counted when it was allocated
-        self.storages = [s for s in self.storages if torch._C._storage_Use_Count(s._cdata) > 1] + [storage]
+        self._prune()
+        self.storages.append(storage)
         self.now = sum(s.nbytes() for s in self.storages)
         self.peak = max(self.peak, self.now)
         return buffer
+
+    def _prune(self) -> None:
+        self.storages = [s for s in self.storages if torch._C._storage_Use_Count(s._cdata) > 1]
 
     def clear(self) -> None:
         self.storages = []

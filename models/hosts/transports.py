@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, Mapping, Optional
 from urllib.parse import urlsplit
@@ -34,6 +35,7 @@ from urllib.parse import urlsplit
 import torch
 
 from models.engines.weight_channel import ChannelError, Receiver, Sender, gpu_id
+from models.engines.weight_stream import bucket_nbytes, check_header
 from models.hosts.pushes import Held, Push, received, sealed
 from models.service.client import ServiceClient, ServiceError
 from models.training.files import ADAPTER_CONFIG
@@ -83,8 +85,12 @@ class HTTPTransport(Transport):
 
     def send(self, engine, args, lm, source):
         header = self.push.header(source, "cpu")
-        body = b"".join(bytes(bucket.numpy()) for bucket in sealed(header, source, torch.device("cpu"),
-                                                                   int(args["version"]), self.push.dtype))
+        buckets = sealed(header, source, torch.device("cpu"), int(args["version"]), self.push.dtype)
+        try:
+            body = b"".join(bytes(bucket.numpy()) for bucket in buckets)
+        except BaseException:
+            buckets.drain()  # the other ranks gather the rest: take part
+            raise
         out = engine.call("weights", {**args, "meta": {"header": header}}, body=body)
         return {**out, **self.push.stats(header), "resident/weights_transport": CODES["http"]}
 
@@ -95,10 +101,6 @@ class HTTPTransport(Transport):
 
 def _body_buckets(header: Mapping[str, Any], body: bytes):
     """The buckets of an HTTP push: views of the body (read, never written)."""
-    import warnings
-
-    from models.engines.weight_stream import bucket_nbytes, check_header
-
     check_header(header)
     sizes = [bucket_nbytes(header, i) for i in range(len(header["buckets"]))]
     if sum(sizes) != len(body):
