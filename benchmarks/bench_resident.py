@@ -1,12 +1,15 @@
 """Resident vs stateless seconds per iteration on the tiny presets, through ``pyflyte run`` as a user runs it.
 
-    python benchmarks/bench_resident.py [--quick] [--iterations N] [--cases ppo,grpo,grpo-off-policy] [--json PATH]
+    python benchmarks/bench_resident.py [--quick] [--iterations N] [--cases ppo,grpo,grpo-off-policy,ppo-bf16]
+                                        [--json PATH]
 
 Each case runs its preset twice with the same seeds, ``run.resident=false`` then ``=true``. Seconds per
 iteration: the median of ``time/iteration_s`` (commit to commit, the run's own metric) over the
 iterations after the first two (the first carries the engine start, the second the services' and
 workers' warm-up). The rewards: ``rollout/reward_mean`` of every iteration on both sides, which must
-agree within 1e-6 (the same samples and the same updates). Also printed: the launch-to-end wall time of
+agree within 1e-6 (the same samples and the same updates; with ``ppo-bf16`` the engine in bfloat16, which the
+stateless run loads from the float32 checkpoint and the resident one receives cast by the trainer: the same
+bits). Also printed: the launch-to-end wall time of
 each run (set-up and the services' start included), and the resident run's weight transfer per update
 (``time/weights_to_engine_s``, ``resident/weights_bytes``).
 """
@@ -31,6 +34,7 @@ from benchmarks.rows import Row, add_bench_args, print_rows, row, write_rows  # 
 
 CASES: Dict[str, Tuple[str, str, List[str]]] = {
     "ppo": ("ppo", "configs/tiny_ppo.yaml", []),
+    "ppo-bf16": ("ppo", "configs/tiny_ppo.yaml", ["rollout.vllm_dtype=bfloat16"]),  # the push cast to bfloat16
     "grpo": ("reinforce", "configs/tiny_grpo.yaml", []),
     "grpo-off-policy": ("reinforce", "configs/tiny_grpo.yaml", ["run.off_policy_steps=1", "actor.tis_cap=2",
                                                                 "actor.old_logprobs=recompute"]),

@@ -2,13 +2,15 @@
 
     python benchmarks/project_iteration.py [--mode stateless|resident|both] [--json PATH] [--check-small]
 
-**Stateless** (every run today): each task is a fresh pod that reads its state (weights, AdamW's moments)
-from S3 and writes it back. **Resident** (``run.resident: true``, issue #29, projected as designed): the actor
-trainer (an elastic torchrun job holding the FSDP2-sharded weights, AdamW state and the reference, computing
-π_old and π_ref as well as the update), the vLLM engine, the critic trainer and the reward model server stay
-up for the whole run; each iteration's tasks are thin CPU pods that send requests; after each update the new
-weights go from trainer to engine over NCCL; state reaches storage only at checkpoints, every
-``run.save_interval`` iterations, each rank writing its own shard.
+**Stateless** (the default): each task is a fresh pod that reads its state (weights, AdamW's moments) from S3
+and writes it back. **Resident** (``run.resident: true``, as the code runs it since #38): the actor trainer (an
+elastic torchrun job holding the FSDP2-sharded weights, AdamW state, the reference and the reward model, sharded
+on its ranks, computing π_old, π_ref and the rewards as well as the update), the vLLM engine and the critic
+trainer stay up for the whole run; each iteration's tasks are thin CPU pods that send requests; scoring runs the
+actor's ranks' forwards, then the critic's values (:func:`resident_scoring_seconds`); after each actor update the
+new weights go from trainer to engine at the engine's dtype, bucket by bucket (:func:`push_seconds`), while the
+critic may still be updating; state reaches storage only at checkpoints, every ``run.save_interval`` iterations,
+each rank writing its own shard.
 
 Per preset and mode (:func:`breakdown`): s/iteration split into pod starts, state movement, weight transfer,
 generation, scoring, updates and checkpoints, bytes moved (:func:`moved`), beside NeMo-Aligner's and NeMo-RL's
@@ -151,14 +153,31 @@ def longer_update(tasks: Dict[str, Dict[str, float]]) -> str:
 
 
 def resident_scoring_seconds(s: Shape, a: Assumptions) -> Dict[str, float]:
-    """Resident scoring, each service on its own GPUs at once: π_old and π_ref on the actor trainer's ranks,
-    the values on the critic trainer's, the reward on the reward model server's (:attr:`Shape.score_gpus`)."""
+    """Resident scoring, one after the other as ``ActorHost.score`` runs them (``models/hosts/trainers.py``):
+    π_old, π_ref and the reward model on the actor trainer's ranks (each rank its share of the rows, the
+    models sharded there), then the critic trainer's values on its own GPUs."""
     n = tokens(s)
-    out = {"actor": 2 * 2 * s.params * n / flops(s.actor_nodes * s.gpus_per_node, a.forward_mfu, a),
-           "critic": 2 * critic_size(s) * n / flops(s.critic_gpus, a.forward_mfu, a)}
-    if s.reward_model:
-        out["reward"] = 2 * s.params * n / flops(s.score_gpus, a.forward_mfu, a)
-    return out
+    models = (3 if s.reward_model else 2) * s.params
+    return {"actor": 2 * models * n / flops(s.actor_nodes * s.gpus_per_node, a.forward_mfu, a),
+            "critic": 2 * critic_size(s) * n / flops(s.critic_gpus, a.forward_mfu, a)}
+
+
+def push_seconds(s: Shape, a: Assumptions) -> Dict[str, float]:
+    """The push after each actor update (``models/hosts/pushes.py``), bucket by bucket, each step after the one
+    before (the trainer gathers a bucket once the last is sent, the engine loads one before it takes the next).
+    B = parameters × the engine's bytes: every rank casts its rows to the engine's dtype before they travel.
+
+      gather:    each tensor's rows into the trainer's rank 0: the node's own over NVLink, other nodes' over
+                 rank 0's NIC (at the broadcast's rate)
+      broadcast: rank 0 → the engine over NCCL
+      load:      one engine GPU: in place on that GPU (nothing at these rates); tensor parallel: to host memory
+                 (a shared file) and each worker's slice back to its GPU, the workers at once"""
+    b, world = s.params * s.engine_bytes_per_param, s.actor_nodes * s.gpus_per_node
+    remote = (world - s.gpus_per_node) / world
+    local = (s.gpus_per_node - 1) / world
+    load = 0.0 if s.rollout_gpus == 1 else (b + b / s.rollout_gpus) / (a.host_copy_gb_per_s * 1e9)
+    return {"gather": b * remote / (a.nccl_gb_per_s * 1e9) + b * local / (a.nvlink_gb_per_s * 1e9),
+            "broadcast": b / (a.nccl_gb_per_s * 1e9), "load": load}
 
 
 def checkpoint_bytes(s: Shape) -> Dict[str, float]:
@@ -182,9 +201,10 @@ def breakdown(s: Shape, a: Assumptions, mode: str) -> Dict[str, float]:
     Both modes run :data:`CHAIN`; evaluation (every ``run.eval_interval``) is left out of both.
     Stateless: :func:`project`'s GPU pods, vLLM's start in the rollout pod and the CPU pods of
     :data:`CPU_TASKS`; state moves every iteration (its checkpoint is that state), no weight transfer.
-    Resident: a thin pod per task, batches only through storage, the new weights over NCCL, scoring
-    (:func:`resident_scoring_seconds`) and checkpoints (:func:`checkpoint_seconds` / ``save_interval``)
-    on the services' ranks."""
+    Resident: a thin pod per task, batches only through storage, scoring (:func:`resident_scoring_seconds`,
+    the actor's ranks then the critic's) and checkpoints (:func:`checkpoint_seconds` / ``save_interval``) on
+    the services' ranks; the actor's update and then its push (:func:`push_seconds`) beside the critic's update:
+    ``weight transfer`` is what the push adds to the longer of the two."""
     check_mode(mode)
     comp = compute_seconds(s, a)
     if mode == "stateless":
@@ -193,11 +213,12 @@ def breakdown(s: Shape, a: Assumptions, mode: str) -> Dict[str, float]:
                  "state movement": p["iteration"]["state"], "weight transfer": 0.0,
                  "scoring": comp["score"], "updates": comp[longer_update(p)], "checkpoint": 0.0}
     else:
+        updates = max(comp["actor_update"], comp["critic_update"])
+        actor_branch = comp["actor_update"] + sum(push_seconds(s, a).values())
         parts = {"pod starts": len(CHAIN) * a.thin_pod_start_s,
                  "state movement": batch_bytes(s) / (a.s3_gb_per_s * 1e9),
-                 "weight transfer": s.params * s.engine_bytes_per_param / (a.nccl_gb_per_s * 1e9),
-                 "scoring": max(resident_scoring_seconds(s, a).values()),
-                 "updates": max(comp["actor_update"], comp["critic_update"]),
+                 "weight transfer": max(actor_branch, comp["critic_update"]) - updates,
+                 "scoring": sum(resident_scoring_seconds(s, a).values()), "updates": updates,
                  "checkpoint": checkpoint_seconds(s, a) / s.save_interval}
     parts["generation"] = comp["rollout"]
     out = {k: parts[k] for k in PARTS}
@@ -233,11 +254,11 @@ def moved(s: Shape, mode: str) -> Dict[str, float]:
 
 def gpus_held(s: Shape, a: Assumptions, mode: str) -> float:
     """GPU-seconds an iteration holds: stateless, each GPU pod for its own seconds; resident, every service's
-    GPUs (engine, actor, critic, reward model) for the whole iteration."""
+    GPUs (engine, actor with the reward model, critic) for the whole iteration."""
     if mode == "stateless":
         p, gpus = project(s, a), task_gpus(s)
         return sum(gpus[t] * p[t]["total"] for t in gpus) + s.rollout_gpus * a.engine_start_s
-    held = s.rollout_gpus + s.actor_nodes * s.gpus_per_node + s.critic_gpus + (s.score_gpus if s.reward_model else 0)
+    held = s.rollout_gpus + s.actor_nodes * s.gpus_per_node + s.critic_gpus
     return held * breakdown(s, a, mode)["total"]
 
 
@@ -283,6 +304,12 @@ def mode_table(s: Shape, a: Assumptions, modes: Sequence[str]) -> str:
         ("storage", "GB through storage"), ("state", "  of which weights + AdamW state"),
         ("checkpoint", "  of which checkpoint (amortised)"), ("in memory", "GB trainer → engine (NCCL)"))]
     lines.append(line("GPU·h per iteration", [gpus_held(s, a, m) / 3600 for m in modes]))
+    if "resident" in modes:
+        push = push_seconds(s, a)
+        lines.append(f"  push after each actor update: {sum(push.values()):.1f} s (" +
+                     ", ".join(f"{k} {v:.1f}" for k, v in push.items()) +
+                     f"), {s.params * s.engine_bytes_per_param / 1e9:.0f} GB at {s.engine_bytes_per_param} B/parameter; "
+                     f"the engine holds {2 * s.push_bucket_bytes / 2**30:.1f} GiB of it at most (2 buckets)")
     local, whole = actor_load_host_bytes(s)
     lines.append(f"  actor load, host memory per node: {local / 1e9:.0f} GB rank-local ({whole / 1e9:.0f} GB with the "
                  f"whole model on each rank); S3 bytes the same (each node downloads whole checkpoints)")
@@ -295,6 +322,7 @@ def assumptions_text(a: Assumptions) -> str:
             f"GPU pod start {a.pod_start_s:g} s, vLLM start {a.engine_start_s:g} s, CPU pod {a.cpu_pod_start_s:g} s, "
             f"thin pod {a.thin_pod_start_s:g} s, "
             f"S3 {a.s3_gb_per_s:g} GB/s per node, NCCL trainer → engine {a.nccl_gb_per_s:g} GB/s, "
+            f"NVLink into a GPU {a.nvlink_gb_per_s:g} GB/s, GPU ↔ host {a.host_copy_gb_per_s:g} GB/s, "
             f"{a.peak_tflops:g} TFLOP/s bf16 peak, MFU {a.train_mfu:g} updates / {a.forward_mfu:g} scoring, "
             f"vLLM {a.gen_tokens_per_s_per_gpu:g} tokens/s per GPU at 8B")
 

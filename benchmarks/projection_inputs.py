@@ -37,7 +37,9 @@ class Assumptions:
     forward_mfu: float = 0.45
     """MFU of the scoring forwards (π_old, π_ref, critic, reward model)."""
     gen_tokens_per_s_per_gpu: float = 2500.0
-    """vLLM decode throughput per GPU at the rollout's batch (8B, bf16, 1024-token responses)."""
+    """vLLM decode throughput per GPU at the rollout's batch (8B, bf16, 1024-token responses), with CUDA graphs
+    (``rollout.enforce_eager: false``, the engine's default on a GPU since #38; eager decoding is typically 1.5-2x
+    slower)."""
     engine_start_s: float = 12.0
     """vLLM's start in a stateless rollout pod on top of the pod's (a resident engine starts once a run): the
     harness's rollout pods took 20 and 32 s with vLLM against 8 s with the HF engine (tiny model, CPU;
@@ -53,7 +55,16 @@ class Assumptions:
     nccl_gb_per_s: float = 25.0
     """Trainer → engine weight broadcast, GB/s: one sending GPU's NIC across nodes, as verl measured it
     (verl-project/verl#7167: ~25 GB/s from the master rank alone, ~90 GB/s with every trainer GPU of the node
-    sending); an H100 node's ConnectX-7 is 400 Gbit/s = 50 GB/s per GPU. Peers report 0.2-7 s at 0.6B-30B."""
+    sending); an H100 node's ConnectX-7 is 400 Gbit/s = 50 GB/s per GPU. Peers report 0.2-7 s at 0.6B-30B. The
+    push's gather into the trainer's rank 0 takes the rows of other nodes at the same rate (one GPU's NIC)."""
+    nvlink_gb_per_s: float = 450.0
+    """Into one H100 from the other GPUs of its node, GB/s: NVLink 4's 900 GB/s per GPU counts both directions
+    (NVIDIA's H100 datasheet), so 450 into rank 0 during the push's gather of the node's rows."""
+    host_copy_gb_per_s: float = 25.0
+    """A tensor-parallel engine's load, GB/s each way between a GPU and host memory: PCIe Gen5 x16 carries 64 GB/s
+    each way (128 GB/s both, NVIDIA's H100 datasheet); the push's shared-memory file is pageable, not pinned, for
+    which a copy is staged through a pinned buffer by the driver: taken at 25 GB/s, unmeasured (the GPU check
+    ``benchmarks/bench_resident_gpu.py`` prints the push's seconds)."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +84,8 @@ class Shape:
     gpus_per_node: int = 8
     rollout_gpus: int = 1
     score_gpus: int = 1
-    """GPUs of one scoring pod (``resources.score_gpu``); resident: the reward model server's."""
+    """GPUs of one scoring pod (``resources.score_gpu``), stateless; resident, scoring runs on the actor trainer's
+    ranks (π_old, π_ref and the reward model sharded there) and the critic trainer's (the values)."""
     critic_gpus: int = 1
     critic_lora: bool = True
     """The critic trains LoRA adapters on a frozen base (the 8B preset); else a full critic like the actor."""
@@ -103,7 +115,11 @@ class Shape:
     save_interval: int = 50
     """``run.save_interval``: a resident run writes a checkpoint every this many iterations."""
     engine_bytes_per_param: int = 2
-    """The engine's weights, bfloat16 (``rollout.vllm_dtype``): what the trainer sends it after each update."""
+    """The engine's weights, bfloat16 (``rollout.vllm_dtype``): what the trainer sends it after each update (cast
+    on each rank before the gather, ``models/training/weight_source.py``; ``resident/weights_bytes`` logs it)."""
+    push_bucket_bytes: int = 256 << 20
+    """Most tensor bytes of one bucket of a push (``models/engines/weight_stream.py``, ``BUCKET_BYTES``): the
+    engine loads a bucket before it takes the next, so it holds two at most."""
 
 
 def llama_params(layers: int, d_model: int, kv_heads: int, ffn: int, vocab: int, heads: int, tied: bool) -> float:

@@ -1,7 +1,8 @@
 """Fault injection for the reliability tests: no-ops unless their environment variable is set.
 
 The tests kill a run at a chosen point and check it resumes as if nothing happened, or spoil an
-update and check the run stops, or slow an engine replica down. Four hooks:
+update and check the run stops, or slow an engine replica down, or make an engine's loader skip a weight. Five
+hooks:
 
 - ``RLHF_FAULT_PAUSE="<point>:<seconds>"`` — :func:`pause_point` with a name containing
   ``<point>`` announces itself (``{RLHF_FAULT_DIR}/paused``, holding the point's name) and
@@ -18,6 +19,9 @@ update and check the run stops, or slow an engine replica down. Four hooks:
 - ``RLHF_FAULT_SLOW_REPLICA="<replica>:<seconds per prompt>"`` — :func:`slow_replica`: that engine
   replica (``rollout.data_parallel_size``) sleeps that long per prompt of every chunk it is given, a
   straggler for the dispatch test (read in the replica's process, so set it before the replicas start).
+- ``RLHF_FAULT_DROP_PUSHED="<tensor name>"`` — :func:`drop_pushed`: an engine's loader leaves that tensor of a
+  resident push out without a word (as vLLM's does with, say, v missing from ``qkv_proj``), for the push's
+  read-back to catch (read where the loader runs: a vLLM worker's process inherits it from the engine's).
 
 Nothing here runs in a normal run: every hook returns at once when its variable is unset.
 """
@@ -31,6 +35,7 @@ PAUSE_ENV = "RLHF_FAULT_PAUSE"
 KILL_RANK_ENV = "RLHF_FAULT_KILL_RANK"
 NAN_ADVANTAGES_ENV = "RLHF_FAULT_NAN_ADVANTAGES"
 SLOW_REPLICA_ENV = "RLHF_FAULT_SLOW_REPLICA"
+DROP_PUSHED_ENV = "RLHF_FAULT_DROP_PUSHED"
 DIR_ENV = "RLHF_FAULT_DIR"
 
 
@@ -85,3 +90,9 @@ def slow_replica(replica: int, prompts: int) -> None:
     which, _, seconds = spec.partition(":")
     if int(which) == replica:
         time.sleep(prompts * float(seconds))
+
+
+def drop_pushed(tensors):
+    """``tensors`` (a chunk of a push, name → tensor) less the one ``RLHF_FAULT_DROP_PUSHED`` names."""
+    name = os.environ.get(DROP_PUSHED_ENV)
+    return tensors if not name or name not in tensors else {k: v for k, v in tensors.items() if k != name}

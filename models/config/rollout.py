@@ -72,6 +72,11 @@ class RolloutConfig:
     vllm_dtype: str = "float32"
     """vLLM weights/activations dtype. bf16 is faster but drifts from an fp32 trainer, so it needs
     ``actor.old_logprobs=recompute`` (the default: π_old from the trainer's own forward in ``score``)."""
+    enforce_eager: bool = False
+    """vLLM on a GPU captures CUDA graphs of its decode steps at start-up and replays them (typically 1.5-2x faster
+    decoding than launching each step's kernels one by one, for some GPU memory and seconds of capture at the
+    engine's start); true runs every step eagerly (to debug, or to keep the capture's memory). The CPU has no CUDA
+    graphs: vLLM always runs eagerly there."""
     lora_mode: str = "adapter"
     """With ``actor.lora``: ``adapter`` serves the base weights plus the iteration's adapter
     (vLLM ``enable_lora``, one LoRA request per iteration; HF through peft); ``merged`` merges the

@@ -210,9 +210,13 @@ class TrainConfig:
         return self.spec.uses_critic
 
     @property
+    def engine_dtype(self) -> str:
+        """The dtype the generation engine holds its weights in: ``rollout.vllm_dtype`` for vLLM, ``model.dtype`` for
+        the HF engine (what a resident run's trainer casts its weights to before it sends them)."""
+        return self.rollout.vllm_dtype if self.rollout.engine == "vllm" else self.model.dtype
+
+    @property
     def probe_tolerance(self) -> float:
         """``rollout.probe_tolerance``, raised to ``models.training.probe.LOW_PRECISION_PROBE_TOLERANCE`` unless the engine
         and the trainer (``model.dtype``) both compute in float32; 0 stays 0 (off)."""
-        r = self.rollout
-        return effective_tolerance(r.probe_tolerance, r.vllm_dtype if r.engine == "vllm" else self.model.dtype,
-                                   self.model.dtype)
+        return effective_tolerance(self.rollout.probe_tolerance, self.engine_dtype, self.model.dtype)

@@ -16,9 +16,11 @@ truncates a bigger tensor to the old shape and keeps old weights for missing one
 line at most — so ``load_weights`` compares the checkpoint's :class:`WeightsLayout` first and
 restarts the engine from the checkpoint when it differs or when the reload reports a weight it
 could not load (:mod:`models.engines.vllm_engine`). A trainer that holds its weights in memory sends
-them without storage: :func:`pack_weights` to bytes, :func:`unpack_weights` back, and
-``load_tensors`` copies them into the running engine (names and shapes checked first). Whether the
-engine then serves the trainer's weights is checked by :mod:`models.training.probe`.
+them without storage: ``load_tensors`` copies a state dict into the running engine (names and shapes
+checked first), a resident run's push arrives in buckets (``begin_push``, ``push_chunk``, ``end_push``;
+:mod:`models.engines.weight_stream`) and ``read_back`` reads sampled elements back from the engine's
+weights, bit for bit. Whether the engine then computes as the trainer does is checked by
+:mod:`models.training.probe`.
 
 With ``data_parallel_size`` > 1 (``rollout.data_parallel_size``) the same interface is served by that many
 engines, each in its own process, fed per request: chunks of the prompts go to the first replica free
@@ -82,7 +84,8 @@ def get_engine(kind: str, checkpoint_dir: str, slot: str = "policy", **kwargs) -
     that serves LoRA adapters (``max_lora_rank > 0``) is only reused for the same rank limit.
     """
     key = _architecture_key(checkpoint_dir, kind, kwargs.get("dtype", "float32")) + (
-        kwargs.get("max_lora_rank", 0), kwargs.get("tensor_parallel_size", 1), kwargs.get("data_parallel_size", 1))
+        kwargs.get("max_lora_rank", 0), kwargs.get("tensor_parallel_size", 1), kwargs.get("data_parallel_size", 1),
+        kwargs.get("enforce_eager", False))
     cached = _CACHE.get(slot)
     if cached is not None and cached.key == key:
         if cached.weights != checkpoint_dir:

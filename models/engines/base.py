@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,10 @@ class GenerationEngine(Protocol):
     def load_tensors(self, state: Mapping[str, Any]) -> None:
         """Serve the weights ``state`` (named as in a Hugging Face state dict) from now on, in place."""
 
+    def begin_push(self, shapes: Mapping[str, Sequence[int]]) -> None:
+        """The same in chunks (``push_chunk``, then ``end_push``; ``abort_push`` gives up; ``push_buffer`` a chunk's
+        buffer; ``read_back`` what the engine holds): a resident run's push (the in-process engines)."""
+
     def restart(self, checkpoint_dir: str) -> None:
         """Build the engine anew from ``checkpoint_dir`` (no adapter)."""
 
@@ -245,10 +249,6 @@ class SwappableEngine:
         any weight could not be copied."""
         raise NotImplementedError
 
-    def _load_tensors_in_place(self, state: Dict[str, Any]) -> None:
-        """Copy ``state`` (fits the layout) into the running engine; raise if any weight was not copied."""
-        raise NotImplementedError
-
     def close(self) -> None:
         raise NotImplementedError
 
@@ -291,22 +291,78 @@ class SwappableEngine:
         """Serve the weights ``state`` (tensors named as in a Hugging Face state dict, tied copies
         included or not; e.g. a trainer's ``state_dict()`` through :mod:`models.engines.weights`) from
         now on, copied into the running engine in place: the in-memory path, no checkpoint between.
-
-        Names or shapes that do not fit the served model raise :class:`EngineLoadError` naming them,
-        before anything is copied. A copy that fails half-way leaves no checkpoint to restart from: the
-        engine is closed (it must not serve half-replaced weights) and :class:`EngineLoadError` says
-        why; :meth:`restart` from a checkpoint brings it back.
-        """
+        A push of one chunk (:meth:`begin_push`), with its checks and failures."""
         fitted = self._layout.fit(state)
-        t0 = time.perf_counter()
+        self.begin_push({k: tuple(t.shape) for k, t in fitted.items()})
+        self.push_chunk(fitted)
+        self.end_push()
+
+    def begin_push(self, shapes: Mapping[str, Sequence[int]]) -> None:
+        """New weights arrive in chunks (:meth:`push_chunk`), then :meth:`end_push`; ``shapes``: every tensor the
+        push holds (tied copies left out), named as in a Hugging Face state dict.
+
+        Names or shapes that do not fit the served model raise :class:`EngineLoadError` naming them, before
+        anything is copied. Until :meth:`end_push` returns, the engine holds part of the old weights and part of
+        the new. A copy that fails half-way (or :meth:`abort_push`) leaves no checkpoint to restart from: the
+        engine is closed (it must not serve half-replaced weights) and :class:`EngineLoadError` says why;
+        :meth:`restart` from a checkpoint brings it back."""
+        reason = self._layout.shapes_mismatch({k: tuple(v) for k, v in shapes.items()})
+        if reason:
+            raise EngineLoadError(f"these weights do not fit the served model: {reason}")
+        self._pushing, self._push_t0 = True, time.perf_counter()
+        self._pushed("begin", lambda: self._begin_push_in_place(list(shapes)))
+
+    def push_chunk(self, tensors: Mapping[str, Any]) -> None:
+        """Copy ``tensors`` (some of the push's; cast to the engine's dtype if they are not) into the engine."""
+        self._pushed("copy", lambda: self._push_chunk_in_place(dict(tensors)))
+
+    def end_push(self) -> None:
+        """The push is complete: every weight it named copied, or :class:`EngineLoadError` (the engine closed)."""
+        self._pushed("finish", self._end_push_in_place)
+        self._pushing = False
+        self.stats.reload_s += time.perf_counter() - self._push_t0
+        self.stats.reloads += 1
+
+    def abort_push(self) -> None:
+        """Give the push up (the sender failed, a chunk arrived corrupted): the engine is closed."""
+        if getattr(self, "_pushing", False):
+            self._pushing = False
+            self.close()
+
+    def _pushed(self, step: str, fn: Callable[[], None]) -> None:
+        if not getattr(self, "_pushing", False):
+            raise EngineLoadError(f"no push to {step}: begin_push first (the last one failed or ended)")
         try:
-            self._load_tensors_in_place(fitted)
+            fn()
         except Exception as err:  # the weights may be half-replaced
+            self._pushing = False
             self.close()
             raise EngineLoadError(f"copying new weights into the engine failed ({type(err).__name__}: {err}); "
                                   f"the engine is closed: restart it from a checkpoint") from err
-        self.stats.reload_s += time.perf_counter() - t0
-        self.stats.reloads += 1
+
+    def push_buffer(self, nbytes: int, device: Any) -> Any:
+        """A byte buffer to receive a chunk of a push into (an engine whose workers are other processes gives
+        one they can map)."""
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def read_back(self, positions: Mapping[str, Sequence[int]], dtypes: Mapping[str, str]
+                  ) -> Dict[str, List[List[int]]]:
+        """The bits the engine holds at flat ``positions`` of each named tensor (named and shaped as in a Hugging
+        Face state dict; ``dtypes``: the dtype it was pushed at, what a held value is cast to first): per position
+        one value per copy held (tensor-parallel workers that share it), none where no weight holds it."""
+        raise NotImplementedError
+
+    def _begin_push_in_place(self, names: List[str]) -> None:
+        raise NotImplementedError
+
+    def _push_chunk_in_place(self, tensors: Dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _end_push_in_place(self) -> None:
+        """Raise if any weight the push named was not copied."""
+        raise NotImplementedError
 
     def restart(self, checkpoint_dir: str) -> None:
         """Build the engine anew from ``checkpoint_dir`` (what the probe does when the served

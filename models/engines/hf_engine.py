@@ -14,6 +14,8 @@ import torch
 
 from kernels.sampling import exponential_race, processed_logprobs
 from models.engines.base import EngineLoadError, Generation, SamplingSpec, SwappableEngine, sample_seed
+from models.engines.weight_stream import bits
+from models.faults import drop_pushed
 
 
 class _SampleStep:
@@ -76,8 +78,21 @@ class HFEngine(SwappableEngine):
             state.update(load_file(f, device=self.device))
         self._load_state(state, f"weights of {checkpoint_dir}")
 
-    def _load_tensors_in_place(self, state: Dict[str, torch.Tensor]) -> None:
-        self._load_state(state, "the weights given")
+    def _begin_push_in_place(self, names: List[str]) -> None:
+        self.set_adapter(None)  # the state dict is the plain model's
+        self._left = set(names)
+
+    def _push_chunk_in_place(self, tensors: Dict[str, torch.Tensor]) -> None:
+        self._left -= set(tensors)
+        unexpected = self._model().load_state_dict(drop_pushed(tensors), strict=False).unexpected_keys
+        if unexpected:
+            raise RuntimeError(f"the weights given do not fit the engine's model: unexpected={unexpected[:5]}")
+
+    def _end_push_in_place(self) -> None:
+        if self._left:
+            raise RuntimeError(f"the push named weights it did not send: {sorted(self._left)[:5]}")
+        if "lm_head.weight" not in self._layout.shapes:  # a tied head follows the embedding
+            self.model.tie_weights()
 
     def _load_state(self, state: Dict[str, torch.Tensor], what: str) -> None:
         """``load_state_dict`` (copies into the model's own tensors, in its dtype and on its device); a
@@ -89,6 +104,17 @@ class HFEngine(SwappableEngine):
                                f"unexpected={unexpected[:5]}")
         if "lm_head.weight" in missing:
             self.model.tie_weights()
+
+    def read_back(self, positions, dtypes):
+        state = self._model().state_dict()
+        out = {}
+        for name, where in positions.items():
+            if name not in state:
+                continue
+            flat = state[name].reshape(-1)
+            held = bits(flat[torch.tensor(where, dtype=torch.long, device=flat.device)].to(getattr(torch, dtypes[name])))
+            out[name] = [[b] for b in held.tolist()]
+        return out
 
     def set_adapter(self, adapter_dir: Optional[str]) -> None:
         from peft import PeftModel

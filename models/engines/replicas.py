@@ -18,9 +18,10 @@ of a dense model need nothing from each other, so each here is a plain engine
   ``sample_seed(seed, i, j)`` (:func:`~models.engines.base.sample_seed`), the seed one engine gives it: a
   batch is the same for any number of replicas and any order the chunks finish in (same tokens, log-probs
   within the engine's float noise). :attr:`EngineReplicas.last_dispatch` says who did what in the last call.
-- ``load_weights`` / ``load_tensors`` / ``set_adapter`` / ``restart`` go to every replica at once; each
-  reloads in place (or restarts, as :meth:`SwappableEngine.load_weights` decides); a failure in any raises
-  :class:`EngineLoadError` naming the replica. ``load_tensors`` sends the tensors through shared memory.
+- ``load_weights`` / ``load_tensors`` / ``set_adapter`` / ``restart`` and a push's chunks go to every replica at
+  once; each reloads in place (or restarts, as :meth:`SwappableEngine.load_weights` decides); a failure in any
+  raises :class:`EngineLoadError` naming the replica. Tensors go through shared memory. ``read_back`` asks every
+  replica.
 - Resources: on GPU, replica ``r`` sees GPUs ``[r·tp, (r+1)·tp)`` of this process's; on CPU it is pinned to
   its own share of this process's cores, its vLLM workers bound inside that share as
   :func:`~models.engines.vllm_engine.cpu_workers_bound` does for tensor parallelism (a
@@ -43,7 +44,8 @@ from models.engines.dispatch import Dispatch, request_chunks
 from models.engines.vllm_engine import cpu_worker_groups
 from models.faults import slow_replica
 
-LOAD_OPS = ("load_weights", "load_tensors", "set_adapter", "restart")
+LOAD_OPS = ("load_weights", "load_tensors", "set_adapter", "restart", "begin_push", "push_chunk", "end_push",
+            "abort_push", "read_back")
 """The operations every replica does; a failure of any is an :class:`EngineLoadError`."""
 WORK_OPS = ("generate", "prompt_logprobs")
 """The operations whose items are dispatched to the replicas in chunks (:mod:`models.engines.dispatch`)."""
@@ -266,6 +268,36 @@ class EngineReplicas:
 
     def load_tensors(self, state: Mapping[str, Any]) -> None:
         self._everywhere("load_tensors", dict(state))
+
+    def begin_push(self, shapes: Mapping[str, Sequence[int]]) -> None:
+        self._everywhere("begin_push", {k: list(v) for k, v in shapes.items()})
+
+    def push_chunk(self, tensors: Mapping[str, Any]) -> None:
+        self._everywhere("push_chunk", dict(tensors))
+
+    def end_push(self) -> None:
+        self._everywhere("end_push")
+
+    def abort_push(self) -> None:
+        self.close()  # each replica would hold part of the push
+
+    def push_buffer(self, nbytes: int, device: Any) -> Any:
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def read_back(self, positions: Mapping[str, Sequence[int]], dtypes: Mapping[str, str]) -> Dict[str, List[List[int]]]:
+        """Every replica's values at each position (each must hold what was pushed)."""
+        ranks = list(range(self.replicas))
+        answers = self._call("read_back", {r: ((dict(positions), dict(dtypes)), {}) for r in ranks})
+        self._raise_first("read_back", ranks, answers)
+        out: Dict[str, List[List[int]]] = {}
+        for _, held in answers:
+            for name, values in held.items():
+                slots = out.setdefault(name, [[] for _ in values])
+                for slot, got in zip(slots, values):
+                    slot.extend(got)
+        return out
 
     def restart(self, checkpoint_dir: str) -> None:
         self._everywhere("restart", checkpoint_dir)

@@ -11,8 +11,12 @@ per sample with its own seed, and in-place reloads that fail loudly.
   loaded from checkpoint"). :func:`_reload_reporting` runs in the worker, captures those reports
   whatever the user's log level, re-derives the packed copies of tied modules, and returns any other
   report, which :class:`VLLMEngine` treats as a failed reload (a restart follows).
-- Tensors from memory (``load_tensors``) take the same path: ``reload_weights`` from an iterator over
-  them (:func:`_load_reporting`), the same reports, the same repair of tied modules.
+- Tensors from memory (``load_tensors``, a trainer's push in chunks) take the same reload, split over
+  calls (:mod:`models.engines.vllm_push`): the same reports, the same repair of tied modules; with tensor
+  parallelism each worker maps a chunk from shared memory and reads only its slices. ``read_back`` reads
+  pushed elements back from the workers' weights.
+- CUDA graphs on a GPU unless ``enforce_eager`` (``rollout.enforce_eager``); always eager on the CPU,
+  which has no graphs to capture.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import torch
 
 from models import console
 from models.environ import environment
+from models.engines import vllm_push
+from models.engines.weight_stream import merge_held
 from models.engines.base import (EngineLoadError, Generation, SamplingSpec, SwappableEngine, contiguous_shares,
                                 sample_seed)
 
@@ -37,71 +43,15 @@ VLLM_MAX_LORA_RANK = VLLM_LORA_RANKS[-1]
 EMBEDDING_TARGETS = ("lm_head", "embed_tokens")
 """LoRA targets vLLM adapts only for architectures that list them in ``embedding_modules``."""
 
-_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
-                   "vllm.model_executor.model_loader.reload.inplace")
-_NOT_LOADED = ": Failed to load weights"
-
-
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: List[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-def _own_params(module: torch.nn.Module) -> List[torch.nn.Parameter]:
-    return list(module.parameters(recurse=False))
-
-
-def _tied_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
-    """Modules every one of whose parameters is also another module's (a tied ``lm_head``)."""
-    owners: Dict[int, int] = {}
-    for module in model.modules():
-        for p in _own_params(module):
-            owners[id(p)] = owners.get(id(p), 0) + 1
-    return [m for m in model.modules() if _own_params(m) and all(owners[id(p)] > 1 for p in _own_params(m))]
-
-
 def _reload_reporting(worker: Any, weights_path: str) -> List[str]:
     """In the worker: ``reload_weights`` from ``weights_path``; returns what the loader reported it
     could not load and that is not repaired here (empty: every weight is the checkpoint's)."""
-    return _reporting(worker, weights_path=weights_path)
-
-
-def _load_reporting(worker: Any, weights: Dict[str, torch.Tensor]) -> List[str]:
-    """In the worker: ``reload_weights`` from the tensors ``weights`` (checkpoint names; the worker's
-    model loader shards them), reporting as :func:`_reload_reporting` does."""
-    return _reporting(worker, weights_iterator=iter(weights.items()))
-
-
-def _reporting(worker: Any, **reload_kwargs: Any) -> List[str]:
-    capture = _Capture()
-    loggers = [logging.getLogger(name) for name in _RELOAD_LOGGERS]
-    saved = [(lg.level, lg.disabled) for lg in loggers]
-    for lg in loggers:  # a report must not depend on the log level the user chose
-        lg.setLevel(logging.WARNING)
-        lg.disabled = False
-        lg.addHandler(capture)
+    capture = vllm_push.Capture().install()
     try:
-        worker.reload_weights(**reload_kwargs)
+        worker.reload_weights(weights_path=weights_path)
     finally:
-        for lg, (level, disabled) in zip(loggers, saved):
-            lg.removeHandler(capture)
-            lg.setLevel(level)
-            lg.disabled = disabled
-    model = worker.model_runner.get_model()
-    repaired = set()
-    for module in _tied_modules(model):  # the shared weight is new; its derived (packed) copy is not
-        method = getattr(module, "quant_method", None)
-        if method is not None and type(method).__name__.startswith("Unquantized"):
-            method.process_weights_after_loading(module)
-            repaired.add(type(module).__name__)
-    owning = {type(m).__name__ for m in model.modules() if _own_params(m)}
-    benign = repaired | ({type(m).__name__ for m in model.modules()} - owning)  # + buffers only (rotary caches)
-    failures = [msg for msg in capture.messages if "Failed to load" in msg or "not loaded" in msg]
-    return [msg for msg in failures if not (msg.endswith(_NOT_LOADED) and msg[:-len(_NOT_LOADED)] in benign)]
+        capture.remove()
+    return vllm_push.failures(worker.model_runner.get_model(), capture)
 
 
 def unsupported_lora_targets(model_config: Dict[str, Any], target_modules: Sequence[str]) -> List[str]:
@@ -161,34 +111,54 @@ def read_settings_afresh() -> None:
     envs.disable_envs_cache()
 
 
+def llm_kwargs(checkpoint_dir: str, dtype: str, gpu_memory_utilization: float, max_model_len: Optional[int],
+               seed: int, max_lora_rank: int, tensor_parallel_size: int, enforce_eager: bool, cuda: bool
+               ) -> Dict[str, Any]:
+    """vLLM's ``LLM`` arguments for :class:`VLLMEngine` (``cuda``: whether it runs on a GPU). On a GPU vLLM captures
+    CUDA graphs of the decode steps unless ``enforce_eager``; the CPU has none, so it runs eager there."""
+    kwargs: Dict[str, Any] = dict(dtype=dtype, enforce_eager=bool(enforce_eager or not cuda), seed=seed,
+                                  logprobs_mode="processed_logprobs", generation_config="vllm",
+                                  use_tqdm_on_load=console.verbose())
+    if tensor_parallel_size > 1:  # workers in their own processes, each loading its slice
+        kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="mp")
+    if max_model_len:  # default: the model's own limit
+        kwargs["max_model_len"] = max_model_len
+    if cuda:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    else:  # a prefill split across steps rewinds each seeded request's generator, which a CPU
+        # generator cannot ("CPU Generator does not use offset"): prefill every prompt whole
+        model_len = max_model_len or _read_json(checkpoint_dir, "config.json").get("max_position_embeddings", 0)
+        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(int(model_len), 2048))
+    if max_lora_rank:  # one adapter at a time, of rank up to the next size vLLM accepts
+        rank = next((r for r in VLLM_LORA_RANKS if r >= max_lora_rank), None)
+        if rank is None:
+            raise ValueError(f"vLLM serves LoRA adapters up to rank {VLLM_MAX_LORA_RANK}, got {max_lora_rank}")
+        kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
+    return kwargs
+
+
+def cuda_graphs(llm) -> bool:
+    """Whether the started ``LLM`` replays CUDA graphs (its compilation config's ``cudagraph_mode``)."""
+    from vllm.config import CUDAGraphMode
+
+    mode = getattr(llm.llm_engine.vllm_config.compilation_config, "cudagraph_mode", None)
+    return mode is not None and mode != CUDAGraphMode.NONE
+
+
 class VLLMEngine(SwappableEngine):
     """vLLM's offline ``LLM`` in this process (no engine subprocess; with ``tensor_parallel_size`` > 1
     its workers run in their own processes, one per GPU or per group of CPU cores), prompts as token ids."""
 
     def __init__(self, checkpoint_dir: str, dtype: str = "float32", kv_cache_gib: float = 1.0,
                  gpu_memory_utilization: float = 0.5, max_model_len: Optional[int] = None, seed: int = 0,
-                 max_lora_rank: int = 0, tensor_parallel_size: int = 1):
+                 max_lora_rank: int = 0, tensor_parallel_size: int = 1, enforce_eager: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
-        kwargs: Dict[str, Any] = dict(dtype=dtype, enforce_eager=True, seed=seed, logprobs_mode="processed_logprobs",
-                                      generation_config="vllm", use_tqdm_on_load=console.verbose())
-        if tensor_parallel_size > 1:  # workers in their own processes, each loading its slice
-            kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="mp")
-        if max_model_len:  # default: the model's own limit
-            kwargs["max_model_len"] = max_model_len
-        if torch.cuda.is_available():
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        else:  # a prefill split across steps rewinds each seeded request's generator, which a CPU
-            # generator cannot ("CPU Generator does not use offset"): prefill every prompt whole
-            model_len = max_model_len or _read_json(checkpoint_dir, "config.json").get("max_position_embeddings", 0)
-            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(int(model_len), 2048))
-        if max_lora_rank:  # one adapter at a time, of rank up to the next size vLLM accepts
-            rank = next((r for r in VLLM_LORA_RANKS if r >= max_lora_rank), None)
-            if rank is None:
-                raise ValueError(f"vLLM serves LoRA adapters up to rank {VLLM_MAX_LORA_RANK}, got {max_lora_rank}")
-            kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
+        kwargs = llm_kwargs(checkpoint_dir, dtype, gpu_memory_utilization, max_model_len, seed, max_lora_rank,
+                            tensor_parallel_size, enforce_eager, torch.cuda.is_available())
         self._lora = None  # vllm.lora.request.LoRARequest of the adapter being served
         self._lora_ids = 0
+        self._shared: Dict[int, str] = {}  # a push's shared-memory buffers given out: storage -> file
         self._llm_kwargs = kwargs
         self._checkpoint = checkpoint_dir
         self.llm = None
@@ -202,6 +172,7 @@ class VLLMEngine(SwappableEngine):
         self._checkpoint = checkpoint_dir
         with cpu_workers_bound(self._llm_kwargs.get("tensor_parallel_size", 1)):  # a restart binds them again
             self.llm = LLM(model=checkpoint_dir, **self._llm_kwargs)
+        self.stats.extra["cuda_graphs"] = float(cuda_graphs(self.llm))
         eos = self.llm.get_tokenizer().eos_token_id
         self.llm.generate([TokensPrompt(prompt_token_ids=[eos])], SamplingParams(max_tokens=1),
                           use_tqdm=False)  # warm-up
@@ -210,10 +181,68 @@ class VLLMEngine(SwappableEngine):
         self._copy_in(_reload_reporting, {"weights_path": checkpoint_dir})
         self._checkpoint = checkpoint_dir
 
-    def _load_tensors_in_place(self, state: Dict[str, Any]) -> None:
-        """Every worker gets the whole state through ``collective_rpc``'s arguments (pickled to each
-        worker process when ``tensor_parallel_size`` > 1) and its model loader keeps its slice."""
-        self._copy_in(_load_reporting, {"weights": state})
+    def _begin_push_in_place(self, names: List[str]) -> None:
+        self._llm().collective_rpc(vllm_push.begin)
+        self._shared: Dict[int, str] = {}
+
+    def push_buffer(self, nbytes: int, device: Any) -> torch.Tensor:
+        """With tensor-parallel workers (other processes), a file in shared memory they map; else (or on a GPU, where
+        the chunk goes to shared memory when it is pushed) an ordinary buffer."""
+        if self._workers() == 1 or torch.device(device).type != "cpu":
+            return super().push_buffer(nbytes, device)
+        path = os.path.join(vllm_push.shared_dir(), f"rlhf-push-{os.getpid()}-{time.monotonic_ns()}")
+        buffer = torch.from_file(path, shared=True, size=int(nbytes), dtype=torch.uint8)
+        self._shared[buffer.untyped_storage().data_ptr()] = path
+        return buffer
+
+    def _push_chunk_in_place(self, tensors: Dict[str, Any]) -> None:
+        """One worker (this process): the tensors themselves. Several: the chunk's shared-memory file (tensors not in
+        one are copied into one first), each worker reading only its slices from it."""
+        if self._workers() == 1:
+            self._llm().collective_rpc(vllm_push.chunk, kwargs={"tensors": tensors})
+            return
+        ptrs = {t.untyped_storage().data_ptr() for t in tensors.values()}
+        if len(ptrs) != 1 or next(iter(ptrs)) not in self._shared:
+            tensors = self._in_shared_memory(tensors)
+        ptr = next(iter(tensors.values())).untyped_storage().data_ptr()
+        path = self._shared.pop(ptr)
+        layout = [(name, str(t.dtype).removeprefix("torch."), list(t.shape), t.storage_offset() * t.element_size())
+                  for name, t in tensors.items()]
+        nbytes = next(iter(tensors.values())).untyped_storage().nbytes()
+        try:
+            self._llm().collective_rpc(vllm_push.chunk, kwargs={"shared": {"path": path, "nbytes": nbytes,
+                                                                           "tensors": layout}})
+        finally:
+            os.unlink(path)  # the workers' mappings (and ours) stay valid until they are dropped
+
+    def _in_shared_memory(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        offsets, end = {}, 0
+        for name, t in tensors.items():
+            offsets[name] = -(-end // 16) * 16
+            end = offsets[name] + t.numel() * t.element_size()
+        buffer = self.push_buffer(max(end, 1), "cpu")
+        out = {}
+        for name, t in tensors.items():
+            n = t.numel() * t.element_size()
+            out[name] = buffer[offsets[name]:offsets[name] + n].view(t.dtype).view(t.shape)
+            out[name].copy_(t)
+        return out
+
+    def _end_push_in_place(self) -> None:
+        for path in self._shared.values():  # buffers given out but never pushed
+            os.unlink(path)
+        self._shared = {}
+        self._copy_in(vllm_push.finish, {})
+
+    def read_back(self, positions, dtypes):
+        metas = {name: (list(shape), dtypes.get(name, self._llm_kwargs["dtype"]))
+                 for name, shape in self._layout.shapes.items()}
+        parts = self._llm().collective_rpc(vllm_push.read_back, args=({k: list(v) for k, v in positions.items()},
+                                                                      metas))
+        return merge_held(parts)
+
+    def _workers(self) -> int:
+        return int(self._llm_kwargs.get("tensor_parallel_size", 1))
 
     def _copy_in(self, reporting, kwargs: Dict[str, Any]) -> None:
         problems = [p for reports in self._llm().collective_rpc(reporting, kwargs=kwargs) for p in reports]
@@ -291,6 +320,7 @@ class VLLMEngine(SwappableEngine):
         return results
 
     def close(self) -> None:
+        vllm_push.drop()  # a push given up in this process's worker
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             try:

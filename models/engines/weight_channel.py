@@ -7,12 +7,12 @@ serves on and answers its :meth:`Receiver.offer` (the port, the backend, a key n
 store); the trainer's side (:class:`Sender`) joins with it. Backend: ``nccl`` when both ends are on CUDA,
 on two different GPUs (NCCL cannot join two ranks on one device), else ``gloo`` (through host memory).
 
-A push: :func:`plan` lays the state dict out in buckets, one dtype each and at most :data:`BUCKET_BYTES`
-(a tensor bigger than that gets its own), each sent as one flat buffer, and a JSON header (names,
-dtypes, shapes, offsets, names that share a tensor); the header travels by other means (the engine
-service's HTTP op), the buffers by broadcast (:meth:`Sender.send`, :meth:`Receiver.receive`), and
-:func:`unflatten` gives the state dict back, bit for bit. Every wait is bounded by the channel's timeout;
-a failure raises :class:`ChannelError` and the channel is not used again.
+A push: the header (:func:`models.engines.weight_stream.plan_push`: the tensors' names, dtypes, shapes and
+places in their buckets) travels by other means (the engine service's HTTP op), the buckets by broadcast, one
+at a time (:meth:`Sender.send_bucket`, :meth:`Receiver.buckets`): the receiver takes a bucket into a buffer its
+engine gives (:meth:`~models.engines.base.SwappableEngine.push_buffer`) only once the one before is loaded.
+Every wait is bounded by the channel's timeout; a failure raises :class:`ChannelError` and the channel is not
+used again.
 """
 
 from __future__ import annotations
@@ -24,15 +24,13 @@ import socket
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Dict, List, Mapping, Tuple
+from typing import Any, Callable, Dict, Iterator, Mapping, Tuple
 
 import torch
 import torch.distributed as dist
 
-from models.engines.weights import distinct_tensors
+from models.engines.weight_stream import bucket_nbytes, check_header
 
-BUCKET_BYTES = 256 << 20
-"""Most bytes in one broadcast buffer (a bigger tensor is one buffer by itself)."""
 TIMEOUT_S = 300.0
 """Default bound on forming the channel and on each broadcast."""
 SENDER, RECEIVER = 0, 1
@@ -52,83 +50,6 @@ def gpu_id() -> str:
 def choose_backend(sender_gpu: str, receiver_gpu: str) -> str:
     """``nccl`` when both ends are on CUDA, on different devices; else ``gloo``."""
     return "nccl" if sender_gpu and receiver_gpu and sender_gpu != receiver_gpu else "gloo"
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"the weights header names dtype {name!r}, which torch does not have")
-    return dtype
-
-
-def plan(state: Mapping[str, torch.Tensor], bucket_bytes: int = BUCKET_BYTES
-         ) -> Tuple[Dict[str, Any], List[List[torch.Tensor]]]:
-    """``(header, buckets)``: ``state``'s tensors in buckets, one dtype each, each sent as one flat buffer
-    (:meth:`Sender.send` flattens them one at a time: one bucket's copy at once), and the JSON header
-    :func:`unflatten` reads the buffers back with."""
-    distinct, aliases = distinct_tensors(state)
-    groups: Dict[torch.dtype, List[List[str]]] = {}
-    sizes: Dict[Tuple[torch.dtype, int], int] = {}
-    for name, t in distinct.items():
-        buckets = groups.setdefault(t.dtype, [[]])
-        nbytes = t.numel() * t.element_size()
-        if buckets[-1] and sizes[(t.dtype, len(buckets) - 1)] + nbytes > bucket_bytes:
-            buckets.append([])
-        key = (t.dtype, len(buckets) - 1)
-        sizes[key] = sizes.get(key, 0) + nbytes
-        buckets[-1].append(name)
-    header: Dict[str, Any] = {"tensors": [], "buffers": [], "aliases": aliases}
-    out = []
-    for dtype, buckets in groups.items():
-        for names in buckets:
-            offset, index = 0, len(out)
-            for name in names:
-                t = distinct[name]
-                header["tensors"].append([name, str(dtype).removeprefix("torch."), list(t.shape), index, offset])
-                offset += t.numel()
-            out.append([distinct[n] for n in names])
-            header["buffers"].append([str(dtype).removeprefix("torch."), offset])
-    return header, out
-
-
-def check_header(header: Mapping[str, Any]) -> None:
-    """A header that :func:`plan` could have written; else ``ValueError`` naming what is wrong."""
-    if not isinstance(header, Mapping) or not {"tensors", "buffers", "aliases"} <= set(header):
-        raise ValueError(f"not a weights header (needs tensors, buffers, aliases): {str(header)[:200]}")
-    sizes = []
-    for dtype, numel in header["buffers"]:
-        _dtype(dtype)
-        sizes.append(int(numel))
-    names = set()
-    for name, dtype, shape, index, offset in header["tensors"]:
-        if not 0 <= index < len(sizes) or header["buffers"][index][0] != dtype:
-            raise ValueError(f"the weights header puts {name!r} ({dtype}) in buffer {index}, which it does not "
-                             f"declare as {dtype}")
-        if offset < 0 or offset + _numel(shape) > sizes[index]:
-            raise ValueError(f"the weights header puts {name!r} {shape} at {offset}, past the end of buffer "
-                             f"{index} ({sizes[index]} elements)")
-        names.add(name)
-    missing = {a: t for a, t in header["aliases"].items() if t not in names}
-    if missing:
-        raise ValueError(f"the weights header names aliases of tensors it does not hold: {missing}")
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
-def unflatten(header: Mapping[str, Any], buffers: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """The state dict of :func:`plan`'s ``header`` from the received ``buffers``: views of them, the
-    aliases as the same tensor as their target."""
-    state = {}
-    for name, _, shape, index, offset in header["tensors"]:
-        state[name] = buffers[index][offset:offset + _numel(shape)].view(shape)
-    for name, target in header["aliases"].items():
-        state[name] = state[target]
-    return state
 
 
 def _gloo(store, rank: int, host: str, timeout: dt.timedelta):
@@ -189,9 +110,15 @@ class Receiver:
         """What the sender joins with (JSON)."""
         return {"port": self.store.port, "backend": self.backend, "key": self.key}
 
-    def receive(self, header: Mapping[str, Any], push: int) -> Dict[str, torch.Tensor]:
+    @property
+    def device(self) -> torch.device:
+        return _device(self.backend)
+
+    def buckets(self, header: Mapping[str, Any], push: int, alloc: Callable[[int, torch.device], torch.Tensor]
+                ) -> Iterator[Tuple[int, torch.Tensor]]:
         """The sender's push number ``push``, laid out by ``header``: tells the sender it listens
-        (:meth:`Sender.wait_ready`), then takes the broadcasts."""
+        (:meth:`Sender.wait_ready`), then takes the buckets one at a time, each into ``alloc(bytes, device)``, as
+        the caller asks for the next (it loads one before it takes the next)."""
         check_header(header)
         try:
             group = self._group.result(timeout=self.timeout_s + 5)
@@ -199,11 +126,11 @@ class Receiver:
             raise ChannelError(f"the {self.backend} weight channel on {self.host}:{self.store.port} did not form "
                                f"({type(err).__name__}: {str(err).strip()[:300]})") from err
         self.store.set(_ready_key(self.key, push), "1")
-        device = _device(self.backend)
-        buffers = [torch.empty(int(numel), dtype=_dtype(dtype), device=device) for dtype, numel in header["buffers"]]
-        for buffer in buffers:
+        for index in range(len(header["buckets"])):
+            buffer = alloc(bucket_nbytes(header, index), self.device)
             _broadcast(group, buffer, self.backend, self.timeout_s)
-        return unflatten(header, buffers)
+            yield index, buffer
+            del buffer
 
     def close(self) -> None:
         """Drop the group (a sender blocked on it fails; one still forming, once formed) and the store."""
@@ -244,12 +171,13 @@ class Sender:
             if time.monotonic() > deadline:
                 raise ChannelError(f"the receiver did not take the push in {timeout_s:g} s")
 
-    def send(self, buckets: List[List[torch.Tensor]]) -> None:
-        """Broadcast :func:`plan`'s buckets, each as one flat buffer on the backend's device."""
-        device = _device(self.backend)
-        for bucket in buckets:
-            buffer = torch.cat([t.reshape(-1).to(device) for t in bucket])  # [numel of the bucket]
-            _broadcast(self.group, buffer, self.backend, self.timeout_s)
+    @property
+    def device(self) -> torch.device:
+        return _device(self.backend)
+
+    def send_bucket(self, buffer: torch.Tensor) -> None:
+        """Broadcast one bucket's bytes (on :attr:`device`)."""
+        _broadcast(self.group, buffer, self.backend, self.timeout_s)
 
     def close(self) -> None:
         atexit.unregister(self.close)

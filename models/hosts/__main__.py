@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="vLLM workers the engine is split over (GPUs, or groups of CPU cores)")
     r.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas, each in its own process, requests' prompts dealt among them")
+    r.add_argument("--enforce-eager", action="store_true",
+                   help="vLLM on a GPU: no CUDA graphs, every decode step eager (the CPU is always eager)")
     for name in RESIDENT:
         sub.add_parser(name, help=f"a resident run's {name} service").add_argument(
             "--launch", required=True, help="the launch file written by models.hosts.resident")

@@ -85,16 +85,16 @@ class EngineHost(Host):
         when a request asks for that actor."""
         if not defer:
             self.version = -1  # until the new weights are in and verified, the engine serves no iteration
-        put = self.transport.receive(meta or {}, body)
+        put = self.transport.receive(meta or {}, body, None if defer else self.engine)  # streamed in, or kept
 
         def load() -> Dict[str, float]:
             t0 = time.perf_counter()
             self.version = -1  # until the new weights are in and verified, the engine serves no iteration
-            put(self.engine)
+            pushed = put(self.engine)  # in, and read back: the engine holds what was sent, bit for bit
             result = verify_reference(self.engine, probe["sequences"], probe["logprobs"], float(tolerance),
                                       f"the actor of iteration {version} (in memory)")
             self.version = int(version)
-            return {"rollout/probe_gap_max": result.gap_max if result is not None else 0.0,
+            return {**pushed, "rollout/probe_gap_max": result.gap_max if result is not None else 0.0,
                     "time/weights_load_s": time.perf_counter() - t0}
 
         if defer:

@@ -51,6 +51,8 @@ class RolloutServiceConfig:
     """Torch intra-op threads of the engine thread; 0: torch's choice."""
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    enforce_eager: bool = False
+    """vLLM on a GPU: no CUDA graphs (``rollout.enforce_eager``)."""
     max_samples: int = 1024
     max_tokens: int = 8192
     """Most prompts × n per request, most prompt + ``max_new_tokens`` tokens per prompt (413 above)."""
@@ -115,7 +117,8 @@ class RolloutHost(Host):
         kwargs = dict(dtype=config.dtype) if config.engine == "hf" else dict(
             dtype=config.dtype, kv_cache_gib=config.kv_cache_gib, seed=config.seed,
             gpu_memory_utilization=config.gpu_memory_utilization, max_model_len=config.max_model_len or None,
-            max_lora_rank=config.max_lora_rank, tensor_parallel_size=config.tensor_parallel_size)
+            max_lora_rank=config.max_lora_rank, tensor_parallel_size=config.tensor_parallel_size,
+            enforce_eager=config.enforce_eager)
         self.engine = make_engine(config.engine, self.weights, data_parallel_size=config.data_parallel_size, **kwargs)
         self.vocab_size = _vocab_size(self.weights)
 

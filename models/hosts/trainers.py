@@ -29,8 +29,9 @@ from models.stages.score import Scorers, reference_scorer, run_score, service_va
 from models.stages.score_ranks import load_reward_model_ranks, score_forward_ranks
 from models.stages.services import ENGINE, LABELS, critic_service, run_service
 from models.stages.updates import load_trainee, saves_at, update_trainee
-from models.training.distributed import DistInfo, full_state_dict, unwrap
+from models.training.distributed import DistInfo, unwrap
 from models.training.probe import reference_logprobs
+from models.training.weight_source import WeightSource
 
 
 class TrainerHost(Host):
@@ -116,15 +117,14 @@ class ActorHost(TrainerHost):
     def after_update(self, state: PolicyState) -> Dict[str, float]:
         """The new weights to the engine service, in memory, with the probe the engine checks them against."""
         t0 = time.perf_counter()
-        full = full_state_dict(self.model)  # collective under FSDP2
         sequences, logprobs = reference_logprobs(unwrap(self.model), self.vocab)  # every rank: FSDP2
+        source = WeightSource(unwrap(self.model), self.info)  # gathered tensor by tensor as the push sends them
         if not self.info.is_main:
+            self.transport.follow(source)  # every rank takes part in the gathers
             return {}
-        weights = {k[len("lm."):]: v for k, v in full.items() if k.startswith("lm.")} if full is not None \
-            else self.lm.state_dict()
         args = {"version": state.iteration + 1, "probe": {"sequences": sequences, "logprobs": logprobs},
                 "tolerance": self.cfg.probe_tolerance, "defer": bool(self.cfg.run.off_policy_steps)}
-        out = self.transport.send(run_service(self.cfg, self.run, ENGINE), args, self.lm, weights)
+        out = self.transport.send(run_service(self.cfg, self.run, ENGINE), args, self.lm, source)
         return {**out, "time/weights_to_engine_s": time.perf_counter() - t0}
 
     def close(self) -> None:

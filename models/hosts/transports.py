@@ -5,13 +5,20 @@ runs in the engine's ``weights`` op; both ends take the same one from :func:`tra
 - ``collective`` (``run.resident_weight_transport``'s default): a process group of two, the trainer's rank 0 and
   the engine (:mod:`models.engines.weight_channel`; NCCL between two GPUs, else gloo), formed at the first push
   (the engine's ``connect`` op answers where its store listens) and kept; each push sends a header with the
-  ``weights`` op and the tensors by broadcast while that op runs, a few flat buffers per dtype;
-- ``http``: the tensors packed into the ``weights`` op's body (:func:`models.engines.weights.pack_weights`);
+  ``weights`` op and the buckets by broadcast while that op runs;
+- ``http``: the same buckets, one after the other, as the ``weights`` op's body;
 - with ``actor.lora``, the adapter alone, its file as the body (a few MB).
 
-The engine then loads them in place and checks them with the probe; until that passed it serves no iteration. A
-channel that does not form or breaks mid-push fails the update, naming the engine and the transport; the next
-push forms a new one. Adding a transport: a subclass here, named in :data:`TRANSPORTS`.
+Full weights go at the engine's dtype (``TrainConfig.engine_dtype``: ``rollout.vllm_dtype`` for vLLM,
+``model.dtype`` for the HF engine; the trainer casts each tensor as it gathers it, round to nearest even, as a checkpoint load
+casts), in buckets (:mod:`models.engines.weight_stream`): the trainer's rank 0 gathers a bucket's tensors (one
+FSDP2 gather each, every rank taking part) and sends it before it gathers the next, and the engine loads each
+bucket before it receives the next (with ``run.off_policy_steps=1`` it keeps them until the push is served).
+Each bucket carries its checksum, checked before it is loaded; after the load the engine reads sampled elements
+of every tensor back from its own weights and compares them bit for bit with what the trainer sent, then checks
+the probe; until both passed it serves no iteration. ``resident/weights_bytes`` is the tensors' bytes at the
+engine's dtype. A channel that does not form or breaks mid-push fails the update, naming the engine and the
+transport; the next push forms a new one. Adding a transport: a subclass here, named in :data:`TRANSPORTS`.
 """
 
 from __future__ import annotations
@@ -20,16 +27,19 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, Mapping, Optional
 from urllib.parse import urlsplit
 
 import torch
 
-from models.engines.weight_channel import ChannelError, Receiver, Sender, gpu_id, plan
-from models.engines.weights import pack_weights, unpack_weights
+from models.engines.weight_channel import ChannelError, Receiver, Sender, gpu_id
+from models.engines.weight_stream import bucket_nbytes, check_header
+from models.hosts.pushes import Held, Push, received, sealed
 from models.service.client import ServiceClient, ServiceError
 from models.training.files import ADAPTER_CONFIG
+from models.training.weight_source import WeightSource
 
 CODES = {"http": 0.0, "gloo": 1.0, "nccl": 2.0}
 """The metric ``resident/weights_transport``: how the update's weights reached the engine."""
@@ -37,17 +47,25 @@ ADAPTER_FILE = "adapter_model.safetensors"
 
 
 class Transport:
-    """One way for the weights to travel: the sender's and the receiver's end. ``weights``: the actor's
-    (its language model's) state, gathered on rank 0 under FSDP2."""
+    """One way for the weights to travel: the sender's and the receiver's end. ``dtype``: what floating-point
+    tensors travel as (the engine's); ``bucket_bytes``: the most tensor bytes a bucket holds."""
 
-    def send(self, engine: ServiceClient, args: Dict[str, Any], lm, weights: Mapping[str, torch.Tensor]) \
-            -> Dict[str, float]:
-        """Run the engine's ``weights`` op with ``args`` and the weights; its reply and what the push moved."""
+    def __init__(self, dtype: str = "float32", bucket_bytes: Optional[int] = None):
+        self.push = Push(getattr(torch, dtype), bucket_bytes)
+
+    def send(self, engine: ServiceClient, args: Dict[str, Any], lm, source: WeightSource) -> Dict[str, float]:
+        """Run the engine's ``weights`` op with ``args`` and the weights of ``source`` (rank 0 of the trainer); its
+        reply and what the push moved."""
         raise NotImplementedError
 
-    def receive(self, meta: Mapping[str, Any], body: Optional[bytes]) -> Callable[[Any], None]:
-        """The pushed weights, taken now; the function returned puts them into the engine it is given (the one
-        serving when they are loaded: off-policy, later)."""
+    def follow(self, source: WeightSource) -> None:
+        """A trainer rank other than 0, while rank 0 sends: its part in the gathers."""
+        source.follow(self.push.dtype)
+
+    def receive(self, meta: Mapping[str, Any], body: Optional[bytes], engine=None) -> Callable[[Any], Dict[str, float]]:
+        """The pushed weights, taken now: loaded into ``engine`` as they arrive, or (None: off-policy, the push
+        is served later) kept. The function returned puts them into the engine it is given (the one serving when
+        they are loaded), checks that it holds what was sent, and says what the receiver held."""
         raise NotImplementedError
 
     def connect(self, **offer: Any) -> Dict[str, Any]:
@@ -63,12 +81,38 @@ def _in_body(engine: ServiceClient, args: Dict[str, Any], body: bytes) -> Dict[s
 
 
 class HTTPTransport(Transport):
-    def send(self, engine, args, lm, weights):
-        return _in_body(engine, args, pack_weights(weights))
+    """The buckets one after the other as the op's body (the receiver holds the whole body)."""
 
-    def receive(self, meta, body):
-        tensors = unpack_weights(body)
-        return lambda engine: engine.load_tensors(tensors)
+    def send(self, engine, args, lm, source):
+        header = self.push.header(source, "cpu")
+        buckets = sealed(header, source, torch.device("cpu"), int(args["version"]), self.push.dtype)
+        try:
+            body = b"".join(bytes(bucket.numpy()) for bucket in buckets)
+        except BaseException:
+            buckets.drain()  # the other ranks gather the rest: take part
+            raise
+        out = engine.call("weights", {**args, "meta": {"header": header}}, body=body)
+        return {**out, **self.push.stats(header), "resident/weights_transport": CODES["http"]}
+
+    def receive(self, meta, body, engine=None):
+        header = meta["header"]
+        return received(header, _body_buckets(header, body or b""), engine)
+
+
+def _body_buckets(header: Mapping[str, Any], body: bytes):
+    """The buckets of an HTTP push: views of the body (read, never written)."""
+    check_header(header)
+    sizes = [bucket_nbytes(header, i) for i in range(len(header["buckets"]))]
+    if sum(sizes) != len(body):
+        raise ChannelError(f"the weights' body holds {len(body)} bytes where its header lays out {sum(sizes)}")
+    offset = 0
+    for index, size in enumerate(sizes):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # bytes are read-only: the tensors are only read
+            buffer = torch.frombuffer(body, dtype=torch.uint8, count=size, offset=offset) if size else \
+                torch.empty(0, dtype=torch.uint8)
+        yield index, buffer
+        offset += size
 
 
 class AdapterTransport(Transport):
@@ -76,18 +120,22 @@ class AdapterTransport(Transport):
     adapter on its base, or merged into it (``rollout.lora_mode``), from a folder of its process."""
 
     def __init__(self, merged: bool = False, dtype: str = "float32", base_url: str = ""):
+        super().__init__()
         self.merged, self.dtype, self.base_url, self.folder = merged, dtype, base_url, ""
 
-    def send(self, engine, args, lm, weights):
+    def follow(self, source):
+        source.full()
+
+    def send(self, engine, args, lm, source):
         with tempfile.TemporaryDirectory(prefix="adapter-out-") as tmp:  # never the run's storage
-            lm.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False, state_dict=weights)
+            lm.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False, state_dict=source.full())
             with open(os.path.join(tmp, ADAPTER_CONFIG), encoding="utf-8") as f:
                 config = json.load(f)
             with open(os.path.join(tmp, ADAPTER_FILE), "rb") as f:
                 body = f.read()
         return _in_body(engine, {**args, "meta": {"adapter_config": config}}, body)
 
-    def receive(self, meta, body):
+    def receive(self, meta, body, engine=None):
         from models.checkpoint.local import local_checkpoint
         from models.training.lora import canonical_url
         from models.training.merge import merged_copy
@@ -99,7 +147,7 @@ class AdapterTransport(Transport):
         with open(os.path.join(folder, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
             json.dump(config, f)
 
-        def put(engine) -> None:
+        def put(engine) -> Dict[str, float]:
             if self.merged:
                 engine.load_weights(merged_copy(folder, local_checkpoint, getattr(torch, self.dtype)))
             else:
@@ -107,6 +155,7 @@ class AdapterTransport(Transport):
             if self.folder:
                 shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = folder
+            return {}
 
         return put
 
@@ -114,7 +163,8 @@ class AdapterTransport(Transport):
 class CollectiveTransport(Transport):
     """A process group of two, formed at the first push and kept for the next."""
 
-    def __init__(self, timeout_s: Optional[float] = None):
+    def __init__(self, dtype: str = "float32", bucket_bytes: Optional[int] = None, timeout_s: Optional[float] = None):
+        super().__init__(dtype, bucket_bytes)
         self.sender: Optional[Sender] = None
         self.receiver: Optional[Receiver] = None
         self.engine_url, self.pushes = "", 0
@@ -130,47 +180,51 @@ class CollectiveTransport(Transport):
         self.sender, self.engine_url = Sender(host, offer, **self.timeout), engine.url
         return self.sender
 
-    def send(self, engine, args, lm, weights):
+    def send(self, engine, args, lm, source):
         reply: Optional[Future] = None
-        backend = "not formed"
+        backend, buckets = "not formed", None
         try:
             sender = self._join(engine)
             backend = sender.backend
-            header, buckets = plan(weights)
+            header = self.push.header(source, sender.device)
             self.pushes += 1
             op_args = {**args, "meta": {"header": header, "push": self.pushes}}
             reply = self.pool.submit(engine.call, "weights", op_args)  # the op takes the broadcasts while it runs
             sender.wait_ready(self.pushes, reply.done, engine.timeout_s)
-            sender.send(buckets)
+            buckets = sealed(header, source, sender.device, self.pushes, self.push.dtype)
+            for bucket in buckets:
+                sender.send_bucket(bucket)
             out = reply.result()
-        except (ChannelError, ServiceError, torch.distributed.DistError, OSError) as err:
-            # (DistError: the engine's store or group gone mid-push, e.g. the engine killed)
+        except BaseException as err:
+            source.follow(self.push.dtype) if buckets is None else buckets.drain()  # the other ranks' gathers
             self.close()  # the engine drops its end too: the next push forms a new channel
+            if not isinstance(err, (ChannelError, ServiceError, torch.distributed.DistError, OSError)):
+                raise  # (DistError: the engine's store or group gone mid-push, e.g. the engine killed)
             kind = type(err) if isinstance(err, ServiceError) else ServiceError
             raise kind(f"the weights of iteration {args['version']} to {engine.label} at {engine.url} over the "
                        f"collective transport ({backend}) failed: {err}{_engine_error(reply, err)}. The engine does "
                        f"not serve them: rerun the launch to resume from the last checkpoint (or set "
                        f"run.resident_weight_transport=http)") from None
-        size = sum(t.numel() * t.element_size() for bucket in buckets for t in bucket)
-        return {**out, "resident/weights_bytes": float(size), "resident/weights_transport": CODES[backend]}
+        return {**out, **self.push.stats(header), "resident/weights_transport": CODES[backend]}
 
     def connect(self, host: str, gpu: str = "", timeout_s: Optional[float] = None) -> Dict[str, Any]:
         self.close()
         self.receiver = Receiver(host, gpu, **({} if timeout_s is None else {"timeout_s": float(timeout_s)}))
         return self.receiver.offer()
 
-    def receive(self, meta, body):
+    def receive(self, meta, body, engine=None):
         if self.receiver is None:
             raise ChannelError("the weights came over the collective transport, but no weight channel is open "
                                "(the actor trainer opens one with the connect op at its first push)")
-        backend = self.receiver.backend
+        receiver, backend = self.receiver, self.receiver.backend
+        held = Held()
+        alloc = held.alloc(engine.push_buffer if engine is not None else _in_memory)
         try:
-            tensors = self.receiver.receive(meta["header"], int(meta["push"]))
+            return received(meta["header"], receiver.buckets(meta["header"], int(meta["push"]), alloc), engine, held)
         except Exception as err:
             self.close()
             raise ChannelError(f"receiving the weights from the actor trainer over the collective transport "
                                f"({backend}) failed: {err}") from err
-        return lambda engine: engine.load_tensors(tensors)
 
     def close(self) -> None:
         for end in (self.sender, self.receiver):
@@ -178,6 +232,10 @@ class CollectiveTransport(Transport):
                 end.close()
         self.sender = self.receiver = None
         self.engine_url = ""
+
+
+def _in_memory(nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def _engine_error(reply: Optional[Future], err: Exception) -> str:
@@ -198,7 +256,8 @@ TRANSPORTS: Dict[str, Callable[..., Transport]] = {"collective": CollectiveTrans
 
 
 def transport_for(cfg, reference_url: str = "") -> Transport:
-    """The transport both ends of a run use: the adapter alone with ``actor.lora``, else the configured one."""
+    """The transport both ends of a run use: the adapter alone with ``actor.lora``, else the configured one, at
+    the engine's dtype."""
     if cfg.actor.lora.enabled:
         return AdapterTransport(cfg.rollout.lora_mode == "merged", cfg.model.dtype, reference_url)
-    return TRANSPORTS[cfg.run.resident_weight_transport]()
+    return TRANSPORTS[cfg.run.resident_weight_transport](cfg.engine_dtype)

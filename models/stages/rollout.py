@@ -39,8 +39,7 @@ def sampling_spec(cfg: TrainConfig, run: RunHandle, seed: int, n: int, temperatu
 def sampling_record(cfg: TrainConfig, spec: SamplingSpec) -> str:
     """What the batch was sampled with, as its metadata records it (JSON)."""
     r = cfg.rollout
-    dtype = r.vllm_dtype if r.engine == "vllm" else cfg.model.dtype
-    engine = f"remote {r.remote_url}" if r.remote_url else f"{r.engine} ({dtype})"
+    engine = f"remote {r.remote_url}" if r.remote_url else f"{r.engine} ({cfg.engine_dtype})"
     return json.dumps({"engine": engine, "temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k,
                        "max_new_tokens": spec.max_new_tokens, "seed": spec.seed,
                        "stop_token_ids": list(spec.stop_token_ids), "stop_strings": list(spec.stop_strings)},
@@ -101,4 +100,6 @@ def throughput_stats(cols: RolloutColumns, episode_cols: Dict[str, Any], engine)
              "throughput/rollout_tokens_per_s": n_tokens / max(cols.generate_s, 1e-9)}
     if "probe_gap_max" in engine.stats.extra:  # engine vs trainer on the probe after this weight change
         stats["rollout/probe_gap_max"] = float(engine.stats.extra["probe_gap_max"])
+    if "cuda_graphs" in engine.stats.extra:  # vLLM: replaying CUDA graphs, or eager (rollout.enforce_eager)
+        stats["rollout/cuda_graphs"] = float(engine.stats.extra["cuda_graphs"])
     return stats

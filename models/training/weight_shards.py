@@ -97,16 +97,21 @@ def stored_tensors(model: nn.Module, info: DistInfo) -> Dict[str, torch.Tensor]:
     return {name: state[name] for name in names[0]}
 
 
-def gather_to(t: torch.Tensor, owner: int, info: DistInfo) -> Optional[torch.Tensor]:
-    """The whole of ``t`` on rank ``owner``, on the CPU; None on the other ranks. A DTensor sharded along
-    dim 0 (FSDP2: ``ceil(rows / ranks)`` rows per rank, the last ranks fewer or none) is gathered to the
-    owner only, each rank sending its rows padded to that count; a replicated or plain tensor (a buffer) is
-    whole on every rank already."""
+def gather_to(t: torch.Tensor, owner: int, info: DistInfo, device: Optional[torch.device] = None,
+              dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+    """The whole of ``t`` on rank ``owner``, on the CPU (or ``device``), in its dtype (or ``dtype``: each rank casts
+    its rows before they travel); None on the other ranks. A DTensor sharded along dim 0 (FSDP2: ``ceil(rows /
+    ranks)`` rows per rank, the last ranks fewer or none) is gathered to the owner only, each rank sending its rows
+    padded to that count; a replicated or plain tensor (a buffer) is whole on every rank already."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     local = t.to_local() if isinstance(t, DTensor) else t
+    local = local if dtype is None else local.detach().to(dtype)
     if not isinstance(t, DTensor) or isinstance(t.placements[0], Replicate):
-        return local.detach().cpu().clone() if info.rank == owner else None
+        if info.rank != owner:
+            return None
+        return local.detach().cpu().clone() if device is None and dtype is None else \
+            local.detach().to(device or "cpu")
     (placement,) = t.placements
     if not (isinstance(placement, Shard) and placement.dim == 0):
         raise ValueError(f"checkpoint by rank: placement {placement} is not FSDP2's Shard(0)")
@@ -117,7 +122,7 @@ def gather_to(t: torch.Tensor, owner: int, info: DistInfo) -> Optional[torch.Ten
     dist.gather(padded, parts, dst=owner)
     if parts is None:
         return None
-    whole = torch.empty(t.shape, dtype=t.dtype)  # [rows_total, ...] on the host
+    whole = torch.empty(t.shape, dtype=local.dtype, device=device)  # [rows_total, ...] on the host or device
     for rank, part in enumerate(parts):
         start = min(rank * rows, t.shape[0])
         whole[start:start + rows] = part[:whole.shape[0] - start]

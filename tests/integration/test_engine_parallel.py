@@ -5,7 +5,8 @@ distribution the trainer scores, and an in-place reload reaches every worker.
 "Serves checkpoint X" is checked against the trainer's own forward on X (``models.training.probe``'s
 sequences): a worker left on the old weights would give log-probs several nats off, since the two
 checkpoints are told apart by more than a nat. Weights from memory (``load_tensors``) reach every
-worker through ``collective_rpc``'s arguments (``tests/unit/models/engine_tensors.py``)."""
+worker through a file in shared memory each maps, reading only its slices; read back, each element comes from the
+workers that hold it."""
 
 import os
 import shutil
@@ -46,6 +47,26 @@ def _sampled_logprob_gap(engine, ckpt: str) -> float:
     return worst
 
 
+def _assert_each_worker_holds_its_slices(engine, ckpt: str) -> None:
+    """Every element of every tensor read back from the workers is the pushed one; the ones a worker holds are its
+    slice: a replicated norm from both, one row of the embedding or of q (split by rows) from one worker, a value of
+    o_proj (split by columns) from one."""
+    import torch
+
+    from models.engines.weight_stream import bits
+
+    state = engine._layout.fit(sent_state(ckpt)[0])
+    where = {k: [0, v.numel() - 1] for k, v in state.items()}
+    held = engine.read_back(where, {k: "float32" for k in state})
+    for name, t in state.items():
+        flat = t.reshape(-1)
+        assert [set(v) for v in held[name]] == [{int(bits(flat[p:p + 1]))} for p in where[name]], name
+    copies = {name: [len(v) for v in values] for name, values in held.items()}
+    assert copies["model.norm.weight"] == [2, 2]  # replicated
+    assert copies["model.layers.0.self_attn.q_proj.weight"] == [1, 1]  # first row on worker 0, last on worker 1
+    assert copies["model.layers.0.self_attn.o_proj.weight"] == [1, 1]
+
+
 def test_two_workers_serve_what_the_trainer_scores_and_reload_in_place(qwen2_sharp_dir, tmp_path, monkeypatch):
     pytest.importorskip("vllm")
     from vllm import envs
@@ -71,5 +92,6 @@ def test_two_workers_serve_what_the_trainer_scores_and_reload_in_place(qwen2_sha
         engine.load_tensors(sent_state(start)[0])  # from memory: a worker left on `other` would be > 1 nat off
         assert (engine.stats.reloads, engine.stats.restarts) == (2, 0)
         assert _gap(engine, start) < 1e-4
+        _assert_each_worker_holds_its_slices(engine, start)
     finally:
         engine.close()

@@ -6,7 +6,8 @@ the old shape without an error, so the "other shapes" test fails if the engine t
 "Serves checkpoint X" is checked against Hugging Face on X, as in test_models_vllm.py: the
 engine's sampled tokens get the log-probs HF's forward pass gives them (within 1e-3; the
 checkpoints differ by several nats per token). Weights from memory (``load_tensors``) are checked
-against the trainer's forward and the folder reload (``tests/unit/models/engine_tensors.py``).
+against the trainer's forward and the folder reload, and read back from the worker bit for bit
+(``tests/unit/models/engine_tensors.py``).
 """
 
 import pytest
@@ -16,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from models.engines import EngineLoadError, SamplingSpec, VLLMEngine
 from tests.unit.models.actor_checkpoints import PROMPTS, actor_dir, with_extra_tensor, with_truncated_weights
-from tests.unit.models.engine_tensors import check_serves_tensors
+from tests.unit.models.engine_tensors import check_reads_back_what_was_pushed, check_serves_tensors
 
 pytestmark = pytest.mark.integration
 
@@ -58,6 +59,7 @@ def _worst_logp_error(engine, ckpt) -> float:
 
 
 def test_same_layout_goes_in_place_and_serves_the_new_weights(engine, ckpts):
+    assert engine.stats.extra["cuda_graphs"] == 0.0  # the CPU runs eager (rollout.enforce_eager aside)
     assert _worst_logp_error(engine, ckpts["a"]) < 1e-3
     # a chunk an engine replica is given (rollout.data_parallel_size): prompts[1:3] from index 1 sample what
     # one engine samples for them in the whole request (each sample's own seed)
@@ -69,6 +71,8 @@ def test_same_layout_goes_in_place_and_serves_the_new_weights(engine, ckpts):
     assert _worst_logp_error(engine, ckpts["b"]) < 1e-3
     check_serves_tensors(engine, ckpts["b"], ckpts["a"], PROBE_TOL)  # and from memory: A's state, then B's
     assert (engine.stats.reloads, engine.stats.restarts) == (3, 0)
+    check_reads_back_what_was_pushed(engine, ckpts["b"], ckpts["a"], "float32")  # from the worker, bit for bit
+    assert engine.stats.restarts == 0
 
 
 def test_other_shapes_restart_from_the_checkpoint(engine, ckpts):

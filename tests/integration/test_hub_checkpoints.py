@@ -142,9 +142,9 @@ def test_a_reload_vllm_reports_as_incomplete_restarts_the_engine(vllm_engine_cls
     """Any weight the loader says it could not load fails the reload, whatever the log level."""
     import logging
 
-    import models.engines.vllm_engine as vllm_engine
+    import models.engines.vllm_push as vllm_push
 
-    monkeypatch.setattr(vllm_engine, "_tied_modules", lambda model: [])  # no repair: the head's report stands
+    monkeypatch.setattr(vllm_push, "tied_modules", lambda model: [])  # no repair: the head's report stands
     logging.getLogger("vllm").setLevel(logging.ERROR)  # as a user silencing vLLM would
     trained = str(trained_copy(qwen2_chat_dir, tmp_path / "t", seed=3))
     engine = vllm_engine_cls(str(qwen2_chat_dir), max_model_len=256)

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from benchmarks.project_iteration import (CPU_TASKS, LLAMA_8B, LLAMA_70B, LLAMA_70B_FULL, NEMO_70B, PARTS, PRESETS,
-                                         Assumptions, Shape, breakdown, compute_seconds, critic_sharded, llama_params,
-                                         main, moved, project, rows, state_bytes)
+                                         Assumptions, Shape, breakdown, compute_seconds, critic_sharded, gpus_held,
+                                         llama_params, main, moved, project, push_seconds, rows, state_bytes)
 from models.config.io import load_config
 
 TINY = Shape("tiny", params=1000, samples=2, prompt_tokens=3, response_tokens=5, actor_nodes=2, gpus_per_node=2,
@@ -97,22 +97,40 @@ def test_state_bytes_by_hand_on_several_scoring_nodes_and_a_sharded_full_critic(
     assert state_bytes(replace(full, critic_sharded_state=True))["actor_update"] == state_bytes(full)["actor_update"]
 
 
-# Round numbers for the hand-worked cases: storage and NCCL 1000 B/s, 1000 FLOP/s per GPU at MFU 1, 5 tokens/s.
-SLOW = Assumptions(s3_gb_per_s=1e-6, nccl_gb_per_s=1e-6, peak_tflops=1e-9, train_mfu=1.0, forward_mfu=1.0,
-                   gen_tokens_per_s_per_gpu=5.0, thin_pod_start_s=2.0)
+# Round numbers for the hand-worked cases: storage, NCCL, NVLink and host copies 1000 B/s, 1000 FLOP/s per GPU at
+# MFU 1, 5 tokens/s.
+SLOW = Assumptions(s3_gb_per_s=1e-6, nccl_gb_per_s=1e-6, nvlink_gb_per_s=1e-6, host_copy_gb_per_s=1e-6,
+                   peak_tflops=1e-9, train_mfu=1.0, forward_mfu=1.0, gen_tokens_per_s_per_gpu=5.0,
+                   thin_pod_start_s=2.0)
 
 
 def test_resident_iteration_by_hand():
-    """TINY (1000 parameters, 2 × 8 tokens, actor on 2 × 2 GPUs, LoRA critic on 2, reward model on 1) with a
-    checkpoint every 3 iterations: 5 thin pods × 2 s; batches 6 × 384 B at 1000 B/s; 1000 × 2 B of bf16 weights
-    over NCCL at 1000 B/s; 2 × 5 response tokens at 5 tokens/s; scoring, the longest of π_old + π_ref on the
-    actor's 4 GPUs (2·2·1000·16 / 4000 = 16 s), the values on the critic's 2 (2·1000·16 / 2000 = 16 s) and the
-    reward on 1 (2·1000·16 / 1000 = 32 s); updates, the longer of the actor (6·1000·16 / 4000 = 24 s) and the
-    LoRA critic (4·1000·16 / 2000 = 32 s); the actor's checkpoint (12000 B over 2 nodes: 6 s) every 3."""
+    """TINY (1000 parameters, 2 × 8 tokens, actor on 2 × 2 GPUs, LoRA critic on 2, a reward model) with a
+    checkpoint every 3 iterations: 5 thin pods × 2 s; batches 6 × 384 B at 1000 B/s; 2 × 5 response tokens at 5
+    tokens/s; scoring, π_old, π_ref and the reward model on the actor's 4 GPUs (2·3·1000·16 / 4000 = 24 s) then
+    the values on the critic's 2 (2·1000·16 / 2000 = 16 s); updates, the longer of the actor (6·1000·16 / 4000 =
+    24 s) and the LoRA critic (4·1000·16 / 2000 = 32 s), the actor's push after it (3.5 s: :func:`push_seconds`)
+    still shorter than the critic's, so it adds nothing; the actor's checkpoint (12000 B over 2 nodes: 6 s) every 3."""
     p = breakdown(replace(TINY, save_interval=3), SLOW, "resident")
-    assert p == pytest.approx({"pod starts": 10.0, "state movement": 2.304, "weight transfer": 2.0,
-                               "generation": 2.0, "scoring": 32.0, "updates": 32.0, "checkpoint": 2.0,
-                               "total": 82.304})
+    assert p == pytest.approx({"pod starts": 10.0, "state movement": 2.304, "weight transfer": 0.0,
+                               "generation": 2.0, "scoring": 40.0, "updates": 32.0, "checkpoint": 2.0,
+                               "total": 88.304})
+
+
+def test_the_push_by_hand_and_on_the_critical_path():
+    """B = 1000 parameters × 2 B = 2000 B. Gather into rank 0 of 2 × 2 ranks: a quarter is its own, a quarter over
+    NVLink (500 B: 0.5 s), half from the other node over its NIC (1000 B: 1 s); the broadcast 2000 B (2 s); a
+    2-GPU tensor-parallel engine loads through host memory (2000 B down, its 1000-B slices up at once: 3 s). With
+    the critic on 4 GPUs (its update 16 s, its values 8 s) the actor's update (24 s) and push (6.5 s) are the
+    longer branch: the push adds 6.5 s."""
+    tp2 = replace(TINY, save_interval=3, rollout_gpus=2, critic_gpus=4)
+    assert push_seconds(tp2, SLOW) == pytest.approx({"gather": 1.5, "broadcast": 2.0, "load": 3.0})
+    assert push_seconds(TINY, SLOW)["load"] == 0  # one engine GPU: in place
+    p = breakdown(tp2, SLOW, "resident")
+    assert p == pytest.approx({"pod starts": 10.0, "state movement": 2.688, "weight transfer": 6.5,
+                               "generation": 1.0, "scoring": 32.0, "updates": 24.0, "checkpoint": 2.0,
+                               "total": 78.188})
+    assert gpus_held(tp2, SLOW, "resident") == (2 + 4 + 4) * p["total"]  # engine, actor (reward model too), critic
 
 
 def test_the_resident_mode_moves_no_state_between_checkpoints():

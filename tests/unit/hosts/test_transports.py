@@ -1,19 +1,63 @@
 """The weight transports (models/hosts/transports.py) end to end over a real service: the collective channel (gloo
 here) formed at the first push, a push the engine refuses before it takes the tensors, a new channel after, the
 engine's end gone under a formed channel; the HTTP body. The engine's side is a plain host holding the
-transport's receiving end, as ``EngineHost`` does."""
+transport's receiving end and an engine of a dict (:class:`DictEngine`), as ``EngineHost`` holds a real one.
+
+What a push must be (#38): at the engine's dtype (``resident/weights_bytes`` its bytes times the parameters),
+streamed (the sender sends a bucket before it has gathered the last tensor; the receiver holds at most two
+buckets at once), checked (a bucket corrupted on the way is refused before it is loaded; an engine that left a
+tensor out, or kept its old weights, fails the push naming the tensor)."""
 
 from __future__ import annotations
 
 import threading
+from typing import Dict, List
 
 import pytest
 import torch
 
+from models.engines import weight_channel
+from models.engines.weight_stream import bits
 from models.hosts.transports import CollectiveTransport, HTTPTransport
 from models.service.client import ServiceClient, ServiceError
 from models.service.ops import Host, op
 from models.service.server import Server, Settings
+from models.training.distributed import DistInfo
+from models.training.weight_source import WeightSource
+
+INFO = DistInfo(0, 1, 0, torch.device("cpu"))
+
+
+class DictEngine:
+    """The push side of an engine (``SwappableEngine``'s) over a dict: ``drop`` names a tensor its loader skips
+    without a word (as vLLM's may), ``stale`` keeps the old weights whatever comes."""
+
+    def __init__(self, state: Dict[str, torch.Tensor], drop: str = "", stale: bool = False):
+        self.state, self.drop, self.stale = {k: v.clone() for k, v in state.items()}, drop, stale
+        self.chunks: List[List[str]] = []
+        self.closed = False
+
+    def push_buffer(self, nbytes, device):
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def begin_push(self, shapes):
+        assert set(shapes) == set(self.state), set(shapes) ^ set(self.state)
+
+    def push_chunk(self, tensors):
+        self.chunks.append(list(tensors))
+        for name, t in tensors.items():
+            if name != self.drop and not self.stale:
+                self.state[name] = t.to(self.state[name].dtype).clone()
+
+    def end_push(self):
+        pass
+
+    def abort_push(self):
+        self.closed = True
+
+    def read_back(self, positions, dtypes):
+        return {name: [[b] for b in bits(self.state[name].reshape(-1)[where].to(getattr(torch, dtypes[name])))
+                       .tolist()] for name, where in positions.items()}
 
 
 class Engine(Host):
@@ -21,11 +65,8 @@ class Engine(Host):
 
     label = "the engine service"
 
-    def __init__(self, transport):
-        self.transport, self.got, self.refuse = transport, None, ""
-
-    def load_tensors(self, tensors):
-        self.got = tensors
+    def __init__(self, transport, engine: DictEngine):
+        self.transport, self.engine, self.refuse = transport, engine, ""
 
     @op
     def connect(self, host: str, gpu: str = "", timeout_s=None):
@@ -36,51 +77,129 @@ class Engine(Host):
         if self.refuse:
             reason, self.refuse = self.refuse, ""
             raise RuntimeError(reason)
-        self.transport.receive(meta or {}, body)(self)
-        return {"version": version, "probe": probe}
+        out = self.transport.receive(meta or {}, body, self.engine)(self.engine)
+        return {**out, "version": version, "probe": probe}
 
 
-def serve(transport):
-    engine = Engine(transport)
-    server = Server(engine, Settings("tok-en"))
+def serve(transport, engine: DictEngine):
+    host = Engine(transport, engine)
+    server = Server(host, Settings("tok-en"))
     threading.Thread(target=server.serve, daemon=True).start()
-    return server, engine, ServiceClient(server.url, "tok-en", "the engine service")
+    return server, host, ServiceClient(server.url, "tok-en", "the engine service")
 
 
-def weights():
-    out = {"embed": torch.randn(64, 8), "norm": torch.ones(8, dtype=torch.bfloat16)}
+def weights(rows: int = 64) -> Dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(rows)
+    out = {"embed": torch.randn(rows, 8, generator=gen), "norm": torch.ones(8, dtype=torch.bfloat16),
+           "steps": torch.tensor([3, 4])}
     out["head"] = out["embed"]
     return out
 
 
+def held(engine: DictEngine) -> Dict[str, torch.Tensor]:
+    return {k: v for k, v in engine.state.items()}
+
+
 def test_weights_over_the_collective_channel_and_a_refused_push():
-    server, engine, client = serve(CollectiveTransport())
-    state, sender = weights(), CollectiveTransport(timeout_s=10)
-    out = sender.send(client, {"version": 1, "probe": [0.5]}, None, state)
+    state = weights()
+    server, host, client = serve(CollectiveTransport(), DictEngine({k: v for k, v in state.items() if k != "head"}))
+    sender = CollectiveTransport(timeout_s=10)
+    out = sender.send(client, {"version": 1, "probe": [0.5]}, None, WeightSource(state, INFO))
     assert out["version"] == 1 and out["probe"] == [0.5] and out["resident/weights_transport"] == 1.0  # gloo
-    assert out["resident/weights_bytes"] == 64 * 8 * 4 + 8 * 2  # the tied head once
-    assert all(torch.equal(engine.got[k], v) for k, v in state.items()) and engine.got["head"] is engine.got["embed"]
-    engine.refuse = "the engine holds the policy of iteration 0"
+    assert out["resident/weights_bytes"] == (64 * 8 + 8) * 4 + 2 * 8  # float32 engine: the tied head once
+    assert all(torch.equal(host.engine.state[k], v) for k, v in state.items() if k != "head")
+    host.refuse = "the engine holds the policy of iteration 0"
     with pytest.raises(ServiceError, match=r"the weights of iteration 2 to the engine service at .* over the "
                                            r"collective transport \(gloo\) failed: .*the receiver gave up .*"
                                            r"iteration 0"):
-        sender.send(client, {"version": 2, "probe": []}, None, state)
-    state["norm"] = state["norm"] * 2
-    assert sender.send(client, {"version": 2, "probe": []}, None, state)["version"] == 2  # a new channel
-    assert torch.equal(engine.got["norm"], state["norm"])
-    engine.transport.close()  # the engine's end gone under a formed channel (as when the engine is killed)
+        sender.send(client, {"version": 2, "probe": []}, None, WeightSource(state, INFO))
+    state["embed"] = state["head"] = state["embed"] * 2
+    assert sender.send(client, {"version": 2, "probe": []}, None, WeightSource(state, INFO))["version"] == 2
+    assert torch.equal(host.engine.state["embed"], state["embed"])  # a new channel
+    host.transport.close()  # the engine's end gone under a formed channel (as when the engine is killed)
     with pytest.raises(ServiceError, match=r"the weights of iteration 3 to the engine service at .* over the "
                                            r"collective transport \(gloo\) failed"):
-        sender.send(client, {"version": 3, "probe": []}, None, state)
+        sender.send(client, {"version": 3, "probe": []}, None, WeightSource(state, INFO))
     client.call("stop")
     server.close()
 
 
 def test_weights_in_the_http_body():
-    server, engine, client = serve(HTTPTransport())
     state = weights()
-    out = HTTPTransport().send(client, {"version": 1, "probe": []}, None, state)
-    assert out["version"] == 1 and out["resident/weights_transport"] == 0.0 and out["resident/weights_bytes"] > 2048
-    assert all(torch.equal(engine.got[k], v) for k, v in state.items())
+    server, host, client = serve(HTTPTransport(), DictEngine({k: v for k, v in state.items() if k != "head"}))
+    out = HTTPTransport("bfloat16").send(client, {"version": 1, "probe": []}, None, WeightSource(state, INFO))
+    assert out["version"] == 1 and out["resident/weights_transport"] == 0.0
+    assert out["resident/weights_bytes"] == (64 * 8 + 8) * 2 + 2 * 8  # at the engine's dtype
+    assert torch.equal(host.engine.state["embed"], state["embed"].bfloat16().float())
+    client.call("stop")
+    server.close()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_push_is_at_the_engine_dtype_and_streamed_bucket_by_bucket(dtype, monkeypatch):
+    """A 40-bucket state: every bucket sent before the source gathers the next bucket's first tensor, the receiver
+    holding at most two buckets' bytes at once; the engine gets exactly the trainer's tensors cast to its dtype."""
+    rows, bucket = 10, 4096
+    state = {f"layers.{i}.w": torch.randn(rows * 10, 10, generator=torch.Generator().manual_seed(i))
+             for i in range(40)}  # 4000 float32 bytes each: one a bucket at float32, two at bfloat16
+    events: List[str] = []
+    source = WeightSource(state, INFO)
+    gathered = source.gathered
+    source.gathered = lambda *a: ((events.append(f"gather {n}"), (n, t))[1] for n, t in gathered(*a))
+    send_bucket = weight_channel.Sender.send_bucket
+    monkeypatch.setattr(weight_channel.Sender, "send_bucket",
+                        lambda self, b: (events.append("send"), send_bucket(self, b))[1])
+    engine = DictEngine({k: torch.zeros_like(v, dtype=getattr(torch, dtype)) for k, v in state.items()})
+    server, host, client = serve(CollectiveTransport(), engine)
+    out = CollectiveTransport(dtype, bucket_bytes=bucket, timeout_s=10).send(client, {"version": 1, "probe": []},
+                                                                             None, source)
+    width = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    params = sum(t.numel() for t in state.values())
+    assert out["resident/weights_bytes"] == width * params == out["resident/weights_params"] * width
+    assert all(torch.equal(bits(engine.state[k]), bits(v.to(getattr(torch, dtype)))) for k, v in state.items())
+    buckets = events.count("send")
+    assert buckets == (40 if width == 4 else 20) and len(engine.chunks) == buckets
+    assert events.index("send") < events.index("gather layers.39.w")  # streamed, not gathered whole first
+    assert out["resident/receiver_peak_bytes"] <= 2 * (bucket + 16 * 8 * 2 + 8)  # two buckets, samples included
+    assert out["resident/receiver_peak_bytes"] * 5 < width * params  # not the whole state (20 or 40 buckets)
+    client.call("stop")
+    server.close()
+
+
+def test_a_bucket_corrupted_on_the_way_is_refused_before_it_is_loaded(monkeypatch):
+    state = {f"w{i}": torch.randn(100, 10, generator=torch.Generator().manual_seed(i)) for i in range(4)}
+    send_bucket, sent = weight_channel.Sender.send_bucket, []
+
+    def flip(self, buffer):
+        sent.append(1)
+        if len(sent) == 3:
+            buffer[5] ^= 1  # one bit of bucket 2 (its first tensor, w2)
+        send_bucket(self, buffer)
+
+    monkeypatch.setattr(weight_channel.Sender, "send_bucket", flip)
+    engine = DictEngine({k: torch.zeros_like(v) for k, v in state.items()})
+    server, host, client = serve(CollectiveTransport(), engine)
+    with pytest.raises(ServiceError, match=r"bucket 2 of the push arrived other than it was sent .* "
+                                           r"it holds \['w2'\]"):
+        CollectiveTransport(bucket_bytes=4000, timeout_s=10).send(client, {"version": 1, "probe": []}, None,
+                                                                  WeightSource(state, INFO))
+    assert engine.chunks == [["w0"], ["w1"]] and engine.closed  # w2 never loaded; the engine gives up the push
+    client.call("stop")
+    server.close()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("fault", ["drop", "stale"])
+def test_an_engine_that_did_not_load_what_was_sent_fails_the_push_naming_the_tensor(dtype, fault):
+    state = {"model.embed.weight": torch.randn(50, 8), "model.layers.0.mlp.weight": torch.randn(8, 8),
+             "model.norm.weight": torch.randn(8)}
+    old = {k: (v + 1).to(getattr(torch, dtype)) for k, v in state.items()}
+    engine = DictEngine(old, drop="model.layers.0.mlp.weight" if fault == "drop" else "", stale=fault == "stale")
+    server, host, client = serve(HTTPTransport(), engine)
+    which = "model.layers.0.mlp.weight" if fault == "drop" else "model.embed.weight"
+    with pytest.raises(ServiceError, match=rf"reading the weights back: the engine holds other weights than were "
+                                           rf"sent in '{which}': element \d+ holds bits 0x[0-9a-f]+ where the "
+                                           rf"trainer sent 0x[0-9a-f]+"):
+        HTTPTransport(dtype).send(client, {"version": 1, "probe": []}, None, WeightSource(state, INFO))
     client.call("stop")
     server.close()

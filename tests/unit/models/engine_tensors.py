@@ -75,3 +75,38 @@ def check_refuses_bad_states(engine, state: Dict[str, torch.Tensor], sequences, 
     with pytest.raises(EngineLoadError, match=rf"missing \['{name}'\]"):
         engine.load_tensors(missing)
     assert _worst(engine.prompt_logprobs(sequences), serving) <= FOLDER_TOL  # nothing was copied
+
+
+def check_reads_back_what_was_pushed(engine, served: str, other: str, dtype: str) -> None:
+    """``engine`` serves ``served``; a push of ``other``'s tensors at ``dtype`` (the engine's) is read back bit for
+    bit at sampled elements of every tensor. Claimed against ``served``'s (an engine that kept the previous
+    weights), the read-back names a tensor; a push whose loader skips one tensor without a word, as vLLM's may
+    (``models.faults.drop_pushed``), passes the load and fails the read-back naming that tensor. Ends serving
+    ``served``."""
+    from models.engines.weight_stream import PushError, bits, check_read_back
+    from models.environ import environment
+    from models.faults import DROP_PUSHED_ENV
+
+    cast = getattr(torch, dtype)
+    other_state = {k: v.to(cast) for k, v in engine._layout.fit(sent_state(other)[0]).items()}
+    served_state = {k: v.to(cast) for k, v in engine._layout.fit(sent_state(served)[0]).items()}
+    gen = torch.Generator().manual_seed(0)
+    where = {k: sorted(torch.randint(0, v.numel(), (8,), generator=gen).tolist()) for k, v in other_state.items()}
+    header = {"tensors": [[k, dtype, list(v.shape), 0, 0, 8] for k, v in other_state.items()]}
+    dtypes = {k: dtype for k in other_state}
+
+    def sent(state):
+        return {k: list(zip(where[k], bits(state[k].reshape(-1)[where[k]]).tolist())) for k in state}
+
+    engine.load_tensors(other_state)
+    check_read_back(header, sent(other_state), engine.read_back(where, dtypes), "pushed")
+    with pytest.raises(PushError, match=r"stale: the engine holds other weights than were sent in '.+': element \d+ "
+                                        r"holds bits 0x[0-9a-f]+ where the trainer sent 0x[0-9a-f]+"):
+        check_read_back(header, sent(served_state), engine.read_back(where, dtypes), "stale")
+    name = next(k for k in served_state if k.endswith("layers.1.self_attn.v_proj.weight"))
+    with environment({DROP_PUSHED_ENV: name}):
+        engine.load_tensors(served_state)  # the loader says nothing
+    with pytest.raises(PushError, match=rf"dropped: the engine holds other weights than were sent in '{name}'"):
+        check_read_back(header, sent(served_state), engine.read_back(where, dtypes), "dropped")
+    engine.load_tensors(served_state)
+    check_read_back(header, sent(served_state), engine.read_back(where, dtypes), "served")

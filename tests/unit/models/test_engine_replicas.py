@@ -115,6 +115,13 @@ def test_new_weights_reach_every_replica_in_place(hf_pair, ckpts):
     assert _batch(hf_pair)[0] != before
     hf_pair.load_tensors(load_file(f"{ckpts['a']}/model.safetensors"))  # from memory, through shared memory
     _assert_same_batch(hf_pair, HFEngine(ckpts["a"]))
+    from transformers import AutoModelForCausalLM
+
+    from tests.unit.hosts.test_pushes import push
+
+    out = push(hf_pair, AutoModelForCausalLM.from_pretrained(ckpts["b"]), "float32")  # a resident push, checked
+    assert out["buckets"] > 3 and out["time/weights_read_back_s"] > 0  # both replicas read back
+    _assert_same_batch(hf_pair, HFEngine(ckpts["b"]))
 
 
 def test_a_failed_load_names_the_replica_and_leaves_them_serving(hf_pair, ckpts, tmp_path):

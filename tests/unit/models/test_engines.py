@@ -284,3 +284,39 @@ def test_weights_from_memory_that_fail_half_way_close_the_engine(ckpts):
         engine.generate(PROMPTS, GREEDY)
     engine.restart(ckpts["a"])
     _assert_serves(engine, ckpts["a"])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_weights_pushed_are_read_back_bit_for_bit(ckpts, dtype):
+    """The engine's side of a push's exact check (#38): what it holds is read back and compared bit for bit, so an
+    engine that kept its weights or left a tensor out is named, in bfloat16 as in float32, whatever the probe says
+    (in bfloat16 its tolerance is 0.5 nats)."""
+    from tests.unit.models.engine_tensors import check_reads_back_what_was_pushed
+
+    engine = HFEngine(ckpts["a"], dtype=dtype)
+    check_reads_back_what_was_pushed(engine, ckpts["a"], ckpts["b"], dtype)
+
+
+def test_vllm_captures_cuda_graphs_on_a_gpu_unless_told_not_to(ckpts, monkeypatch, tmp_path):
+    """``rollout.enforce_eager`` (#38 item 7): CUDA graphs on a GPU by default, eager when asked; the CPU is always
+    eager. Read from vLLM's arguments, and from the config through the engine a stage starts."""
+    from models.config.io import load_config
+    from models.engines.vllm_engine import llm_kwargs
+    from models.stages import engine as stage_engine
+
+    def eager(cuda, asked=False):
+        return llm_kwargs(ckpts["a"], "bfloat16", 0.5, 64, 0, 0, 1, asked, cuda)["enforce_eager"]
+
+    assert (eager(cuda=True), eager(cuda=True, asked=True)) == (False, True)
+    assert eager(cuda=False) and eager(cuda=False, asked=True)
+    seen = {}
+    monkeypatch.setattr(stage_engine, "get_engine", lambda kind, weights, **kw: seen.update(kw) or HFEngine(weights))
+    monkeypatch.setattr(stage_engine, "ensure_serves", lambda *a, **k: None)
+    from models.checkpoint import save_checkpoint
+
+    url = str(tmp_path / "committed")
+    save_checkpoint(ckpts["a"], url)
+    for asked in (False, True):
+        cfg = load_config("tiny_ppo", ["rollout.engine=vllm", f"rollout.enforce_eager={str(asked).lower()}"])
+        stage_engine.engine_for(cfg, url)
+        assert seen["enforce_eager"] is asked

@@ -52,6 +52,15 @@ def _commit_both(name: str, ckpt: str, root: str, info: DistInfo, tokenizer) -> 
                             False, info, "fsdp2")
     want, got = full_state_dict(model), full_state_dict(again)
     out["read_back_equal"] = set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want)
+    if name == "actor":  # a resident push's source: one gather per tensor, whole on rank 0 only, the tie kept once
+        from models.training.weight_source import WeightSource
+
+        source = WeightSource(model, info)
+        pushed = dict(source.gathered(torch.device("cpu"), torch.bfloat16))  # cast on each rank, then gathered
+        mine = {k[len("lm."):]: v.bfloat16() for k, v in (want or {}).items() if k.startswith("lm.")}
+        out["push"] = {"aliases": source.aliases, "none": sorted(k for k, v in pushed.items() if v is None),
+                       "equal": all(torch.equal(pushed[k], mine[k]) for k in pushed) if info.is_main else None,
+                       "names": sorted(pushed)}
     if name == "actor":  # a non-finite weight on rank 1's rows: refused on both ranks, no rank left waiting
         param = next(p for n, p in model.named_parameters() if n.endswith("layers.1.mlp.up_proj.weight"))
         local = param.to_local() if isinstance(param, DTensor) else param
@@ -104,6 +113,9 @@ def test_each_rank_uploads_its_file_and_the_folder_loads_as_rank_0s_whole_write(
         cases[name] = storage.join(s3_url, "start", name)
         save_checkpoint(str(src), cases[name])
     mp.spawn(_worker, args=(2, free_port(), cases, s3_url, str(tmp_path)), nprocs=2, join=True)
+    push = [json.loads((tmp_path / f"actor-rank{r}.json").read_text())["push"] for r in range(2)]
+    assert push[0]["equal"] and push[0]["none"] == [] and push[1]["none"] == push[1]["names"] == push[0]["names"]
+    assert push[0]["aliases"] == push[1]["aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}
     for name in cases:
         ranks = [json.loads((tmp_path / f"{name}-rank{r}.json").read_text()) for r in range(2)]
         assert all(r["applies"] and r["read_back_equal"] for r in ranks)

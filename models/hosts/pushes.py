@@ -1,0 +1,182 @@
+"""Both ends of a full-weight push (``run.resident``), whatever carries the bytes (:mod:`models.hosts.transports`):
+
+- the sender (the actor trainer's rank 0): :meth:`Push.header` lays the push out from the weights' names and
+  shapes, :class:`Sealed` gathers the tensors one at a time (:class:`~models.training.weight_source.WeightSource`),
+  casts each into its bucket and gives the buckets out sealed (samples, checksum), one at a time;
+- the receiver (the engine service): :func:`received` opens each bucket as it arrives (its checksum checked
+  before anything of it is loaded) and loads it into the engine before it takes the next, or keeps them all
+  (off-policy: the push is served later); then the engine's weights are read back at the samples and compared
+  bit for bit with what was sent (:func:`~models.engines.weight_stream.check_read_back`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+
+import torch
+
+from models.engines.weight_stream import (BUCKET_BYTES, BucketWriter, PushError, Samples, check_read_back,
+                                          checksum_kind, open_bucket, plan_push, positions, tensor_bytes)
+from models.training.weight_source import WeightSource
+
+
+class Push:
+    """The sender's settings: floating-point tensors travel as ``dtype``, at most ``bucket_bytes`` a bucket."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32, bucket_bytes: Optional[int] = None):
+        self.dtype, self.bucket_bytes = dtype, bucket_bytes or BUCKET_BYTES
+
+    def header(self, source: WeightSource, device) -> Dict[str, Any]:
+        return plan_push(source.tensors(self.dtype), source.aliases, self.bucket_bytes,
+                         checksum_kind(torch.device(device)))
+
+    @staticmethod
+    def stats(header: Mapping[str, Any]) -> Dict[str, float]:
+        """``resident/weights_bytes``: the tensors' bytes as sent (the engine's dtype), each tensor once."""
+        params = sum(_numel(shape) for _, _, shape, *_ in header["tensors"])
+        return {"resident/weights_bytes": float(tensor_bytes(header)), "resident/weights_params": float(params)}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+class Sealed:
+    """The buckets of ``header``, each filled from ``source`` (gathered one tensor at a time, cast to ``dtype`` by
+    each rank before the gather) and sealed when its last tensor is in; the samples drawn with a generator
+    seeded ``push``."""
+
+    def __init__(self, header: Mapping[str, Any], source: WeightSource, device, push: int,
+                 dtype: Optional[torch.dtype] = None):
+        self.header, self.device = header, torch.device(device)
+        self.generator = torch.Generator().manual_seed(int(push))
+        self.gathered = source.gathered(self.device, dtype)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        buckets = [[] for _ in self.header["buckets"]]
+        for entry in self.header["tensors"]:
+            buckets[entry[3]].append(entry[0])
+        for index, names in enumerate(buckets):
+            writer = BucketWriter(self.header, index, self.device, self.generator)
+            for want in names:
+                name, tensor = next(self.gathered)
+                writer.put(name, tensor)
+                del tensor
+            yield writer.seal()
+            del writer
+
+    def drain(self) -> None:
+        """The gathers left (the other trainer ranks are in them), nothing sent."""
+        for _ in self.gathered:
+            pass
+
+
+def sealed(header: Mapping[str, Any], source: WeightSource, device, push: int,
+           dtype: Optional[torch.dtype] = None) -> Sealed:
+    return Sealed(header, source, device, push, dtype)
+
+
+SETTLE_S = 0.5
+"""Longest wait for a received bucket to be let go before the next is allocated (:meth:`Held.alloc`)."""
+
+
+class Held:
+    """The receiver's buckets alive at once, in bytes: now and at most. A bucket is alive while anything holds its
+    memory (the engine's loader may keep views of it until a layer is complete), which the count of its storage's
+    owners tells (``torch._C._storage_Use_Count``; ours is one of them, dropped as soon as it is the last, before
+    the next bucket is allocated: :meth:`alloc`)."""
+
+    def __init__(self) -> None:
+        self.storages: List[torch.UntypedStorage] = []
+        self.now = self.peak = 0
+
+    def alloc(self, make: Callable[[int, torch.device], torch.Tensor]) -> Callable[[int, torch.device], torch.Tensor]:
+        """``make`` (a bucket's allocator), each bucket counted from its allocation (the ones nothing else holds
+        let go first, so the count never keeps one alive). With two buckets alive it waits up to
+        :data:`SETTLE_S` for one to be let go (a collective's work object can hold a received bucket a moment after
+        its wait returned), so the receiver holds two at most unless the engine keeps views of more."""
+        def fresh(nbytes: int, device: torch.device) -> torch.Tensor:
+            self._prune()
+            deadline = time.monotonic() + SETTLE_S
+            while len(self.storages) >= 2 and time.monotonic() < deadline:
+                time.sleep(0.001)
+                self._prune()
+            return self.add(make(nbytes, device))
+
+        return fresh
+
+    def add(self, buffer: torch.Tensor) -> torch.Tensor:
+        storage = buffer.untyped_storage()
+        if any(s.data_ptr() == storage.data_ptr() for s in self.storages):
+            return buffer  # counted when it was allocated
+        self._prune()
+        self.storages.append(storage)
+        self.now = sum(s.nbytes() for s in self.storages)
+        self.peak = max(self.peak, self.now)
+        return buffer
+
+    def _prune(self) -> None:
+        self.storages = [s for s in self.storages if torch._C._storage_Use_Count(s._cdata) > 1]
+
+    def clear(self) -> None:
+        self.storages = []
+
+
+def received(header: Mapping[str, Any], buckets: Iterable[Tuple[int, torch.Tensor]], engine=None,
+             held: Optional[Held] = None) -> Callable[[Any], Dict[str, float]]:
+    """The receiver's end of a push: ``buckets`` (``(index, bytes)`` as they arrive) opened, their checksums
+    checked, and loaded into ``engine`` one at a time; or, without ``engine``, kept. The function returned puts
+    the kept buckets into the engine it is given (the streamed ones are in already), reads the samples back and
+    compares them (:class:`~models.engines.weight_stream.PushError` naming the first tensor that differs), and
+    returns the push's figures: ``resident/receiver_peak_bytes`` (the most bytes of buckets alive at once: ``held``,
+    which counted them from their allocation, or from their arrival)."""
+    held, samples, kept = held or Held(), {}, []
+    t0 = time.perf_counter()
+    into = engine
+    if into is not None:
+        _load(into, header, _opened(header, buckets, held), samples)
+    else:
+        kept = list(_opened(header, buckets, held))
+    receive_s = time.perf_counter() - t0
+
+    def put(engine) -> Dict[str, float]:
+        if into is None:
+            _load(engine, header, kept, samples)
+            kept.clear()
+        elif engine is not into:
+            raise PushError("the push was loaded into another engine than the one it is put into")
+        t1 = time.perf_counter()
+        dtypes = {name: dtype for name, dtype, *_ in header["tensors"]}
+        held.clear()
+        check_read_back(header, samples, engine.read_back(positions(samples), dtypes),
+                        "after the push, reading the weights back")
+        return {"resident/receiver_peak_bytes": float(held.peak), "time/weights_receive_s": receive_s,
+                "time/weights_read_back_s": time.perf_counter() - t1}
+
+    return put
+
+
+def _opened(header, buckets, held: Held) -> Iterator[Tuple[Dict[str, torch.Tensor], Samples]]:
+    for index, buffer in buckets:
+        yield open_bucket(header, index, held.add(buffer))
+        del buffer
+
+
+def _load(engine, header: Mapping[str, Any], chunks: Iterable[Tuple[Dict[str, torch.Tensor], Samples]],
+          samples: Dict[str, List[Tuple[int, int]]]) -> None:
+    """``begin_push``, a ``push_chunk`` per bucket, ``end_push``; the engine is closed if a bucket fails (its
+    checksum, or the sender gone mid-push): it would hold part of the old weights and part of the new."""
+    engine.begin_push({name: shape for name, _, shape, *_ in header["tensors"]})
+    try:
+        for tensors, got in chunks:
+            samples.update(got)
+            engine.push_chunk(tensors)
+            del tensors
+    except BaseException:
+        engine.abort_push()
+        raise
+    engine.end_push()
