@@ -1,7 +1,7 @@
 """Fault injection for the reliability tests: no-ops unless their environment variable is set.
 
 The tests kill a run at a chosen point and check it resumes as if nothing happened, or spoil an
-update and check the run stops, or slow an engine replica down. Four hooks:
+update and check the run stops, slow an engine replica down, or fail one rank of a service. Five hooks:
 
 - ``RLHF_FAULT_PAUSE="<point>:<seconds>"`` — :func:`pause_point` with a name containing
   ``<point>`` announces itself (``{RLHF_FAULT_DIR}/paused``, holding the point's name) and
@@ -18,6 +18,9 @@ update and check the run stops, or slow an engine replica down. Four hooks:
 - ``RLHF_FAULT_SLOW_REPLICA="<replica>:<seconds per prompt>"`` — :func:`slow_replica`: that engine
   replica (``rollout.data_parallel_size``) sleeps that long per prompt of every chunk it is given, a
   straggler for the dispatch test (read in the replica's process, so set it before the replicas start).
+- ``RLHF_FAULT_FAIL_RANK="<rank>:<op>:<n>"`` — :func:`fail_on_rank`: that rank of a resident trainer
+  service raises in its ``n``-th ``<op>`` (``score``, ``update``, ``values``) before the op's first
+  collective, while the other ranks go on into it (read in the service's processes).
 
 Nothing here runs in a normal run: every hook returns at once when its variable is unset.
 """
@@ -31,6 +34,8 @@ PAUSE_ENV = "RLHF_FAULT_PAUSE"
 KILL_RANK_ENV = "RLHF_FAULT_KILL_RANK"
 NAN_ADVANTAGES_ENV = "RLHF_FAULT_NAN_ADVANTAGES"
 SLOW_REPLICA_ENV = "RLHF_FAULT_SLOW_REPLICA"
+FAIL_RANK_ENV = "RLHF_FAULT_FAIL_RANK"
+_CALLS: dict = {}
 DIR_ENV = "RLHF_FAULT_DIR"
 
 
@@ -85,3 +90,17 @@ def slow_replica(replica: int, prompts: int) -> None:
     which, _, seconds = spec.partition(":")
     if int(which) == replica:
         time.sleep(prompts * float(seconds))
+
+
+def fail_on_rank(op: str, rank: int) -> None:
+    """Raise if ``RLHF_FAULT_FAIL_RANK`` names this rank and this call of ``op`` (calls counted per process)."""
+    spec = os.environ.get(FAIL_RANK_ENV)
+    if not spec:
+        return
+    which, name, nth = spec.split(":")
+    if name != op or int(which) != rank:
+        return
+    _CALLS[op] = _CALLS.get(op, 0) + 1
+    if _CALLS[op] == int(nth):
+        raise RuntimeError(f"injected fault ({FAIL_RANK_ENV}): rank {rank} fails {op} call {nth} before its first "
+                           f"collective")

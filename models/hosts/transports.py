@@ -140,7 +140,9 @@ class CollectiveTransport(Transport):
             self.pushes += 1
             op_args = {**args, "meta": {"header": header, "push": self.pushes}}
             reply = self.pool.submit(engine.call, "weights", op_args)  # the op takes the broadcasts while it runs
-            sender.wait_ready(self.pushes, reply.done, engine.timeout_s)
+            # until the engine takes the op (after the op it runs: an off-policy rollout), as long as it shows
+            # life: its heartbeat keeps the op's reply pending, its silence (or failure) ends it
+            sender.wait_ready(self.pushes, reply.done, float("inf") if engine.heartbeat else engine.timeout_s)
             sender.send(buckets)
             out = reply.result()
         except (ChannelError, ServiceError, torch.distributed.DistError, OSError) as err:
