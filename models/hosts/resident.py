@@ -109,8 +109,8 @@ def start_services(cfg, run: RunHandle, state: PolicyState, timeout_s: float = 6
     """Start the run's services as child processes from ``state`` and wait until each listens (its address
     published for the launch ``run`` names); their URLs. One that exits first fails the start with its log's
     tail; the others are stopped."""
-    stop_services(run)  # a previous launch's, if this process still holds any
     ensure_local_secret()  # the services' token is derived from it; the children inherit it
+    stop_services(run)  # a previous launch's, if this process still holds any
     folder = Path(tempfile.mkdtemp(prefix=f"resident-{run.run_name}-"))
     launch_file = folder / "launch.json"
     fd = os.open(launch_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -127,7 +127,8 @@ def start_services(cfg, run: RunHandle, state: PolicyState, timeout_s: float = 6
     except BaseException:
         stop_services(run)
         raise
-    threading.Thread(target=_supervise, args=(run, children[needed(cfg).index(ENGINE)], timeout_s), daemon=True, name="engine-restarts").start()
+    engine = children[needed(cfg).index(ENGINE)]
+    threading.Thread(target=_supervise, args=(run, engine, timeout_s), daemon=True, name="engine-restarts").start()
     return urls
 
 
