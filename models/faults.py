@@ -18,9 +18,10 @@ update and check the run stops, slow an engine replica down, or fail one rank of
 - ``RLHF_FAULT_SLOW_REPLICA="<replica>:<seconds per prompt>"`` — :func:`slow_replica`: that engine
   replica (``rollout.data_parallel_size``) sleeps that long per prompt of every chunk it is given, a
   straggler for the dispatch test (read in the replica's process, so set it before the replicas start).
-- ``RLHF_FAULT_FAIL_RANK="<rank>:<op>:<n>"`` — :func:`fail_on_rank`: that rank of a resident trainer
-  service raises in its ``n``-th ``<op>`` (``score``, ``update``, ``values``) before the op's first
-  collective, while the other ranks go on into it (read in the service's processes).
+- ``RLHF_FAULT_FAIL_RANK="<rank>:<op>"`` — :func:`fail_on_rank`: that rank of a resident trainer
+  service raises in its next ``<op>`` (``score``, ``update``, ``values``) before the op's first
+  collective, while the other ranks go on into it, once the test armed it (the file
+  ``{RLHF_FAULT_DIR}/fail-<op>``, removed as it fires).
 
 Nothing here runs in a normal run: every hook returns at once when its variable is unset.
 """
@@ -35,7 +36,6 @@ KILL_RANK_ENV = "RLHF_FAULT_KILL_RANK"
 NAN_ADVANTAGES_ENV = "RLHF_FAULT_NAN_ADVANTAGES"
 SLOW_REPLICA_ENV = "RLHF_FAULT_SLOW_REPLICA"
 FAIL_RANK_ENV = "RLHF_FAULT_FAIL_RANK"
-_CALLS: dict = {}
 DIR_ENV = "RLHF_FAULT_DIR"
 
 
@@ -93,14 +93,12 @@ def slow_replica(replica: int, prompts: int) -> None:
 
 
 def fail_on_rank(op: str, rank: int) -> None:
-    """Raise if ``RLHF_FAULT_FAIL_RANK`` names this rank and this call of ``op`` (calls counted per process)."""
+    """Raise if ``RLHF_FAULT_FAIL_RANK`` is ``{rank}:{op}`` and the test armed it (see the module docstring)."""
     spec = os.environ.get(FAIL_RANK_ENV)
-    if not spec:
+    if not spec or spec != f"{rank}:{op}":
         return
-    which, name, nth = spec.split(":")
-    if name != op or int(which) != rank:
+    armed = os.path.join(_fault_dir(), f"fail-{op}")
+    if not os.path.exists(armed):
         return
-    _CALLS[op] = _CALLS.get(op, 0) + 1
-    if _CALLS[op] == int(nth):
-        raise RuntimeError(f"injected fault ({FAIL_RANK_ENV}): rank {rank} fails {op} call {nth} before its first "
-                           f"collective")
+    os.remove(armed)
+    raise RuntimeError(f"injected fault ({FAIL_RANK_ENV}): rank {rank} fails {op} before its first collective")

@@ -71,7 +71,7 @@ def serve_service(name: str, cfg, run: RunHandle, state: PolicyState, listen: st
     log = log or (lambda line: print(f"[{name} service] {line}", file=sys.stderr, flush=True))
     token = service_token(run.layout.url, run.launch_name, name)  # before any model loads: no secret, no service
     info = init_distributed()
-    share = RankFanout(log=log)
+    share = RankFanout(cfg.run.resident_rank_grace_s, log)
     host = host_class(name)(cfg, run, state, info)
     settings = Settings(token, run.layout.url, config_digest(cfg), idle_timeout_s=cfg.run.resident_idle_timeout_s,
                         parent_pid=parent_pid)

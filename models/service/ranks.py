@@ -24,7 +24,8 @@ import time
 from typing import Callable, List, Optional, Tuple
 
 GRACE_S = 10.0
-"""How long after one rank's failure the other ranks may still be inside the op before the service stops."""
+"""How long after one rank's failure the other ranks may still be inside the op before the service stops (a run's
+services: ``run.resident_rank_grace_s``)."""
 POLL_S = 0.05
 
 

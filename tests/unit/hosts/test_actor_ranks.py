@@ -11,12 +11,13 @@ models/service/ranks.py):
 - a fault on rank 1 before the forward's first collective (``RLHF_FAULT_FAIL_RANK``) fails the request within
   60 s, naming the rank, and both ranks' processes end instead of waiting in the collective.
 
-The models are random Llamas (4 × 512, vocabulary 8000: 21M parameters, 84 MB in float32), large enough for the load
-to show above a process's noise; the actor is of π_ref's shape, as at a run's start. The memory is the rise of the
-resident set's high-water mark over π_ref's load (``VmHWM``, reset just before), after the actor's load (which
-verified nothing of π_ref's: its checkpoint is verified by the tokenizer's load before), with
-``model.pack_sequences=false``: the packing check is a forward, whose FSDP2 gathers (one unit at a time, on the GPU
-there) a forward makes anyway.
+π_ref is a random Llama (4 × 384, vocabulary 4000: 10.3M parameters, 41 MB in float32), large enough for its load to
+show above a process's noise (under 1 MB here), the actor a one-layer one of the same vocabulary. The memory is the
+rise of the resident set's high-water mark over π_ref's load (``VmHWM``, reset just before), after the actor's (which
+paid the process's first FSDP2 set-up) and the tokenizer's (which verified π_ref's checkpoint: a mapped read of the
+file, per process, as for any checkpoint), with ``model.pack_sequences=false``: the packing check is a forward, whose
+FSDP2 gathers (one unit at a time, on the GPU there) any forward makes; a first forward also sizes the process's
+kernels' buffers, which would count here on CPU.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ from tests.processes import free_port
 
 pytestmark = pytest.mark.slow  # two ranks, each importing torch and transformers
 
-RANKS, VOCAB, SECRET = 2, 8000, "the-run-secret"
-FAULT = "1:score:3"
-"""Rank 1 fails its third score: after a good one, a refused one (not counted: refused before) and a good one."""
+RANKS, VOCAB, SECRET = 2, 4000, "the-run-secret"
+FAULT = "1:score"
+"""Rank 1 fails its next score once the test armed the fault (``{RLHF_FAULT_DIR}/fail-score``)."""
 
 
 def checkpoint(root, name: str, hidden: int, layers: int, seed: int = 0) -> tuple:
@@ -57,8 +58,8 @@ def checkpoint(root, name: str, hidden: int, layers: int, seed: int = 0) -> tupl
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                                         num_hidden_layers=layers, num_attention_heads=hidden // 64 or 1,
-                                         num_key_value_heads=hidden // 64 or 1, tie_word_embeddings=False,
+                                         num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                                         num_key_value_heads=hidden // 64, tie_word_embeddings=False,
                                          max_position_embeddings=64))
     src = root / f"{name}-src"
     model.save_pretrained(src, safe_serialization=True)
@@ -88,7 +89,8 @@ def _status_kib(key: str) -> int:
 
 def _rank(rank: int, port: int, setup: dict, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(RANKS),
-                      LOCAL_RANK=str(rank), RLHF_FAULT_FAIL_RANK=FAULT, **{SECRET_ENV: SECRET})
+                      LOCAL_RANK=str(rank), RLHF_FAULT_FAIL_RANK=FAULT, RLHF_FAULT_DIR=out_dir,
+                      **{SECRET_ENV: SECRET})
     torch.set_num_threads(1)
     for module in ("peft", "safetensors.torch", "torch.distributed.fsdp", "transformers.models.llama.modeling_llama"):
         importlib.import_module(module)  # what the load imports on its way, in before the measurement
@@ -114,11 +116,11 @@ def _rank(rank: int, port: int, setup: dict, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     root = tmp_path_factory.mktemp("actor-ranks")
-    ref, ref_params = checkpoint(root / "r1", "reference", 512, 4)  # inside the run's folder, as a run's are
-    actor, _ = checkpoint(root / "r1", "actor", 512, 4, seed=1)
+    ref, ref_params = checkpoint(root / "r1", "reference", 384, 4)  # inside the run's folder, as a run's are
+    actor, _ = checkpoint(root / "r1", "actor", 64, 1, seed=1)
     cfg = load_config("tiny_grpo", [f"run.storage_root={root}", "run.resident=true", "actor.nproc_per_node=2",
                                     "actor.sharding=fsdp2", "actor.micro_batch_size=2", "model.pack_sequences=false",
-                                    "run.resident_answer_timeout_s=60"])
+                                    "run.resident_answer_timeout_s=60", "run.resident_rank_grace_s=2"])
     run = RunHandle(str(root), "r1", "", ref, "", "", launch="local")
     setup = {"cfg": cfg, "run": run, "state": PolicyState(0, actor)}
     mp_env = pytest.MonkeyPatch()
@@ -167,11 +169,13 @@ def test_a_request_every_rank_refuses_leaves_the_service_serving(service):
 
 
 def test_a_fault_on_one_rank_before_a_collective_fails_the_request_on_every_rank_within_a_minute(service):
+    """Last: it stops the service."""
     cfg, run, state = service["cfg"], service["run"], service["state"]
     batch = rollout_batch(run.layout.batch_url(0, "rollouts"), cfg.rollout.temperature)
+    (service["root"] / "fail-score").touch()  # armed: rank 1 fails this score before its forward
     t0 = time.monotonic()
     with pytest.raises(ServiceError, match=r"score returned 500: ServiceStopped: rank 1 failed \(RuntimeError: "
-                                           r"injected fault .*\) while rank\(s\) 0 stayed inside the op"):
+                                           r"injected fault .*\) while rank\(s\) 0 stayed inside the op 2 s later"):
         call_stage(cfg, run, ACTOR, "score", state, batch)
     assert time.monotonic() - t0 < 60
     for p in service["ranks"].processes:
