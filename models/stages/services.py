@@ -93,14 +93,16 @@ def call_stage(cfg: TrainConfig, run: RunHandle, name: str, op: str, state: Poli
 
 def await_engine(cfg: TrainConfig, run: RunHandle) -> ServiceClient:
     """The engine service once it answers again (a restarted one publishes its new address), waiting up to
-    ``run.resident_start_timeout_s``."""
+    ``run.resident_start_timeout_s``; locally none when its address is gone (the run removes it when it cannot
+    start the engine again)."""
     deadline = time.monotonic() + cfg.run.resident_start_timeout_s
     while True:
+        left = 0.0 if run.launch_name == LOCAL else max(deadline - time.monotonic(), 0.0)
+        engine = run_service(cfg, run, ENGINE, wait_s=left)  # ServiceGone: no address
         try:
-            engine = run_service(cfg, run, ENGINE, wait_s=max(deadline - time.monotonic(), 0.0))
             engine.call("health", timeout_s=min(30.0, cfg.run.resident_answer_timeout_s))
             return engine
-        except ServiceGone:
+        except ServiceGone:  # the dead engine's address: not replaced yet
             if time.monotonic() > deadline:
                 raise
             time.sleep(1.0)
