@@ -1,8 +1,8 @@
 """Fault injection for the reliability tests: no-ops unless their environment variable is set.
 
 The tests kill a run at a chosen point and check it resumes as if nothing happened, or spoil an
-update and check the run stops, or slow an engine replica down, or make an engine's loader skip a weight. Five
-hooks:
+update and check the run stops, or slow an engine replica down, or make an engine's loader skip a weight, or
+fail one rank of a service. Six hooks:
 
 - ``RLHF_FAULT_PAUSE="<point>:<seconds>"`` — :func:`pause_point` with a name containing
   ``<point>`` announces itself (``{RLHF_FAULT_DIR}/paused``, holding the point's name) and
@@ -22,6 +22,10 @@ hooks:
 - ``RLHF_FAULT_DROP_PUSHED="<tensor name>"`` — :func:`drop_pushed`: an engine's loader leaves that tensor of a
   resident push out without a word (as vLLM's does with, say, v missing from ``qkv_proj``), for the push's
   read-back to catch (read where the loader runs: a vLLM worker's process inherits it from the engine's).
+- ``RLHF_FAULT_FAIL_RANK="<rank>:<op>"`` — :func:`fail_on_rank`: that rank of a resident trainer
+  service raises in its next ``<op>`` (``score``, ``update``, ``values``) before the op's first
+  collective, while the other ranks go on into it, once the test armed it (the file
+  ``{RLHF_FAULT_DIR}/fail-<op>``, removed as it fires).
 
 Nothing here runs in a normal run: every hook returns at once when its variable is unset.
 """
@@ -36,6 +40,7 @@ KILL_RANK_ENV = "RLHF_FAULT_KILL_RANK"
 NAN_ADVANTAGES_ENV = "RLHF_FAULT_NAN_ADVANTAGES"
 SLOW_REPLICA_ENV = "RLHF_FAULT_SLOW_REPLICA"
 DROP_PUSHED_ENV = "RLHF_FAULT_DROP_PUSHED"
+FAIL_RANK_ENV = "RLHF_FAULT_FAIL_RANK"
 DIR_ENV = "RLHF_FAULT_DIR"
 
 
@@ -96,3 +101,15 @@ def drop_pushed(tensors):
     """``tensors`` (a chunk of a push, name → tensor) less the one ``RLHF_FAULT_DROP_PUSHED`` names."""
     name = os.environ.get(DROP_PUSHED_ENV)
     return tensors if not name or name not in tensors else {k: v for k, v in tensors.items() if k != name}
+
+
+def fail_on_rank(op: str, rank: int) -> None:
+    """Raise if ``RLHF_FAULT_FAIL_RANK`` is ``{rank}:{op}`` and the test armed it (see the module docstring)."""
+    spec = os.environ.get(FAIL_RANK_ENV)
+    if not spec or spec != f"{rank}:{op}":
+        return
+    armed = os.path.join(_fault_dir(), f"fail-{op}")
+    if not os.path.exists(armed):
+        return
+    os.remove(armed)
+    raise RuntimeError(f"injected fault ({FAIL_RANK_ENV}): rank {rank} fails {op} before its first collective")

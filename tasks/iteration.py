@@ -44,13 +44,14 @@ def evaluate(cfg: TrainConfig, run: RunHandle, state: PolicyState, launch: str =
         return run_evaluate(cfg, run, state)
 
 
-@task(retries=1, requests=Resources(cpu="2", mem="8Gi"), secret_requests=secrets.requests(secrets.S3, secrets.MLFLOW))
+@task(retries=1, requests=Resources(cpu="2", mem="8Gi"),
+      secret_requests=secrets.requests(secrets.S3, secrets.MLFLOW, secrets.SERVICE))
 def finish_run(cfg: TrainConfig, run: RunHandle, state: PolicyState, launch: str = "") -> TrainingSummary:
     """Log and register the final policy (alias ``candidate``), close the MLflow run and summarise
     (first iteration's reward, mean of the last two)."""
     from models.stages.finish import run_finish
 
-    secrets.load(secrets.S3, secrets.MLFLOW)
+    secrets.load(secrets.S3, secrets.MLFLOW, secrets.SERVICE)  # SERVICE: a resident run's stop op
     run = run.for_launch(launch)
     # A resident run's services (this process's children locally, the service nodes on a cluster): the
     # run's checkpoints are all committed by now.

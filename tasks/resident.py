@@ -16,14 +16,16 @@ from models.stages.outputs import RolloutOutput, ScoreOutput, UpdateOutput
 from models.stages.services import ACTOR, CRITIC, ENGINE, call_stage
 from tasks import batch_type, secrets  # noqa: F401  (batch_type: RolloutBatch as a Flyte type)
 
-THIN = dict(requests=Resources(cpu="500m", mem="1Gi"), secret_requests=secrets.requests(secrets.S3, secrets.MLFLOW))
+SECRETS = (secrets.S3, secrets.MLFLOW, secrets.SERVICE)
+"""Storage, tracking, and the secret the services' token is derived from."""
+THIN = dict(requests=Resources(cpu="500m", mem="1Gi"), secret_requests=secrets.requests(*SECRETS))
 
 
 def _call(service: str, op: str, cfg: TrainConfig, run: RunHandle, state: PolicyState, launch: str, batch=None,
           **extra):
     """``op`` of the run's ``service``, started by ``launch`` (the holder of the run's lock, ``prepare_run``'s,
     whichever execution of the run this task runs in), on the iteration's state and batch."""
-    secrets.load(secrets.S3, secrets.MLFLOW)
+    secrets.load(*SECRETS)
     run = run.for_launch(launch)
     with run_lock.heartbeat(run.layout.lock_url, run.launch):
         return call_stage(cfg, run, service, op, state, batch, **extra)

@@ -15,7 +15,7 @@ from typing import Iterable, List
 
 from flytekit import Secret
 
-from models.run.secrets import GROUP, MLFLOW, S3, SERVER, SecretSpec  # noqa: F401  (the keys, Flyte-free)
+from models.run.secrets import GROUP, MLFLOW, S3, SERVER, SERVICE, SecretSpec  # noqa: F401  (the keys, Flyte-free)
 
 
 def requests(*groups: Iterable[SecretSpec]) -> List[Secret]:

@@ -101,6 +101,14 @@ class RunConfig:
     resident_start_timeout_s: float = 1800.0
     """On a cluster, how long an iteration's task waits for a service of its launch to come up (the services
     start as nodes beside the first tasks and load their models first); then it fails naming the service."""
+    resident_answer_timeout_s: float = 120.0
+    """How long a resident service may show no sign of life (no answer, and no heartbeat: a service sends one
+    every sixth of this while an op runs, however long the op takes) before the task or service calling it
+    fails, naming it (docs/cluster.md#reliability-of-the-services)."""
+    resident_rank_grace_s: float = 10.0
+    """How long after one rank of a resident trainer service failed an op its other ranks may still be inside it;
+    a rank still there is blocked in a collective the failed one never entered, and the service stops with the
+    reason instead of hanging (docs/cluster.md#reliability-of-the-services)."""
     seed: int = 0
     """Seed for prompt order, sampling and updates."""
     algorithm: str = "ppo"
@@ -153,5 +161,7 @@ class RunConfig:
         check(self.lock_ttl_s > 0, "run.lock_ttl_s must be > 0")
         check(self.resident_idle_timeout_s > 0, "run.resident_idle_timeout_s must be > 0")
         check(self.resident_start_timeout_s > 0, "run.resident_start_timeout_s must be > 0")
+        check(self.resident_answer_timeout_s > 0, "run.resident_answer_timeout_s must be > 0")
+        check(self.resident_rank_grace_s > 0, "run.resident_rank_grace_s must be > 0")
         check_choice("run.resident_weight_transport", self.resident_weight_transport, ["collective", "http"])
         _check_registered_model_name(self.registered_model_name)

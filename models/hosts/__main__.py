@@ -1,9 +1,10 @@
 """The services as commands: ``python -m models.hosts serve --critic URL --reward-model URL --storage-root URL
 [...]`` (the reward/critic server), ``serve-rollout --checkpoint URL --storage-root URL --engine vllm|hf [...]``
 (the rollout server), and a resident run's ``{engine,actor,critic} --launch FILE`` (``FILE``: written by
-:mod:`models.hosts.resident`, mode 0600: the run's config, handle, state and token; a trainer may run as every rank
-of a ``torchrun`` launch). A server's bearer token comes from the environment variable ``--token-env`` names (never
-the command line, which ``ps`` shows); ``--port 0`` picks a free port. Each prints one line once it listens::
+:mod:`models.hosts.resident`, mode 0600: the run's config, handle and state; the token is derived from the secret in
+``RLHF_SERVICE_SECRET``, :mod:`models.service.token`; a trainer may run as every rank of a ``torchrun`` launch). A
+server's bearer token comes from the environment variable ``--token-env`` names (never the command line, which ``ps``
+shows); ``--port 0`` picks a free port. Each prints one line once it listens::
 
     reward server ready on http://127.0.0.1:8123 (parts: critic, reward_model; auth: on)
     rollout server ready on http://127.0.0.1:8124 (engine: vllm; auth: on)
@@ -139,7 +140,7 @@ def resident(args: argparse.Namespace) -> None:
     with open(args.launch) as f:
         launch = json.load(f)
     serve_service(args.command, config_from_json_dict(launch["cfg"]), RunHandle(**launch["run"]),
-                  PolicyState(**launch["state"]), launch["token"], parent_pid=int(launch.get("parent_pid", 0)))
+                  PolicyState(**launch["state"]), parent_pid=int(launch.get("parent_pid", 0)))
 
 
 def main(argv: Optional[List[str]] = None) -> None:

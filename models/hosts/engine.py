@@ -3,7 +3,9 @@ the state's actor; its ops run the rollout and evaluate stages with it, and take
 (:mod:`models.hosts.transports`), probed against the trainer's forward before it serves them. Each op names its
 iteration: an engine holding another iteration's policy refuses it. With ``run.off_policy_steps=1`` the next
 actor's weights wait (``pending``) until a request asks for that actor: the batch after an update is still
-sampled from the actor before it.
+sampled from the actor before it. A restarted engine (killed, then started again by the run or its node's retry)
+starts from the run's starting state; its callers then have the actor trainer push the weights it holds, or the
+engine ``load`` the state's committed actor (:func:`models.stages.services.restore_engine`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Dict, Optional
 
+from models.checkpoint import is_committed
 from models.config import TrainConfig
 from models.hosts.transports import transport_for
 from models.run.types import PolicyState, RunHandle
@@ -72,6 +75,21 @@ class EngineHost(Host):
     @op
     def evaluate(self, state: Dict[str, Any]) -> float:
         return run_evaluate(self.cfg, self.run, self.serve(state), engine=self.engine)
+
+    @op
+    def load(self, state: Dict[str, Any]) -> Dict[str, float]:
+        """The state's actor from its committed checkpoint (a restarted engine, whose trainer holds a later actor)."""
+        state = PolicyState(**state)
+        if not is_committed(state.actor_url):
+            raise WrongIteration(f"{self.label} cannot serve the actor of iteration {state.iteration}: the actor "
+                                 f"trainer holds another, and {state.actor_url} is not a committed checkpoint (rerun "
+                                 f"the launch to resume from the last checkpoint)")
+        t0 = time.perf_counter()
+        self.version = -1
+        self.pending.pop(state.iteration, None)
+        self.engine = engine_for(self.cfg, state.actor_url)  # probed as a task's engine is
+        self.version = state.iteration
+        return {"time/weights_load_s": time.perf_counter() - t0}
 
     @op
     def connect(self, host: str, gpu: str = "", timeout_s: Optional[float] = None) -> Dict[str, Any]:

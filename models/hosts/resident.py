@@ -3,8 +3,13 @@ in its process (:func:`serve_service`: a local child process, or a cluster's ser
 and locally their start and stop. Locally they are child processes of ``pyflyte run`` (a trainer as the ranks of a
 ``torchrun`` launch when its ``nproc_per_node`` is above 1), listening on 127.0.0.1: started by ``prepare_run``
 from the state the run starts or resumes at, stopped by ``finish_run``, the failure handler and at the process's
-exit, or by themselves when it is gone or after ``run.resident_idle_timeout_s`` idle. In a cluster pod a service
-listens on every interface and publishes the pod's address (``RLHF_SERVICE_HOST``: one address for both).
+exit, or by themselves when it is gone or after ``run.resident_idle_timeout_s`` idle. A local engine service
+that dies (killed, crashed) while the run holds it is started again (:data:`ENGINE_RESTARTS` times); its callers
+then give it the trainer's weights (:func:`models.stages.services.call_stage`). In a cluster pod a service
+listens on the pod's address only and publishes it (``RLHF_SERVICE_HOST`` names another). A trainer launch is
+never restarted by torch elastic (``--max-restarts=0``): it would come back at the run's start, not where the run
+is. Every service accepts only its token, derived from the run's secret (:mod:`models.service.token`): the
+launch file holds none, the children get the secret in their environment.
 """
 
 from __future__ import annotations
@@ -14,11 +19,11 @@ import dataclasses
 import datetime as dt
 import json
 import os
-import secrets
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -27,12 +32,17 @@ from models import storage
 from models.config.io import to_dict
 from models.run.types import PolicyState, RunHandle
 from models.service import book
+from models.service.client import ServiceGone
 from models.service.launch import ChildProcess, end_process, serve
-from models.service.server import RankFanout, Settings
+from models.service.ranks import RankFanout
+from models.service.server import Settings
 from models.stages.outputs import ServiceSummary
+from models.service.token import ensure_local_secret, service_token
 from models.stages.services import ACTOR, CRITIC, ENGINE, LABELS, SERVICES, config_digest
 
 SERVICE_HOST_ENV = "RLHF_SERVICE_HOST"
+ENGINE_RESTARTS = 3
+"""How often a local run starts its engine service again after it died."""
 _RUNNING: Dict[str, List[ChildProcess]] = {}
 """Services this process started, per run folder URL."""
 
@@ -50,25 +60,25 @@ def host_class(name: str):
     return {ENGINE: EngineHost, ACTOR: ActorHost, CRITIC: CriticHost}[name]
 
 
-def serve_service(name: str, cfg, run: RunHandle, state: PolicyState, token: str = "", listen: str = "127.0.0.1",
+def serve_service(name: str, cfg, run: RunHandle, state: PolicyState, listen: str = "127.0.0.1",
                   advertise: str = "", parent_pid: int = 0, log: Optional[Callable[[str], None]] = None) \
         -> ServiceSummary:
     """Hold service ``name`` of the run from ``state`` (every rank of a trainer service builds its shard) and serve
-    its ops until it is stopped; rank 0 listens and publishes its address with ``token`` (empty: a fresh one)
-    once all ranks are ready. Rank 0's summary (the other ranks' too)."""
+    its ops until it is stopped; rank 0 listens and publishes its address once all ranks are ready, accepting only
+    the token derived from the run's secret. Rank 0's summary (the other ranks' too)."""
     from models.training.distributed import init_distributed, shutdown_distributed
 
     log = log or (lambda line: print(f"[{name} service] {line}", file=sys.stderr, flush=True))
+    token = service_token(run.layout.url, run.launch_name, name)  # before any model loads: no secret, no service
     info = init_distributed()
-    share = RankFanout()
+    share = RankFanout(cfg.run.resident_rank_grace_s, log)
     host = host_class(name)(cfg, run, state, info)
-    token = token or secrets.token_urlsafe(32)
     settings = Settings(token, run.layout.url, config_digest(cfg), idle_timeout_s=cfg.run.resident_idle_timeout_s,
                         parent_pid=parent_pid)
 
     def announce(server) -> None:
         started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-        book.publish(run.layout.url, book.ServiceAddress(name, server.url, token, os.getpid(), run.launch_name, started))
+        book.publish(run.layout.url, book.ServiceAddress(name, server.url, os.getpid(), run.launch_name, started))
         print(f"{LABELS[name]} ready on {server.url} at iteration {state.iteration}", flush=True)
 
     t0 = time.monotonic()
@@ -80,18 +90,18 @@ def serve_service(name: str, cfg, run: RunHandle, state: PolicyState, token: str
 
 
 def cluster_addresses(environ=os.environ) -> Tuple[str, str]:
-    """``(listen, advertise)`` of a service in a cluster pod (see the module docstring)."""
-    named = environ.get(SERVICE_HOST_ENV, "")
-    if named:
-        return named, named
-    return "0.0.0.0", socket.gethostbyname(socket.gethostname())
+    """``(listen, advertise)`` of a service in a cluster pod: the pod's address (its host name's), or the one
+    ``RLHF_SERVICE_HOST`` names; never every interface."""
+    named = environ.get(SERVICE_HOST_ENV, "") or socket.gethostbyname(socket.gethostname())
+    return named, named
 
 
 def _command(cfg, name: str, launch_file: str) -> List[str]:
     nproc = {ACTOR: cfg.actor.nproc_per_node, CRITIC: cfg.critic.nproc_per_node}.get(name, 1)
     module = ["-m", "models.hosts", name, "--launch", launch_file]
     if nproc > 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *module]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                "--max-restarts=0", *module]
     return [sys.executable, *module]
 
 
@@ -99,23 +109,52 @@ def start_services(cfg, run: RunHandle, state: PolicyState, timeout_s: float = 6
     """Start the run's services as child processes from ``state`` and wait until each listens (its address
     published for the launch ``run`` names); their URLs. One that exits first fails the start with its log's
     tail; the others are stopped."""
+    ensure_local_secret()  # the services' token is derived from it; the children inherit it
     stop_services(run)  # a previous launch's, if this process still holds any
     folder = Path(tempfile.mkdtemp(prefix=f"resident-{run.run_name}-"))
     launch_file = folder / "launch.json"
-    fd = os.open(launch_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # it holds the token
+    fd = os.open(launch_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({"cfg": to_dict(cfg), "run": dataclasses.asdict(run), "state": dataclasses.asdict(state),
-                   "token": secrets.token_urlsafe(32), "parent_pid": os.getpid()}, f)
+                   "parent_pid": os.getpid()}, f)
     for name in SERVICES:
         book.unpublish(run.layout.url, name)
     children = [ChildProcess(_command(cfg, name, str(launch_file)), folder / f"{name}.log", LABELS[name]).spawn()
                 for name in needed(cfg)]
     _RUNNING[run.layout.url] = children
     try:
-        return [child.wait_ready(timeout_s) for child in children]
+        urls = [child.wait_ready(timeout_s) for child in children]
     except BaseException:
         stop_services(run)
         raise
+    engine = children[needed(cfg).index(ENGINE)]
+    threading.Thread(target=_supervise, args=(run, engine, timeout_s), daemon=True, name="engine-restarts").start()
+    return urls
+
+
+def _supervise(run: RunHandle, child: ChildProcess, timeout_s: float) -> None:
+    """Start the engine service again when it dies while the run holds it (an exit the run did not ask for); when
+    it cannot, remove its address, so that its callers fail at once instead of waiting for it."""
+    say = lambda line: print(f"[resident] {line}", file=sys.stderr, flush=True)  # noqa: E731
+    for restart in range(1, ENGINE_RESTARTS + 2):
+        code = child.proc.wait()
+        held = _RUNNING.get(run.layout.url, [])
+        if child not in held:  # stopped by the run (finish, failure, exit)
+            return
+        if restart > ENGINE_RESTARTS:
+            say(f"{child.label} exited (code {code}) for the {restart}th time: not started again")
+            book.unpublish(run.layout.url, ENGINE)
+            return
+        say(f"{child.label} exited (code {code}): started again from the run's starting state ({restart} of "
+            f"{ENGINE_RESTARTS}); its callers give it the trainer's weights")
+        fresh = ChildProcess(child.command, child.log_path.with_name(f"{ENGINE}-{restart}.log"), child.label).spawn()
+        held[held.index(child)] = child = fresh
+        try:
+            child.wait_ready(timeout_s)
+        except ServiceGone as err:
+            say(str(err))
+            book.unpublish(run.layout.url, ENGINE)
+            return
 
 
 def stop_services(run: RunHandle, timeout_s: float = 30.0) -> List[str]:

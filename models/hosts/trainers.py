@@ -4,7 +4,10 @@ with them: ``update`` is :func:`~models.stages.updates.update_trainee` (a checkp
 the actor's new weights then go to the engine in memory), the actor's ``score`` :func:`~models.stages.score.run_score`
 with π_old, π_ref (and the reward model) held here, the critic's ``values`` its share of the score's forward.
 Each op names its iteration, refused by a service holding another; an ``update`` asked again for the iteration it
-just did (a retried task whose reply was lost) returns that result instead of stepping twice.
+just did (a retried task whose reply was lost) returns that result instead of stepping twice. The actor's version
+moves only once the engine confirmed the new weights: an update whose push failed keeps its trained weights and
+result, and the same request again sends them again without stepping (``push`` sends the weights held to a
+restarted engine). Every check that can refuse a request runs on every rank before any collective.
 """
 
 from __future__ import annotations
@@ -15,30 +18,37 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from models import faults
 from models.checkpoint.local import load_tokenizer
 from models.config import TrainConfig
 from models.data.batch import RolloutBatch
 from models.hosts.engine import WrongIteration, check_iteration
 from models.hosts.transports import transport_for
 from models.run.types import PolicyState, RunHandle
+from models.service.client import ServiceError
 from models.service.ops import Host, op
 from models.stages.actor import ACTOR
 from models.stages.critic import CRITIC
 from models.stages.rewards import reward_source
-from models.stages.score import Scorers, reference_scorer, run_score, service_values
-from models.stages.score_ranks import load_reward_model_ranks, score_forward_ranks
+from models.stages.score import Scorers, run_score, service_values
+from models.stages.score_metrics import check_sampling_temperature
+from models.stages.score_ranks import load_reference_ranks, load_reward_model_ranks, score_forward_ranks
 from models.stages.services import ENGINE, LABELS, critic_service, run_service
 from models.stages.updates import load_trainee, saves_at, update_trainee
-from models.training.distributed import DistInfo, unwrap
+from models.training.distributed import DistInfo, from_main, unwrap
 from models.training.probe import reference_logprobs
 from models.training.weight_source import WeightSource
+
+
+class PushFailed(RuntimeError):
+    """The update is done but the engine did not confirm its weights: the same request sends them again."""
 
 
 class TrainerHost(Host):
     """What the actor and critic services share: the trainee, the iteration held, the last update's result."""
 
     role = ACTOR
-    statuses = {WrongIteration: 409}
+    statuses = {WrongIteration: 409, PushFailed: 503}
 
     def __init__(self, cfg: TrainConfig, run: RunHandle, state: PolicyState, info: DistInfo):
         self.cfg, self.run, self.info, self.version = cfg, run, info, state.iteration
@@ -46,10 +56,16 @@ class TrainerHost(Host):
         self.trainee = load_trainee(self.role, cfg, state, info, {})
         self.model = self.trainee.model
         self.last: Optional[Dict[str, Any]] = None
+        self.trained: Optional[Dict[str, Any]] = None
+        """The update done but not confirmed by the engine (its push failed): its iteration and result."""
         tokenizer = load_tokenizer(run.reference_url)
         self.pad, self.vocab = tokenizer.pad_token_id or 0, len(tokenizer)
 
     def held(self, iteration: int) -> None:
+        if self.trained is not None:
+            raise WrongIteration(f"{self.label} holds the update of iteration {self.trained['iteration']}, which the "
+                                 f"engine did not confirm: only that update's request again (which sends its weights "
+                                 f"again) is served")
         check_iteration(self.label, self.version, iteration)
 
     @op
@@ -57,18 +73,24 @@ class TrainerHost(Host):
         state = PolicyState(**state)
         if self.last is not None and state.iteration == self.version - 1 and self.last["iteration"] == state.iteration:
             return self.last["result"]  # the same request again: its reply was lost
-        self.held(state.iteration)
-        t0 = time.perf_counter()
-        out = update_trainee(self.role, self.cfg, self.run, state, RolloutBatch.open(batch), self.info, self.trainee,
-                             saves_at(self.cfg, state.iteration), {})
-        self.version = state.iteration + 1
-        stats = {**out.stats, **self.after_update(state)}
-        result = {"checkpoint_url": out.checkpoint_url,
-                  "stats": {**stats, f"time/{self.role.name}_update_s": time.perf_counter() - t0}}
+        if self.trained is None or self.trained["iteration"] != state.iteration:
+            self.held(state.iteration)
+            faults.fail_on_rank("update", self.info.rank)
+            t0 = time.perf_counter()
+            out = update_trainee(self.role, self.cfg, self.run, state, RolloutBatch.open(batch), self.info,
+                                 self.trainee, saves_at(self.cfg, state.iteration), {})
+            self.trained = {"iteration": state.iteration, "checkpoint_url": out.checkpoint_url, "stats": out.stats,
+                            "t0": t0}
+        done = self.trained
+        stats = {**done["stats"], **self.after_update(state)}  # PushFailed: kept for the same request again
+        self.trained, self.version = None, state.iteration + 1
+        result = {"checkpoint_url": done["checkpoint_url"],
+                  "stats": {**stats, f"time/{self.role.name}_update_s": time.perf_counter() - done["t0"]}}
         self.last = {"iteration": state.iteration, "result": result}
         return result
 
     def after_update(self, state: PolicyState) -> Dict[str, float]:
+        """What follows an update before its version moves (the actor: the engine confirms the new weights)."""
         return {}
 
     def forward(self, fn):
@@ -90,9 +112,10 @@ class ActorHost(TrainerHost):
 
     def __init__(self, cfg: TrainConfig, run: RunHandle, state: PolicyState, info: DistInfo):
         super().__init__(cfg, run, state, info)
-        self.ref = reference_scorer(cfg, run, self.model, self.lm)
+        self.ref = load_reference_ranks(cfg, run, info, self.model)  # on info.device; sharded as the score's
         self.reward_model = load_reward_model_ranks(cfg, run, info) if info.world_size > 1 else None
-        self.rewards = reward_source(cfg, run) if cfg.reward.source == "model" and info.world_size == 1 else None
+        one_rm = cfg.reward.source == "model" and info.world_size == 1
+        self.rewards = reward_source(cfg, run, info.device) if one_rm else None
         self.transport = transport_for(cfg, run.reference_url)  # rank 0's end, kept between pushes
 
     @property
@@ -102,30 +125,57 @@ class ActorHost(TrainerHost):
     @op
     def score(self, state: Dict[str, Any], batch: str) -> Optional[Dict[str, Any]]:
         state, cfg, batch = PolicyState(**state), self.cfg, RolloutBatch.open(batch)
-        self.held(state.iteration)
+        self.held(state.iteration)  # the checks on every rank, before the forwards' collectives
+        check_sampling_temperature(batch, cfg.rollout.temperature)
+        faults.fail_on_rank("score", self.info.rank)
         actor = self.model if cfg.actor.old_logprobs == "recompute" else None
         forward = functools.partial(score_forward_ranks, info=self.info,  # each rank its share of the rows
                                     reward_model=self.reward_model)
         if not self.info.is_main:  # as many forwards as rank 0; rank 0 gathers the results
             self.forward(lambda: forward(cfg, batch, actor, self.ref, None, self.pad))
             return None
-        values = service_values(critic_service(cfg, self.run), state) if cfg.uses_critic else None
-        out = self.forward(lambda: run_score(cfg, self.run, state, batch, Scorers(actor, self.ref, None, values,
-                                                                                  self.rewards), forward=forward))
+
+        def values(scored: RolloutBatch):  # after the forwards: the critic service is called by rank 0 alone
+            return service_values(critic_service(cfg, self.run), state)(scored)
+
+        out = self.forward(lambda: run_score(cfg, self.run, state, batch,
+                                             Scorers(actor, self.ref, None, values if cfg.uses_critic else None,
+                                                     self.rewards), forward=forward))
         return {"batch": out.batch.uri, "stats": out.stats}
 
+    @op
+    def push(self, iteration: int) -> Dict[str, float]:
+        """The weights held (those of ``iteration``) to the engine service again: a restarted engine's."""
+        self.held(iteration)
+        return self.send_weights(iteration, defer=False)
+
     def after_update(self, state: PolicyState) -> Dict[str, float]:
-        """The new weights to the engine service, in memory, with the probe the engine checks them against."""
+        return self.send_weights(state.iteration + 1, defer=bool(self.cfg.run.off_policy_steps))
+
+    def send_weights(self, version: int, defer: bool) -> Dict[str, float]:
+        """The weights held, as the actor of iteration ``version``, to the engine service in memory, with the probe
+        the engine checks them against; :class:`PushFailed` when the engine did not confirm them."""
         t0 = time.perf_counter()
         sequences, logprobs = reference_logprobs(unwrap(self.model), self.vocab)  # every rank: FSDP2
         source = WeightSource(unwrap(self.model), self.info)  # gathered tensor by tensor as the push sends them
+        out, failed = {}, ""
         if not self.info.is_main:
             self.transport.follow(source)  # every rank takes part in the gathers
-            return {}
-        args = {"version": state.iteration + 1, "probe": {"sequences": sequences, "logprobs": logprobs},
-                "tolerance": self.cfg.probe_tolerance, "defer": bool(self.cfg.run.off_policy_steps)}
-        out = self.transport.send(run_service(self.cfg, self.run, ENGINE), args, self.lm, source)
-        return {**out, "time/weights_to_engine_s": time.perf_counter() - t0}
+        else:
+            args = {"version": version, "probe": {"sequences": sequences, "logprobs": logprobs},
+                    "tolerance": self.cfg.probe_tolerance, "defer": defer}
+            engine = None
+            try:
+                engine = run_service(self.cfg, self.run, ENGINE)
+                out = self.transport.send(engine, args, self.lm, source)
+            except Exception as err:  # noqa: BLE001 -- every rank learns it below, and keeps the weights
+                if engine is None:
+                    self.transport.follow(source)  # no push began: the other ranks' gathers still need this one
+                failed = f"{type(err).__name__}: {err}" if not isinstance(err, ServiceError) else str(err)
+        failed = from_main(failed)  # every rank keeps or drops the update alike
+        if failed:
+            raise PushFailed(f"{failed} (the trainer keeps the weights: the same request sends them again)")
+        return {**out, "time/weights_to_engine_s": time.perf_counter() - t0} if self.info.is_main else {}
 
     def close(self) -> None:
         self.transport.close()
@@ -138,6 +188,7 @@ class CriticHost(TrainerHost):
     def values(self, batch: str, iteration: int) -> Optional[list]:
         """The critic's values of ``batch``, flat in response order (each rank its share, rank 0 gathers)."""
         self.held(iteration)
+        faults.fail_on_rank("values", self.info.rank)
         flat = self.forward(lambda: score_forward_ranks(self.cfg, RolloutBatch.open(batch), None, None, self.model,
                                                         self.pad, self.info))
         return flat["values"].tolist() if self.info.is_main else None

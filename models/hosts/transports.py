@@ -190,7 +190,9 @@ class CollectiveTransport(Transport):
             self.pushes += 1
             op_args = {**args, "meta": {"header": header, "push": self.pushes}}
             reply = self.pool.submit(engine.call, "weights", op_args)  # the op takes the broadcasts while it runs
-            sender.wait_ready(self.pushes, reply.done, engine.timeout_s)
+            # until the engine takes the op (after the op it runs: an off-policy rollout), as long as it shows
+            # life: its heartbeat keeps the op's reply pending, its silence (or failure) ends it
+            sender.wait_ready(self.pushes, reply.done, float("inf") if engine.heartbeat else engine.timeout_s)
             buckets = sealed(header, source, sender.device, self.pushes, self.push.dtype)
             for bucket in buckets:
                 sender.send_bucket(bucket)
@@ -203,7 +205,7 @@ class CollectiveTransport(Transport):
             kind = type(err) if isinstance(err, ServiceError) else ServiceError
             raise kind(f"the weights of iteration {args['version']} to {engine.label} at {engine.url} over the "
                        f"collective transport ({backend}) failed: {err}{_engine_error(reply, err)}. The engine does "
-                       f"not serve them: rerun the launch to resume from the last checkpoint (or set "
+                       f"not serve them: the trainer keeps them for the same request to send again (or set "
                        f"run.resident_weight_transport=http)") from None
         return {**out, **self.push.stats(header), "resident/weights_transport": CODES[backend]}
 

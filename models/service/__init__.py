@@ -5,7 +5,9 @@ Torch-free; the hosts that hold the models sit above the stages (``models/hosts/
 | module   | holds                                                                                       |
 |----------|---------------------------------------------------------------------------------------------|
 | `ops`    | `@op` and `Host`: a host class's ops; what a request must pass (op, arguments, locations, digest) |
-| `server` | `Server`: the one HTTP server (token guard, limits), serial on every rank or concurrent    |
+| `server` | `Server`: the one HTTP server (token guard, limits, heartbeats), serial on every rank or concurrent |
+| `ranks`  | `RankFanout`: a trainer's requests on every rank, each op's outcome agreed before rank 0 answers |
+| `token`  | the bearer token of a run's services, derived from a secret, never stored                    |
 | `client` | `ServiceClient`: the one retrying client, errors naming the service                        |
 | `book`   | the address book of a run's services, in its folder, by launch                              |
 | `launch` | `serve`: a service's life in its process; `ChildProcess`: one started from this process    |

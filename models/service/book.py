@@ -1,7 +1,8 @@
 """The address book of a run's services, in the run's folder (every task of the run finds them, on any node,
 across the Flyte executions of one launch): ``{run}/services/{name}.json``, published once a service listens. A
 caller asks for the service of its own launch (its run handle's), waiting while the services start beside the
-first tasks; an earlier launch's address is never used.
+first tasks; an earlier launch's address is never used. The book holds addresses, never a token: whoever reads
+the bucket learns where a service listens, not how to call it (:mod:`models.service.token`).
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ from typing import List, Sequence
 
 from models import storage
 from models.service.client import ServiceClient, ServiceError, ServiceGone
+from models.service.token import service_token
 
 
 @dataclass(frozen=True)
 class ServiceAddress:
-    """Where a service listens, with the token it accepts."""
+    """Where a service listens."""
 
     name: str
     url: str
-    token: str = dataclasses.field(repr=False)
     pid: int = 0
     launch: str = ""
     """Which launch of the run started it; a relaunch starts fresh services."""
@@ -46,7 +47,10 @@ def unpublish(run_url: str, name: str) -> None:
 
 def read(run_url: str, name: str) -> "ServiceAddress | None":
     url = address_url(run_url, name)
-    return ServiceAddress(**storage.read_json(url)) if storage.exists(url) else None
+    if not storage.exists(url):
+        return None
+    fields = {f.name for f in dataclasses.fields(ServiceAddress)}
+    return ServiceAddress(**{k: v for k, v in storage.read_json(url).items() if k in fields})
 
 
 def find(run_url: str, name: str, launch: str, wait_s: float = 0.0, label: str = "") -> ServiceAddress:
@@ -78,7 +82,8 @@ def stop_published(run_url: str, launch: str, names: Sequence[str], reason: str)
         if address is None or address.launch != launch:
             continue
         try:
-            ServiceClient(address.url, address.token, timeout_s=60).call("stop", {"reason": reason})
+            token = service_token(run_url, launch, name)
+            ServiceClient(address.url, token, timeout_s=60).call("stop", {"reason": reason})
         except ServiceError:
             pass
         unpublish(run_url, name)

@@ -19,9 +19,9 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Tuple
 
-from models.service.server import pack
+from models.service.server import HEARTBEAT_HEADER, pack
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +36,12 @@ def server_token() -> Optional[str]:
 
 
 class ServiceError(RuntimeError):
-    """A call failed: the service answered an error, timed out, or could not be reached."""
+    """A call failed: the service answered an error, timed out, or could not be reached. ``kind``: the error's
+    class on the service (``WrongIteration``, ``PushFailed``, ...) when it answered one."""
 
-    def __init__(self, message: str, status: Optional[int] = None, attempts: int = 1):
+    def __init__(self, message: str, status: Optional[int] = None, attempts: int = 1, kind: str = ""):
         super().__init__(message)
-        self.status, self.attempts = status, attempts
+        self.status, self.attempts, self.kind = status, attempts, kind
 
 
 class ServiceGone(ServiceError):
@@ -49,15 +50,17 @@ class ServiceGone(ServiceError):
 
 class ServiceClient:
     """Calls the ops of the service at ``url``; thread-safe. ``digest``: the config the caller runs (a run's
-    services refuse another); ``gone_hint``: what a caller should do when the service does not answer."""
+    services refuse another); ``gone_hint``: what a caller should do when the service does not answer.
+    ``heartbeat``: the service shows it is alive while an op runs (a space every ``timeout_s / 6``, a run's
+    services: :mod:`models.service.server`), so ``timeout_s`` bounds a silence, not an op."""
 
     def __init__(self, url: str, token: Optional[str] = None, label: str = "the service", digest: str = "",
                  timeout_s: float = 3600.0, retries: int = 0, backoff_s: float = 0.5, max_backoff_s: float = 8.0,
-                 gone_hint: str = ""):
+                 gone_hint: str = "", heartbeat: bool = False):
         if timeout_s <= 0 or retries < 0 or backoff_s < 0 or max_backoff_s < 0:
             raise ValueError("need timeout_s > 0, retries >= 0, backoff_s >= 0 and max_backoff_s >= 0")
         self.url, self.token, self.label, self.digest = url.rstrip("/"), token, label, digest
-        self.timeout_s, self.attempts = timeout_s, retries + 1
+        self.timeout_s, self.attempts, self.heartbeat = timeout_s, retries + 1, heartbeat
         self.backoff_s, self.max_backoff_s, self.gone_hint = backoff_s, max_backoff_s, gone_hint
 
     def __getattr__(self, name: str):
@@ -74,30 +77,33 @@ class ServiceClient:
         """Run ``op`` with JSON ``args`` (and the binary ``body``, which the op takes as its ``body``); its result.
         ``resend``: whether the op may run twice (a connection dropped after sending is then retried)."""
         head = {"op": op, "args": dict(args or {}), "digest": self.digest}
-        data, kind = (pack(head, body), "application/octet-stream") if body is not None else \
+        data, content = (pack(head, body), "application/octet-stream") if body is not None else \
             (json.dumps(head).encode(), "application/json")
-        headers = {"Content-Type": kind, **({"Authorization": f"Bearer {self.token}"} if self.token else {})}
+        headers = {"Content-Type": content, **({"Authorization": f"Bearer {self.token}"} if self.token else {})}
         timeout = timeout_s or self.timeout_s
+        if self.heartbeat:
+            headers[HEARTBEAT_HEADER] = f"{timeout / 6:g}"
         where = f"{self.label} at {self.url}"
+        silent = f"{where}: {op} timed out after {timeout:g} s" + \
+            (" without an answer or a sign of life (its heartbeat): it hangs, or its machine cannot be reached"
+             if self.heartbeat else "")
         for attempt in range(1, self.attempts + 1):
             request = urllib.request.Request(self.url + "/call", data=data, method="POST", headers=headers)
             try:
                 with urllib.request.urlopen(request, timeout=timeout) as response:
-                    return json.loads(response.read())["result"]
+                    answer = json.loads(response.read())
+                if "error" not in answer:
+                    return answer["result"]
+                code, kind, said = int(answer.get("status", 500)), str(answer.get("kind", "Error")), answer["error"]
             except urllib.error.HTTPError as err:
-                detail = _detail(err)
-                if err.code < 500 or attempt == self.attempts:
-                    after = f" after {attempt} attempts" if attempt > 1 else ""
-                    raise ServiceError(f"{where}: {op} returned {err.code}{after}: {detail}", err.code, attempt) \
-                        from None
-                log.warning("%s: %s returned %d (attempt %d of %d): %s", where, op, err.code, attempt, self.attempts,
-                            detail)
+                code, (kind, said) = err.code, _detail(err)
             except (socket.timeout, TimeoutError) as err:
-                raise ServiceError(f"{where}: {op} timed out after {timeout:g} s", attempts=attempt) from err
-            except (urllib.error.URLError, http.client.HTTPException, OSError) as err:
-                reason = getattr(err, "reason", err)
+                raise ServiceError(silent, attempts=attempt) from err
+            except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as err:
+                reason = "the connection closed before its answer" if isinstance(err, ValueError) else \
+                    getattr(err, "reason", err)
                 if isinstance(reason, (socket.timeout, TimeoutError)):
-                    raise ServiceError(f"{where}: {op} timed out after {timeout:g} s", attempts=attempt) from None
+                    raise ServiceError(silent, attempts=attempt) from None
                 refused = isinstance(reason, ConnectionRefusedError)
                 if attempt == self.attempts or not (refused or resend):
                     said = "connection refused" if refused else str(reason) or type(reason).__name__
@@ -105,14 +111,22 @@ class ServiceClient:
                                       f"{'s' if attempt > 1 else ''}).{' ' + self.gone_hint if self.gone_hint else ''}",
                                       attempts=attempt) from None
                 log.warning("%s: %s: %s (attempt %d of %d)", where, op, reason, attempt, self.attempts)
+                time.sleep(self.delay_s(attempt))
+                continue
+            if code < 500 or attempt == self.attempts:
+                after = f" after {attempt} attempts" if attempt > 1 else ""
+                raise ServiceError(f"{where}: {op} returned {code}{after}: {kind}: {said}", code, attempt, kind)
+            log.warning("%s: %s returned %d (attempt %d of %d): %s: %s", where, op, code, attempt, self.attempts,
+                        kind, said)
             time.sleep(self.delay_s(attempt))
         raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _detail(err: urllib.error.HTTPError) -> str:
+def _detail(err: urllib.error.HTTPError) -> Tuple[str, str]:
+    """The error's kind and message from an error answer's body."""
     raw = err.read()
     try:
         body = json.loads(raw)
-        return f"{body.get('kind', 'Error')}: {body.get('error', '')}"
+        return str(body.get("kind", "Error")), str(body.get("error", ""))
     except ValueError:
-        return f"{raw[:300]!r}"
+        return "Error", f"{raw[:300]!r}"

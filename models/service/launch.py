@@ -29,7 +29,7 @@ def serve(host: Host, settings: Settings, announce: Callable[[Server], None], li
           log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> Tuple[str, int]:
     """Serve ``host``'s ops until the service is stopped: on rank 0 (``main``) behind a :class:`Server` that
     ``announce`` makes known (prints its ready line, publishes its address), on the other ranks of a trainer
-    service from rank 0 (``share``: a :class:`~models.service.server.RankFanout`). SIGTERM stops it as the
+    service from rank 0 (``share``: a :class:`~models.service.ranks.RankFanout`). SIGTERM stops it as the
     ``stop`` op does. Returns why it stopped and how many requests it served."""
     if not main:
         return serve_ranks(host, None, share, log), 0

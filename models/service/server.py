@@ -6,9 +6,15 @@ refusal or the host's error (500 for any other). A body is JSON ``{"op", "args",
 without a ``Content-Length``, 400 an unreadable one, 413 a body over ``max_body_bytes``.
 
 Serial (a run's services): one request at a time, run by the loop of :meth:`Server.serve` on every rank of the
-service (``share``: rank 0 hands it to the others), rank 0 replying. Concurrent (the servers someone starts): each
-request in its own thread, the host keeping its own order. A service stops on the ``stop`` op, when the process
-that launched the run is gone (``parent_pid``), or after ``idle_timeout_s`` without a request.
+service (``share``: rank 0 hands it to the others, and the ranks agree on its outcome before rank 0 replies:
+:mod:`models.service.ranks`). Concurrent (the servers someone starts): each request in its own thread, the host
+keeping its own order. A service stops on the ``stop`` op, when the process that launched the run is gone
+(``parent_pid``), or after ``idle_timeout_s`` without a request.
+
+Heartbeats: a caller that sends :data:`HEARTBEAT_HEADER` (seconds) gets, once its request passed the checks, a
+200 head at once and a space every that many seconds while the op waits and runs, then the JSON answer with its
+``status`` (``{"result"}`` or ``{"error", "kind", "status"}``): a caller's read timeout then bounds how long a
+service may show no sign of life, never how long an op may take (:class:`~models.service.client.ServiceClient`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Optional, Tuple
@@ -30,6 +37,7 @@ from models.service.ops import BODY, Host, Refused, check_request
 
 STOP = "stop"
 HEAD_BYTES = 8
+HEARTBEAT_HEADER = "X-Heartbeat-S"
 Request = Tuple[str, dict, Optional[bytes]]
 
 
@@ -86,7 +94,8 @@ class Server:
         self.requests, self.stopping, self.last_request = 0, "", time.monotonic()
         self._queue: "queue.Queue[Tuple[Request, Optional[Future]]]" = queue.Queue()
         self._reply: Optional[Future] = None
-        self._busy = threading.Lock()  # serial: one request at a time, the loop running it
+        self._lock = threading.Lock()
+        self._pending = self._writing = 0  # serial requests queued or running; answers being written
         family = socket.AF_INET6 if ":" in listen else socket.AF_INET
         self.httpd = type("HTTPServer", (ThreadingHTTPServer,), {"address_family": family})((listen, port),
                                                                                             self._handler())
@@ -103,7 +112,7 @@ class Server:
             if s.parent_pid and not _alive(s.parent_pid):
                 self.stop(f"the run's process {s.parent_pid} is gone")
             elif s.idle_timeout_s and time.monotonic() - self.last_request > s.idle_timeout_s \
-                    and not self._busy.locked():
+                    and not self._pending:
                 self.stop(f"no request for {s.idle_timeout_s:g} s (run.resident_idle_timeout_s)")
 
     def stop(self, reason: str) -> None:
@@ -112,8 +121,10 @@ class Server:
             self.stopping = reason
             self._queue.put(((STOP, {"reason": reason}, None), None))
 
-    def handle(self, name: str, args: dict, body: Optional[bytes], request_digest: str) -> Tuple[int, dict]:
-        """Check the request, then run it: through the loop (serial), or here."""
+    def handle(self, name: str, args: dict, body: Optional[bytes], request_digest: str) \
+            -> "Tuple[int, dict] | Future":
+        """Check the request, then run it here (concurrent), or queue it for the loop (serial): the future of
+        its ``(status, reply)``."""
         self.last_request = time.monotonic()
         self.requests += 1
         if name == STOP:
@@ -126,22 +137,38 @@ class Server:
             return err.status, {"error": str(err), "kind": "Refused"}
         if not self.settings.serial:
             return run(self.host, (name, args, body), self.log)
-        with self._busy:
-            if self.stopping:
-                return 503, {"error": f"{self.host.label} is stopping: {self.stopping}", "kind": "Stopping"}
-            reply: Future = Future()
-            self._queue.put(((name, args, body), reply))
-            out = reply.result()
+        if self.stopping:
+            return 503, {"error": f"{self.host.label} is stopping: {self.stopping}", "kind": "Stopping"}
+        reply: Future = Future()
+        with self._lock:
+            self._pending += 1
+        reply.add_done_callback(self._answered)
+        self._queue.put(((name, args, body), reply))  # the loop takes them in order, one at a time
+        return reply
+
+    def _answered(self, _: Future) -> None:
+        with self._lock:
+            self._pending -= 1
         self.last_request = time.monotonic()
-        return out
+
+    def writing(self, delta: int) -> None:
+        with self._lock:
+            self._writing += delta
+
+    def flush(self, timeout_s: float = 5.0) -> None:
+        """Wait until the answers given are written (before a stuck service's process ends)."""
+        deadline = time.monotonic() + timeout_s
+        while self._writing and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def next_request(self) -> Request:
         request, self._reply = self._queue.get()
         return request
 
     def reply(self, status: int, body: dict) -> None:
-        if self._reply is not None:
-            self._reply.set_result((status, body))
+        reply, self._reply = self._reply, None
+        if reply is not None and not reply.done():
+            reply.set_result((status, body))
 
     def serve(self, share: Callable[[Optional[Request]], Request] = lambda request: request) -> str:
         """The loop (rank 0); returns why it stopped. See :func:`serve_ranks`."""
@@ -176,6 +203,31 @@ class Server:
                 self.close_connection = True
                 self._send(status, {"error": error, "kind": kind}, headers)
 
+            def _answer(self, reply: Future) -> None:
+                """The loop's answer: whole when it comes, or (a caller that asked for heartbeats) a 200 head now,
+                a space every few seconds, then the answer with its status."""
+                server.writing(1)
+                try:
+                    beat = _seconds(self.headers.get(HEARTBEAT_HEADER))
+                    if beat is None:
+                        return self._send(*reply.result())
+                    self.close_connection = True
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.end_headers()  # no length: the answer ends when the connection closes
+                    while True:
+                        try:
+                            status, body = reply.result(timeout=beat)
+                            break
+                        except FutureTimeout:
+                            self.wfile.write(b" ")
+                            self.wfile.flush()
+                    self.wfile.write(to_json({**body, "status": status}))
+                except OSError:  # the caller went away; the op runs on
+                    pass
+                finally:
+                    server.writing(-1)
+
             def do_POST(self) -> None:  # noqa: N802
                 token = server.settings.token
                 given = self.headers.get("Authorization", "")
@@ -199,9 +251,19 @@ class Server:
                     name, args = str(message["op"]), dict(message.get("args") or {})
                 except (ValueError, KeyError, TypeError) as err:
                     return self._refuse(400, f"unreadable request ({err}): send {{'op', 'args'}}", "BadRequest")
-                self._send(*server.handle(name, args, blob, str(message.get("digest", ""))))
+                out = server.handle(name, args, blob, str(message.get("digest", "")))
+                if isinstance(out, Future):
+                    return self._answer(out)
+                self._send(*out)
 
         return Handler
+
+
+def _seconds(value: Optional[str]) -> Optional[float]:
+    try:
+        return min(max(float(value), 0.05), 60.0) if value else None
+    except ValueError:
+        return None
 
 
 def run(host: Host, request: Request, log: Callable[[str], None]) -> Tuple[int, dict]:
@@ -219,31 +281,14 @@ def run(host: Host, request: Request, log: Callable[[str], None]) -> Tuple[int, 
 def serve_ranks(host: Host, server: Optional[Server], share: Callable[[Optional[Request]], Request],
                 log: Callable[[str], None]) -> str:
     """The loop every rank runs: the next request (rank 0's ``server`` takes it, ``share`` hands it to the other
-    ranks: :class:`RankFanout`), run here; rank 0 replies. Returns why it stopped. An error on a rank other
-    than 0 cannot be told to rank 0: its collectives fail instead."""
+    ranks: a :class:`~models.service.ranks.RankFanout`), run here, its outcome settled across the ranks
+    (``share.settle``, when it has one); rank 0 replies. Returns why it stopped."""
+    settle = getattr(share, "settle", None)
     while True:
         request = share(server.next_request() if server is not None else None)
         if request[0] == STOP:
             return request[1].get("reason", "stopped")
-        reply = run(host, request, log)
+        execute = lambda: run(host, request, log)  # noqa: E731
+        reply = execute() if settle is None else settle(execute, server)
         if server is not None:
             server.reply(*reply)
-
-
-class RankFanout:
-    """Hands rank 0's requests to the other ranks of the service's process group (a gloo group: the requests
-    are small Python objects), so every rank runs the same op in the same order."""
-
-    def __init__(self) -> None:
-        import torch.distributed as dist
-
-        self.dist = dist
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.group = dist.new_group(backend="gloo") if self.world > 1 else None
-
-    def __call__(self, request: Optional[Request]) -> Request:
-        if self.world == 1:
-            return request
-        box = [request]
-        self.dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]

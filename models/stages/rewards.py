@@ -20,13 +20,15 @@ from models.stages.services import server
 from models.stages.batches import micro_batches
 
 
-def reward_source(cfg: TrainConfig, run: RunHandle):
+def reward_source(cfg: TrainConfig, run: RunHandle, device: str = "cpu"):
+    """The batch's reward source; a reward model (``reward.source=model``) held on ``device``."""
     from transformers import AutoModelForSequenceClassification
 
     if cfg.reward.source == "function":
         return FunctionRewards.from_config(cfg.reward)
     if cfg.reward.source == "model":
-        return ModelReward(load_hf(run.reward_model_url, AutoModelForSequenceClassification), run.reward_model_url)
+        model = load_hf(run.reward_model_url, AutoModelForSequenceClassification).to(device)
+        return ModelReward(model, run.reward_model_url, device)
     return PlainSource(RemoteReward(server(cfg.reward.remote_url, cfg.reward.remote_timeout_s, "reward server")),
                        "reward_server")
 

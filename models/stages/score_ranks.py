@@ -31,8 +31,8 @@ from models.data.batch_tensors import model_inputs
 from models.run.types import PolicyState, RunHandle
 from models.stages.batches import by_length
 from models.stages.outputs import ScoreOutput
-from models.stages.score import (Scorers, check_reference_base, load_scorers, micro_batch_size, run_score,
-                                 score_forward, service_values)
+from models.stages.score import (Scorers, check_reference_base, load_scorers, micro_batch_size, reference_scorer,
+                                 run_score, score_forward, service_values)
 from models.stages.services import critic_service
 from models.stages.score_metrics import check_sampling_temperature
 from models.stages.updates import load_for_update, on_ranks, reads_shards
@@ -60,7 +60,9 @@ def score_forward_ranks(cfg: TrainConfig, batch: RolloutBatch, actor, ref, criti
     """Every rank of ``info``: the scoring forwards over its share of ``batch``'s rows (the models given,
     as :func:`score_forward`, and ``reward_model``'s sequence rewards as ``rm_reward``, ``[B]``); rank 0 gets
     the flat per-token arrays in the batch's response order, the other ranks None. One rank without a
-    reward model: :func:`score_forward`. A collective: every rank calls it."""
+    reward model: :func:`score_forward`. A collective: every rank calls it. Every parameter of the models
+    must be on ``info.device`` (:func:`check_on_device`)."""
+    check_on_device(info.device, actor=actor, ref=ref, critic=critic, reward_model=reward_model)
     if info.world_size == 1 and reward_model is None:
         return score_forward(cfg, batch, actor, ref, critic, pad)
     dealt = deal(by_length(batch), micro_batch_size(cfg), info.world_size)
@@ -78,6 +80,36 @@ def score_forward_ranks(cfg: TrainConfig, batch: RolloutBatch, actor, ref, criti
     if not info.is_main:
         return None
     return unpermute_parts([p for rank in gathered for p in rank], batch.response_lengths())
+
+
+def check_on_device(device: torch.device, **models) -> None:
+    """Every parameter and buffer of ``models`` (by name; None: none) on ``device`` (an FSDP2 shard's local tensor
+    counts; ``cuda`` means the current GPU), else ``ValueError`` naming the first one elsewhere: a forward must
+    not pull weights across devices, nor fail on them mid-batch. The same check on CPU as on CUDA."""
+    want = torch.device(device)
+    for label, model in models.items():
+        if model is None:
+            continue
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            local = t.to_local() if hasattr(t, "to_local") else t
+            if local.device.type != want.type or (want.index is not None and local.device.index != want.index):
+                raise ValueError(f"{label}'s {name} is on {local.device}, not on this rank's device {want}: every "
+                                 f"model a scoring forward runs must be held on the rank's device")
+
+
+def load_reference_ranks(cfg: TrainConfig, run: RunHandle, info: DistInfo, actor=None):
+    """π_ref as the score on ``info``'s ranks holds it: with LoRA the ``actor`` (loaded) with its adapter off; on
+    one rank the one-process score's (``model.dtype``), on ``info.device``; on several wrapped as the updates wrap
+    a model (``actor.sharding``: under FSDP2 each rank reads only its shard, float32 computing in ``model.dtype``).
+    A collective on several ranks: every rank calls it."""
+    from transformers import AutoModelForCausalLM
+
+    if cfg.actor.lora.enabled:
+        return without_adapter(actor, unwrap(actor).lm)
+    if info.world_size == 1:
+        return reference_scorer(cfg, run, None, None).to(info.device)
+    return load_for_update(run.reference_url, AutoModelForCausalLM, cfg.model.dtype, LoraConfig(), CAUSAL_LM,
+                           PolicyLogprobs, cfg.model.pack_sequences, info, cfg.actor.sharding).eval()
 
 
 PER_ROW = ("rm_reward",)
@@ -111,9 +143,7 @@ def load_scorers_ranks(cfg: TrainConfig, run: RunHandle, state: PolicyState, inf
         if recompute or a.lora.enabled else None
     if a.lora.enabled:  # π_ref = the same model with its adapter off
         check_reference_base(state.actor_url, run.reference_url)
-        ref = without_adapter(actor, unwrap(actor).lm)
-    else:
-        ref = load(run.reference_url, AutoModelForCausalLM, LoraConfig(), CAUSAL_LM, PolicyLogprobs)
+    ref = load_reference_ranks(cfg, run, info, actor)
     remote = bool(cfg.critic.remote_url)
     critic = load(state.critic_url, AutoModelForTokenClassification, cfg.critic.lora, TOKEN_CLS, CriticValues) \
         if cfg.uses_critic and not remote else None

@@ -102,6 +102,15 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def from_main(value):
+    """Rank 0's ``value`` on every rank (a small Python object; itself in a single process). A collective."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def all_reduce_mean_dict(stats: Dict[str, float]) -> Dict[str, float]:
     """Average scalar statistics over ranks, keys in a fixed order."""
     if not stats:

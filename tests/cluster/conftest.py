@@ -49,7 +49,8 @@ def cluster_secrets(**extra: str) -> Dict[tuple, str]:
     """The Kubernetes secret ``flyte-rlhf`` of the pretend cluster."""
     from tasks import secrets
 
-    out = {(secrets.GROUP, "aws-access-key-id"): KEY, (secrets.GROUP, "aws-secret-access-key"): SECRET}
+    out = {(secrets.GROUP, "aws-access-key-id"): KEY, (secrets.GROUP, "aws-secret-access-key"): SECRET,
+           (secrets.GROUP, "service-secret"): "pretend-cluster-service-secret"}  # a resident run's services
     out.update({(secrets.GROUP, k.replace("_", "-")): v for k, v in extra.items()})
     return out
 

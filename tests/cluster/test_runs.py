@@ -9,7 +9,9 @@ GRPO two then one, each launched by the one before, as a long run is cut on a cl
 What differs on purpose: the pods' actor update is a two-node PyTorchJob (2 pods × 2 ranks, the
 operator's rendezvous environment on loopback), the local run's one node of 4 ranks (the same 4
 ranks, the same shards); the PPO run loses its second rollout pod mid-sampling and Flyte's retry
-redoes it. Both sides run one torch thread per process (each node limited to one core), as float
+redoes it; the GRPO run loses its engine service's pod mid-sampling (iteration 1's batch sampled, not
+written): Flyte starts it again from the run's start and the iteration's tasks go on with it, given the
+trainer's weights, no iteration redone. Both sides run one torch thread per process (each node limited to one core), as float
 sums depend on the thread count.
 """
 
@@ -87,7 +89,7 @@ def test_a_run_across_executions_in_pods_matches_a_local_run(algo, packages, mak
     from mlflow.tracking import MlflowClient
 
     package = packages(*DEPLOY, registration_env(s3_server, mlflow_url))
-    faults = [Fault("rollout", "rollout/iter-000001")] if algo == "ppo" else []
+    faults = [Fault("rollout" if algo == "ppo" else "engine_service", "rollout/iter-000001")]
     cluster = make_cluster(package, faults=faults, **({"parallelism": 2, "pin_cores": (0, 1)} if algo == "grpo" else {}))
     root = f"s3://{BUCKET}/{algo}-{tmp_path.name}"
     workflow, entry, preset = CASES[algo]
@@ -163,8 +165,10 @@ def check_services(ex, cluster, root: str) -> None:
     No task loaded a model: the iteration's pods are the thin ones."""
     from models.service import book
 
-    services = {a.task.rsplit(".", 1)[-1]: a for a in ex.attempts if a.task.endswith("_service")}
+    services = {a.task.rsplit(".", 1)[-1]: a for a in ex.attempts if a.task.endswith("_service")}  # the last try
     assert sorted(services) == ["actor_service", "engine_service"], sorted(services)
+    engines = [a.outcome for a in ex.of_task(".engine_service")]
+    assert engines == ["lost", "outputs"], engines  # its pod lost mid-sampling, started again by Flyte's retry
     assert len(services["actor_service"].pods) == 2 and len(services["engine_service"].pods) == 1
     finished = max(p.started + p.seconds for a in ex.of_task(".finish_run") for p in a.pods)
     for name, a in services.items():

@@ -9,7 +9,10 @@ after the resume point: kept), and the finished run holds the final checkpoints 
 The same run with ``run.resident=true`` (the actor, the critic and the engine as services for the
 whole run) has its critic service SIGKILLed during iteration 1; the run fails naming it, leaves no
 service behind, and its rerun resumes with fresh services from iteration 0's checkpoints (weights and
-AdamW's moments) to the uninterrupted stateless run's metrics, batches and weights.
+AdamW's moments). The rerun then has its engine service SIGKILLed once iteration 1 is sampled: the run
+starts it again, the actor trainer gives it the weights it holds, and the run goes on without failing or
+redoing an iteration, to the uninterrupted stateless run's metrics (the final evaluation's by the restarted
+engine among them), batches and weights.
 
 Both runs use the moto S3 server as storage, with fake credentials and tokens in the
 environment and one in a config URL: the same runs serve the credential check (nothing secret
@@ -250,7 +253,8 @@ def _service_pids(layout: RunLayout) -> dict:
 
 @pytest.fixture(scope="module")
 def resident(runs):
-    """``run.resident=true``: its critic service SIGKILLed once iteration 0 is committed; then rerun."""
+    """``run.resident=true``: its critic service SIGKILLed once iteration 0 is committed; then rerun, its engine
+    service SIGKILLed once iteration 1 is sampled."""
     layout, progress = runs.layout("resident"), f"{runs.layout('resident').url}/progress.json"
     first = runs.start("resident", "r1", extra=["run.resident=true"])
     first.wait_until(lambda: storage.exists(progress), "iteration 0's commit")
@@ -259,11 +263,20 @@ def resident(runs):
     code = first.proc.wait(timeout=300)
     killed = first.output()
     alive = [n for n, pid in pids.items() if _alive(pid)]
+    sampled = layout.batch_url(1, "rollouts")
+    storage.remove(sampled)  # the first run's, if it got that far
     second = runs.start("resident", "r2", extra=["run.resident=true"])
     pids2: dict = {}
-    second.wait_until(lambda: pids2.update(_service_pids(layout)) or len(pids2) == 3, "the services' addresses")
+    second.wait_until(lambda: pids2.update(_service_pids(layout)) or len(pids2) == 3 and not set(pids2.values()) &
+                      set(pids.values()), "the services' addresses")  # the rerun's, not those the killed run left
+    second.wait_until(lambda: storage.exists(sampled), "iteration 1's rollout")
+    os.kill(pids2["engine"], signal.SIGKILL)
+    second.wait_until(lambda: _service_pids(layout).get("engine", pids2["engine"]) != pids2["engine"],
+                      "the engine started again")
+    restarted = _service_pids(layout)["engine"]
     runs.logs.append(second.wait(900))
-    return dict(code=code, killed=killed, pids=pids, alive=alive, alive_after=[n for n, p in pids2.items() if _alive(p)])
+    return dict(code=code, killed=killed, pids=pids, alive=alive, resumed=runs.logs[-1],
+                alive_after=[n for n, p in {**pids2, "restarted engine": restarted}.items() if _alive(p)])
 
 
 def test_a_resident_run_killed_and_resumed_equals_the_stateless_one(runs, resident):
@@ -272,6 +285,9 @@ def test_a_resident_run_killed_and_resumed_equals_the_stateless_one(runs, reside
     assert "the critic trainer service" in resident["killed"] and "does not answer" in resident["killed"], \
         resident["killed"][-4000:]
     assert resident["alive"] == [] and resident["alive_after"] == [], "a service outlived its run"
+    resumed = resident["resumed"]  # the engine killed mid-run: started again, given the weights, nothing redone
+    assert "the engine service exited (code -9): started again" in resumed, resumed[-4000:]
+    assert resumed.count("[ppo] iter 2/2") == 1 and "[ppo] iter 1/2" not in resumed
     transports = _client(runs).get_metric_history(_run_id(runs, "resident"), "resident/weights_transport")
     assert transports and {m.value for m in transports} == {1.0}, "the weights did not go over the gloo channel"
     _assert_equals_the_reference(runs, "resident")

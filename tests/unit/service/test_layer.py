@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -18,6 +19,7 @@ from models.service import book
 from models.service.client import ServiceClient, ServiceError, ServiceGone
 from models.service.ops import Host, op
 from models.service.server import Server, Settings, serve_ranks
+from models.service.token import SECRET_ENV, service_token
 
 TOKEN = "tok-en"
 
@@ -37,6 +39,13 @@ class Recorder(Host):
     def boom(self):
         self.seen.append(("boom", None))
         raise ValueError("the batch names iteration 7")
+
+    @op
+    def slow(self, seconds: float, fail: bool = False):
+        time.sleep(seconds)
+        if fail:
+            raise RuntimeError(f"failed after {seconds} s")
+        return seconds
 
     @op
     def weights(self, version: int, body: bytes = b""):
@@ -80,7 +89,7 @@ def test_ops_the_token_a_failed_op_the_body_and_the_stop_op(tmp_path):
 
 
 @pytest.mark.parametrize("op, args, digest, status, message", [
-    ("update", {}, "d1", 404, r"has no op 'update' \(its ops: boom, health, score, weights\)"),
+    ("update", {}, "d1", 404, r"has no op 'update' \(its ops: boom, health, score, slow, weights\)"),
     ("score", {"state": {"iteration": 0}, "batch": "{run}/b.arrow", "cfg": {"run": {}}}, "d1", 422,
      r"op score takes no argument 'cfg' \(it takes state, batch\): a request carries only what changes"),
     ("score", {"state": {}}, "d1", 422, r"op score needs the argument 'batch'"),
@@ -141,22 +150,23 @@ def test_idle_timeout_and_a_gone_parent_stop_the_service(tmp_path):
     server.close()
 
 
-def test_the_address_book_finds_a_launch_s_own_service_and_stops_only_those(tmp_path):
+def test_the_address_book_finds_a_launch_s_own_service_and_stops_only_those(tmp_path, monkeypatch):
     """On a cluster the services start beside the first tasks: a caller waits for an address of its own launch,
-    never an earlier one's; the stop at the run's end reaches the published services of its launch only, and
-    removes their addresses."""
+    never an earlier one's; the stop at the run's end reaches the published services of its launch only (with the
+    token derived for each), and removes their addresses."""
+    monkeypatch.setenv(SECRET_ENV, "the-run-secret")
     run = str(tmp_path / "r1")
     with pytest.raises(ServiceGone, match=r"the engine service of the run at .*r1 has not published an address"):
         book.find(run, "engine", "exec-new", label="the engine service")
-    book.publish(run, book.ServiceAddress("engine", "http://127.0.0.1:1", "t", 41, "exec-old"))
+    book.publish(run, book.ServiceAddress("engine", "http://127.0.0.1:1", 41, "exec-old"))
     with pytest.raises(ServiceGone, match=r"belongs to launch 'exec-old', not to this one \('exec-new'\).*"
                                           r"run.resident_start_timeout_s"):
         book.find(run, "engine", "exec-new", wait_s=1.5)
-    server, _, thread, out = start(tmp_path, token="tok-en", root="", digest="")
-    later = threading.Timer(0.5, book.publish, (run, book.ServiceAddress("engine", server.url, TOKEN, 42, "exec-new")))
+    server, _, thread, out = start(tmp_path, token=service_token(run, "exec-new", "engine"), root="", digest="")
+    later = threading.Timer(0.5, book.publish, (run, book.ServiceAddress("engine", server.url, 42, "exec-new")))
     later.start()
     assert book.find(run, "engine", "exec-new", wait_s=10).pid == 42  # waited for it
-    book.publish(run, book.ServiceAddress("critic", "http://127.0.0.1:1", "t", 43, "exec-other"))
+    book.publish(run, book.ServiceAddress("critic", "http://127.0.0.1:1", 43, "exec-other"))
     assert book.stop_published(run, "exec-new", ("engine", "actor", "critic"), "the run finished") == ["engine"]
     thread.join(5)
     assert out["reason"] == "the run finished" and server.requests == 1
@@ -182,3 +192,29 @@ def test_the_client_backs_off_and_names_a_refused_port():
     assert str(err.value) == "reward server at http://127.0.0.1:1 does not answer (health: connection refused, " \
                              "3 attempts)."
     assert err.value.attempts == 3
+
+
+@pytest.mark.integration  # waits out its deadlines (3 s)
+def test_a_long_op_shows_life_and_a_silent_service_fails_its_caller_within_the_deadline(tmp_path):
+    """With heartbeats (a run's services) the deadline bounds a silence, not an op: an op three times longer than
+    it answers, its error keeps its status and kind; a service that accepts the request and then says nothing
+    fails the call after the deadline, naming it."""
+    server, host, _, _ = start(tmp_path)
+    beating = client(server, timeout_s=0.4, heartbeat=True)
+    assert beating.call("slow", {"seconds": 1.2}) == 1.2
+    with pytest.raises(ServiceError, match=r"slow returned 500: RuntimeError: failed after 0.6 s") as err:
+        beating.call("slow", {"seconds": 0.6, "fail": True})
+    assert (err.value.status, err.value.kind) == (500, "RuntimeError")
+    with pytest.raises(ServiceError, match=r"slow timed out after 0.4 s"):  # the same op without heartbeats
+        client(server, timeout_s=0.4).call("slow", {"seconds": 0.6})
+    server.stop("done")
+    server.close()
+
+    mute = socket.create_server(("127.0.0.1", 0))  # takes the connection, never answers: a hung service
+    t0 = time.monotonic()
+    with pytest.raises(ServiceError, match=r"the actor trainer service at .*: score timed out after 0.3 s without "
+                                           r"an answer or a sign of life"):
+        ServiceClient(f"http://127.0.0.1:{mute.getsockname()[1]}", TOKEN, "the actor trainer service",
+                      timeout_s=0.3, heartbeat=True).call("score", {})
+    assert time.monotonic() - t0 < 5
+    mute.close()

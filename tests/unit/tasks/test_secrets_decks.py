@@ -94,3 +94,27 @@ def test_a_local_execution_renders_each_tasks_own_decks_only():
 
     assert four() == 4
     assert seen == [(1, 0)] * 4  # the running task's timeline alone, never the decks of the tasks before
+
+
+def test_a_resident_run_s_tasks_and_services_derive_the_token_from_a_flyte_secret(monkeypatch):
+    """Every task that calls or stops a resident run's service, and every service, requests the Flyte secret the
+    token is derived from; loaded, the token derives from it (none is published: test_resident.py tries the doors).
+    The trainer services are never restarted by torch elastic; the engine's node is retried by Flyte."""
+    from models.service.token import SECRET_ENV, service_token
+    from tasks import iteration, resident, services
+
+    wanted = secrets.requests(secrets.SERVICE)[0]
+    thin = [resident.rollout_resident, resident.score_resident, resident.actor_update_resident,
+            resident.critic_update_resident, resident.evaluate_resident, iteration.finish_run]
+    for task in thin + [services.engine_service, services.actor_service, services.critic_service]:
+        assert any(s.group == wanted.group and s.key == wanted.key for s in task.security_context.secrets), task.name
+    monkeypatch.setenv(SECRET_ENV, "")
+    monkeypatch.delenv(SECRET_ENV)
+    _mount(monkeypatch, wanted.key, "the-cluster-secret")
+    assert secrets.load(secrets.SERVICE) == [SECRET_ENV]
+    assert service_token("s3://b/r", "exec-1", "engine") == \
+        service_token("s3://b/r", "exec-1", "engine", {SECRET_ENV: "the-cluster-secret"}) != \
+        service_token("s3://b/r", "exec-2", "engine", {SECRET_ENV: "the-cluster-secret"})
+    assert services.actor_service.task_config.max_restarts == services.critic_service.task_config.max_restarts == 0
+    assert services.engine_service.metadata.retries == services.ENGINE_RETRIES > 0
+    assert services.actor_service.metadata.retries == services.critic_service.metadata.retries == 0
