@@ -15,6 +15,25 @@ NVIDIA-NeMo/RL docs/about/performance-summary.md, Megatron backend, bf16)."""
 NEMO_RL_8B_TOKENS = 2048 * 1019
 """Tokens of that step: 2048 sequences (its generation batch), 1019 tokens each on average (the same table)."""
 
+NEMO_RL_8B_GPUS = 16
+"""GPUs of that step, colocated: its recipe (``examples/configs/recipes/llm/performance/
+grpo-llama3.1-8b-instruct-2n8g.yaml``, 2 nodes of 8) keeps ``policy.generation.colocated.enabled: true`` from
+``grpo_math_1B.yaml``, so vLLM generates data-parallel on all 16 (tensor parallel 1) and sleeps while they train."""
+NEMO_RL_V04_8B_STEP_S = (97.7, 74.6)
+"""Llama-3.1-8B GRPO step on 16 H100s, on-policy (colocated) and one-step off-policy (generation on one node of 8,
+training on the other: ``async-grpo-llama3.1-8b-instruct-2n8g.yaml``, ``colocated.enabled: false``), NeMo RL v0.4
+performance summary (NVIDIA-NeMo/RL ``docs/about/performance-summary.md``): 0.76x the on-policy step."""
+VERL_ASYNC_128_STEP_S = (356.30, 150.63)
+"""Qwen2.5-Math-7B DAPO step on 128 H20s, colocated synchronous against veRL's fully asynchronous trainer (64
+GPUs generating, 64 training, staleness 0.5, partial rollouts): 2.35x over 400 steps, 2.67x over the first 100
+(volcengine/verl ``recipe/fully_async_policy/README.md``, "128-card 7B Asynchronous Mode Experiment")."""
+AREAL_SPEEDUP = 2.77
+"""AReaL's asynchronous training against synchronous systems on the same GPUs, "up to 2.77x" (Fu et al. 2025,
+"AReaL: A Large-Scale Asynchronous Reinforcement Learning System for Language Reasoning", arXiv:2505.24298)."""
+NEMO_ALIGNER_70B_GPUS = 128
+"""GPUs of NeMo-Aligner's 70B step: 8 actor nodes and 8 critic nodes of 8 (arXiv:2405.01481); its generation runs on
+the actor's 64."""
+
 MEASURED_SHARD_SHARE = 22848 / 45696
 """Moment bytes one of 2 FSDP2 ranks reads with the cut / without, measured through S3 by
 ``tests/unit/models/test_optimizer_shards.py`` (22848 of 45696 bytes: exactly 1/ranks; each file adds its
@@ -65,6 +84,22 @@ class Assumptions:
     each way (128 GB/s both, NVIDIA's H100 datasheet); the push's shared-memory file is pageable, not pinned, for
     which a copy is staged through a pinned buffer by the driver: taken at 25 GB/s, unmeasured (the GPU check
     ``benchmarks/bench_resident_gpu.py`` prints the push's seconds)."""
+    hbm_gb_per_s: float = 3350.0
+    """H100 SXM HBM3 bandwidth, GB/s (NVIDIA's H100 datasheet: 3.35 TB/s): a colocated engine's in-process load
+    copies its slice of each gathered layer into its own buffers at this rate (read and write)."""
+    engine_sleep_s: float = 6.0
+    """A colocated engine's sleep per iteration, after generation (vLLM sleep mode, level 2: weights discarded,
+    KV cache freed; the level veRL's hybrid engine uses for full-weight rollouts, verl-project/verl#6661). No
+    published time for a level-2 sleep, which copies nothing: taken as the wake's 6 s, a bound, unmeasured
+    (``resident/sleep_s`` on a GPU will tell)."""
+    engine_wake_s: float = 6.0
+    """A colocated engine's wake per iteration, before its in-process load (weights' memory, then the KV cache):
+    vLLM's sleep-mode post (blog.vllm.ai, 2025-10-26, "Zero-Reload Model Switching with vLLM Sleep Mode") measures
+    a level-1 wake at 3-6 s for large models (Qwen3-235B-A22B FP8, tensor parallel 4, A100) and a level-2 wake at
+    0.85 s (Qwen3-0.6B) and 2.58 s (Phi-3-vision), both with their weights reloaded (from host memory or disk),
+    which the projection counts apart (the in-process load). The upper 6 s, an over-count. Cross-check: veRL's
+    colocated 7B step on 128 GPUs spends 10.7 s outside generation, log-probs and the update (356.30 - 177.85 -
+    53.92 - 113.81, ``recipe/fully_async_policy/README.md``), sleep, wake and weight sync included."""
 
 
 @dataclass(frozen=True)
