@@ -87,19 +87,20 @@ class Assumptions:
     hbm_gb_per_s: float = 3350.0
     """H100 SXM HBM3 bandwidth, GB/s (NVIDIA's H100 datasheet: 3.35 TB/s): a colocated engine's in-process load
     copies its slice of each gathered layer into its own buffers at this rate (read and write)."""
-    engine_sleep_s: float = 6.0
-    """A colocated engine's sleep per iteration, after generation (vLLM sleep mode, level 2: weights discarded,
-    KV cache freed; the level veRL's hybrid engine uses for full-weight rollouts, verl-project/verl#6661). No
-    published time for a level-2 sleep, which copies nothing: taken as the wake's 6 s, a bound, unmeasured
-    (``resident/sleep_s`` on a GPU will tell)."""
-    engine_wake_s: float = 6.0
-    """A colocated engine's wake per iteration, before its in-process load (weights' memory, then the KV cache):
-    vLLM's sleep-mode post (blog.vllm.ai, 2025-10-26, "Zero-Reload Model Switching with vLLM Sleep Mode") measures
-    a level-1 wake at 3-6 s for large models (Qwen3-235B-A22B FP8, tensor parallel 4, A100) and a level-2 wake at
-    0.85 s (Qwen3-0.6B) and 2.58 s (Phi-3-vision), both with their weights reloaded (from host memory or disk),
-    which the projection counts apart (the in-process load). The upper 6 s, an over-count. Cross-check: veRL's
-    colocated 7B step on 128 GPUs spends 10.7 s outside generation, log-probs and the update (356.30 - 177.85 -
-    53.92 - 113.81, ``recipe/fully_async_policy/README.md``), sleep, wake and weight sync included."""
+    engine_sleep_s: float = 0.31
+    """A colocated engine's sleep per iteration, after generation: vLLM sleep mode at level 2 (weights discarded,
+    KV cache freed, nothing copied; the level veRL's hybrid engine uses for full-weight rollouts,
+    verl-project/verl#6661), 0.31 s for Qwen3-8B freeing 47.4 GiB of one A100 (level 1, copying the weights to
+    host memory: 10.57 s), measured in colocated RL runs and posted on vllm-project/vllm#48337 (2026-07-15). Each
+    GPU frees about as much at 70B (tensor parallel 8), so the figure is taken per GPU at both sizes."""
+    engine_wake_s: float = 6.53
+    """A colocated engine's wake per iteration, before its in-process load: level 2, 6.53 s for the same Qwen3-8B
+    on an A100 (vllm-project/vllm#48337; level 1: 2.19 s), which reallocates weights and KV cache and reloads the
+    weights, a load the projection counts apart, so an over-count. Cross-checks: vLLM's sleep-mode post
+    (blog.vllm.ai, 2025-10-26) measures level-1 wakes of 3-6 s for large models and level-2 wakes of 0.85-2.58 s
+    for 0.6-4B ones; veRL's colocated 7B step on 128 GPUs spends 10.7 s outside generation, log-probs and the
+    update (356.30 - 177.85 - 53.92 - 113.81, ``recipe/fully_async_policy/README.md``), sleep, wake and weight
+    sync included."""
 
 
 @dataclass(frozen=True)

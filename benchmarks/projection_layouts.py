@@ -235,7 +235,7 @@ def layout_rows(a: Assumptions) -> List[Row]:
             p, g = layout_breakdown(s, a, m), layout_gpus(s, m)
             out.append(row("layouts", f"{s.name} s/iteration ({m})", p["total"], "s",
                            f"{g} GPUs, {tokens_per_s_per_gpu(s, p['total'], g):.0f} tokens/s/GPU; " +
-                           ", ".join(f"{k} {p[k]:.0f}" for k in LAYOUT_PARTS if p[k])))
+                           ", ".join(f"{k} {p[k]:.{0 if abs(p[k]) >= 10 else 1}f}" for k in LAYOUT_PARTS if p[k])))
         h = {m: layout_gpus(s, m) * layout_breakdown(s, a, m)["total"] / 3600 for m in SYNC_LAYOUTS}
         out.append(row("layouts", f"{s.name} GPU·h colocated / separate", h["colocated"] / h["separate"], "x",
                        f"recommended: {recommend(s, a)} ({h['colocated']:.2f} vs {h['separate']:.2f} GPU·h per "
@@ -243,5 +243,17 @@ def layout_rows(a: Assumptions) -> List[Row]:
     return out + bar_rows(a) + async_rows(a)
 
 
+def summary_table(a: Assumptions, shapes: Sequence[Shape] = PRESETS) -> str:
+    """One line a preset: each layout's seconds per iteration and GPUs, and the recommended default
+    (:func:`recommend`), the column the runtime's default layout follows."""
+    lines = ["resident layouts: s/iteration (GPUs) and the recommended default",
+             f"  {'preset':34s}" + "".join(f"{m:>16s}" for m in LAYOUTS) + f"{'recommended':>14s}"]
+    for s in shapes:
+        cells = [f"{layout_breakdown(s, a, m)['total']:.0f} ({layout_gpus(s, m)})" for m in LAYOUTS]
+        lines.append(f"  {s.name:34s}" + "".join(f"{c:>16s}" for c in cells) + f"{recommend(s, a):>14s}")
+    return "\n".join(lines)
+
+
 def layout_tables(a: Assumptions, shapes: Sequence[Shape] = PRESETS) -> str:
-    return "\n\n".join(layout_table(s, a) for s in shapes)
+    """:func:`layout_table` for each of ``shapes``, then :func:`summary_table`."""
+    return "\n\n".join([*(layout_table(s, a) for s in shapes), summary_table(a, shapes)])

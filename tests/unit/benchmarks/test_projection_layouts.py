@@ -107,3 +107,10 @@ def test_the_printed_table_has_each_layout_and_the_recommendation(capsys):
                   "0 bytes between processes", "async with the engine sized", "colocated GPU memory"):
         assert label in printed, label
     assert printed.count("recommended default:") == len(PRESETS) + 1  # and the GRPO shape
+    lines = printed.splitlines()
+    top = lines.index("resident layouts: s/iteration (GPUs) and the recommended default")
+    assert lines[top + 1].split() == ["preset", *LAYOUTS, "recommended"]
+    for s, summary in zip(PRESETS, lines[top + 2:]):
+        t = layout_breakdown(s, Assumptions(), "colocated")["total"]
+        assert summary.split()[0] == s.name and summary.split()[-1] == recommend(s, Assumptions()) == "colocated"
+        assert f"{t:.0f} ({layout_gpus(s, 'colocated')})" in summary
