@@ -58,9 +58,12 @@ def inprocess_load_seconds(s: Shape, a: Assumptions) -> Dict[str, float]:
 def colocated_generation_seconds(s: Shape, a: Assumptions) -> float:
     """Generation data-parallel over all the actor's GPUs (tensor-parallel groups of :attr:`Shape.rollout_gpus`),
     at the per-GPU rate of :func:`compute_seconds`: responses × tokens / (rate × speed × actor GPUs). Each
-    group holds a smaller batch than one engine does (64 sequences at 8B, 128 per 70B group); the rate still
-    holds there, since decoding a batch of 64 at 8B is bound by reading 16 GB of weights per step from
-    3.35 TB/s HBM, 4.8 ms, which allows 13,000 tokens/s per GPU, 5× the assumed 2500."""
+    group decodes a smaller batch than one engine does, 64 sequences at 8B and 128 per 70B group; the rate still
+    holds there. A decode step reads the weights and the batch's KV cache from 3.35 TB/s HBM:
+      8B:  16 GB + at most 13 GB (64 × 1536 tokens × 128 KiB), 4.8-8.6 ms: 7,400-13,000 tokens/s per GPU
+           against the assumed 2500;
+      70B: per GPU 17.6 GB + at most 8 GB (128 × 1536 × 320 KiB / 8), 5.3-7.7 ms: 2,100-3,000 tokens/s per GPU
+           against the assumed 625."""
     world = s.actor_nodes * s.gpus_per_node
     return s.samples * s.response_tokens / (a.gen_tokens_per_s_per_gpu * s.gen_speed * world)
 
