@@ -23,6 +23,10 @@ NEMO_RL_V04_8B_STEP_S = (97.7, 74.6)
 """Llama-3.1-8B GRPO step on 16 H100s, on-policy (colocated) and one-step off-policy (generation on one node of 8,
 training on the other: ``async-grpo-llama3.1-8b-instruct-2n8g.yaml``, ``colocated.enabled: false``), NeMo RL v0.4
 performance summary (NVIDIA-NeMo/RL ``docs/about/performance-summary.md``): 0.76x the on-policy step."""
+NEMO_RL_V04_32B = ((393.0, 32, 540.0), (215.0, 64, 494.0))
+"""Qwen3-32B GRPO, on-policy then one-step off-policy: (step seconds, H100s, published tokens/s/GPU), the same
+v0.4 table; the largest dense model it lists, the nearest to the 70B presets. Off-policy on twice the GPUs, its
+step is 0.55x and its tokens/s/GPU 0.91x the on-policy ones."""
 VERL_ASYNC_128_STEP_S = (356.30, 150.63)
 """Qwen2.5-Math-7B DAPO step on 128 H20s, colocated synchronous against veRL's fully asynchronous trainer (64
 GPUs generating, 64 training, staleness 0.5, partial rollouts): 2.35x over 400 steps, 2.67x over the first 100

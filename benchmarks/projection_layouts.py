@@ -24,8 +24,8 @@ from typing import Dict, List, Sequence, Tuple
 from benchmarks.project_iteration import PARTS, breakdown, compute_seconds, line, push_seconds
 from benchmarks.projection_inputs import (AREAL_SPEEDUP, LLAMA_8B, NEMO_70B, NEMO_ALIGNER_70B_GPUS,
                                           NEMO_ALIGNER_70B_STEP_S, NEMO_RL_8B_GPUS, NEMO_RL_8B_STEP_S,
-                                          NEMO_RL_8B_TOKENS, NEMO_RL_V04_8B_STEP_S, PRESETS, VERL_ASYNC_128_STEP_S,
-                                          Assumptions, Shape, tokens)
+                                          NEMO_RL_8B_TOKENS, NEMO_RL_V04_8B_STEP_S, NEMO_RL_V04_32B, PRESETS,
+                                          VERL_ASYNC_128_STEP_S, Assumptions, Shape, tokens)
 from benchmarks.rows import Row, row
 
 LAYOUTS = ("separate", "colocated", "async")
@@ -221,6 +221,10 @@ def async_rows(a: Assumptions) -> List[Row]:
     on, off = NEMO_RL_V04_8B_STEP_S
     out.append(row("layouts", "NeMo-RL 8B one-step-off / on-policy (published)", off / on, "x",
                    f"{on} -> {off} s, 16 H100s: on-policy colocated, async 8 generating + 8 training (NeMo RL v0.4)"))
+    (on, on_gpus, on_rate), (off, off_gpus, off_rate) = NEMO_RL_V04_32B
+    out.append(row("layouts", "NeMo-RL 32B one-step-off / on-policy tokens/s/GPU (published)", off_rate / on_rate,
+                   "x", f"{on:g} s on {on_gpus} H100s -> {off:g} s on {off_gpus}, {on_rate:g} -> {off_rate:g} "
+                   f"tokens/s/GPU (Qwen3-32B, NeMo RL v0.4)"))
     sync, fully = VERL_ASYNC_128_STEP_S
     out.append(row("layouts", "veRL fully async / colocated sync (published)", fully / sync, "x",
                    f"{sync} -> {fully} s, Qwen2.5-Math-7B on 128 H20s (64+64 async), 2.35-2.67x"))

@@ -92,6 +92,7 @@ def test_rows_carry_the_bars_and_the_published_peers():
         assert r.target == "<= 1.5" and r.value == pytest.approx(peer / (512 * 1536 / (t["total"] * gpus)))
     assert out["NeMo-RL 8B one-step-off / on-policy (published)"].value == pytest.approx(74.6 / 97.7)
     assert out["veRL fully async / colocated sync (published)"].value == pytest.approx(150.63 / 356.30)
+    assert out["NeMo-RL 32B one-step-off / on-policy tokens/s/GPU (published)"].value == pytest.approx(494 / 540)
     for s in PRESETS:
         assert out[f"{s.name} s/iteration (async)"].value == pytest.approx(
             layout_breakdown(s, Assumptions(), "async")["total"])
