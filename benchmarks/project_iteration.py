@@ -15,7 +15,9 @@ each rank writing its own shard.
 Per preset and mode (:func:`breakdown`): s/iteration split into pod starts, state movement, weight transfer,
 generation, scoring, updates and checkpoints, bytes moved (:func:`moved`), beside NeMo-Aligner's and NeMo-RL's
 published steps. Every input is an :class:`Assumptions` or :class:`Shape` field whose docstring names its
-source (a figure measured here, a peer's published figure, or a hardware spec).
+source (a figure measured here, a peer's published figure, or a hardware spec). With the resident mode, the
+tables of its layouts follow (separate, colocated, asynchronous; ``benchmarks/projection_layouts.py``): seconds,
+GPUs, tokens/s/GPU and the recommended default per preset, beside NeMo-Aligner, NeMo-RL, veRL and AReaL.
 
 NeMo-Aligner's Llama-2-70B PPO step, 253.8 s on 8 actor + 8 critic nodes of 8 GPUs (Shen et al. 2024,
 "NeMo-Aligner: Scalable Toolkit for Efficient Model Alignment", arXiv:2405.01481; the figure as the project's
