@@ -330,6 +330,11 @@ class VLLMEngine(SwappableEngine):
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             try:
-                llm.llm_engine.engine_core.shutdown()
+                if self._llm_kwargs.get("distributed_executor_backend") == "external_launcher":
+                    from models.engines.in_rank import close_vllm
+
+                    close_vllm(llm)  # in a trainer's rank: its process group stays
+                else:
+                    llm.llm_engine.engine_core.shutdown()
             except Exception as e:  # shutting down must not hide the real outcome
                 logging.getLogger(__name__).warning("vLLM shutdown: %s", e)

@@ -13,7 +13,7 @@ so the run has no engine service, no weight transport and no engine node on a cl
   adapter's file, made on every rank and served as the separate layout's engine serves it. No byte crosses a
   process: ``resident/weights_bytes`` is 0 (``resident/weights_loaded_bytes``: what each engine took).
 - The engine sleeps after each rollout and evaluation and wakes before the new weights go in
-  (:mod:`models.engines.engine_sleep`): ``resident/sleep_s``, ``resident/wake_s``.
+  (:mod:`models.engines.in_rank`): ``resident/sleep_s``, ``resident/wake_s``.
 
 A load that fails on any rank fails the update on every rank (:class:`~models.hosts.trainers.PushFailed`, the
 trained weights kept): the same request loads them again, into engines started afresh from the run's reference
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from models.checkpoint.local import local_checkpoint
-from models.engines import engine_sleep
+from models.engines import in_rank
 from models.engines.rank_engines import RankEngines, follow
 from models.hosts.pushes import Push, received, sealed
 from models.hosts.trainers import ActorHost, PushFailed
@@ -60,7 +60,7 @@ class ColocatedActorHost(ActorHost):
         then the engines sleep. Rank 0's result."""
         state = PolicyState(**state)
         self.held(state.iteration)  # on every rank, before any collective
-        wake_s = engine_sleep.wake(self.engine)
+        wake_s = in_rank.wake(self.engine)
         try:
             if not self.info.is_main:
                 follow(self.engine, self.info.rank, self.info.world_size, self.group)
@@ -71,7 +71,7 @@ class ColocatedActorHost(ActorHost):
             finally:
                 engines.end()
         finally:
-            self.slept = {"resident/sleep_s": engine_sleep.sleep(self.engine), "resident/wake_s": wake_s}
+            self.slept = {"resident/sleep_s": in_rank.sleep(self.engine), "resident/wake_s": wake_s}
 
     @op
     def rollout(self, state: Dict[str, Any], ahead: int = 0) -> Optional[Dict[str, Any]]:
@@ -89,7 +89,7 @@ class ColocatedActorHost(ActorHost):
         (see the module docstring); :class:`PushFailed` on every rank when any rank's load failed."""
         t0 = time.perf_counter()
         sequences, logprobs = reference_logprobs(unwrap(self.model), self.vocab)  # every rank: FSDP2
-        wake_s = engine_sleep.wake(self.engine)
+        wake_s = in_rank.wake(self.engine)
         failed, out = "", {}
         try:
             if self.broken:
@@ -120,19 +120,29 @@ class ColocatedActorHost(ActorHost):
             config, body = adapter_file(self.lm, source.full(everywhere=True))
             return {**self.transport.receive({"adapter_config": config}, body)(self.engine),
                     "resident/weights_loaded_bytes": float(len(body))}
-        push = Push(getattr(torch, self.cfg.engine_dtype))
-        device = self.info.device
-        header = push.header(source, device)
-        buckets = sealed(header, source, device, version, push.dtype, everywhere=True)
-        try:
-            put = received(header, enumerate(buckets), self.engine)  # each bucket's checksum, then loaded
-        except BaseException:
-            buckets.drain()  # the other ranks gather the rest: take part
-            raise
-        stats = put(self.engine)  # read back at the samples, bit for bit
-        return {**stats, "resident/weights_loaded_bytes": Push.stats(header)["resident/weights_bytes"],
-                "resident/weights_params": Push.stats(header)["resident/weights_params"]}
+        return load_in_process(self.engine, source, getattr(torch, self.cfg.engine_dtype), version, self.info.device)
 
     def close(self) -> None:
         super().close()
         self.engine.close()
+
+
+def load_in_process(engine, source: WeightSource, dtype: torch.dtype, version: int, device,
+                    bucket_bytes: Optional[int] = None) -> Dict[str, float]:
+    """Every tensor of ``source`` whole on this rank (an all-gather of each FSDP2 shard in turn) at ``dtype``,
+    sealed into buckets (samples and checksum, :func:`~models.hosts.pushes.sealed`; the samples drawn with a
+    generator seeded ``version``) and loaded into ``engine`` bucket by bucket as a transported push is
+    (:func:`~models.hosts.pushes.received`: each checksum checked, then the samples read back bit for bit). Every
+    rank of ``source`` calls it (the gathers are collectives); its figures, with
+    ``resident/weights_loaded_bytes`` the tensors' bytes at ``dtype``."""
+    push = Push(dtype, bucket_bytes)
+    header = push.header(source, device)
+    buckets = sealed(header, source, device, version, dtype, everywhere=True)
+    try:
+        put = received(header, enumerate(buckets), engine)
+    except BaseException:
+        buckets.drain()  # the other ranks gather the rest: take part
+        raise
+    sizes = push.stats(header)
+    return {**put(engine), "resident/weights_loaded_bytes": sizes["resident/weights_bytes"],
+            "resident/weights_params": sizes["resident/weights_params"]}

@@ -1,6 +1,7 @@
-"""An engine that shares its processes with a trainer (``run.resident_layout=colocated``) sleeps while the trainer
-scores and updates, and wakes for the rollout: :func:`sleep` / :func:`wake`, each returning the seconds it took
-(``resident/sleep_s``, ``resident/wake_s``).
+"""An engine inside a trainer's torchrun rank (``run.resident_layout=colocated``): it sleeps while the trainer
+scores and updates, and wakes for the rollout (:func:`sleep` / :func:`wake`, each returning the seconds it took:
+``resident/sleep_s``, ``resident/wake_s``), and a vLLM engine closes without ending the trainer's process group
+(:func:`close_vllm`).
 
 - vLLM on a GPU: its sleep mode (``LLM.sleep(level=1)``: the weights offloaded to host memory, the KV cache
   freed; ``wake_up`` restores both), as veRL's hybrid engine and NeMo-RL's colocated mode do. The engine must be
@@ -84,3 +85,28 @@ def wake(engine) -> float:
         else:
             llm.collective_rpc(restore_kv)
     return time.perf_counter() - t0
+
+
+def close_vllm(llm) -> None:
+    """Shut down an ``LLM`` started with the ``external_launcher`` executor, leaving the default process group (the
+    trainer's) alone: vLLM's own shutdown (``EngineCore.shutdown`` → ``cleanup_dist_env_and_memory``) ends in
+    ``destroy_process_group()`` of the default group (vllm 0.32, ``v1/engine/core.py``; the spike of issue #39,
+    ``common.close_keeping_pg``). The executor and scheduler shut down, vLLM's own groups are destroyed."""
+    import gc
+
+    from vllm.distributed import parallel_state
+
+    client = llm.llm_engine.engine_core  # InprocClient: its finalizer is EngineCore.shutdown
+    client._finalizer.detach()
+    core = client.engine_core
+    core.structured_output_manager.clear_backend()
+    core.model_executor.shutdown()
+    core.scheduler.shutdown()
+    gc.unfreeze()
+    parallel_state.destroy_model_parallel()
+    if parallel_state._WORLD is not None:  # its groups are new_group()s of the default group
+        parallel_state._WORLD.destroy()
+        parallel_state._WORLD = None
+    parallel_state._NODE_COUNT = None
+    del core, client
+    gc.collect()
