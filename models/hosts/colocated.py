@@ -60,7 +60,7 @@ class ColocatedActorHost(ActorHost):
         then the engines sleep. Rank 0's result."""
         state = PolicyState(**state)
         self.held(state.iteration)  # on every rank, before any collective
-        wake_s = in_rank.wake(self.engine)
+        in_rank.wake(self.engine)  # awake already after a load: the update's stats have its wake_s
         try:
             if not self.info.is_main:
                 follow(self.engine, self.info.rank, self.info.world_size, self.group)
@@ -71,7 +71,7 @@ class ColocatedActorHost(ActorHost):
             finally:
                 engines.end()
         finally:
-            self.slept = {"resident/sleep_s": in_rank.sleep(self.engine), "resident/wake_s": wake_s}
+            self.slept = {"resident/sleep_s": in_rank.sleep(self.engine)}
 
     @op
     def rollout(self, state: Dict[str, Any], ahead: int = 0) -> Optional[Dict[str, Any]]:
