@@ -80,7 +80,7 @@ def wake(engine) -> float:
     llm = _vllm(engine)
     if llm is not None:
         if _sleep_mode(engine):
-            if llm.is_sleeping():
+            if llm.llm_engine.is_sleeping():
                 llm.wake_up()
         else:
             llm.collective_rpc(restore_kv)
