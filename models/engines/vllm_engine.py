@@ -157,8 +157,10 @@ class VLLMEngine(SwappableEngine):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
         kwargs = llm_kwargs(checkpoint_dir, dtype, gpu_memory_utilization, max_model_len, seed, max_lora_rank,
                             tensor_parallel_size, enforce_eager, torch.cuda.is_available())
-        if colocated:  # in a trainer's torchrun rank, after its process group (run.resident_layout=colocated)
-            kwargs.update(distributed_executor_backend="external_launcher", enable_sleep_mode=torch.cuda.is_available())
+        if colocated:  # in a trainer's rank (run.resident_layout=colocated): sleeps on a GPU; beside other ranks,
+            kwargs["enable_sleep_mode"] = torch.cuda.is_available()  # it joins their process group (made first)
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                kwargs["distributed_executor_backend"] = "external_launcher"
         self._lora = None  # vllm.lora.request.LoRARequest of the adapter being served
         self._lora_ids = 0
         self._shared: Dict[int, str] = {}  # a push's shared-memory buffers given out: storage -> file
