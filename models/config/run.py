@@ -95,6 +95,12 @@ class RunConfig:
     different GPUs, else gloo; the tensors by broadcast in a few flat buffers per dtype) or ``http`` (one
     binary body of the engine service's ``weights`` op). LoRA sends the adapter alone, over HTTP either way
     (docs/cluster.md#running-the-resident-mode)."""
+    resident_layout: str = "separate"
+    """Where a resident run generates (docs/cluster.md#choosing-the-layout): ``separate``, an engine service on its
+    own GPUs, the new weights sent to it after each update (``run.resident_weight_transport``); or ``colocated``,
+    every rank of the actor trainer service also holds an engine, the rollout data-parallel over all of them and
+    the new weights loaded in each rank's process (no engine service, no bytes between processes). Colocated
+    generation cannot overlap training, so it needs ``run.off_policy_steps=0``."""
     resident_idle_timeout_s: float = 1800.0
     """A resident service with no request for this long stops by itself (a backstop: the run stops its
     services when it finishes or fails)."""
@@ -164,4 +170,12 @@ class RunConfig:
         check(self.resident_answer_timeout_s > 0, "run.resident_answer_timeout_s must be > 0")
         check(self.resident_rank_grace_s > 0, "run.resident_rank_grace_s must be > 0")
         check_choice("run.resident_weight_transport", self.resident_weight_transport, ["collective", "http"])
+        check_choice("run.resident_layout", self.resident_layout, ["separate", "colocated"])
+        if self.resident_layout == "colocated":
+            check(self.resident, "run.resident_layout=colocated puts the engine in the resident actor trainer "
+                                 "service's ranks: it needs run.resident=true")
+            check(self.off_policy_steps == 0,
+                  f"run.resident_layout=colocated generates on the actor trainer's own ranks, so generation and "
+                  f"training cannot overlap: run.off_policy_steps={self.off_policy_steps} needs "
+                  f"run.resident_layout=separate (an engine service of its own), or set run.off_policy_steps=0")
         _check_registered_model_name(self.registered_model_name)

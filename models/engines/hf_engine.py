@@ -13,7 +13,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from kernels.sampling import exponential_race, processed_logprobs
-from models.engines.base import EngineLoadError, Generation, SamplingSpec, SwappableEngine, sample_seed
+from models.engines.base import (EngineLoadError, Generation, SamplingSpec, SwappableEngine, request_indices,
+                                 sample_seed)
 from models.engines.weight_stream import bits
 from models.faults import drop_pushed
 
@@ -142,9 +143,12 @@ class HFEngine(SwappableEngine):
         return out
 
     @torch.no_grad()
-    def generate(self, prompts: List[List[int]], spec: SamplingSpec, first_index: int = 0) -> List[List[Generation]]:
-        """``first_index``: the index of ``prompts[0]`` in the whole request (see ``VLLMEngine.generate``)."""
+    def generate(self, prompts: List[List[int]], spec: SamplingSpec, first_index: int = 0,
+                 indices: Optional[Sequence[int]] = None) -> List[List[Generation]]:
+        """``first_index``: the index of ``prompts[0]`` in the whole request, or ``indices``: each prompt's (see
+        ``VLLMEngine.generate``)."""
         model = self._model()
+        at = request_indices(prompts, first_index, indices)
         t0 = time.perf_counter()
         tok = self.tokenizer
         stop_ids = self.stop_ids(spec)
@@ -156,7 +160,7 @@ class HFEngine(SwappableEngine):
         for i, p in enumerate(expanded):
             input_ids[i, max_len - len(p):] = torch.tensor(p)
             attn[i, max_len - len(p):] = 1
-        seeds = [sample_seed(spec.seed, first_index + i, j) for i in range(len(prompts)) for j in range(spec.n)]
+        seeds = [sample_seed(spec.seed, at[i], j) for i in range(len(prompts)) for j in range(spec.n)]
         step = _SampleStep(spec, seeds, max_len, stop_ids, torch.device(self.device))
         kwargs = dict(do_sample=False, max_new_tokens=spec.max_new_tokens, pad_token_id=pad_id,
                       eos_token_id=stop_ids or None, logits_processor=[step])

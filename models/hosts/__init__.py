@@ -5,6 +5,7 @@ each op a stage function of ``models/stages/`` called whole with the host's mode
 |-----------------|------------------------------------------------------------------------------------------|
 | `engine`        | `EngineHost`: a resident run's generation engine; rollout, evaluate, the actor's new weights |
 | `trainers`      | `ActorHost`, `CriticHost`: a resident run's trainers on every rank; score, values, update    |
+| `colocated`     | `ColocatedActorHost`: the actor whose ranks also generate (``run.resident_layout=colocated``) |
 | `transports`    | the actor's weights to the engine: one interface, its HTTP, collective and LoRA adapter ends |
 | `resident`      | a resident run's services: one's life in its process, their local start and stop (torch-free) |
 | `reward_critic` | `RewardCriticHost`: the reward/critic server someone starts (``critic.remote_url``)         |
