@@ -100,7 +100,8 @@ class RunConfig:
     own GPUs, the new weights sent to it after each update (``run.resident_weight_transport``); or ``colocated``,
     every rank of the actor trainer service also holds an engine, the rollout data-parallel over all of them and
     the new weights loaded in each rank's process (no engine service, no bytes between processes). Colocated
-    generation cannot overlap training, so it needs ``run.off_policy_steps=0``."""
+    generation cannot overlap training, so it needs ``run.off_policy_steps=0``. Read only with ``run.resident=true``
+    (the 8B presets set ``colocated``, the layout their projection and the CPU benchmark favour)."""
     resident_idle_timeout_s: float = 1800.0
     """A resident service with no request for this long stops by itself (a backstop: the run stops its
     services when it finishes or fails)."""
@@ -171,9 +172,7 @@ class RunConfig:
         check(self.resident_rank_grace_s > 0, "run.resident_rank_grace_s must be > 0")
         check_choice("run.resident_weight_transport", self.resident_weight_transport, ["collective", "http"])
         check_choice("run.resident_layout", self.resident_layout, ["separate", "colocated"])
-        if self.resident_layout == "colocated":
-            check(self.resident, "run.resident_layout=colocated puts the engine in the resident actor trainer "
-                                 "service's ranks: it needs run.resident=true")
+        if self.resident and self.resident_layout == "colocated":  # (read only by a resident run, as a preset sets it)
             check(self.off_policy_steps == 0,
                   f"run.resident_layout=colocated generates on the actor trainer's own ranks, so generation and "
                   f"training cannot overlap: run.off_policy_steps={self.off_policy_steps} needs "
