@@ -79,10 +79,17 @@ class RunConfig:
     limit (1.5 MiB by default, about 3,000 iterations); 200 keeps each under 100 KB and each execution's
     10 system retries fresh (docs/cluster.md#long-runs). A local run is one execution whatever this is."""
     off_policy_steps: int = 0
-    """One-step off-policy pipelining (docs/off_policy.md): 0 samples each iteration's batch from the
-    actor it updates (on-policy); 1 samples iteration k+1's batch from the actor of iteration k−1 while
-    iteration k's update runs, so generation and training overlap on different pods (decoupled PPO:
-    the update's π_old is the actor it starts from, ``actor.tis_cap`` weights the stale sampler)."""
+    """The older name of ``max_staleness`` 0 and 1, kept for presets and stored runs: ``off_policy_steps=1`` is
+    ``max_staleness=1`` (the same graph, the same results). Set one of the two."""
+    max_staleness: int = 0
+    """k, how many updates behind the actor it trains a sampled token may be (docs/off_policy.md). 0: each batch
+    is sampled from the actor it updates (on-policy). 1: one-step off-policy pipelining, iteration i+1's batch
+    sampled from the actor of iteration i−1 while iteration i's update runs, on different pods. k ≥ 2
+    (``run.resident`` only): asynchronous training, the engine service generates without waiting for the
+    updates into a buffer, each token tagged with the policy version that drew it (``token_versions``), and an
+    iteration's rollout takes its batch from there once every token is at most k versions old (older ones are
+    dropped and counted). The loss is decoupled PPO either way: π_old is the actor the update starts from,
+    ``actor.tis_cap`` weights each token by π_old/π_sampler."""
     resident: bool = False
     """Keep the actor trainer, the generation engine and (PPO) the critic trainer loaded for the whole run
     as services the iteration's tasks call, instead of loading every model from storage in every task
@@ -154,6 +161,12 @@ class RunConfig:
               f"lower run.iterations_per_execution")
         check(self.off_policy_steps in (0, 1), f"run.off_policy_steps must be 0 (on-policy) or 1 (one-step "
                                                f"off-policy pipelining), got {self.off_policy_steps}")
+        check(self.max_staleness >= 0, f"run.max_staleness must be >= 0, got {self.max_staleness}")
+        check(not (self.off_policy_steps and self.max_staleness), f"run.off_policy_steps={self.off_policy_steps} "
+              f"with run.max_staleness={self.max_staleness}: off_policy_steps is max_staleness's older name (1 is "
+              f"max_staleness=1); set max_staleness alone")
+        check(self.staleness < 2 or self.resident, f"run.max_staleness={self.max_staleness} (asynchronous "
+              f"training) needs run.resident=true: the engine service generates between the iterations' tasks")
         check_choice("run.algorithm", self.algorithm, list(algorithms.ALGORITHMS))
         check("/" not in self.name and " " not in self.name,
               f"run.name={self.name!r} must not contain '/' or spaces")
@@ -165,3 +178,18 @@ class RunConfig:
         check(self.resident_rank_grace_s > 0, "run.resident_rank_grace_s must be > 0")
         check_choice("run.resident_weight_transport", self.resident_weight_transport, ["collective", "http"])
         _check_registered_model_name(self.registered_model_name)
+
+    @property
+    def staleness(self) -> int:
+        """k: ``max_staleness``, or ``off_policy_steps`` (its older name)."""
+        return max(self.max_staleness, self.off_policy_steps)
+
+    @property
+    def pipelined(self) -> bool:
+        """One-step off-policy pipelining (k = 1): the graph samples iteration i+1 beside iteration i's update."""
+        return self.staleness == 1
+
+    @property
+    def asynchronous(self) -> bool:
+        """k ≥ 2: the engine service samples continuously into a buffer (:mod:`models.hosts.producer`)."""
+        return self.staleness >= 2
