@@ -45,6 +45,7 @@ BENCHMARKS: Dict[str, str] = {
     "projection": "project_iteration.py",  # an iteration at 8B / 70B on paper, both run modes (docs/cluster.md)
     "weight_push": "bench_weight_push.py",  # the engine's peak extra memory per resident push vs the model (#38)
     "pipeline": "bench_pipeline.py",  # on- vs off-policy s/iteration in the pod-level harness (docs/off_policy.md)
+    "async": "bench_async.py",  # run.max_staleness k = 0, 1, 2, 4: s/iteration, idle fractions, rewards (#40)
     "resident_pods": "bench_resident_pods.py",  # resident vs stateless in the pod-level harness (docs/cluster.md)
     "long_run": "bench_long_run.py",  # s/iteration against the iteration index over 500 iterations (docs/cluster.md#long-runs)
 }
