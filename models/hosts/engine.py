@@ -97,10 +97,13 @@ class EngineHost(Host):
         if self.producer is None:
             data = read_run_prompts(self.run.train_prompts_url)
             draws: Dict[int, Any] = {}
+
+            def draw(j: int):
+                return draws[j] if j in draws else draws.setdefault(j, draw_for(self.cfg, self.run, j, data))
+
             self.producer = Producer(self.cfg.run.staleness, state.iteration, self.cfg.run.num_iterations,
-                                     lambda: (self.engine, self.version),
-                                     lambda j: draws.get(j) or draws.setdefault(j, draw_for(self.cfg, self.run, j, data)),
-                                     load_tokenizer(self.run.reference_url), self.turns)
+                                     lambda: (self.engine, self.version), draw,
+                                     load_tokenizer(self.run.reference_url), self.turns, self.cfg.run.partial_rollouts)
         out = take_rollout(self.cfg, self.run, self.producer, state.iteration, self.engine)
         self.taken = (state.iteration, {"batch": out.batch.uri, "stats": out.stats})
         return self.taken[1]

@@ -12,7 +12,9 @@ dropped, counted, and its prompts sampled again. Each sample is seeded by its po
 (:func:`models.engines.sample_seed`), as the synchronous rollout seeds it.
 
 New weights come between units (:class:`EngineTurns`: an op waiting for the engine goes before the next unit), so a
-unit's tokens share one version; generations are not interrupted mid-way (no partial rollouts).
+unit's tokens share one version; with partial rollouts (``run.partial_rollouts``, the HF engine) they come between
+two tokens instead: the generations under way go on under the new policy, the KV cache of their earlier tokens
+kept, each token tagged with the version whose weights computed its logits.
 
 What survives a crash: nothing of the buffer needs to. A resumed run's engine starts producing at the resume point
 with the resumed actor; the samples that were finished but not taken, or in flight, were never trained, and their
@@ -32,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from models.config import TrainConfig
-from models.engines.rollout import RolloutColumns, sample
+from models.engines.rollout import RolloutColumns, encode_prompts, rollout_columns, sample
 from models.faults import pause_point
 from models.run.types import RunHandle
 from models.stages.async_metrics import idle_stats, staleness_stats
@@ -44,6 +46,10 @@ log = logging.getLogger(__name__)
 
 UNIT_PROMPTS = 4
 """Prompts per unit of generation: the longest a weight push waits for the engine is one unit's sampling."""
+
+
+class _NoWeights(Exception):
+    """The engine serves no actor (a push failed half-way through a unit)."""
 
 
 class EngineTurns:
@@ -77,6 +83,16 @@ class EngineTurns:
         finally:
             self._release()
 
+    def give_way(self) -> None:
+        """Inside a unit (partial rollouts, between two tokens): let the ops waiting for the engine run now."""
+        with self._cond:
+            if not self._waiting:
+                return
+            self._busy = False
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: not self._busy and not self._waiting)
+            self._busy = True
+
     def _release(self) -> None:
         with self._cond:
             self._busy = False
@@ -86,10 +102,14 @@ class EngineTurns:
 class Unit:
     """Prompts ``start`` … ``end − 1`` of draw ``draw``, sampled by the actor of version ``version``."""
 
-    def __init__(self, draw: int, start: int, end: int, version: int, columns: RolloutColumns):
+    def __init__(self, draw: int, start: int, end: int, version: int, columns: RolloutColumns,
+                 versions: Optional[List[List[int]]] = None):
         self.draw, self.start, self.end, self.version, self.columns = draw, start, end, version, columns
+        self.versions = versions  # per sample, per token (partial rollouts); None: all ``version``
 
     def token_versions(self) -> List[List[int]]:
+        if self.versions is not None:
+            return self.versions
         return [[self.version] * len(r) for r in self.columns.response_tokens]
 
 
@@ -99,8 +119,10 @@ class Producer:
     ``tokenizer`` encodes its prompts; sampling stops after iteration ``stop − 1``."""
 
     def __init__(self, k: int, start: int, stop: int, current: Callable[[], Tuple[object, int]], draw, tokenizer,
-                 turns: EngineTurns):
-        self.k, self.stop, self.current, self.draw, self.tokenizer, self.turns = k, stop, current, draw, tokenizer, turns
+                 turns: EngineTurns, partial: bool = False):
+        self.k, self.stop, self.current, self.draw, self.turns = k, stop, current, draw, turns
+        self.tokenizer = tokenizer
+        self.partial = partial  # new weights between two tokens (HF engine: generate_versions)
         self.cond = threading.Condition()
         self.units: Dict[int, List[Unit]] = {}
         self.todo: List[Tuple[int, int]] = []  # (draw, prompt position) of units to sample again, first
@@ -141,12 +163,19 @@ class Producer:
     def _sample(self, draw: int, start: int) -> None:
         d = self.draw(draw)
         end = min(start + UNIT_PROMPTS, len(d.prompt_ids))
+        versions = None
         with self.turns.unit():
             engine, version = self.current()
             if version < 0 or draw - version > self.k:
                 return  # the weights moved while it waited: decide again
-            cols = sample(engine, self.tokenizer, d.data.prompts[start:end], d.prompt_ids[start:end], d.spec,
-                          d.data.chat, first_index=start)
+            prompts, ids = d.data.prompts[start:end], d.prompt_ids[start:end]
+            if not self.partial:
+                cols = sample(engine, self.tokenizer, prompts, ids, d.spec, d.data.chat, first_index=start)
+            else:
+                try:
+                    cols, versions = self._sample_partial(engine, version, prompts, ids, d, start)
+                except _NoWeights:
+                    return  # a push failed mid-unit: sampled again once the engine serves an actor
         with self.cond:
             if self.todo and self.todo[0] == (draw, start):
                 self.todo.pop(0)
@@ -154,8 +183,22 @@ class Producer:
                 self.next = (draw, end) if end < len(d.prompt_ids) else (draw + 1, 0)
             else:
                 return  # restarted at another draw meanwhile: not this unit's
-            self.units.setdefault(draw, []).append(Unit(draw, start, end, version, cols))
+            self.units.setdefault(draw, []).append(Unit(draw, start, end, version, cols, versions))
             self.cond.notify_all()
+
+    def _sample_partial(self, engine, version: int, prompts, ids, d, start: int):
+        """The unit sampled step by step, giving way to pushes between two tokens (partial rollouts)."""
+        t0 = time.perf_counter()
+        tokens = encode_prompts(self.tokenizer, prompts, add_special_tokens=not d.data.chat)
+        gens, versions = engine.generate_versions(tokens, d.spec, start, version, self._between_steps)
+        return rollout_columns(self.tokenizer, prompts, ids, tokens, gens, d.spec.n, t0), versions
+
+    def _between_steps(self) -> int:
+        self.turns.give_way()
+        version = self.current()[1]
+        if version < 0:
+            raise _NoWeights()
+        return version
 
     def poke(self) -> None:
         """The engine's version changed: the thread decides again."""
@@ -207,7 +250,8 @@ class Producer:
 
     def snapshot(self) -> Dict[str, Any]:
         """The buffer as a batch records it: the prompts finished but not taken (``prompt_id`` ranges, first and
-        last, one per unit), and where sampling stands (draw, prompt) (a resume samples them again from the resume point: none of them was trained)."""
+        last, one per unit), and where sampling stands (draw, prompt). A resume samples them again from the resume
+        point: none of them was trained."""
         with self.cond:
             finished = sorted([int(u.columns.prompt_id[0]), int(u.columns.prompt_id[-1])]
                               for units in self.units.values() for u in units)

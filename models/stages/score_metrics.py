@@ -20,8 +20,8 @@ def policy_lag(cfg: TrainConfig, state: PolicyState, batch: RolloutBatch) -> Dic
     A batch staler than k allows is refused."""
     lag, k = state.iteration - batch.metadata.policy_version, cfg.run.staleness
     if not 0 <= lag <= k:
-        raise ValueError(f"batch {batch.uri or ''} was sampled by the actor of version {batch.metadata.policy_version}, "
-                         f"{lag} updates before iteration {state.iteration}'s; run.max_staleness={k} allows 0..{k}")
+        raise ValueError(f"batch {batch.uri or ''} was sampled by the actor of version "
+                         f"{batch.metadata.policy_version}, {lag} updates before iteration {state.iteration}'s; run.max_staleness={k} allows 0..{k}")
     return {"rollout/policy_lag": float(lag)} if k else {}
 
 

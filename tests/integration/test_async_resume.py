@@ -1,7 +1,7 @@
 """Asynchronous training (``run.max_staleness=2``, resident) killed at three points, resumed, counted: the tiny GRPO
 run has its engine service SIGKILLed once iteration 1 is committed (the run starts it again and goes on), then its
-actor trainer service once iteration 2 is (the run fails naming it); the rerun is SIGKILLed whole (the ``pyflyte`` process group) while
-the engine service hands out a batch; the third launch finishes the run. Every iteration is committed once
+actor trainer service once iteration 2 is (the run fails naming it); the rerun is SIGKILLed whole (the ``pyflyte``
+process group) while the engine service hands out a batch; the third launch finishes the run. Every iteration is committed once
 (its progress line printed once over the three launches, its metrics logged once), the batches the updates trained
 on hold exactly the prompts of the data order, no row twice within the epoch, and every trained token is at most
 k = 2 policy versions old (read from the batches' ``token_versions``). Samples the killed launches had finished

@@ -109,3 +109,65 @@ def test_staleness_metrics_by_hand():
         staleness_stats(6, versions, 2)
     assert idle_stats(10.0, 0.5, 2.0, 4) == {"async/engine_idle_fraction": 0.05,
                                              "async/trainer_idle_fraction": 0.2, "async/dropped_samples": 4.0}
+
+
+def _long(j: int) -> Draw:
+    """A draw whose responses all run ``max_new_tokens`` steps: room for weights to change mid-generation."""
+    d = draw(j)
+    return d._replace(spec=SamplingSpec(n=2, temperature=1.0, max_new_tokens=24, min_new_tokens=24, seed=7))
+
+
+def test_new_weights_between_two_tokens_tag_the_tokens_after_them(actors):
+    """The engine's step hook loads actor b after the third token: the first three tokens of every sample are what
+    actor a samples with the same seeds, the rest are tagged version 1 (and are not a's)."""
+    tok = build_char_tokenizer()
+    prompts = [tok(p)["input_ids"] for p in _long(0).data.prompts[:2]]
+    spec, engine, steps = _long(0).spec, HFEngine(actors[0]), []
+
+    def between_steps() -> int:
+        steps.append(len(steps))
+        if len(steps) == 3:
+            engine.load_weights(actors[1])
+        return 1 if len(steps) >= 3 else 0
+
+    gens, versions = engine.generate_versions(prompts, spec, first_index=0, version=0, between_steps=between_steps)
+    reference = HFEngine(actors[0]).generate(prompts, spec)
+    flat, ref = [g for p in gens for g in p], [g for p in reference for g in p]
+    assert versions == [[0] * 3 + [1] * 21] * 4
+    assert all(g.tokens[:3] == r.tokens[:3] for g, r in zip(flat, ref))
+    assert any(g.tokens[3:] != r.tokens[3:] for g, r in zip(flat, ref))
+
+
+def test_partial_rollouts_in_the_producer(actors):
+    """A push queued while a unit samples is served at the next token; the unit goes on under the new version."""
+    tok = build_char_tokenizer()
+    engine, turns, served = HFEngine(actors[0]), EngineTurns(), {"version": 0}
+    pushed = threading.Event()
+
+    def push():
+        while not turns._busy:  # the producer's first unit is under way
+            time.sleep(0.001)
+        with turns.op():
+            engine.load_weights(actors[1])
+            served["version"] = 1
+        pushed.set()
+
+    thread = threading.Thread(target=push)
+    thread.start()
+    producer = Producer(K, 0, 1, lambda: (engine, served["version"]), _long, tok, turns, partial=True)
+    try:
+        units, _ = producer.take(0, timeout_s=120)
+    finally:
+        producer.close()
+        thread.join(10)
+    assert pushed.is_set()
+    versions = merged(units)[1]
+    assert all(v == sorted(v) and set(v) <= {0, 1} for v in versions)
+    mixed = [v for v in versions if len(set(v)) == 2]
+    assert mixed and staleness_stats(1, versions, K)["async/partial_fraction"] > 0
+    first = units[0]  # its old tokens are actor a's, seeded by position
+    reference = sample(HFEngine(actors[0]), tok, _long(0).data.prompts[:UNIT_PROMPTS], _long(0).prompt_ids[:UNIT_PROMPTS],
+                       _long(0).spec)
+    for toks, ref, v in zip(first.columns.response_tokens, reference.response_tokens, first.token_versions()):
+        old = v.count(0)
+        assert toks[:old] == ref[:old]

@@ -42,6 +42,9 @@ def _cfg(preset: str, *overrides: str):
     (["run.max_staleness=3", "run.resident=true"], "run.max_staleness=3 needs actor.tis_cap > 0"),
     (["run.max_staleness=2", "run.resident=true", "actor.tis_cap=2", "actor.lora.rank=4"],
      "asynchronous training pushes full weights only"),
+    (["run.partial_rollouts=true"], "partial rollouts need asynchronous training"),
+    (["run.max_staleness=2", "run.resident=true", "actor.tis_cap=2", "run.partial_rollouts=true"],
+     "run.partial_rollouts with run.max_staleness=2 and rollout.engine=vllm"),
 ])
 def test_what_off_policy_cannot_combine_with_is_refused_with_the_reason(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
