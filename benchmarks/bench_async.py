@@ -1,8 +1,11 @@
 """Asynchronous training against the synchronous modes on the tiny GRPO preset, resident, through ``pyflyte run``.
 
-    python benchmarks/bench_async.py [--quick] [--iterations N] [--staleness 0,1,2,4] [--json PATH]
+    python benchmarks/bench_async.py [--quick] [--iterations N] [--staleness 0,1,2,4] [--overrides JSON]
+                                     [--partial] [--json PATH]
 
-One run per k of ``run.max_staleness`` (``actor.tis_cap=2`` from k = 1), the same seeds. Printed per k:
+One run per k of ``run.max_staleness`` (``actor.tis_cap=2`` from k = 1), the same seeds, with ``--overrides`` (a
+JSON list, e.g. ``'["rollout.engine=hf"]'``) on every run and ``--partial`` (``run.partial_rollouts=true``, HF engine
+only) on those with k ≥ 2. Printed per k:
 
 - seconds per iteration: the median of ``time/iteration_s`` (commit to commit, the run's own metric) over the
   iterations after the first two (the first carries the engine start);
@@ -19,6 +22,7 @@ One run per k of ``run.max_staleness`` (``actor.tis_cap=2`` from k = 1), the sam
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -35,10 +39,11 @@ COMMON = ["run.resident=true", "run.registered_model_name=", "run.checkpoint_art
           "run.eval_before_training=true", "rollout.eval_temperature=1.0", "run.save_interval=100"]
 
 
-def overrides(k: int, iterations: int, eval_prompts: int) -> List[str]:
+def overrides(k: int, iterations: int, eval_prompts: int, extra: List[str], partial: bool) -> List[str]:
     lag = [f"run.max_staleness={k}", "actor.tis_cap=2"] if k else []
+    lag += ["run.partial_rollouts=true"] if partial and k >= 2 else []
     return COMMON + lag + [f"run.num_iterations={iterations}", f"run.eval_interval={iterations}",
-                           f"data.num_demo_eval_prompts={eval_prompts}"]
+                           f"data.num_demo_eval_prompts={eval_prompts}"] + extra
 
 
 def idle(root: str, name: str, k: int) -> Dict[str, float]:
@@ -52,16 +57,21 @@ def idle(root: str, name: str, k: int) -> Dict[str, float]:
             "trainer": statistics.mean(r / w for r, w in zip(rollout, wall))}
 
 
-def bench(ks: List[int], iterations: int, eval_prompts: int, root: str) -> List[Row]:
+def bench(ks: List[int], iterations: int, eval_prompts: int, root: str, extra: List[str] = (),
+          partial: bool = False) -> List[Row]:
     per_iter, gains, rows = {}, {}, []
     for k in ks:
         name = f"k{k}"
-        wall = run("reinforce", "configs/tiny_grpo.yaml", overrides(k, iterations, eval_prompts), name, root)
+        wall = run("reinforce", "configs/tiny_grpo.yaml", overrides(k, iterations, eval_prompts, list(extra), partial),
+                   name, root)
         per_iter[k] = statistics.median(metrics(root, name, "time/iteration_s")[1:])
         before, after = metrics(root, name, "eval/reward_mean")
         gains[k] = after - before
         sides = idle(root, name, k)
         rewards = [round(r, 3) for r in metrics(root, name, "rollout/reward_mean")]
+        partial_share = metrics(root, name, "async/partial_fraction") if k >= 2 else []
+        if partial_share:
+            print(f"k={k}: partial samples per iteration {[round(p, 3) for p in partial_share]}")
         print(f"k={k}: {per_iter[k]:.2f} s/iteration, idle engine {sides['engine']:.0%} trainer "
               f"{sides['trainer']:.0%}, held-out reward {before:.3f} -> {after:.3f} ({gains[k]:+.3f}), "
               f"run {wall:.0f} s; rollout rewards {rewards}", flush=True)
@@ -86,10 +96,13 @@ def main(argv=None) -> int:
     parser.add_argument("--iterations", type=int, default=0, help="iterations per run (default 15; --quick 6)")
     parser.add_argument("--staleness", default="0,1,2,4", help="comma-separated values of run.max_staleness")
     parser.add_argument("--eval-prompts", type=int, default=512, help="held-out prompts (default 512)")
+    parser.add_argument("--overrides", default="[]", help="JSON list of config overrides for every run")
+    parser.add_argument("--partial", action="store_true", help="run.partial_rollouts=true with k >= 2 (HF engine)")
     args = parser.parse_args(argv)
     iterations = args.iterations or (6 if args.quick else 15)
     with tempfile.TemporaryDirectory(prefix="bench-async-") as root:
-        rows = bench([int(k) for k in args.staleness.split(",")], iterations, args.eval_prompts, root)
+        rows = bench([int(k) for k in args.staleness.split(",")], iterations, args.eval_prompts, root,
+                     json.loads(args.overrides), args.partial)
     print_rows(rows)
     write_rows(args.json, rows)
     return 0
