@@ -22,7 +22,8 @@ from typing import Any, Callable, Dict, Optional
 from models.checkpoint import is_committed
 from models.config import TrainConfig
 from models.checkpoint.local import load_tokenizer
-from models.hosts.producer import EngineTurns, Producer, take_rollout
+from models.hosts.async_batch import take_rollout
+from models.hosts.producer import EngineTurns, Producer
 from models.hosts.transports import transport_for
 from models.run.types import PolicyState, RunHandle
 from models.service.ops import Host, op

@@ -16,7 +16,8 @@ from models.data.prompts import PromptDataset
 from models.demos.tokenizer import build_char_tokenizer
 from models.engines import HFEngine, SamplingSpec
 from models.engines.rollout import sample
-from models.hosts.producer import UNIT_PROMPTS, EngineTurns, Producer, merged
+from models.hosts.async_batch import merged
+from models.hosts.producer import UNIT_PROMPTS, EngineTurns, Producer
 from models.stages.async_metrics import idle_stats, staleness_stats
 from models.stages.rollout import Draw
 from tests.unit.models.actor_checkpoints import actor_dir
