@@ -1,7 +1,7 @@
 """Resident vs stateless seconds per iteration on the tiny presets, through ``pyflyte run`` as a user runs it.
 
     python benchmarks/bench_resident.py [--quick] [--iterations N] [--cases ppo,grpo,grpo-off-policy,ppo-bf16]
-                                        [--json PATH]
+                                        [--layouts] [--json PATH]
 
 Each case runs its preset twice with the same seeds, ``run.resident=false`` then ``=true``. Seconds per
 iteration: the median of ``time/iteration_s`` (commit to commit, the run's own metric) over the
@@ -12,6 +12,10 @@ stateless run loads from the float32 checkpoint and the resident one receives ca
 bits). Also printed: the launch-to-end wall time of
 each run (set-up and the services' start included), and the resident run's weight transfer per update
 (``time/weights_to_engine_s``, ``resident/weights_bytes``).
+
+With ``--layouts`` each case runs resident twice instead, ``run.resident_layout=separate`` then ``=colocated``
+(the engine in the actor trainer's ranks): seconds per iteration (median after the first), the rewards of every
+iteration, which must agree within 1e-6, and the weights' bytes sent to an engine per update (0 colocated).
 """
 
 from __future__ import annotations
@@ -90,17 +94,48 @@ def bench_case(case: str, iterations: int, root: str) -> List[Row]:
                 f"{size[0] / 1e6:.1f} MB in memory (run.resident_weight_transport: its default), probe included")]
 
 
+def bench_layouts(case: str, iterations: int, root: str) -> List[Row]:
+    """The resident run of ``case`` in both layouts (``run.resident_layout``): seconds per iteration, the rewards
+    (the same samples: every sample seeded by its prompt's index, whichever rank draws it) and the weights' bytes
+    sent to the engine per update (colocated: 0, loaded in each rank's process)."""
+    workflow, preset, extra = CASES[case]
+    overrides = [f"run.num_iterations={iterations}", "run.resident=true"] + COMMON + extra
+    per_iter, rewards, sent = {}, {}, {}
+    for layout in ("separate", "colocated"):
+        name = f"{case}-{layout}"
+        wall = run(workflow, preset, overrides + [f"run.resident_layout={layout}"], name, root)
+        per_iter[layout] = statistics.median(metrics(root, name, "time/iteration_s")[1:])
+        rewards[layout] = metrics(root, name, "rollout/reward_mean")
+        sent[layout] = statistics.median(metrics(root, name, "resident/weights_bytes"))
+        print(f"{case} {layout}: {per_iter[layout]:.2f} s/iteration, whole run {wall:.0f} s, "
+              f"{sent[layout] / 1e6:.2f} MB to the engine per update, rewards {[round(r, 4) for r in rewards[layout]]}")
+    gap = max(abs(a - b) for a, b in zip(rewards["separate"], rewards["colocated"]))
+    sleeps = metrics(root, f"{case}-colocated", "resident/sleep_s")
+    return [row("resident", f"{case}: colocated / separate s per iteration", per_iter["colocated"] / per_iter["separate"],
+                "x", f"{per_iter['colocated']:.2f} s vs {per_iter['separate']:.2f} s (median after the first)",
+                at_most=1.0),
+            row("resident", f"{case}: max |reward colocated - separate|", gap, "", f"{len(rewards['colocated'])} "
+                f"iterations", at_most=1e-6),
+            row("resident", f"{case}: colocated weights bytes to the engine per update", sent["colocated"], "B",
+                f"separate: {sent['separate'] / 1e6:.2f} MB; colocated engine sleep {statistics.median(sleeps):.3f} "
+                f"s per rollout", at_most=0.0)]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_bench_args(parser)
     parser.add_argument("--iterations", type=int, default=0, help="iterations per run (default 12; --quick 6)")
-    parser.add_argument("--cases", default="ppo,grpo,grpo-off-policy", help=f"comma-separated, of {sorted(CASES)}")
+    parser.add_argument("--cases", default="", help=f"comma-separated, of {sorted(CASES)} (default: ppo,grpo,"
+                                                    f"grpo-off-policy; with --layouts ppo,grpo)")
+    parser.add_argument("--layouts", action="store_true",
+                        help="resident colocated vs separate (run.resident_layout) instead of resident vs stateless")
     args = parser.parse_args(argv)
     iterations = args.iterations or (6 if args.quick else 12)
+    cases = args.cases or ("ppo,grpo" if args.layouts else "ppo,grpo,grpo-off-policy")
     rows: List[Row] = []
     with tempfile.TemporaryDirectory(prefix="bench-resident-") as root:
-        for case in args.cases.split(","):
-            rows += bench_case(case, iterations, root)
+        for case in cases.split(","):
+            rows += (bench_layouts if args.layouts else bench_case)(case, iterations, root)
     print_rows(rows)
     write_rows(args.json, rows)
     return 0

@@ -4,6 +4,7 @@ trainer beside it, each update's weights pushed, checked bit for bit and probed 
     python benchmarks/bench_resident_gpu.py                  # on the GPU (CUDA_VISIBLE_DEVICES picks which)
     python benchmarks/bench_resident_gpu.py --device cpu     # the same steps on the CPU (vLLM's CPU build: eager)
     python benchmarks/bench_resident_gpu.py --fault          # and a run whose engine drops a pushed tensor
+    python benchmarks/bench_resident_gpu.py --layout colocated  # vLLM in the actor trainer's rank, sleep mode
     python benchmarks/bench_resident_gpu.py --json rows.json # the figures for benchmarks/RESULTS.md
 
 One ``pyflyte run`` of the tiny GRPO preset (``configs/tiny_grpo.yaml``: its warm-started 2-layer Llama, built
@@ -51,23 +52,25 @@ DROPPED = "model.layers.1.self_attn.v_proj.weight"
 BUDGET_S = 300.0
 
 
-def overrides(root: str, iterations: int) -> List[str]:
-    return [f"run.storage_root={root}", "run.resident=true", f"run.num_iterations={iterations}",
+def overrides(root: str, iterations: int, layout: str = "separate") -> List[str]:
+    return [f"run.storage_root={root}", "run.resident=true", f"run.resident_layout={layout}",
+            f"run.num_iterations={iterations}",
             "run.eval_interval=0", "run.save_interval=100", "run.registered_model_name=",
             "run.checkpoint_artifact_max_mb=0", "rollout.engine=vllm", "rollout.vllm_dtype=bfloat16",
             "rollout.enforce_eager=false", "model.dtype=bfloat16", "actor.nproc_per_node=1"]
 
 
-def launch(root: str, name: str, iterations: int, env: Dict[str, str]) -> subprocess.CompletedProcess:
+def launch(root: str, name: str, iterations: int, env: Dict[str, str], layout: str = "separate"
+           ) -> subprocess.CompletedProcess:
     pyflyte = os.path.join(os.path.dirname(sys.executable), "pyflyte")
     return subprocess.run([pyflyte, "run", "workflows/reinforce.py", "reinforce_training", "--preset",
-                           "configs/tiny_grpo.yaml", "--overrides", json.dumps(overrides(root, iterations)),
+                           "configs/tiny_grpo.yaml", "--overrides", json.dumps(overrides(root, iterations, layout)),
                            "--run_name", name], cwd=REPO, env=env, capture_output=True, text=True)
 
 
-def checked_run(root: str, iterations: int, env: Dict[str, str], gpu: bool) -> List[Row]:
+def checked_run(root: str, iterations: int, env: Dict[str, str], gpu: bool, layout: str = "separate") -> List[Row]:
     t0 = time.perf_counter()
-    done = launch(root, "resident-gpu", iterations, env)
+    done = launch(root, "resident-gpu", iterations, env, layout)
     wall = time.perf_counter() - t0
     if done.returncode:
         raise SystemExit(f"the resident run failed ({wall:.0f} s):\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
@@ -75,14 +78,19 @@ def checked_run(root: str, iterations: int, env: Dict[str, str], gpu: bool) -> L
     def m(key: str) -> List[float]:
         return metrics(root, "resident-gpu", key)
 
-    sent, params, read = m("resident/weights_bytes"), m("resident/weights_params"), m("time/weights_read_back_s")
+    colocated = layout == "colocated"  # the weights loaded in the rank's process: the bytes each engine took
+    sent = m("resident/weights_loaded_bytes" if colocated else "resident/weights_bytes")
+    params, read = m("resident/weights_params"), m("time/weights_read_back_s")
     graphs, gaps = m("rollout/cuda_graphs"), m("rollout/probe_gap_max")
     per_iteration = m("time/iteration_s")
     push, held = m("time/weights_to_engine_s"), m("resident/receiver_peak_bytes")
     where = "GPU" if gpu else "CPU"
     exact = sum(b == 2 * p for b, p in zip(sent, params)) if len(read) == len(sent) else 0
-    return [
-        row("resident_gpu", f"resident run of {iterations} iterations, end to end ({where})", wall, "s",
+    rows = [row("resident_gpu", "colocated: weight bytes between processes, most per update",
+                max(m("resident/weights_bytes") or [0.0]), "B", f"sleep {[round(x, 4) for x in m('resident/sleep_s')[:3]]} s, "
+                f"wake {[round(x, 4) for x in m('resident/wake_s')[:3]]} s (vLLM's sleep mode on a GPU)", at_most=0.0)] if colocated else []
+    return rows + [
+        row("resident_gpu", f"resident run of {iterations} iterations, end to end ({where}, {layout})", wall, "s",
             f"median {statistics.median(per_iteration[1:] or per_iteration):.1f} s per iteration after the first",
             at_most=BUDGET_S if gpu else None),
         row("resident_gpu", "vLLM replays CUDA graphs (rollout/cuda_graphs)", min(graphs) if graphs else None, "",
@@ -97,9 +105,9 @@ def checked_run(root: str, iterations: int, env: Dict[str, str], gpu: bool) -> L
     ]
 
 
-def fault_run(root: str, env: Dict[str, str]) -> Row:
+def fault_run(root: str, env: Dict[str, str], layout: str = "separate") -> Row:
     t0 = time.perf_counter()
-    done = launch(root, "resident-gpu-fault", 1, {**env, "RLHF_FAULT_DROP_PUSHED": DROPPED})
+    done = launch(root, "resident-gpu-fault", 1, {**env, "RLHF_FAULT_DROP_PUSHED": DROPPED}, layout)
     out = done.stdout + done.stderr
     named = f"the engine holds other weights than were sent in '{DROPPED}'" in out
     return row("resident_gpu", "a push the engine's loader left a tensor out of fails, naming it",
@@ -114,6 +122,8 @@ def main(argv=None) -> int:
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--fault", action="store_true", help="also a run whose engine drops a pushed tensor")
     parser.add_argument("--root", default="", help="run folder (default: a temporary one)")
+    parser.add_argument("--layout", choices=("separate", "colocated"), default="separate",
+                        help="run.resident_layout: an engine service, or the engine in the actor trainer's rank")
     args = parser.parse_args(argv)
     import torch
 
@@ -128,9 +138,9 @@ def main(argv=None) -> int:
            "PYTHONPATH": str(REPO)}
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    rows = checked_run(root, args.iterations, env, gpu)
+    rows = checked_run(root, args.iterations, env, gpu, args.layout)
     if args.fault:
-        rows.append(fault_run(root, env))
+        rows.append(fault_run(root, env, args.layout))
     print_rows(rows)
     write_rows(args.json, rows)
     return 0 if all(r.ok is not False for r in rows) else 1

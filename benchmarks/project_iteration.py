@@ -15,7 +15,9 @@ each rank writing its own shard.
 Per preset and mode (:func:`breakdown`): s/iteration split into pod starts, state movement, weight transfer,
 generation, scoring, updates and checkpoints, bytes moved (:func:`moved`), beside NeMo-Aligner's and NeMo-RL's
 published steps. Every input is an :class:`Assumptions` or :class:`Shape` field whose docstring names its
-source (a figure measured here, a peer's published figure, or a hardware spec).
+source (a figure measured here, a peer's published figure, or a hardware spec). With the resident mode, the
+tables of its layouts follow (separate, colocated, asynchronous; ``benchmarks/projection_layouts.py``): seconds,
+GPUs, tokens/s/GPU and the recommended default per preset, beside NeMo-Aligner, NeMo-RL, veRL and AReaL.
 
 NeMo-Aligner's Llama-2-70B PPO step, 253.8 s on 8 actor + 8 critic nodes of 8 GPUs (Shen et al. 2024,
 "NeMo-Aligner: Scalable Toolkit for Efficient Model Alignment", arXiv:2405.01481; the figure as the project's
@@ -101,13 +103,19 @@ def compute_seconds(s: Shape, a: Assumptions) -> Dict[str, float]:
         "rollout": s.samples * s.response_tokens / (a.gen_tokens_per_s_per_gpu * s.gen_speed * s.rollout_gpus),
         "score": 2 * models * n / flops(task_gpus(s)["score"], a.forward_mfu, a),
         "actor_update": 6 * s.params * n / flops(task_gpus(s)["actor_update"], a.train_mfu, a),
-        "critic_update": (4 if s.critic_lora else 6) * cp * n / flops(s.critic_gpus, a.train_mfu, a),
+        "critic_update": gpu_seconds((4 if s.critic_lora else 6) * cp * n, s.critic_gpus, a.train_mfu, a),
     }
 
 
 def flops(gpus: int, mfu: float, a: Assumptions) -> float:
     """FLOP/s of ``gpus`` GPUs at ``mfu``."""
     return gpus * a.peak_tflops * 1e12 * mfu
+
+
+def gpu_seconds(work: float, gpus: int, mfu: float, a: Assumptions) -> float:
+    """Seconds of ``work`` FLOPs on ``gpus`` GPUs at ``mfu``; no work takes none (a shape without a critic,
+    ``critic_params=0``, ``critic_gpus=0``)."""
+    return 0.0 if work == 0 else work / flops(gpus, mfu, a)
 
 
 def task_gpus(s: Shape) -> Dict[str, int]:
@@ -159,7 +167,7 @@ def resident_scoring_seconds(s: Shape, a: Assumptions) -> Dict[str, float]:
     n = tokens(s)
     models = (3 if s.reward_model else 2) * s.params
     return {"actor": 2 * models * n / flops(s.actor_nodes * s.gpus_per_node, a.forward_mfu, a),
-            "critic": 2 * critic_size(s) * n / flops(s.critic_gpus, a.forward_mfu, a)}
+            "critic": gpu_seconds(2 * critic_size(s) * n, s.critic_gpus, a.forward_mfu, a)}
 
 
 def push_seconds(s: Shape, a: Assumptions) -> Dict[str, float]:
@@ -350,6 +358,10 @@ def rows(a: Assumptions, modes: Sequence[str] = MODES) -> List[Row]:
             out.append(row("projection", f"{s.name} s/iteration ({m})", p["total"], "s",
                            ", ".join(f"{k} {p[k]:.0f}" for k in PARTS) + f"; {b['storage'] / 1e9:.0f} GB stored"))
     out += peer_rows(a, modes)
+    if "resident" in modes:
+        from benchmarks.projection_layouts import layout_rows  # imports this module
+
+        out += layout_rows(a)
     out.append(row("projection", "AdamW bytes a rank reads, sharded / whole (2 ranks, measured)",
                    MEASURED_SHARD_SHARE, "x", "tests/unit/models/test_optimizer_shards.py through S3 (moto)"))
     nemo = project(NEMO_70B, a)["iteration"]["compute"]
@@ -383,6 +395,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(mode_table(s, a, modes) + "\n")
         if "stateless" in modes:
             print(table(s, a) + "\n")
+    if "resident" in modes:
+        from benchmarks.projection_layouts import GRPO_8B, layout_tables  # imports this module
+
+        print(layout_tables(a, (*PRESETS, GRPO_8B)) + "\n")
     out = rows(a, modes)
     print_rows(out)
     write_rows(args.json, out)

@@ -15,6 +15,29 @@ NVIDIA-NeMo/RL docs/about/performance-summary.md, Megatron backend, bf16)."""
 NEMO_RL_8B_TOKENS = 2048 * 1019
 """Tokens of that step: 2048 sequences (its generation batch), 1019 tokens each on average (the same table)."""
 
+NEMO_RL_8B_GPUS = 16
+"""GPUs of that step, colocated: its recipe (``examples/configs/recipes/llm/performance/
+grpo-llama3.1-8b-instruct-2n8g.yaml``, 2 nodes of 8) keeps ``policy.generation.colocated.enabled: true`` from
+``grpo_math_1B.yaml``, so vLLM generates data-parallel on all 16 (tensor parallel 1) and sleeps while they train."""
+NEMO_RL_V04_8B_STEP_S = (97.7, 74.6)
+"""Llama-3.1-8B GRPO step on 16 H100s, on-policy (colocated) and one-step off-policy (generation on one node of 8,
+training on the other: ``async-grpo-llama3.1-8b-instruct-2n8g.yaml``, ``colocated.enabled: false``), NeMo RL v0.4
+performance summary (NVIDIA-NeMo/RL ``docs/about/performance-summary.md``): 0.76x the on-policy step."""
+NEMO_RL_V04_32B = ((393.0, 32, 540.0), (215.0, 64, 494.0))
+"""Qwen3-32B GRPO, on-policy then one-step off-policy: (step seconds, H100s, published tokens/s/GPU), the same
+v0.4 table; the largest dense model it lists, the nearest to the 70B presets. Off-policy on twice the GPUs, its
+step is 0.55x and its tokens/s/GPU 0.91x the on-policy ones."""
+VERL_ASYNC_128_STEP_S = (356.30, 150.63)
+"""Qwen2.5-Math-7B DAPO step on 128 H20s, colocated synchronous against veRL's fully asynchronous trainer (64
+GPUs generating, 64 training, staleness 0.5, partial rollouts): 2.35x over 400 steps, 2.67x over the first 100
+(volcengine/verl ``recipe/fully_async_policy/README.md``, "128-card 7B Asynchronous Mode Experiment")."""
+AREAL_SPEEDUP = 2.77
+"""AReaL's asynchronous training against synchronous systems on the same GPUs, "up to 2.77x" (Fu et al. 2025,
+"AReaL: A Large-Scale Asynchronous Reinforcement Learning System for Language Reasoning", arXiv:2505.24298)."""
+NEMO_ALIGNER_70B_GPUS = 128
+"""GPUs of NeMo-Aligner's 70B step: 8 actor nodes and 8 critic nodes of 8 (arXiv:2405.01481); its generation runs on
+the actor's 64."""
+
 MEASURED_SHARD_SHARE = 22848 / 45696
 """Moment bytes one of 2 FSDP2 ranks reads with the cut / without, measured through S3 by
 ``tests/unit/models/test_optimizer_shards.py`` (22848 of 45696 bytes: exactly 1/ranks; each file adds its
@@ -65,6 +88,23 @@ class Assumptions:
     each way (128 GB/s both, NVIDIA's H100 datasheet); the push's shared-memory file is pageable, not pinned, for
     which a copy is staged through a pinned buffer by the driver: taken at 25 GB/s, unmeasured (the GPU check
     ``benchmarks/bench_resident_gpu.py`` prints the push's seconds)."""
+    hbm_gb_per_s: float = 3350.0
+    """H100 SXM HBM3 bandwidth, GB/s (NVIDIA's H100 datasheet: 3.35 TB/s): a colocated engine's in-process load
+    copies its slice of each gathered layer into its own buffers at this rate (read and write)."""
+    engine_sleep_s: float = 0.31
+    """A colocated engine's sleep per iteration, after generation: vLLM sleep mode at level 2 (weights discarded,
+    KV cache freed, nothing copied; the level veRL's hybrid engine uses for full-weight rollouts,
+    verl-project/verl#6661), 0.31 s for Qwen3-8B freeing 47.4 GiB of one A100 (level 1, copying the weights to
+    host memory: 10.57 s), measured in colocated RL runs and posted on vllm-project/vllm#48337 (2026-07-15). Each
+    GPU frees about as much at 70B (tensor parallel 8), so the figure is taken per GPU at both sizes."""
+    engine_wake_s: float = 6.53
+    """A colocated engine's wake per iteration, before its in-process load: level 2, 6.53 s for the same Qwen3-8B
+    on an A100 (vllm-project/vllm#48337; level 1: 2.19 s), which reallocates weights and KV cache and reloads the
+    weights, a load the projection counts apart, so an over-count. Cross-checks: vLLM's sleep-mode post
+    (blog.vllm.ai, 2025-10-26) measures level-1 wakes of 3-6 s for large models and level-2 wakes of 0.85-2.58 s
+    for 0.6-4B ones; veRL's colocated 7B step on 128 GPUs spends 10.7 s outside generation, log-probs and the
+    update (356.30 - 177.85 - 53.92 - 113.81, ``recipe/fully_async_policy/README.md``), sleep, wake and weight
+    sync included."""
 
 
 @dataclass(frozen=True)

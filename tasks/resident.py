@@ -13,7 +13,7 @@ from models.data.batch import RolloutBatch
 from models.run import lock as run_lock
 from models.run.types import PolicyState, RunHandle
 from models.stages.outputs import RolloutOutput, ScoreOutput, UpdateOutput
-from models.stages.services import ACTOR, CRITIC, ENGINE, call_stage
+from models.stages.services import ACTOR, CRITIC, call_stage, generating_service
 from tasks import batch_type, secrets  # noqa: F401  (batch_type: RolloutBatch as a Flyte type)
 
 SECRETS = (secrets.S3, secrets.MLFLOW, secrets.SERVICE)
@@ -34,8 +34,9 @@ def _call(service: str, op: str, cfg: TrainConfig, run: RunHandle, state: Policy
 @task(**THIN)
 def rollout_resident(cfg: TrainConfig, run: RunHandle, state: PolicyState, ahead: int = 0,
                      launch: str = "") -> RolloutOutput:
-    """The engine service samples the iteration's batch from the actor it holds."""
-    out = _call(ENGINE, "rollout", cfg, run, state, launch, ahead=ahead)
+    """The engine service (colocated: the actor trainer service's ranks) samples the iteration's batch from the
+    actor it holds."""
+    out = _call(generating_service(cfg), "rollout", cfg, run, state, launch, ahead=ahead)
     return RolloutOutput(RolloutBatch.open(out["batch"]), out["stats"])
 
 
@@ -67,4 +68,4 @@ def critic_update_resident(cfg: TrainConfig, run: RunHandle, state: PolicyState,
 @task(**THIN)
 def evaluate_resident(cfg: TrainConfig, run: RunHandle, state: PolicyState, launch: str = "") -> float:
     """The engine service's mean reward on the held-out prompts (logged at the iteration that made the policy)."""
-    return float(_call(ENGINE, "evaluate", cfg, run, state, launch))
+    return float(_call(generating_service(cfg), "evaluate", cfg, run, state, launch))

@@ -196,8 +196,9 @@ def run_services(cfg: TrainConfig, run: RunHandle, state: PolicyState, launch: s
     if not cfg.run.resident or is_local_execution():
         return []
     args = dict(cfg=cfg, run=run, state=state, launch=launch)
-    nodes = [engine_service(**args).with_overrides(**resources_for(cfg, "rollout")),
-             actor_service(**args).with_overrides(**resources_for(cfg, "actor"))]
+    nodes = [] if cfg.run.resident_layout == "colocated" else [  # colocated: the actor's ranks hold the engines
+        engine_service(**args).with_overrides(**resources_for(cfg, "rollout"))]
+    nodes.append(actor_service(**args).with_overrides(**resources_for(cfg, "actor")))
     if cfg.uses_critic:
         nodes.append(critic_service(**args).with_overrides(**resources_for(cfg, "critic")))
     return nodes

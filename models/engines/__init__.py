@@ -25,7 +25,9 @@ weights, bit for bit. Whether the engine then computes as the trainer does is ch
 With ``data_parallel_size`` > 1 (``rollout.data_parallel_size``) the same interface is served by that many
 engines, each in its own process, fed per request: chunks of the prompts go to the first replica free
 (:mod:`models.engines.replicas`, :mod:`models.engines.dispatch`; vLLM 0.32 has no offline data parallelism
-for dense models).
+for dense models). In a colocated resident run (``run.resident_layout=colocated``) each rank of the actor trainer
+holds an engine of its own and rank 0's calls are dealt over all of them (:mod:`models.engines.rank_engines`;
+sleep, wake and closing in a rank: :mod:`models.engines.in_rank`).
 """
 
 from __future__ import annotations

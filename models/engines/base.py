@@ -92,6 +92,17 @@ def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     return stream_seed(seed, prompt_index, sample_index)
 
 
+def request_indices(prompts: Sequence[Any], first_index: int = 0, indices: Optional[Sequence[int]] = None
+                    ) -> List[int]:
+    """Each prompt's index in the whole request, what its samples are seeded by (:func:`sample_seed`): ``indices``
+    when given (one per prompt), else ``first_index + i``."""
+    if indices is None:
+        return list(range(first_index, first_index + len(prompts)))
+    if len(indices) != len(prompts):
+        raise ValueError(f"{len(indices)} prompt indices for {len(prompts)} prompts")
+    return [int(i) for i in indices]
+
+
 def contiguous_shares(count: int, parts: int) -> List[Tuple[int, int]]:
     """``(start, end)`` of ``parts`` contiguous shares of ``range(count)``, in order, sizes differing by
     at most one (the first ``count % parts`` one longer)."""

@@ -13,7 +13,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from kernels.sampling import exponential_race, processed_logprobs
-from models.engines.base import EngineLoadError, Generation, SamplingSpec, SwappableEngine, sample_seed
+from models.engines.base import (EngineLoadError, Generation, SamplingSpec, SwappableEngine, request_indices,
+                                 sample_seed)
 from models.engines.weight_stream import bits
 from models.faults import drop_pushed
 
@@ -146,19 +147,22 @@ class HFEngine(SwappableEngine):
             out.append(logp.squeeze(-1).cpu().tolist())
         return out
 
-    def generate(self, prompts: List[List[int]], spec: SamplingSpec, first_index: int = 0) -> List[List[Generation]]:
-        """``first_index``: the index of ``prompts[0]`` in the whole request (see ``VLLMEngine.generate``)."""
-        return self.generate_versions(prompts, spec, first_index)[0]
+    def generate(self, prompts: List[List[int]], spec: SamplingSpec, first_index: int = 0,
+                 indices: Optional[Sequence[int]] = None) -> List[List[Generation]]:
+        """``first_index``: the index of ``prompts[0]`` in the whole request, or ``indices``: each prompt's (see
+        ``VLLMEngine.generate``)."""
+        return self.generate_versions(prompts, spec, first_index, indices=indices)[0]
 
     @torch.no_grad()
     def generate_versions(self, prompts: List[List[int]], spec: SamplingSpec, first_index: int = 0, version: int = 0,
-                          between_steps: Optional[Callable[[], int]] = None) \
-            -> Tuple[List[List[Generation]], List[List[int]]]:
+                          between_steps: Optional[Callable[[], int]] = None,
+                          indices: Optional[Sequence[int]] = None) -> Tuple[List[List[Generation]], List[List[int]]]:
         """:meth:`generate`, and each sample's per-token policy versions (prompt-major, as the samples): the
         weights served at the start are ``version``; ``between_steps()``, called once every step's tokens are
         drawn, may change them in place (partial rollouts: the next step's forward uses the new weights, the KV
         cache of the tokens before is kept) and returns the version served from then on."""
         model = self._model()
+        at = request_indices(prompts, first_index, indices)
 
         def guarded() -> int:
             served = between_steps()
@@ -177,7 +181,7 @@ class HFEngine(SwappableEngine):
         for i, p in enumerate(expanded):
             input_ids[i, max_len - len(p):] = torch.tensor(p)
             attn[i, max_len - len(p):] = 1
-        seeds = [sample_seed(spec.seed, first_index + i, j) for i in range(len(prompts)) for j in range(spec.n)]
+        seeds = [sample_seed(spec.seed, at[i], j) for i in range(len(prompts)) for j in range(spec.n)]
         step = _SampleStep(spec, seeds, max_len, stop_ids, torch.device(self.device), version,
                            guarded if between_steps is not None else None)
         kwargs = dict(do_sample=False, max_new_tokens=spec.max_new_tokens, pad_token_id=pad_id,

@@ -35,7 +35,7 @@ from models.environ import environment
 from models.engines import vllm_push
 from models.engines.weight_stream import merge_held
 from models.engines.base import (EngineLoadError, Generation, SamplingSpec, SwappableEngine, contiguous_shares,
-                                sample_seed)
+                                request_indices, sample_seed)
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """``max_lora_rank`` values vLLM accepts (``vllm.config.lora.MaxLoRARanks``)."""
@@ -151,11 +151,16 @@ class VLLMEngine(SwappableEngine):
 
     def __init__(self, checkpoint_dir: str, dtype: str = "float32", kv_cache_gib: float = 1.0,
                  gpu_memory_utilization: float = 0.5, max_model_len: Optional[int] = None, seed: int = 0,
-                 max_lora_rank: int = 0, tensor_parallel_size: int = 1, enforce_eager: bool = False):
+                 max_lora_rank: int = 0, tensor_parallel_size: int = 1, enforce_eager: bool = False,
+                 colocated: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
         kwargs = llm_kwargs(checkpoint_dir, dtype, gpu_memory_utilization, max_model_len, seed, max_lora_rank,
                             tensor_parallel_size, enforce_eager, torch.cuda.is_available())
+        if colocated:  # in a trainer's rank (run.resident_layout=colocated): sleeps on a GPU; beside other ranks,
+            kwargs["enable_sleep_mode"] = torch.cuda.is_available()  # it joins their process group (made first)
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                kwargs["distributed_executor_backend"] = "external_launcher"
         self._lora = None  # vllm.lora.request.LoRARequest of the adapter being served
         self._lora_ids = 0
         self._shared: Dict[int, str] = {}  # a push's shared-memory buffers given out: storage -> file
@@ -292,11 +297,14 @@ class VLLMEngine(SwappableEngine):
             k += len(s) - 1
         return out
 
-    def generate(self, prompts: List[List[int]], spec: SamplingSpec, first_index: int = 0) -> List[List[Generation]]:
+    def generate(self, prompts: List[List[int]], spec: SamplingSpec, first_index: int = 0,
+                 indices: Optional[Sequence[int]] = None) -> List[List[Generation]]:
         """``first_index``: the index of ``prompts[0]`` in the whole request (an engine replica's share),
-        so sample ``j`` of ``prompts[i]`` is seeded ``sample_seed(spec.seed, first_index + i, j)``."""
+        so sample ``j`` of ``prompts[i]`` is seeded ``sample_seed(spec.seed, first_index + i, j)``; or ``indices``,
+        each prompt's index (a share dealt by length over ranks, :mod:`models.engines.rank_engines`)."""
         from vllm import SamplingParams, TokensPrompt
 
+        at = request_indices(prompts, first_index, indices)
         llm = self._llm()
         t0 = time.perf_counter()
         greedy = spec.temperature == 0
@@ -304,7 +312,7 @@ class VLLMEngine(SwappableEngine):
         params = [SamplingParams(
             n=1, temperature=spec.temperature, top_p=1.0 if greedy else spec.top_p,
             top_k=0 if greedy else spec.top_k, max_tokens=spec.max_new_tokens, min_tokens=spec.min_new_tokens,
-            seed=sample_seed(spec.seed, first_index + i, j), logprobs=0, stop_token_ids=stop_ids,
+            seed=sample_seed(spec.seed, at[i], j), logprobs=0, stop_token_ids=stop_ids,
             stop=list(spec.stop_strings) or None,
         ) for i in range(len(prompts)) for j in range(spec.n)]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(spec.n)]
@@ -324,6 +332,11 @@ class VLLMEngine(SwappableEngine):
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             try:
-                llm.llm_engine.engine_core.shutdown()
+                if self._llm_kwargs.get("distributed_executor_backend") == "external_launcher":
+                    from models.engines.in_rank import close_vllm
+
+                    close_vllm(llm)  # in a trainer's rank: its process group stays
+                else:
+                    llm.llm_engine.engine_core.shutdown()
             except Exception as e:  # shutting down must not hide the real outcome
                 logging.getLogger(__name__).warning("vLLM shutdown: %s", e)

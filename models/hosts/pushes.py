@@ -48,13 +48,13 @@ def _numel(shape) -> int:
 class Sealed:
     """The buckets of ``header``, each filled from ``source`` (gathered one tensor at a time, cast to ``dtype`` by
     each rank before the gather) and sealed when its last tensor is in; the samples drawn with a generator
-    seeded ``push``."""
+    seeded ``push``. ``everywhere``: every rank fills its own buckets (its in-process engine's, colocated)."""
 
     def __init__(self, header: Mapping[str, Any], source: WeightSource, device, push: int,
-                 dtype: Optional[torch.dtype] = None):
+                 dtype: Optional[torch.dtype] = None, everywhere: bool = False):
         self.header, self.device = header, torch.device(device)
         self.generator = torch.Generator().manual_seed(int(push))
-        self.gathered = source.gathered(self.device, dtype)
+        self.gathered = source.gathered(self.device, dtype, everywhere)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         buckets = [[] for _ in self.header["buckets"]]
@@ -76,8 +76,8 @@ class Sealed:
 
 
 def sealed(header: Mapping[str, Any], source: WeightSource, device, push: int,
-           dtype: Optional[torch.dtype] = None) -> Sealed:
-    return Sealed(header, source, device, push, dtype)
+           dtype: Optional[torch.dtype] = None, everywhere: bool = False) -> Sealed:
+    return Sealed(header, source, device, push, dtype, everywhere)
 
 
 SETTLE_S = 0.5

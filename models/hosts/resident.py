@@ -48,16 +48,23 @@ _RUNNING: Dict[str, List[ChildProcess]] = {}
 
 
 def needed(cfg) -> List[str]:
-    """The services a resident run of ``cfg`` keeps: the engine, the actor, and the critic for PPO."""
-    return [ENGINE, ACTOR] + ([CRITIC] if cfg.uses_critic else [])
+    """The services a resident run of ``cfg`` keeps: the engine (none colocated: the actor's ranks hold the
+    engines), the actor, and the critic for PPO."""
+    colocated = cfg.run.resident_layout == "colocated"
+    return ([] if colocated else [ENGINE]) + [ACTOR] + ([CRITIC] if cfg.uses_critic else [])
+
+
+COLOCATED_ACTOR = "colocated-actor"
+"""The host of the actor service whose ranks hold the engines too (``run.resident_layout=colocated``)."""
 
 
 def host_class(name: str):
     """The host class of service ``name`` (imported when a service starts: this module stays torch-free)."""
+    from models.hosts.colocated import ColocatedActorHost
     from models.hosts.engine import EngineHost
     from models.hosts.trainers import ActorHost, CriticHost
 
-    return {ENGINE: EngineHost, ACTOR: ActorHost, CRITIC: CriticHost}[name]
+    return {ENGINE: EngineHost, ACTOR: ActorHost, CRITIC: CriticHost, COLOCATED_ACTOR: ColocatedActorHost}[name]
 
 
 def serve_service(name: str, cfg, run: RunHandle, state: PolicyState, listen: str = "127.0.0.1",
@@ -72,7 +79,8 @@ def serve_service(name: str, cfg, run: RunHandle, state: PolicyState, listen: st
     token = service_token(run.layout.url, run.launch_name, name)  # before any model loads: no secret, no service
     info = init_distributed()
     share = RankFanout(cfg.run.resident_rank_grace_s, log)
-    host = host_class(name)(cfg, run, state, info)
+    colocated = name == ACTOR and cfg.run.resident_layout == "colocated"
+    host = host_class(COLOCATED_ACTOR if colocated else name)(cfg, run, state, info)
     settings = Settings(token, run.layout.url, config_digest(cfg), idle_timeout_s=cfg.run.resident_idle_timeout_s,
                         parent_pid=parent_pid)
 
@@ -127,8 +135,9 @@ def start_services(cfg, run: RunHandle, state: PolicyState, timeout_s: float = 6
     except BaseException:
         stop_services(run)
         raise
-    engine = children[needed(cfg).index(ENGINE)]
-    threading.Thread(target=_supervise, args=(run, engine, timeout_s), daemon=True, name="engine-restarts").start()
+    if ENGINE in needed(cfg):
+        engine = children[needed(cfg).index(ENGINE)]
+        threading.Thread(target=_supervise, args=(run, engine, timeout_s), daemon=True, name="engine-restarts").start()
     return urls
 
 

@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 from urllib.parse import urlsplit
 
 import torch
@@ -115,6 +115,16 @@ def _body_buckets(header: Mapping[str, Any], body: bytes):
         offset += size
 
 
+def adapter_file(lm, state: Mapping[str, torch.Tensor]) -> Tuple[Dict[str, Any], bytes]:
+    """The adapter's config and file as the actor's checkpoint would hold them (``state``: its tensors whole)."""
+    with tempfile.TemporaryDirectory(prefix="adapter-out-") as tmp:  # never the run's storage
+        lm.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False, state_dict=dict(state))
+        with open(os.path.join(tmp, ADAPTER_CONFIG), encoding="utf-8") as f:
+            config = json.load(f)
+        with open(os.path.join(tmp, ADAPTER_FILE), "rb") as f:
+            return config, f.read()
+
+
 class AdapterTransport(Transport):
     """LoRA: the adapter's file and config as the actor's checkpoint would hold them; the engine serves it as an
     adapter on its base, or merged into it (``rollout.lora_mode``), from a folder of its process."""
@@ -127,12 +137,7 @@ class AdapterTransport(Transport):
         source.full()
 
     def send(self, engine, args, lm, source):
-        with tempfile.TemporaryDirectory(prefix="adapter-out-") as tmp:  # never the run's storage
-            lm.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False, state_dict=source.full())
-            with open(os.path.join(tmp, ADAPTER_CONFIG), encoding="utf-8") as f:
-                config = json.load(f)
-            with open(os.path.join(tmp, ADAPTER_FILE), "rb") as f:
-                body = f.read()
+        config, body = adapter_file(lm, source.full())
         return _in_body(engine, {**args, "meta": {"adapter_config": config}}, body)
 
     def receive(self, meta, body, engine=None):

@@ -89,7 +89,8 @@ def engine_for(cfg: TrainConfig, actor_url: str):
         return remote_engine_for(cfg, actor_url)
     kwargs = dict(dtype=r.vllm_dtype, kv_cache_gib=r.vllm_kv_cache_gib,
                   gpu_memory_utilization=r.vllm_gpu_memory_utilization, seed=cfg.run.seed,
-                  tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager) \
+                  tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager,
+                  colocated=cfg.run.resident_layout == "colocated") \
         if r.engine == "vllm" else dict(dtype=cfg.model.dtype)
     kwargs["data_parallel_size"] = r.data_parallel_size  # replicas of either engine
     local = local_checkpoint(actor_url)

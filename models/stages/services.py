@@ -41,6 +41,12 @@ RECOVERIES = 3
 WRONG_ITERATION, PUSH_FAILED = "WrongIteration", "PushFailed"
 
 
+def generating_service(cfg: TrainConfig) -> str:
+    """The service that runs the rollout and the evaluation: the engine's, or with ``run.resident_layout=colocated``
+    the actor trainer's (its ranks hold the engines)."""
+    return ACTOR if cfg.run.resident_layout == "colocated" else ENGINE
+
+
 def config_digest(cfg: TrainConfig) -> str:
     return digest(to_dict(cfg))
 
@@ -83,6 +89,8 @@ def call_stage(cfg: TrainConfig, run: RunHandle, name: str, op: str, state: Poli
             if attempt == RECOVERIES or not (engine_lost or name == ACTOR and err.kind == PUSH_FAILED):
                 raise
             log.warning("%s; recovering (%d of %d)", err, attempt + 1, RECOVERIES)
+            if generating_service(cfg) == ACTOR:  # colocated: the update's request again loads the weights again
+                continue
             await_engine(cfg, run)
             if name == ENGINE:
                 restore_engine(cfg, run, state)

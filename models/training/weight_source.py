@@ -57,15 +57,19 @@ class WeightSource:
     def parameters(self) -> int:
         return sum(t.numel() for t in self.state.values())
 
-    def gathered(self, device: torch.device, dtype: Optional[torch.dtype] = None
+    def gathered(self, device: torch.device, dtype: Optional[torch.dtype] = None, everywhere: bool = False
                  ) -> Iterator[Tuple[str, Optional[torch.Tensor]]]:
         """``(name, the whole tensor on ``device``)`` on rank 0, ``(name, None)`` on the others, one tensor at a
         time, in :meth:`tensors`' order, floating point cast to ``dtype`` (None: as trained) by each rank before
-        its rows travel: a collective under FSDP2, so every rank iterates all of it."""
+        its rows travel: a collective under FSDP2, so every rank iterates all of it. ``everywhere``: the whole
+        tensor on every rank (an all-gather: each rank loads its own engine, ``run.resident_layout=colocated``)."""
         sharded = self.sharded()
         for name, t in self.state.items():
             cast = dtype if dtype is not None and t.dtype.is_floating_point else None
-            if sharded:
+            if everywhere:
+                local = t.detach()
+                yield name, (local.full_tensor() if hasattr(local, "full_tensor") else local).to(device, cast)
+            elif sharded:
                 yield name, gather_to(t, 0, self.info, device, cast)
             else:
                 yield name, t.detach().to(device, cast) if self.info.is_main else None
@@ -79,8 +83,9 @@ class WeightSource:
             for _ in self.gathered(self.info.device, dtype):
                 pass
 
-    def full(self) -> Dict[str, torch.Tensor]:
-        """Every tensor whole as trained, aliases included (rank 0; empty elsewhere): the LoRA adapter's push."""
-        out = {name: t for name, t in self.gathered(torch.device("cpu")) if t is not None}
+    def full(self, everywhere: bool = False) -> Dict[str, torch.Tensor]:
+        """Every tensor whole as trained, aliases included (rank 0, or every rank with ``everywhere``; empty
+        elsewhere): the LoRA adapter's push."""
+        out = {name: t for name, t in self.gathered(torch.device("cpu"), None, everywhere) if t is not None}
         out.update({a: out[t] for a, t in self.aliases.items() if t in out})
         return out

@@ -1,17 +1,20 @@
-"""PPO (two iterations) and GRPO (three) from the compiled package, every node a pod (``tests/cluster``),
-against the same seeds through a local ``pyflyte run``: the same checkpoints byte for byte, the same
+"""PPO (two iterations), GRPO (three) and a colocated GRPO (two) from the compiled package, every node a pod
+(``tests/cluster``), against the same seeds through a local ``pyflyte run``: the same checkpoints byte for byte, the same
 metrics, every run FINISHED in one ``mlflow server`` on 127.0.0.1. PPO runs stateless (every task loads
 its models), GRPO resident (``run.resident``): its services are nodes of the execution (the engine's pod,
 the actor trainer's two-pod PyTorchJob), the local run's child processes of ``pyflyte run``; none outlives
-its run. Both pod runs span several executions (``run.iterations_per_execution``: PPO one iteration each,
-GRPO two then one, each launched by the one before, as a long run is cut on a cluster), the local runs one.
+its run. Every pod run is a chain of executions (the run's own, then its iterations': GRPO's two then one
+(``run.iterations_per_execution=2``), each launched by the one before, as a long run is cut on a cluster), the
+local runs one.
 
 What differs on purpose: the pods' actor update is a two-node PyTorchJob (2 pods × 2 ranks, the
 operator's rendezvous environment on loopback), the local run's one node of 4 ranks (the same 4
 ranks, the same shards); the PPO run loses its second rollout pod mid-sampling and Flyte's retry
 redoes it; the GRPO run loses its engine service's pod mid-sampling (iteration 1's batch sampled, not
 written): Flyte starts it again from the run's start and the iteration's tasks go on with it, given the
-trainer's weights, no iteration redone. Both sides run one torch thread per process (each node limited to one core), as float
+trainer's weights, no iteration redone. The colocated case (``run.resident_layout=colocated``, the HF engine)
+has no engine at all beside its actor trainer's PyTorchJob: each of its 4 ranks samples its share of the prompts
+and loads the new weights in its own process. Both sides run one torch thread per process (each node limited to one core), as float
 sums depend on the thread count.
 """
 
@@ -33,15 +36,16 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 COMMON = ["run.num_iterations=2", "run.iterations_per_chunk=1", "run.eval_interval=2", "run.save_interval=1",
           "rollout.prompts_per_iteration=8", "actor.minibatch_size=16", "data.num_demo_eval_prompts=8"]
-RUN = {"ppo": COMMON + ["critic.minibatch_size=16", "critic.micro_batch_size=8", "rollout.engine=hf",
-                         "run.iterations_per_execution=1"],
+RUN = {"ppo": COMMON + ["critic.minibatch_size=16", "critic.micro_batch_size=8", "rollout.engine=hf"],
        "grpo": [o for o in COMMON if not o.startswith(("run.iterations_per_chunk", "run.num_iterations"))]
        + ["run.num_iterations=3", "run.iterations_per_chunk=2", "run.iterations_per_execution=2",
-          "run.off_policy_steps=1", "actor.tis_cap=2", "run.resident=true", "run.resident_idle_timeout_s=600"]}
-ITERATIONS = {"ppo": 2, "grpo": 3}
-EXECUTIONS = {"ppo": 3, "grpo": 3}
-"""The run's own execution (set-up, services, finish) and those of its iterations: PPO's two of one iteration,
-GRPO's of iterations 0-1 (pipelined in one chunk) and of iteration 2."""
+          "run.off_policy_steps=1", "actor.tis_cap=2", "run.resident=true", "run.resident_idle_timeout_s=600"],
+       "colocated": COMMON + ["rollout.engine=hf", "run.resident=true", "run.resident_layout=colocated",
+                              "run.resident_idle_timeout_s=600"]}
+ITERATIONS = {"ppo": 2, "grpo": 3, "colocated": 2}
+EXECUTIONS = {"ppo": 2, "grpo": 3, "colocated": 2}
+"""The run's own execution (set-up, services, finish) and those of its iterations: PPO's one of both iterations,
+GRPO's of iterations 0-1 (pipelined in one chunk) and of iteration 2, the colocated run's of both iterations."""
 """The critic's options only where there is a critic (an option the algorithm ignores is refused); PPO samples
 with the HF engine (its rollout and evaluation pods start in seconds: nothing here depends on the engine),
 GRPO with vLLM, so vLLM runs in pods from the package too (in the engine service's pod). GRPO
@@ -50,14 +54,16 @@ on each level of the graph, as propeller runs them: the same checkpoints and met
 executes nodes one after another, and its rollout of iteration 1 beside iteration 0's chain (both
 iterations in one chunk: the pipeline restarts at a chunk's first iteration, as in the execution of iteration 2,
 whose first batch is sampled from the actor of iteration 0 as the pipeline would have)."""
-PODS_TOPOLOGY = {"ppo": TOPOLOGY + CRITIC_TOPOLOGY, "grpo": TOPOLOGY}
+PODS_TOPOLOGY = {"ppo": TOPOLOGY + CRITIC_TOPOLOGY, "grpo": TOPOLOGY, "colocated": TOPOLOGY}
 """The registered topologies: the actor's 2 pods of 2 ranks and, for PPO, the critic's 2 pods of 1 rank."""
 LOCAL_TOPOLOGY = {"ppo": ["actor.nnodes=1", "actor.nproc_per_node=4", "actor.micro_batch_size=4",
                           "critic.nnodes=1", "critic.nproc_per_node=2"],
                   "grpo": ["actor.nnodes=1", "actor.nproc_per_node=4", "actor.micro_batch_size=4"]}
+LOCAL_TOPOLOGY["colocated"] = LOCAL_TOPOLOGY["grpo"]
 """The same world sizes on one node: the local run the pods must match file for file."""
 CASES = {"ppo": ("workflows/ppo.py", "ppo_training", "configs/tiny_ppo.yaml"),
          "grpo": ("workflows/reinforce.py", "reinforce_training", "configs/tiny_grpo.yaml")}
+CASES["colocated"] = CASES["grpo"]
 NOT_COMPARED = ("time/", "throughput/")
 """Wall-clock metrics: never equal between two runs."""
 
@@ -84,12 +90,13 @@ def local_run(algo: str, root: str, s3: str, mlflow: str, home: Path) -> str:
     return run.wait(timeout_s=1800)
 
 
-@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+@pytest.mark.parametrize("algo", ["ppo", "grpo", "colocated"])
 def test_a_run_across_executions_in_pods_matches_a_local_run(algo, packages, make_cluster, s3_server, mlflow_url, tmp_path):
     from mlflow.tracking import MlflowClient
 
     package = packages(*DEPLOY, registration_env(s3_server, mlflow_url))
-    faults = [Fault("rollout" if algo == "ppo" else "engine_service", "rollout/iter-000001")]
+    faults = {"ppo": [Fault("rollout", "rollout/iter-000001")],
+              "grpo": [Fault("engine_service", "rollout/iter-000001")]}.get(algo, [])
     cluster = make_cluster(package, faults=faults, **({"parallelism": 2, "pin_cores": (0, 1)} if algo == "grpo" else {}))
     root = f"s3://{BUCKET}/{algo}-{tmp_path.name}"
     workflow, entry, preset = CASES[algo]
@@ -130,6 +137,8 @@ def test_a_run_across_executions_in_pods_matches_a_local_run(algo, packages, mak
     if algo == "grpo":
         check_services(ex, cluster, root)
         check_pipelined(ex, client, runs["pods"].info.run_id, "_resident")
+    if algo == "colocated":
+        check_colocated(ex, pods_m)
 
 
 def check_executions(ex, count: int) -> None:
@@ -142,6 +151,17 @@ def check_executions(ex, count: int) -> None:
     assert len(chain) == count and [e.parent for e in chain[1:]] == [e.id for e in chain[:-1]], chain
     assert [e.workflow.rsplit(".", 1)[-1] for e in chain[1:]] == [chain[1].workflow.rsplit(".", 1)[-1]] * (count - 1)
     assert chain[0].nodes <= 7 and max(records.values()) <= 40, records  # (7: set-up, 3 services, the plan, finish)
+
+
+def check_colocated(ex, pods_m: dict) -> None:
+    """``run.resident_layout=colocated``: the actor trainer's PyTorchJob (2 pods of 2 ranks) is the run's one
+    service, its ranks the engines (no engine node, no task that loads a model); no weight bytes travelled."""
+    services = sorted({a.task.rsplit(".", 1)[-1] for a in ex.attempts if a.task.endswith("_service")})
+    assert services == ["actor_service"], services
+    actor = [a for a in ex.attempts if a.task.endswith(".actor_service")][-1]
+    assert actor.outcome == "outputs" and len(actor.pods) == 2, (actor.outcome, actor.error)
+    assert not [a for a in ex.attempts if a.task.split(".")[-1] in ("rollout", "score", "actor_update")]
+    assert [v for _, v in pods_m["resident/weights_bytes"]] == [0.0] * ITERATIONS["colocated"]
 
 
 def check_stateless_pods(ex) -> None:

@@ -6,9 +6,10 @@ needs (``run.keep_checkpoints=0``, ``run.keep_batches=0``): each rerun resumes a
 iteration 0's batches, takes iteration 1's finished tasks from Flyte's cache (their batch files are
 after the resume point: kept), and the finished run holds the final checkpoints alone.
 
-The same run with ``run.resident=true`` (the actor, the critic and the engine as services for the
-whole run) has its critic service SIGKILLed during iteration 1; the run fails naming it, leaves no
-service behind, and its rerun resumes with fresh services from iteration 0's checkpoints (weights and
+The same run with ``run.resident=true``, first colocated (``run.resident_layout=colocated``: the actor and the
+critic as services for the whole run, the actor trainer's ranks generating), has its actor trainer service
+SIGKILLed during iteration 1; the run fails naming it, leaves no service behind, and its rerun, in the separate
+layout (an engine service of its own), resumes with fresh services from iteration 0's checkpoints (weights and
 AdamW's moments). The rerun then has its engine service SIGKILLed once iteration 1 is sampled: the run
 starts it again, the actor trainer gives it the weights it holds, and the run goes on without failing or
 redoing an iteration, to the uninterrupted stateless run's metrics (the final evaluation's by the restarted
@@ -253,19 +254,20 @@ def _service_pids(layout: RunLayout) -> dict:
 
 @pytest.fixture(scope="module")
 def resident(runs):
-    """``run.resident=true``: its critic service SIGKILLed once iteration 0 is committed; then rerun, its engine
-    service SIGKILLed once iteration 1 is sampled."""
+    """``run.resident=true``, colocated (``run.resident_layout=colocated``: the actor trainer's ranks generate):
+    its actor trainer service SIGKILLed once iteration 0 is committed; then rerun in the separate layout, its
+    engine service SIGKILLed once iteration 1 is sampled."""
     layout, progress = runs.layout("resident"), f"{runs.layout('resident').url}/progress.json"
-    first = runs.start("resident", "r1", extra=["run.resident=true"])
+    first = runs.start("resident", "r1", extra=["run.resident=true", "run.resident_layout=colocated"])
     first.wait_until(lambda: storage.exists(progress), "iteration 0's commit")
     pids = _service_pids(layout)
-    os.kill(pids["critic"], signal.SIGKILL)
+    os.kill(pids["actor"], signal.SIGKILL)
     code = first.proc.wait(timeout=300)
     killed = first.output()
     alive = [n for n, pid in pids.items() if _alive(pid)]
     sampled = layout.batch_url(1, "rollouts")
     storage.remove(sampled)  # the first run's, if it got that far
-    second = runs.start("resident", "r2", extra=["run.resident=true"])
+    second = runs.start("resident", "r2", extra=["run.resident=true", "run.resident_layout=separate"])  # set: kept
     pids2: dict = {}
     second.wait_until(lambda: pids2.update(_service_pids(layout)) or len(pids2) == 3 and not set(pids2.values()) &
                       set(pids.values()), "the services' addresses")  # the rerun's, not those the killed run left
@@ -280,14 +282,17 @@ def resident(runs):
 
 
 def test_a_resident_run_killed_and_resumed_equals_the_stateless_one(runs, resident):
-    assert set(resident["pids"]) == {"engine", "actor", "critic"}
+    assert set(resident["pids"]) == {"actor", "critic"}  # colocated: no engine service
     assert resident["code"] != 0
-    assert "the critic trainer service" in resident["killed"] and "does not answer" in resident["killed"], \
+    assert "the actor trainer service" in resident["killed"] and "does not answer" in resident["killed"], \
         resident["killed"][-4000:]
     assert resident["alive"] == [] and resident["alive_after"] == [], "a service outlived its run"
     resumed = resident["resumed"]  # the engine killed mid-run: started again, given the weights, nothing redone
     assert "the engine service exited (code -9): started again" in resumed, resumed[-4000:]
     assert resumed.count("[ppo] iter 2/2") == 1 and "[ppo] iter 1/2" not in resumed
-    transports = _client(runs).get_metric_history(_run_id(runs, "resident"), "resident/weights_transport")
+    client, run_id = _client(runs), _run_id(runs, "resident")
+    transports = client.get_metric_history(run_id, "resident/weights_transport")
     assert transports and {m.value for m in transports} == {1.0}, "the weights did not go over the gloo channel"
+    sent = {m.step: m.value for m in client.get_metric_history(run_id, "resident/weights_bytes")}
+    assert sent[0] == 0 and sent[1] > 0, sent  # iteration 0 colocated (loaded in process), 1 separate (sent)
     _assert_equals_the_reference(runs, "resident")

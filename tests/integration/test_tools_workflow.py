@@ -1,4 +1,5 @@
-"""Multi-turn episodes through ``pyflyte run``: 2 iterations of GRPO (``configs/tiny_tools.yaml``, resident) and
+"""Multi-turn episodes through ``pyflyte run``: 2 iterations of GRPO (``configs/tiny_tools.yaml``, resident and
+colocated: two actor ranks sampling the episodes) and
 of PPO (``configs/tiny_ppo.yaml`` with an environment) on the Qwen2-shaped chat checkpoint, with
 the calculator environment. The batches hold one row per episode with its ``loss_mask``, the
 rewards are the environment's, the advantages are 0 off the policy's tokens, and MLflow has the
@@ -63,9 +64,11 @@ def _check(root: Path, run_name: str) -> None:
 
 
 @pytest.mark.parametrize("workflow, preset, extra", [
-    # the GRPO run keeps its models in a resident run's services (run.resident): episodes sampled by the engine
-    # service, scored and trained by the actor service; the checks are the same in both modes
-    ("workflows/reinforce.py reinforce_training", "configs/tiny_tools.yaml", ["run.resident=true"]),
+    # the GRPO run keeps its models in a resident run's services (run.resident), colocated: episodes sampled by
+    # the actor service's two ranks' engines (each turn's prompts dealt over them), scored and trained by the
+    # same service; the checks are the same in both modes
+    ("workflows/reinforce.py reinforce_training", "configs/tiny_tools.yaml",
+     ["run.resident=true", "run.resident_layout=colocated", "actor.nproc_per_node=2", "actor.micro_batch_size=4"]),
     ("workflows/ppo.py ppo_training", "configs/tiny_ppo.yaml", ENV + ["critic.minibatch_size=8",
                                                                       "critic.micro_batch_size=8"]),
 ], ids=["grpo", "ppo"])

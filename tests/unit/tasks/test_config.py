@@ -275,3 +275,26 @@ def test_what_a_resident_run_does_not_serve_is_refused_naming_it(override, named
     load_config("tiny_ppo", ["run.resident=true", "run.off_policy_steps=1", "actor.tis_cap=2",
                              "actor.old_logprobs=recompute", "actor.lora.rank=8"])  # these compose
     load_config("tiny_ppo", ["run.resident=true", "actor.nnodes=2", "actor.nproc_per_node=1"])  # on a cluster
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["run.resident=true", "run.off_policy_steps=1", "actor.tis_cap=2"],
+     r"generation and training cannot overlap: run.off_policy_steps=1 needs run.resident_layout=separate"),
+    (["run.resident=true", "run.max_staleness=2", "actor.tis_cap=2"],
+     r"generation and training cannot overlap: run.max_staleness=2 needs run.resident_layout=separate"),
+    (["run.resident=true", "rollout.tensor_parallel_size=3"],
+     r"rollout.tensor_parallel_size=3 ranks each out of the actor's 2 .*: it must divide them"),
+    (["run.resident=true", "rollout.tensor_parallel_size=2"],
+     r"one engine per actor rank in this version: rollout.tensor_parallel_size=2 .* not implemented"),
+    (["run.resident=true", "rollout.data_parallel_size=2"],
+     r"the actor's ranks are the engine replicas; rollout.data_parallel_size=2 must be 1"),
+])
+def test_a_colocated_layout_it_cannot_run_is_refused_naming_why(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny_grpo", ["run.resident_layout=colocated", *overrides])
+    cfg = load_config("tiny_grpo", ["run.resident=true", "run.resident_layout=colocated"])
+    assert cfg.run.resident_layout == "colocated"
+    # read only by a resident run: a stateless run of a preset that sets it ignores it, off-policy included
+    load_config("tiny_grpo", ["run.resident_layout=colocated", "run.off_policy_steps=1", "actor.tis_cap=2"])
+    with pytest.raises(ConfigError, match="run.resident_layout"):
+        load_config("tiny_grpo", ["run.resident=true", "run.resident_layout=hybrid"])

@@ -30,3 +30,21 @@ def test_training_differs_only_by_its_executions():
     assert critic_free == [n.replace("ppo.ppo_execution", "reinforce.reinforce_execution") for n in ppo]
     assert ppo_training.python_interface.inputs == reinforce_training.python_interface.inputs
     assert ppo_training.python_interface.outputs == reinforce_training.python_interface.outputs
+
+
+def test_a_colocated_run_has_no_engine_node_on_a_cluster():
+    """A resident run's services as a cluster's pod compiles them (``run_services``' dynamic workflow): the engine,
+    the actor and the critic in the separate layout, no engine node colocated (the actor's ranks hold the engines)."""
+    from models.config.io import load_config
+    from models.run.types import PolicyState
+    from tests.unit.tasks.test_long_runs import LAUNCH, RUN, compile_dynamic, targets
+    from workflows.common import run_services
+
+    nodes = {}
+    for layout in ("separate", "colocated"):
+        cfg = load_config("llama8b_ppo_gpu", ["run.resident=true", f"run.resident_layout={layout}"])
+        spec = compile_dynamic(run_services, cfg=cfg, run=RUN, state=PolicyState(0, RUN.reference_url), launch=LAUNCH)
+        nodes[layout] = sorted(targets(spec))
+    assert nodes["separate"] == ["tasks.services.actor_service", "tasks.services.critic_service",
+                                 "tasks.services.engine_service"]
+    assert nodes["colocated"] == ["tasks.services.actor_service", "tasks.services.critic_service"]

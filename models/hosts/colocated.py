@@ -1,0 +1,148 @@
+"""The actor trainer service of a colocated resident run (``run.resident_layout=colocated``): every rank also holds
+a generation engine (vLLM in the rank's own process through its ``external_launcher`` executor, or the HF engine),
+so the run has no engine service, no weight transport and no engine node on a cluster.
+
+- ``rollout`` / ``evaluate``: rank 0 runs the stage as the engine service would, its engine calls dealt over every
+  rank's engine (:mod:`models.engines.rank_engines`: prompts by length, a GRPO group on one rank, each sample
+  seeded by its index in the call); the batch is written once, by rank 0.
+- After each update every rank loads the new weights into its own engine in process: each tensor all-gathered from
+  the FSDP2 shards and cast to the engine's dtype (:meth:`~models.training.weight_source.WeightSource.gathered`
+  ``everywhere``), put into buckets sealed with their samples and checksum, and loaded bucket by bucket with the
+  checks a transported push gets (:func:`~models.hosts.pushes.received`: the checksum of each bucket, then the
+  engine's weights read back at the samples bit for bit), then the probe against the trainer's forward. LoRA: the
+  adapter's file, made on every rank and served as the separate layout's engine serves it. No byte crosses a
+  process: ``resident/weights_bytes`` is 0 (``resident/weights_loaded_bytes``: what each engine took).
+- The engine sleeps after each rollout and evaluation and wakes before the new weights go in
+  (:mod:`models.engines.in_rank`): ``resident/sleep_s``, ``resident/wake_s``.
+
+A load that fails on any rank fails the update on every rank (:class:`~models.hosts.trainers.PushFailed`, the
+trained weights kept): the same request loads them again, into engines started afresh from the run's reference
+checkpoint where a failed load closed them (every tensor is loaded again, so nothing of the reference remains).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from models.checkpoint.local import local_checkpoint
+from models.engines import in_rank
+from models.engines.rank_engines import RankEngines, follow
+from models.hosts.pushes import Push, received, sealed
+from models.hosts.trainers import ActorHost, PushFailed
+from models.hosts.transports import adapter_file
+from models.run.types import PolicyState
+from models.service.ops import op
+from models.stages.engine import engine_for
+from models.stages.evaluate import run_evaluate
+from models.stages.rollout import run_rollout
+from models.training.distributed import unwrap
+from models.training.probe import reference_logprobs, verify_reference
+from models.training.weight_source import WeightSource
+
+
+class ColocatedActorHost(ActorHost):
+    """:class:`ActorHost` whose ranks each hold an engine too (see the module docstring)."""
+
+    def __init__(self, cfg, run, state: PolicyState, info):
+        super().__init__(cfg, run, state, info)  # the trainer's process group first: vLLM's ranks join it
+        world = info.world_size
+        self.group = dist.new_group(backend="gloo") if world > 1 else None  # the engine calls, as Python objects
+        self.engine = engine_for(cfg, state.actor_url)  # every rank: from the checkpoint, probed
+        self.broken = False  # a failed load closed the engine: started again before the next load
+        self.slept: Dict[str, float] = {}
+
+    def stage(self, state: Dict[str, Any], run_stage) -> Optional[Any]:
+        """``run_stage(state, engine)`` on rank 0 with the ranks' engines, the other ranks serving their shares;
+        then the engines sleep. Rank 0's result."""
+        state = PolicyState(**state)
+        self.held(state.iteration)  # on every rank, before any collective
+        in_rank.wake(self.engine)  # awake already after a load: the update's stats have its wake_s
+        try:
+            if not self.info.is_main:
+                follow(self.engine, self.info.rank, self.info.world_size, self.group)
+                return None
+            engines = RankEngines(self.engine, self.info.world_size, self.group)
+            try:
+                return run_stage(state, engines)
+            finally:
+                engines.end()
+        finally:
+            self.slept = {"resident/sleep_s": in_rank.sleep(self.engine)}
+
+    @op
+    def rollout(self, state: Dict[str, Any], ahead: int = 0) -> Optional[Dict[str, Any]]:
+        if ahead:
+            raise ValueError("run.resident_layout=colocated samples on-policy only (run.off_policy_steps=0)")
+        out = self.stage(state, lambda s, engines: run_rollout(self.cfg, self.run, s, 0, engine=engines))
+        return None if out is None else {"batch": out.batch.uri, "stats": {**out.stats, **self.slept}}
+
+    @op
+    def evaluate(self, state: Dict[str, Any]) -> Optional[float]:
+        return self.stage(state, lambda s, engines: run_evaluate(self.cfg, self.run, s, engine=engines))
+
+    def send_weights(self, version: int, defer: bool) -> Dict[str, float]:
+        """The weights held, as the actor of iteration ``version``, into every rank's engine in process, checked
+        (see the module docstring); :class:`PushFailed` on every rank when any rank's load failed."""
+        t0 = time.perf_counter()
+        sequences, logprobs = reference_logprobs(unwrap(self.model), self.vocab)  # every rank: FSDP2
+        wake_s = in_rank.wake(self.engine)
+        failed, out = "", {}
+        try:
+            if self.broken:
+                self.engine.restart(local_checkpoint(self.run.reference_url))
+                self.broken = False
+            out = self.load(version)
+            result = verify_reference(self.engine, sequences, logprobs, self.cfg.probe_tolerance,
+                                      f"the actor of iteration {version} (in process, rank {self.info.rank})")
+            out["rollout/probe_gap_max"] = result.gap_max
+        except Exception as err:  # noqa: BLE001 -- every rank learns it below, and keeps the trained weights
+            failed, self.broken = f"rank {self.info.rank}: {type(err).__name__}: {err}", True
+        failures = [failed]
+        if self.group is not None:
+            failures = [None] * self.info.world_size
+            dist.all_gather_object(failures, failed, group=self.group)
+        failed = next((f for f in failures if f), "")
+        if failed:
+            raise PushFailed(f"loading the new weights into the colocated engines failed: {failed} (the trainer keeps "
+                             f"the weights: the same request loads them again)")
+        stats = {**out, "resident/weights_bytes": 0.0, "resident/wake_s": wake_s,
+                 "time/weights_to_engine_s": time.perf_counter() - t0}
+        return stats if self.info.is_main else {}
+
+    def load(self, version: int) -> Dict[str, float]:
+        """This rank's engine given the weights held: every tensor (or the LoRA adapter) whole on every rank."""
+        source = WeightSource(unwrap(self.model), self.info)
+        if self.cfg.actor.lora.enabled:
+            config, body = adapter_file(self.lm, source.full(everywhere=True))
+            return {**self.transport.receive({"adapter_config": config}, body)(self.engine),
+                    "resident/weights_loaded_bytes": float(len(body))}
+        return load_in_process(self.engine, source, getattr(torch, self.cfg.engine_dtype), version, self.info.device)
+
+    def close(self) -> None:
+        super().close()
+        self.engine.close()
+
+
+def load_in_process(engine, source: WeightSource, dtype: torch.dtype, version: int, device,
+                    bucket_bytes: Optional[int] = None) -> Dict[str, float]:
+    """Every tensor of ``source`` whole on this rank (an all-gather of each FSDP2 shard in turn) at ``dtype``,
+    sealed into buckets (samples and checksum, :func:`~models.hosts.pushes.sealed`; the samples drawn with a
+    generator seeded ``version``) and loaded into ``engine`` bucket by bucket as a transported push is
+    (:func:`~models.hosts.pushes.received`: each checksum checked, then the samples read back bit for bit). Every
+    rank of ``source`` calls it (the gathers are collectives); its figures, with
+    ``resident/weights_loaded_bytes`` the tensors' bytes at ``dtype``."""
+    push = Push(dtype, bucket_bytes)
+    header = push.header(source, device)
+    buckets = sealed(header, source, device, version, dtype, everywhere=True)
+    try:
+        put = received(header, enumerate(buckets), engine)
+    except BaseException:
+        buckets.drain()  # the other ranks gather the rest: take part
+        raise
+    sizes = push.stats(header)
+    return {**put(engine), "resident/weights_loaded_bytes": sizes["resident/weights_bytes"],
+            "resident/weights_params": sizes["resident/weights_params"]}

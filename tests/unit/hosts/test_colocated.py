@@ -1,0 +1,132 @@
+"""The colocated layout's parts (``run.resident_layout=colocated``): the deal of a call's prompts over the ranks
+(hand-worked), the ranks' engines answering as one engine (two gloo ranks, each with its own HF engine, against one
+engine given every prompt), a rank's failed share failing the call on rank 0 naming the rank, and the in-process load
+from FSDP2 shards (every rank's engine then holds the unsharded model's weights bit for bit; a tensor the engine
+did not take fails the load). The config's refusals are in ``tests/unit/tasks/test_config.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from models.engines import HFEngine, SamplingSpec
+from models.engines.rank_engines import deal_by_length
+from models.engines.weight_stream import PushError, bits
+from models.hosts.colocated import load_in_process
+from models.training.distributed import DistInfo
+from models.training.weight_source import WeightSource
+from tests.processes import free_port
+from tests.unit.models.actor_checkpoints import PROMPTS, actor_dir
+
+RANKS = 2
+SPEC = SamplingSpec(n=2, temperature=1.0, max_new_tokens=6, seed=7)
+CALL = PROMPTS * 2 + [[1, 30, 31, 32, 33, 34, 35, 36, 37]]
+"""Nine prompts of 2 to 9 tokens: the deal gives the ranks other prompts than contiguous halves would."""
+BAD = [[1, 40, 41, 42], [1, 10_000]]
+"""Costs 10 and 8 (tokens + max_new_tokens): the first goes to rank 0, the second (a token outside the vocabulary)
+to rank 1."""
+
+
+def test_the_deal_takes_the_longest_first_to_the_least_loaded_rank():
+    # costs 5,1,4,2,3 over two ranks: 5 -> r0; 4 -> r1; 3 -> r1 (4 < 5); 2 -> r0 (5 < 7); 1 -> r0 (7 = 7: lowest rank)
+    assert deal_by_length([5, 1, 4, 2, 3], 2) == [[0, 1, 3], [2, 4]]
+    assert deal_by_length([3, 3, 3, 3], 3) == [[0, 3], [1], [2]]
+    assert deal_by_length([], 2) == [[], []]
+    with pytest.raises(ValueError, match="need >= 1 rank"):
+        deal_by_length([1], 0)
+
+
+def _rank(rank: int, port: int, ckpts: dict, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(RANKS),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from models.engines.rank_engines import RankEngines, follow
+
+    dist.init_process_group("gloo")
+    group = dist.new_group(backend="gloo")
+    engine = HFEngine(ckpts["a"], dtype="float32")
+    out = {}
+    for prompts in (CALL, BAD):
+        if rank:
+            follow(engine, rank, RANKS, group)
+            continue
+        engines = RankEngines(engine, RANKS, group)
+        try:
+            gens = engines.generate(prompts, SPEC)
+            out["generations"] = [[[g.tokens, g.logprobs] for g in per_prompt] for per_prompt in gens]
+        except RuntimeError as err:
+            out["error"] = str(err)
+        finally:
+            engines.end()
+    trained = AutoModelForCausalLM.from_pretrained(ckpts["b"], dtype=torch.float32)
+    for layer in trained.model.layers:
+        fully_shard(layer)
+    fully_shard(trained)
+    info = DistInfo(rank, RANKS, rank, torch.device("cpu"))
+    source = WeightSource(trained, info, prefix="")
+    sharded = source.sharded()
+    out["load"] = load_in_process(engine, source, torch.float32, 1, "cpu", bucket_bytes=1 << 14)
+    whole = AutoModelForCausalLM.from_pretrained(ckpts["b"], dtype=torch.float32).state_dict()
+    held = engine.model.state_dict()
+    out.update(sharded=sharded, same_bits=all(torch.equal(bits(held[k]), bits(whole[k])) for k in whole))
+    with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("actors")
+    return {"a": actor_dir(root / "a", seed=0), "b": actor_dir(root / "b", seed=1)}
+
+
+@pytest.fixture(scope="module")
+def ranks(ckpts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ranks")
+    mp.start_processes(_rank, args=(free_port(), ckpts, str(out)), nprocs=RANKS, start_method="spawn")
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(RANKS)]
+
+
+@pytest.mark.slow
+def test_the_ranks_engines_sample_what_one_engine_samples(ckpts, ranks):
+    one = HFEngine(ckpts["a"], dtype="float32").generate(CALL, SPEC)
+    got = ranks[0]["generations"]
+    assert [[g[0] for g in per_prompt] for per_prompt in got] == [[g.tokens for g in p] for p in one]
+    gaps = [abs(a - b) for per_prompt, ref in zip(got, one) for g, r in zip(per_prompt, ref)
+            for a, b in zip(g[1], r.logprobs)]
+    assert max(gaps) < 1e-5  # the same samples; log-probs within float32 noise of another batch's padding
+
+
+@pytest.mark.slow
+def test_a_ranks_failed_share_fails_the_call_naming_the_rank(ranks):
+    assert "the engine of actor rank 1 failed its share of a generate call" in ranks[0]["error"]
+
+
+@pytest.mark.slow
+def test_every_rank_loads_the_unsharded_weights_from_fsdp2_shards_bit_for_bit(ckpts, ranks):
+    params = sum(p.numel() for p in HFEngine(ckpts["b"]).model.parameters())
+    for rank in ranks:
+        assert rank["sharded"] and rank["same_bits"]
+        assert rank["load"]["resident/weights_loaded_bytes"] == 4 * params
+
+
+def test_a_tensor_the_engine_did_not_take_fails_the_load(ckpts, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(ckpts["b"], dtype=torch.float32)
+    engine = HFEngine(ckpts["a"], dtype="float32")
+    source = WeightSource(trained, DistInfo(0, 1, 0, torch.device("cpu")), prefix="")
+    read_back = engine.read_back
+    monkeypatch.setattr(engine, "read_back", lambda positions, dtypes: {  # as if one weight kept its old bits
+        k: [[v[0] ^ 1] for v in values] if k == "model.norm.weight" else values
+        for k, values in read_back(positions, dtypes).items()})
+    with pytest.raises(PushError, match="model.norm.weight"):
+        load_in_process(engine, source, torch.float32, 1, "cpu")
