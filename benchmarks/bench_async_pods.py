@@ -1,19 +1,21 @@
 """Asynchronous training in the pod-level harness (``tests/cluster``): the compiled package, every node a fresh pod
 pinned to one of two cores, so the engine service and the actor trainer service each run on a core of their own.
 
-    python benchmarks/bench_async_pods.py [--quick] [--iterations N] [--staleness 0,2] [--json PATH]
+    python benchmarks/bench_async_pods.py [--quick] [--iterations N] [--staleness 0,2] [--overrides JSON] [--json PATH]
 
 One resident tiny GRPO run per k of ``run.max_staleness`` (``actor.tis_cap=2`` from k = 1), the same seeds, the HF
 engine, the harness's actor topology (2 pods × 2 ranks), up to three ready nodes at a time (the two services and an
 iteration's node). Per k: seconds per iteration (the mean time between consecutive commits, pod starts included),
 the held-out ``eval/reward_mean`` after the last iteration (16 prompts), and with k ≥ 2 the means of
 ``async/engine_idle_fraction`` and ``async/trainer_idle_fraction`` after the first iteration. ``--quick``: 3
-iterations (default 5).
+iterations (default 5). ``--overrides``: a JSON list of config overrides for every run (a larger batch, so that
+generation is the slower side: ``'["rollout.prompts_per_iteration=64"]'``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -43,7 +45,7 @@ def idle(mlflow_url: str, root: str) -> Dict[str, float]:
     return out
 
 
-def measure(ks: List[int], iterations: int) -> List[Row]:
+def measure(ks: List[int], iterations: int, overrides: List[str] = ()) -> List[Row]:
     from tests.cluster.conftest import DEPLOY, IMAGE, new_cluster, registration_env
     from tests.cluster.package import build_package, load_package
     from tests.conftest import BUCKET
@@ -51,7 +53,7 @@ def measure(ks: List[int], iterations: int) -> List[Row]:
 
     common = [f"run.num_iterations={iterations}", f"run.eval_interval={iterations}", "run.save_interval=100",
               "run.iterations_per_chunk=100", "actor.minibatch_size=16", "data.num_demo_eval_prompts=16",
-              "rollout.engine=hf", "run.resident=true", "run.resident_idle_timeout_s=600"]
+              "rollout.engine=hf", "run.resident=true", "run.resident_idle_timeout_s=600", *overrides]
     out, rows = {}, []
     with tempfile.TemporaryDirectory() as tmp, moto_s3_server(BUCKET) as s3, mlflow_server(Path(tmp) / "mlflow") as ml:
         package = load_package(build_package(Path(tmp) / "package", IMAGE, *DEPLOY, registration_env(s3, ml)))
@@ -77,8 +79,10 @@ def main(argv=None) -> int:
     add_bench_args(parser)
     parser.add_argument("--iterations", type=int, default=0, help="iterations per run (default 5; --quick 3)")
     parser.add_argument("--staleness", default="0,2", help="comma-separated values of run.max_staleness")
+    parser.add_argument("--overrides", default="[]", help="JSON list of config overrides for every run")
     args = parser.parse_args(argv)
-    rows = measure([int(k) for k in args.staleness.split(",")], args.iterations or (3 if args.quick else 5))
+    rows = measure([int(k) for k in args.staleness.split(",")], args.iterations or (3 if args.quick else 5),
+                   json.loads(args.overrides))
     print_rows(rows)
     write_rows(args.json, rows)
     return 0
