@@ -45,11 +45,14 @@ BENCHMARKS: Dict[str, str] = {
     "projection": "project_iteration.py",  # an iteration at 8B / 70B on paper, both run modes (docs/cluster.md)
     "weight_push": "bench_weight_push.py",  # the engine's peak extra memory per resident push vs the model (#38)
     "pipeline": "bench_pipeline.py",  # on- vs off-policy s/iteration in the pod-level harness (docs/off_policy.md)
+    "async": "bench_async.py",  # run.max_staleness k = 0, 1, 2, 4: s/iteration, idle fractions, rewards (#40)
+    "async_pods": "bench_async_pods.py",  # k = 0 vs 2 in the pod-level harness, a core per pod (#40)
     "resident_pods": "bench_resident_pods.py",  # resident vs stateless in the pod-level harness (docs/cluster.md)
     "long_run": "bench_long_run.py",  # s/iteration against the iteration index over 500 iterations (docs/cluster.md#long-runs)
 }
 """Section name -> script in this folder, in table order."""
 NOT_QUICK = {"pipeline": "tens of harness pods per run", "resident_pods": "tens of harness pods per run",
+             "async_pods": "tens of harness pods per run",
              "long_run": "1,000 iterations through pyflyte run"}
 """Sections ``--quick`` leaves out unless named in ``--only`` (why: their cost)."""
 MIN_TIMEOUT_S = {"pipeline": 4 * 3600.0, "resident_pods": 3600.0, "long_run": 2 * 3600.0}

@@ -137,7 +137,7 @@ def chain_iterations(cfg: TrainConfig, run, state, critic: bool, stop: int, laun
     due; the state after the last. Off-policy, the chunk's first batch is sampled here and each next one beside
     the update before it."""
     sampled = None
-    if cfg.run.off_policy_steps:
+    if cfg.run.pipelined:
         # The chunk's first batch: from the actor one update older than state's, as the pipeline sampled
         # it before a chunk boundary or a crash (lag 0 at the run's start).
         sampler, lead = state.sampler()

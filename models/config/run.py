@@ -79,10 +79,22 @@ class RunConfig:
     limit (1.5 MiB by default, about 3,000 iterations); 200 keeps each under 100 KB and each execution's
     10 system retries fresh (docs/cluster.md#long-runs). A local run is one execution whatever this is."""
     off_policy_steps: int = 0
-    """One-step off-policy pipelining (docs/off_policy.md): 0 samples each iteration's batch from the
-    actor it updates (on-policy); 1 samples iteration k+1's batch from the actor of iteration k−1 while
-    iteration k's update runs, so generation and training overlap on different pods (decoupled PPO:
-    the update's π_old is the actor it starts from, ``actor.tis_cap`` weights the stale sampler)."""
+    """The older name of ``max_staleness`` 0 and 1, kept for presets and stored runs: ``off_policy_steps=1`` is
+    ``max_staleness=1`` (the same graph, the same results). Set one of the two."""
+    max_staleness: int = 0
+    """k, how many updates behind the actor it trains a sampled token may be (docs/off_policy.md). 0: each batch
+    is sampled from the actor it updates (on-policy). 1: one-step off-policy pipelining, iteration i+1's batch
+    sampled from the actor of iteration i−1 while iteration i's update runs, on different pods. k ≥ 2
+    (``run.resident`` only): asynchronous training, the engine service generates without waiting for the
+    updates into a buffer, each token tagged with the policy version that drew it (``token_versions``), and an
+    iteration's rollout takes its batch from there once every token is at most k versions old (older ones are
+    dropped and counted). The loss is decoupled PPO either way: π_old is the actor the update starts from,
+    ``actor.tis_cap`` weights each token by π_old/π_sampler."""
+    partial_rollouts: bool = False
+    """With ``max_staleness`` ≥ 2 and ``rollout.engine=hf``: new weights reach the engine between two tokens
+    of the generations under way, which go on under the new policy (the KV cache of their earlier tokens kept;
+    each token tagged with the version that drew it). Off: generations finish under the weights they started
+    with, and new weights wait for them (at most one unit of 4 prompts)."""
     resident: bool = False
     """Keep the actor trainer, the generation engine and (PPO) the critic trainer loaded for the whole run
     as services the iteration's tasks call, instead of loading every model from storage in every task
@@ -100,7 +112,7 @@ class RunConfig:
     own GPUs, the new weights sent to it after each update (``run.resident_weight_transport``); or ``colocated``,
     every rank of the actor trainer service also holds an engine, the rollout data-parallel over all of them and
     the new weights loaded in each rank's process (no engine service, no bytes between processes). Colocated
-    generation cannot overlap training, so it needs ``run.off_policy_steps=0``. Read only with ``run.resident=true``
+    generation cannot overlap training, so it needs ``run.max_staleness=0``. Read only with ``run.resident=true``
     (the 8B presets set ``colocated``, the layout their projection and the CPU benchmark favour)."""
     resident_idle_timeout_s: float = 1800.0
     """A resident service with no request for this long stops by itself (a backstop: the run stops its
@@ -161,6 +173,12 @@ class RunConfig:
               f"lower run.iterations_per_execution")
         check(self.off_policy_steps in (0, 1), f"run.off_policy_steps must be 0 (on-policy) or 1 (one-step "
                                                f"off-policy pipelining), got {self.off_policy_steps}")
+        check(self.max_staleness >= 0, f"run.max_staleness must be >= 0, got {self.max_staleness}")
+        check(not (self.off_policy_steps and self.max_staleness), f"run.off_policy_steps={self.off_policy_steps} "
+              f"with run.max_staleness={self.max_staleness}: off_policy_steps is max_staleness's older name (1 is "
+              f"max_staleness=1); set max_staleness alone")
+        check(self.staleness < 2 or self.resident, f"run.max_staleness={self.max_staleness} (asynchronous "
+              f"training) needs run.resident=true: the engine service generates between the iterations' tasks")
         check_choice("run.algorithm", self.algorithm, list(algorithms.ALGORITHMS))
         check("/" not in self.name and " " not in self.name,
               f"run.name={self.name!r} must not contain '/' or spaces")
@@ -173,8 +191,25 @@ class RunConfig:
         check_choice("run.resident_weight_transport", self.resident_weight_transport, ["collective", "http"])
         check_choice("run.resident_layout", self.resident_layout, ["separate", "colocated"])
         if self.resident and self.resident_layout == "colocated":  # (read only by a resident run, as a preset sets it)
-            check(self.off_policy_steps == 0,
+            setting = (f"run.off_policy_steps={self.off_policy_steps}" if self.off_policy_steps
+                       else f"run.max_staleness={self.max_staleness}")
+            check(self.staleness == 0,
                   f"run.resident_layout=colocated generates on the actor trainer's own ranks, so generation and "
-                  f"training cannot overlap: run.off_policy_steps={self.off_policy_steps} needs "
-                  f"run.resident_layout=separate (an engine service of its own), or set run.off_policy_steps=0")
+                  f"training cannot overlap: {setting} needs run.resident_layout=separate (an engine service of "
+                  f"its own), or set it to 0")
         _check_registered_model_name(self.registered_model_name)
+
+    @property
+    def staleness(self) -> int:
+        """k: ``max_staleness``, or ``off_policy_steps`` (its older name)."""
+        return max(self.max_staleness, self.off_policy_steps)
+
+    @property
+    def pipelined(self) -> bool:
+        """One-step off-policy pipelining (k = 1): the graph samples iteration i+1 beside iteration i's update."""
+        return self.staleness == 1
+
+    @property
+    def asynchronous(self) -> bool:
+        """k ≥ 2: the engine service samples continuously into a buffer (:mod:`models.hosts.producer`)."""
+        return self.staleness >= 2

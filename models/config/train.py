@@ -166,20 +166,33 @@ class TrainConfig:
               "would regress values on tool and template tokens; use the critic inside the workflow")
 
     def _check_off_policy(self) -> None:
-        """What one-step off-policy pipelining needs (docs/off_policy.md)."""
-        if not self.run.off_policy_steps:
+        """What a stale sampler needs, k = ``run.max_staleness`` ≥ 1 (docs/off_policy.md)."""
+        k = self.run.staleness
+        check(not self.run.partial_rollouts or k >= 2 and self.rollout.engine == "hf",
+              f"run.partial_rollouts with run.max_staleness={k} and rollout.engine={self.rollout.engine}: partial "
+              f"rollouts need asynchronous training (run.max_staleness >= 2) and the HF engine, which samples step "
+              f"by step (rollout.engine=hf)")
+        if not k:
             return
+        name = "run.off_policy_steps=1" if self.run.off_policy_steps else f"run.max_staleness={k}"
         check(self.actor.old_logprobs == "recompute",
-              "run.off_policy_steps=1 with actor.old_logprobs=sampler: the batch comes from the actor one update "
-              "older than the one the update starts from, so the sampler's log-probs are not π_old (the proximal "
-              "policy the ratio is clipped around); use actor.old_logprobs=recompute")
+              f"{name} with actor.old_logprobs=sampler: the batch comes from an actor older than the one the update "
+              f"starts from, so the sampler's log-probs are not π_old (the proximal policy the ratio is clipped "
+              f"around); use actor.old_logprobs=recompute")
         check(self.actor.tis_cap > 0,
-              "run.off_policy_steps=1 needs actor.tis_cap > 0 (e.g. 2): the truncated weight "
-              "min(π_old/π_sampler, C) is what corrects the loss for the stale sampler")
+              f"{name} needs actor.tis_cap > 0 (e.g. 2): the truncated weight "
+              f"min(π_old/π_sampler, C) is what corrects the loss for the stale sampler")
         check(not self.rollout.remote_url,
-              f"run.off_policy_steps=1 with rollout.remote_url={self.rollout.remote_url}: the rollout of iteration "
+              f"{name} with rollout.remote_url={self.rollout.remote_url}: the rollout of iteration "
               f"k+1 and the evaluation of iteration k run at once from different actors, and a rollout server "
               f"holds one policy at a time; use the in-pod engine (no rollout.remote_url)")
+        if k >= 2:  # the engine service's producer (models/hosts/producer.py) samples single-turn groups
+            check(not self.rollout.environment, f"{name} with rollout.environment: asynchronous training samples "
+                  f"single-turn responses; multi-turn episodes need run.max_staleness 0 or 1")
+            check(not self.actor.lora.rank, f"{name} with actor.lora.rank: asynchronous training pushes full "
+                  f"weights only; use run.max_staleness 0 or 1 with LoRA")
+            check(self.rollout.data_parallel_size == 1, f"{name} with rollout.data_parallel_size="
+                  f"{self.rollout.data_parallel_size}: the engine service's producer samples with one engine")
 
     @property
     def spec(self) -> AlgorithmSpec:

@@ -29,7 +29,7 @@ LIST_INT32 = pa.list_(pa.int32())
 LIST_FLOAT32 = pa.list_(pa.float32())
 
 RESPONSE_ALIGNED = ("sampler_logprobs", "old_logprobs", "ref_logprobs", "values",
-                    "token_rewards", "advantages", "returns", "loss_mask")
+                    "token_rewards", "advantages", "returns", "loss_mask", "token_versions")
 """List columns with one entry per response token (same length as ``response_tokens``); the tensor side
 (``models/data/batch_tensors.py``) reads them from here."""
 
@@ -39,6 +39,7 @@ COLUMN_TYPES: Mapping[str, pa.DataType] = {
     "prompt_tokens": LIST_INT32,        # rollout
     "response_tokens": LIST_INT32,      # rollout
     "sampler_logprobs": LIST_FLOAT32,   # rollout: the engine's own log-probs
+    "token_versions": LIST_INT32,       # rollout (run.max_staleness >= 2): the policy version that drew each token
     "is_end": pa.bool_(),               # rollout: the response ended with a stop token
     "old_logprobs": LIST_FLOAT32,       # score: π_old recomputed by the training-side model
     "ref_logprobs": LIST_FLOAT32,       # score: π_ref

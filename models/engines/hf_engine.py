@@ -8,7 +8,7 @@ from __future__ import annotations
 import glob
 import os
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -26,10 +26,12 @@ class _SampleStep:
     possible, so ``generate``'s greedy step picks it."""
 
     def __init__(self, spec: SamplingSpec, seeds: Sequence[int], prompt_len: int, stop_ids: Sequence[int],
-                 device: torch.device):
+                 device: torch.device, version: int = 0, between_steps: Optional[Callable[[], int]] = None):
         self.spec, self.prompt_len, self.stop_ids = spec, prompt_len, list(stop_ids)
         self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
         self.logprobs: List[torch.Tensor] = []  # per step [N]
+        self.version, self.between_steps = version, between_steps
+        self.versions: List[int] = []  # per step: the policy version whose weights computed its logits
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         s = self.spec
@@ -39,6 +41,9 @@ class _SampleStep:
         logp = processed_logprobs(z, s.temperature, s.top_k, s.top_p)  # [N, V]
         token = z.argmax(dim=-1) if s.temperature == 0 else exponential_race(logp, self.generators)  # [N]
         self.logprobs.append(logp.gather(1, token[:, None]).squeeze(1))
+        self.versions.append(self.version)
+        if self.between_steps is not None:  # new weights may come in here: the next step's forward uses them
+            self.version = self.between_steps()
         only = torch.full_like(scores, float("-inf"))
         return only.scatter_(1, token[:, None], 0.0)
 
@@ -142,13 +147,29 @@ class HFEngine(SwappableEngine):
             out.append(logp.squeeze(-1).cpu().tolist())
         return out
 
-    @torch.no_grad()
     def generate(self, prompts: List[List[int]], spec: SamplingSpec, first_index: int = 0,
                  indices: Optional[Sequence[int]] = None) -> List[List[Generation]]:
         """``first_index``: the index of ``prompts[0]`` in the whole request, or ``indices``: each prompt's (see
         ``VLLMEngine.generate``)."""
+        return self.generate_versions(prompts, spec, first_index, indices=indices)[0]
+
+    @torch.no_grad()
+    def generate_versions(self, prompts: List[List[int]], spec: SamplingSpec, first_index: int = 0, version: int = 0,
+                          between_steps: Optional[Callable[[], int]] = None,
+                          indices: Optional[Sequence[int]] = None) -> Tuple[List[List[Generation]], List[List[int]]]:
+        """:meth:`generate`, and each sample's per-token policy versions (prompt-major, as the samples): the
+        weights served at the start are ``version``; ``between_steps()``, called once every step's tokens are
+        drawn, may change them in place (partial rollouts: the next step's forward uses the new weights, the KV
+        cache of the tokens before is kept) and returns the version served from then on."""
         model = self._model()
         at = request_indices(prompts, first_index, indices)
+
+        def guarded() -> int:
+            served = between_steps()
+            if self.model is not model:  # a restart: this generation's model is not the engine's any more
+                raise EngineLoadError("the engine's model was replaced during a generation")
+            return served
+
         t0 = time.perf_counter()
         tok = self.tokenizer
         stop_ids = self.stop_ids(spec)
@@ -161,7 +182,8 @@ class HFEngine(SwappableEngine):
             input_ids[i, max_len - len(p):] = torch.tensor(p)
             attn[i, max_len - len(p):] = 1
         seeds = [sample_seed(spec.seed, at[i], j) for i in range(len(prompts)) for j in range(spec.n)]
-        step = _SampleStep(spec, seeds, max_len, stop_ids, torch.device(self.device))
+        step = _SampleStep(spec, seeds, max_len, stop_ids, torch.device(self.device), version,
+                           guarded if between_steps is not None else None)
         kwargs = dict(do_sample=False, max_new_tokens=spec.max_new_tokens, pad_token_id=pad_id,
                       eos_token_id=stop_ids or None, logits_processor=[step])
         if spec.stop_strings:
@@ -170,6 +192,7 @@ class HFEngine(SwappableEngine):
                               **kwargs)[:, max_len:].cpu()  # [N, R]
         logp = torch.stack(step.logprobs, dim=1).cpu()  # [N, R]
         results: List[List[Generation]] = [[] for _ in prompts]
+        versions: List[List[int]] = []
         stops = set(stop_ids)
         for i in range(len(expanded)):
             toks, lps, ended = [], [], False
@@ -180,9 +203,10 @@ class HFEngine(SwappableEngine):
                 if ended:
                     break
             results[i // spec.n].append(Generation(toks, lps, ended))
+            versions.append(step.versions[:len(toks)])
             self.stats.generated_tokens += len(toks)
         self.stats.generate_s += time.perf_counter() - t0
-        return results
+        return results, versions
 
     def close(self) -> None:
         self.model = None

@@ -8,7 +8,7 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
-from models.engines import GenerationEngine, SamplingSpec
+from models.engines import Generation, GenerationEngine, SamplingSpec
 
 
 @dataclass
@@ -42,13 +42,19 @@ def decode_responses(tokenizer, responses: Sequence[Sequence[int]]) -> List[str]
 
 
 def sample(engine: GenerationEngine, tokenizer, prompts: Sequence[str], prompt_ids: Sequence[int],
-           spec: SamplingSpec, chat: bool = False) -> RolloutColumns:
+           spec: SamplingSpec, chat: bool = False, first_index: int = 0) -> RolloutColumns:
     """``spec.n`` responses for each prompt, with the engine's log-probs and ``is_end`` (``chat``: the
-    prompts were rendered by a chat template, see :func:`encode_prompts`)."""
+    prompts were rendered by a chat template, see :func:`encode_prompts`; ``first_index``: the position of
+    ``prompts[0]`` in the whole request, whose seeds its samples draw from, :func:`models.engines.sample_seed`)."""
     t0 = time.perf_counter()
     ids = encode_prompts(tokenizer, prompts, add_special_tokens=not chat)
-    gens = engine.generate(ids, spec)
-    n = spec.n
+    gens = engine.generate(ids, spec, first_index=first_index) if first_index else engine.generate(ids, spec)
+    return rollout_columns(tokenizer, prompts, prompt_ids, ids, gens, spec.n, t0)
+
+
+def rollout_columns(tokenizer, prompts: Sequence[str], prompt_ids: Sequence[int], ids: List[List[int]],
+                    gens: List[List[Generation]], n: int, t0: float) -> RolloutColumns:
+    """The columns of ``gens`` (``n`` per prompt of ``ids``, the token ids of ``prompts``), sampled since ``t0``."""
     flat = [g for per_prompt in gens for g in per_prompt]
     resp = [g.tokens for g in flat]
     return RolloutColumns(

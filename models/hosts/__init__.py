@@ -4,6 +4,8 @@ each op a stage function of ``models/stages/`` called whole with the host's mode
 | module          | holds                                                                                    |
 |-----------------|------------------------------------------------------------------------------------------|
 | `engine`        | `EngineHost`: a resident run's generation engine; rollout, evaluate, the actor's new weights |
+| `producer`      | `Producer`: the engine's background sampler and buffer of an asynchronous run (max_staleness ≥ 2) |
+| `async_batch`   | the batch an asynchronous run's rollout takes from that buffer, with its ``async/*`` metrics |
 | `trainers`      | `ActorHost`, `CriticHost`: a resident run's trainers on every rank; score, values, update    |
 | `colocated`     | `ColocatedActorHost`: the actor whose ranks also generate (``run.resident_layout=colocated``) |
 | `transports`    | the actor's weights to the engine: one interface, its HTTP, collective and LoRA adapter ends |

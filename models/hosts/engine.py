@@ -6,21 +6,31 @@ actor's weights wait (``pending``) until a request asks for that actor: the batc
 sampled from the actor before it. A restarted engine (killed, then started again by the run or its node's retry)
 starts from the run's starting state; its callers then have the actor trainer push the weights it holds, or the
 engine ``load`` the state's committed actor (:func:`models.stages.services.restore_engine`).
+
+With ``run.max_staleness`` k ≥ 2 the engine samples without waiting (:class:`~models.hosts.producer.Producer`,
+started by the first ``rollout``, at its iteration): ``rollout`` takes the iteration's batch from its buffer, new
+weights are loaded (and verified) as soon as the unit under way is sampled, and every op that uses the engine
+takes its turn between two units.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable, Dict, Optional
 
 from models.checkpoint import is_committed
 from models.config import TrainConfig
+from models.checkpoint.local import load_tokenizer
+from models.hosts.async_batch import take_rollout
+from models.hosts.producer import EngineTurns, Producer
 from models.hosts.transports import transport_for
 from models.run.types import PolicyState, RunHandle
 from models.service.ops import Host, op
 from models.stages.engine import engine_for
 from models.stages.evaluate import run_evaluate
-from models.stages.rollout import run_rollout
+from models.run.data import read_run_prompts
+from models.stages.rollout import draw_for, run_rollout
 from models.stages.services import LABELS
 from models.training.distributed import DistInfo
 from models.training.probe import verify_reference
@@ -48,6 +58,7 @@ class EngineHost(Host):
         self.cfg, self.run = cfg, run
         self.transport = transport_for(cfg, run.reference_url)
         self.pending: Dict[int, Callable[[], Any]] = {}
+        self.turns, self.producer, self.taken = EngineTurns(), None, None  # run.max_staleness >= 2
         if state.behaviour_url:  # resumed off-policy: the next batch comes from the actor before the state's
             self.engine = engine_for(cfg, state.behaviour_url)
             self.version = state.iteration - 1
@@ -67,14 +78,41 @@ class EngineHost(Host):
         check_iteration(self.label, self.version, state.iteration)
         return state
 
+    def turn(self):
+        """The engine to this op alone (asynchronous: between two of the producer's units)."""
+        return self.turns.op() if self.cfg.run.asynchronous else contextlib.nullcontext()
+
     @op
     def rollout(self, state: Dict[str, Any], ahead: int = 0) -> Dict[str, Any]:
+        if self.cfg.run.asynchronous:
+            return self.take(state)
         out = run_rollout(self.cfg, self.run, self.serve(state), ahead, engine=self.engine)
         return {"batch": out.batch.uri, "stats": out.stats}
 
+    def take(self, state: Dict[str, Any]) -> Dict[str, Any]:
+        """The iteration's batch from the producer's buffer (the same request again: the same batch)."""
+        with self.turns.op():
+            state = self.serve(state)
+        if self.taken is not None and self.taken[0] == state.iteration:
+            return self.taken[1]
+        if self.producer is None:
+            data = read_run_prompts(self.run.train_prompts_url)
+            draws: Dict[int, Any] = {}
+
+            def draw(j: int):
+                return draws[j] if j in draws else draws.setdefault(j, draw_for(self.cfg, self.run, j, data))
+
+            self.producer = Producer(self.cfg.run.staleness, state.iteration, self.cfg.run.num_iterations,
+                                     lambda: (self.engine, self.version), draw,
+                                     load_tokenizer(self.run.reference_url), self.turns, self.cfg.run.partial_rollouts)
+        out = take_rollout(self.cfg, self.run, self.producer, state.iteration, self.engine)
+        self.taken = (state.iteration, {"batch": out.batch.uri, "stats": out.stats})
+        return self.taken[1]
+
     @op
     def evaluate(self, state: Dict[str, Any]) -> float:
-        return run_evaluate(self.cfg, self.run, self.serve(state), engine=self.engine)
+        with self.turn():
+            return run_evaluate(self.cfg, self.run, self.serve(state), engine=self.engine)
 
     @op
     def load(self, state: Dict[str, Any]) -> Dict[str, float]:
@@ -85,11 +123,17 @@ class EngineHost(Host):
                                  f"trainer holds another, and {state.actor_url} is not a committed checkpoint (rerun "
                                  f"the launch to resume from the last checkpoint)")
         t0 = time.perf_counter()
-        self.version = -1
-        self.pending.pop(state.iteration, None)
-        self.engine = engine_for(self.cfg, state.actor_url)  # probed as a task's engine is
-        self.version = state.iteration
+        with self.turn():
+            self.version = -1
+            self.pending.pop(state.iteration, None)
+            self.engine = engine_for(self.cfg, state.actor_url)  # probed as a task's engine is
+            self.version = state.iteration
+        self.poke()
         return {"time/weights_load_s": time.perf_counter() - t0}
+
+    def poke(self) -> None:
+        if self.producer is not None:
+            self.producer.poke()
 
     @op
     def connect(self, host: str, gpu: str = "", timeout_s: Optional[float] = None) -> Dict[str, Any]:
@@ -101,9 +145,10 @@ class EngineHost(Host):
                 meta: Optional[Dict[str, Any]] = None, body: Optional[bytes] = None) -> Dict[str, float]:
         """The actor of iteration ``version`` from the trainer: taken now, loaded now or (``defer``, off-policy)
         when a request asks for that actor."""
-        if not defer:
+        keep = defer or self.cfg.run.asynchronous  # kept until served, or until the producer's unit is sampled
+        if not keep:
             self.version = -1  # until the new weights are in and verified, the engine serves no iteration
-        put = self.transport.receive(meta or {}, body, None if defer else self.engine)  # streamed in, or kept
+        put = self.transport.receive(meta or {}, body, None if keep else self.engine)  # streamed in, or kept
 
         def load() -> Dict[str, float]:
             t0 = time.perf_counter()
@@ -118,8 +163,13 @@ class EngineHost(Host):
         if defer:
             self.pending[int(version)] = load
             return {}
-        return load()
+        with self.turn():
+            out = load()
+        self.poke()
+        return out
 
     def close(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
         self.transport.close()
         self.engine.close()

@@ -150,7 +150,7 @@ class ActorHost(TrainerHost):
         return self.send_weights(iteration, defer=False)
 
     def after_update(self, state: PolicyState) -> Dict[str, float]:
-        return self.send_weights(state.iteration + 1, defer=bool(self.cfg.run.off_policy_steps))
+        return self.send_weights(state.iteration + 1, defer=self.cfg.run.pipelined)
 
     def send_weights(self, version: int, defer: bool) -> Dict[str, float]:
         """The weights held, as the actor of iteration ``version``, to the engine service in memory, with the probe

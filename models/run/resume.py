@@ -296,7 +296,7 @@ def resume_run(layout: RunLayout, cfg_now: TrainConfig, keys: Iterable[str] = ()
     if state is None:
         critic = storage.join(layout.url, "critic-init") if cfg.uses_critic else ""
         return cfg, handle, PolicyState(0, layout.reference_url(), critic, cfg.kl.coef)
-    start = PolicyState.resumed(state, cfg.kl.coef, off_policy=bool(cfg.run.off_policy_steps))
+    start = PolicyState.resumed(state, cfg.kl.coef, off_policy=cfg.run.pipelined)
     if start.behaviour_url:
         check_resume_point(layout.url, start.behaviour_url, "")
     return cfg, handle, start

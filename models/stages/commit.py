@@ -52,7 +52,7 @@ def run_commit(cfg: TrainConfig, run: RunHandle, state: PolicyState, stats: List
                 registry.log_checkpoint(run.mlflow_run_id, f"iter-{i:06d}/{role}", url,
                                         cfg.run.checkpoint_artifact_max_mb)
     reward_norm = next_reward_norm(state, batch)
-    behaviour = state.actor_url if cfg.run.off_policy_steps else ""  # samples iteration i + 1 (docs/off_policy.md)
+    behaviour = state.actor_url if cfg.run.pipelined else ""  # samples iteration i + 1 (docs/off_policy.md)
     run_lock.renew(run.layout.lock_url, run.launch)  # LostLock: another launch holds the run now, never write its state
     nxt = PolicyState(i + 1, actor_url or state.actor_url, critic_url or state.critic_url, kl, reward_norm, behaviour)
     if cfg.run.resident:  # the services hold the policy; the resume point moves with their checkpoints only
@@ -81,7 +81,7 @@ def redo_commit(cfg: TrainConfig, run: RunHandle, stored: RunState) -> PolicySta
     run_lock.renew(run.layout.lock_url, run.launch)
     retention.apply(run, None, retention.Retained.of(stored))
     prune(cfg, run, stored.iteration)
-    return PolicyState.resumed(stored, cfg.kl.coef, off_policy=bool(cfg.run.off_policy_steps))
+    return PolicyState.resumed(stored, cfg.kl.coef, off_policy=cfg.run.pipelined)
 
 
 def prune(cfg: TrainConfig, run: RunHandle, iteration: int) -> None:
@@ -151,7 +151,7 @@ def prune_checkpoints(cfg: TrainConfig, run: RunHandle, iteration: int) -> None:
         storage.remove(optimizer_url(url), recursive=True)
     if cfg.run.keep_checkpoints >= 0:
         return
-    old = iteration - 1 - cfg.run.off_policy_steps
+    old = iteration - 1 - int(cfg.run.pipelined)
     if old >= 0 and (old + 1) % cfg.run.save_interval != 0:
         for url in (run.layout.actor_url(old), run.layout.critic_url(old)):
             storage.remove(url, recursive=True)

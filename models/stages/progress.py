@@ -15,7 +15,7 @@ def progress_line(cfg: TrainConfig, i: int, m: Dict[str, float]) -> str:
             f"reward {m.get('rollout/reward_mean', float('nan')):.3f}  "
             f"kl {m.get('rollout/init_policy_kl', float('nan')):.3f}  "
             f"len {m.get('rollout/response_length_mean', float('nan')):.1f}  "
-            f"{_actor(m)}{_gap(m)}({wall}{phases:.1f} s in tasks)")
+            f"{_actor(m)}{_gap(m)}{_async(m)}({wall}{phases:.1f} s in tasks)")
 
 
 def _actor(m: Dict[str, float]) -> str:
@@ -33,3 +33,13 @@ def _gap(m: Dict[str, float]) -> str:
         if key in m:
             return f"{label} {m[key]:.1e}  "
     return ""
+
+
+def _async(m: Dict[str, float]) -> str:
+    """Asynchronous training (``run.max_staleness`` ≥ 2): the tokens' lag, drops and who waited."""
+    if "async/staleness_p100" not in m:
+        return ""
+    return (f"lag p50 {m['async/staleness_p50']:.0f} max {m['async/staleness_p100']:.0f}  "
+            f"dropped {m.get('async/dropped_samples', 0):.0f}  partial {m.get('async/partial_fraction', 0):.2f}  "
+            f"idle engine {m.get('async/engine_idle_fraction', 0):.0%} trainer "
+            f"{m.get('async/trainer_idle_fraction', 0):.0%}  ")

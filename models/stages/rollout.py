@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
 
 from models.checkpoint.local import load_tokenizer, local_checkpoint
 from models.config import TrainConfig
@@ -62,32 +64,55 @@ def sample_data(cfg: TrainConfig, engine, tokenizer, data, prompt_ids: Sequence[
                            get_parser(r.tool_parser))
 
 
+class Draw(NamedTuple):
+    """What the data order gives iteration ``iteration``: its prompts, their ``prompt_id`` and how they are sampled."""
+
+    iteration: int
+    data: Any  # PromptDataset: the drawn rows
+    prompt_ids: np.ndarray  # [P] int64
+    spec: SamplingSpec
+
+
+def draw_for(cfg: TrainConfig, run: RunHandle, iteration: int, data=None) -> Draw:
+    """The prompts of ``iteration`` in the run's data order and its sampling spec (seeded by the iteration);
+    ``data``: the run's prompts when already read."""
+    data = data if data is not None else read_run_prompts(run.train_prompts_url)
+    per_iteration = cfg.rollout.prompts_per_iteration
+    drawn = data.take(iteration_indices(len(data), per_iteration, iteration, cfg.run.seed))
+    spec = sampling_spec(cfg, run, stream_seed(cfg.run.seed, iteration), cfg.rollout.n_samples_per_prompt,
+                         cfg.rollout.temperature)
+    return Draw(iteration, drawn, draw_ids(per_iteration, iteration), spec)
+
+
+def write_batch(cfg: TrainConfig, run: RunHandle, draw: Draw, version: int, columns: Dict[str, Any],
+                stats: Dict[str, float], extras: Optional[Dict[str, str]] = None) -> RolloutBatch:
+    """The iteration's RolloutBatch from its sampled ``columns`` (``policy_version``: the oldest actor that drew
+    them; ``extras``: more metadata), written to the run's batch URL."""
+    meta = BatchMetadata(iteration=draw.iteration, policy_version=version, algorithm=cfg.run.algorithm,
+                         extras={"run_name": run.run_name, SAMPLING_KEY: sampling_record(cfg, draw.spec),
+                                 **(extras or {})})
+    batch = RolloutBatch.from_columns(meta, **columns, **sample_columns(draw.data, draw.spec.n))
+    with timed(stats, "time/rollout_write_s"):
+        return batch.write(run.layout.batch_url(draw.iteration, "rollouts"))
+
+
 def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState, ahead: int = 0, engine=None) -> RolloutOutput:
     """The batch of iteration ``state.iteration + ahead`` sampled from ``state``'s actor (``ahead`` 1: a
-    batch sampled one update ahead, ``run.off_policy_steps``); its ``policy_version`` is ``state.iteration``.
+    batch sampled one update ahead, ``run.max_staleness=1``); its ``policy_version`` is ``state.iteration``.
     ``engine``: one already serving that actor (a resident engine service's); default :func:`engine_for`."""
     version = state.iteration
     state = replace(state, iteration=state.iteration + ahead)
     stats: Dict[str, float] = {}
     with timed(stats, "time/rollout_s"):
-        data = read_run_prompts(run.train_prompts_url)
-        per_iteration = cfg.rollout.prompts_per_iteration
-        drawn = data.take(iteration_indices(len(data), per_iteration, state.iteration, cfg.run.seed))
+        draw = draw_for(cfg, run, state.iteration)
         tokenizer = load_tokenizer(run.reference_url)
         with timed(stats, "time/engine_load_s"):
             engine = engine if engine is not None else engine_for(cfg, state.actor_url)
-        spec = sampling_spec(cfg, run, stream_seed(cfg.run.seed, state.iteration), cfg.rollout.n_samples_per_prompt,
-                             cfg.rollout.temperature)
-        cols, episode_cols, episode_stats = sample_data(cfg, engine, tokenizer, drawn,
-                                                        draw_ids(per_iteration, state.iteration), spec)
+        cols, episode_cols, episode_stats = sample_data(cfg, engine, tokenizer, draw.data, draw.prompt_ids,
+                                                        draw.spec)
         stats.update(episode_stats)
         pause_point(f"rollout/iter-{state.iteration:06d}")  # tests only: kill the run mid-rollout
-        meta = BatchMetadata(iteration=state.iteration, policy_version=version,
-                             algorithm=cfg.run.algorithm,
-                             extras={"run_name": run.run_name, SAMPLING_KEY: sampling_record(cfg, spec)})
-        batch = RolloutBatch.from_columns(meta, **cols.as_dict(), **episode_cols, **sample_columns(drawn, spec.n))
-        with timed(stats, "time/rollout_write_s"):
-            batch = batch.write(run.layout.batch_url(state.iteration, "rollouts"))
+        batch = write_batch(cfg, run, draw, version, {**cols.as_dict(), **episode_cols}, stats)
     stats.update(throughput_stats(cols, episode_cols, engine))
     return RolloutOutput(batch, stats)
 

@@ -15,15 +15,14 @@ from models.run.types import PolicyState
 
 
 def policy_lag(cfg: TrainConfig, state: PolicyState, batch: RolloutBatch) -> Dict[str, float]:
-    """``rollout/policy_lag`` (``run.off_policy_steps`` > 0): updates between the actor that sampled the
+    """``rollout/policy_lag`` (``run.max_staleness`` k > 0): updates between the oldest actor that sampled the
     batch (its ``policy_version``) and π_old, the actor the update starts from (``state.iteration``).
-    A batch staler than ``run.off_policy_steps`` allows is refused."""
-    lag = state.iteration - batch.metadata.policy_version
-    if not 0 <= lag <= cfg.run.off_policy_steps:
-        raise ValueError(f"batch {batch.uri or ''} was sampled by the actor of version {batch.metadata.policy_version}, "
-                         f"{lag} updates before iteration {state.iteration}'s; run.off_policy_steps="
-                         f"{cfg.run.off_policy_steps} allows 0..{cfg.run.off_policy_steps}")
-    return {"rollout/policy_lag": float(lag)} if cfg.run.off_policy_steps else {}
+    A batch staler than k allows is refused."""
+    lag, k = state.iteration - batch.metadata.policy_version, cfg.run.staleness
+    if not 0 <= lag <= k:
+        raise ValueError(f"batch {batch.uri or ''} was sampled by the actor of version "
+                         f"{batch.metadata.policy_version}, {lag} updates before iteration {state.iteration}'s; run.max_staleness={k} allows 0..{k}")
+    return {"rollout/policy_lag": float(lag)} if k else {}
 
 
 def logprob_gap(batch: RolloutBatch, old_logprobs: np.ndarray) -> Dict[str, float]:

@@ -182,9 +182,9 @@ def load_trainee(role: Role, cfg: TrainConfig, state: PolicyState, info: DistInf
 
 def saves_at(cfg: TrainConfig, iteration: int) -> bool:
     """Whether a resident run's services checkpoint after ``iteration``: the resume points
-    (:func:`~models.stages.commit.resume_point_at`) and, with ``run.off_policy_steps=1``, the iteration before
+    (:func:`~models.stages.commit.resume_point_at`) and, with ``run.max_staleness=1``, the iteration before
     each (its actor samples the batch after the resume point: the state's behaviour actor)."""
-    return resume_point_at(cfg, iteration) or bool(cfg.run.off_policy_steps) and \
+    return resume_point_at(cfg, iteration) or cfg.run.pipelined and \
         iteration + 1 < cfg.run.num_iterations and resume_point_at(cfg, iteration + 1)
 
 

@@ -280,6 +280,8 @@ def test_what_a_resident_run_does_not_serve_is_refused_naming_it(override, named
 @pytest.mark.parametrize("overrides,message", [
     (["run.resident=true", "run.off_policy_steps=1", "actor.tis_cap=2"],
      r"generation and training cannot overlap: run.off_policy_steps=1 needs run.resident_layout=separate"),
+    (["run.resident=true", "run.max_staleness=2", "actor.tis_cap=2"],
+     r"generation and training cannot overlap: run.max_staleness=2 needs run.resident_layout=separate"),
     (["run.resident=true", "rollout.tensor_parallel_size=3"],
      r"rollout.tensor_parallel_size=3 ranks each out of the actor's 2 .*: it must divide them"),
     (["run.resident=true", "rollout.tensor_parallel_size=2"],

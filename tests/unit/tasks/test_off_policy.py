@@ -34,8 +34,17 @@ def _cfg(preset: str, *overrides: str):
     (["run.off_policy_steps=2"], "must be 0 (on-policy) or 1"),
     (["run.off_policy_steps=1"], "needs actor.tis_cap > 0"),
     (OFF + ["actor.old_logprobs=sampler", "actor.tis_cap=0", "rollout.engine=hf", "model.dtype=float32"],
-     "actor.old_logprobs=sampler: the batch comes from the actor one update older"),
+     "actor.old_logprobs=sampler: the batch comes from an actor older than the one the update starts from"),
     (OFF + ["rollout.remote_url=http://127.0.0.1:9/"], "a rollout server holds one policy at a time"),
+    (["run.max_staleness=-1"], "run.max_staleness must be >= 0"),
+    (OFF + ["run.max_staleness=1"], "off_policy_steps is max_staleness's older name"),
+    (["run.max_staleness=2", "actor.tis_cap=2"], "run.max_staleness=2 (asynchronous training) needs run.resident=true"),
+    (["run.max_staleness=3", "run.resident=true"], "run.max_staleness=3 needs actor.tis_cap > 0"),
+    (["run.max_staleness=2", "run.resident=true", "actor.tis_cap=2", "actor.lora.rank=4"],
+     "asynchronous training pushes full weights only"),
+    (["run.partial_rollouts=true"], "partial rollouts need asynchronous training"),
+    (["run.max_staleness=2", "run.resident=true", "actor.tis_cap=2", "run.partial_rollouts=true"],
+     "run.partial_rollouts with run.max_staleness=2 and rollout.engine=vllm"),
 ])
 def test_what_off_policy_cannot_combine_with_is_refused_with_the_reason(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -88,13 +97,16 @@ def test_rollout_of_the_next_iteration_runs_beside_the_update(preset, critic):
             assert commits[0] in g[rollouts[2]][1] and commits[1] not in g[rollouts[2]][1]
 
 
-def test_a_resumed_chunk_samples_its_first_batch_from_the_older_actor():
-    """State 2 (after iteration 1) names the actor of iteration 0 as the sampler of batch 2."""
+@pytest.mark.parametrize("lagged", [OFF, ["run.max_staleness=1", "actor.tis_cap=2"]])
+def test_a_resumed_chunk_samples_its_first_batch_from_the_older_actor(lagged):
+    """State 2 (after iteration 1) names the actor of iteration 0 as the sampler of batch 2; ``max_staleness=1``
+    is ``off_policy_steps=1`` under its new name."""
     from flytekit.core.context_manager import FlyteContextManager
     from flytekit.core.type_engine import TypeEngine
     from flytekit.models.literals import Literal
 
-    cfg = _cfg("tiny_grpo", *OFF)
+    cfg = _cfg("tiny_grpo", *lagged)
+    assert (cfg.run.staleness, cfg.run.pipelined, cfg.run.asynchronous) == (1, True, False)
     state = PolicyState(2, "/tmp/runs/r/iter-000001/actor", behaviour_url="/tmp/runs/r/iter-000000/actor")
 
     @workflow
@@ -129,7 +141,7 @@ def test_policy_lag_is_measured_from_the_batch_and_bounded():
     assert policy_lag(off, PolicyState(3, "a"), sampled_by(2)) == {"rollout/policy_lag": 1.0}
     assert policy_lag(off, PolicyState(3, "a"), sampled_by(3)) == {"rollout/policy_lag": 0.0}
     assert policy_lag(on, PolicyState(3, "a"), sampled_by(3)) == {}
-    with pytest.raises(ValueError, match="1 updates before iteration 3's; run.off_policy_steps=0 allows 0..0"):
+    with pytest.raises(ValueError, match="1 updates before iteration 3's; run.max_staleness=0 allows 0..0"):
         policy_lag(on, PolicyState(3, "a"), sampled_by(2))
     with pytest.raises(ValueError, match="2 updates before"):
         policy_lag(off, PolicyState(3, "a"), sampled_by(1))

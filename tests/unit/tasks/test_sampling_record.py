@@ -64,3 +64,13 @@ def test_skipped_steps_show_on_the_progress_line():
     line = progress_line(TrainConfig(), 0, {**BASE, "actor/steps": 1.0, "actor/skipped_steps": 7.0})
     assert "actor_loss +0.100  clip 0.00  7 skipped  (" in line
     assert "skipped" not in progress_line(TrainConfig(), 0, {**BASE, "actor/steps": 4.0, "actor/skipped_steps": 0.0})
+
+
+def test_asynchronous_training_shows_its_lag_drops_and_idle_time():
+    """``run.max_staleness`` ≥ 2: the batch's lag, drops, partial share and who waited, from the ``async/*`` metrics
+    (:mod:`models.stages.async_metrics`); nothing of it in a synchronous run's line."""
+    line = progress_line(TrainConfig(), 0, {**BASE, "async/staleness_p50": 1.0, "async/staleness_p100": 2.0,
+                                            "async/dropped_samples": 4.0, "async/partial_fraction": 0.25,
+                                            "async/engine_idle_fraction": 0.05, "async/trainer_idle_fraction": 0.2})
+    assert "lag p50 1 max 2  dropped 4  partial 0.25  idle engine 5% trainer 20%  (" in line
+    assert "lag" not in progress_line(TrainConfig(), 0, BASE)

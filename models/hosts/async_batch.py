@@ -1,0 +1,53 @@
+"""The batch an asynchronous run's rollout takes from the engine's buffer (``run.max_staleness`` k ≥ 2,
+docs/off_policy.md): the units of its draw one after the other (:class:`models.hosts.producer.Producer`), each
+token tagged with the policy version that drew it (``token_versions``), written where the synchronous rollout
+writes its batch, with the ``async/*`` metrics (:mod:`models.stages.async_metrics`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+from models.config import TrainConfig
+from models.engines.rollout import RolloutColumns
+from models.faults import pause_point
+from models.hosts.producer import Producer, Unit
+from models.run.types import RunHandle
+from models.stages.async_metrics import idle_stats, staleness_stats
+from models.stages.outputs import RolloutOutput
+from models.stages.rollout import throughput_stats, write_batch
+from models.timing import timed
+
+
+def merged(units: List[Unit]) -> Tuple[RolloutColumns, List[List[int]]]:
+    """The units' columns one after the other (prompt order), and each sample's per-token versions."""
+    cols = [u.columns for u in units]
+    lists = {name: [x for c in cols for x in getattr(c, name)]
+             for name in ("prompt_tokens", "response_tokens", "sampler_logprobs", "prompt", "response")}
+    out = RolloutColumns(prompt_id=np.concatenate([c.prompt_id for c in cols]),
+                         is_end=np.concatenate([c.is_end for c in cols]),
+                         generate_s=sum(c.generate_s for c in cols), **lists)
+    return out, [v for u in units for v in u.token_versions()]
+
+
+BUFFER_KEY = "async_buffer"
+"""Batch metadata ``extras`` key: the producer's buffer when the batch was taken (JSON, :meth:`Producer.snapshot`)."""
+
+
+def take_rollout(cfg: TrainConfig, run: RunHandle, producer: Producer, iteration: int, engine) -> RolloutOutput:
+    """The batch of ``iteration`` from ``producer``'s buffer, written as the synchronous rollout writes its batch
+    (``policy_version``: the oldest version among its tokens)."""
+    stats: Dict[str, float] = {}
+    with timed(stats, "time/rollout_s"):
+        units, window = producer.take(iteration, cfg.run.resident_start_timeout_s)
+        cols, versions = merged(units)
+        pause_point(f"rollout/iter-{iteration:06d}")  # tests only: kill the run mid-rollout
+        batch = write_batch(cfg, run, producer.draw(iteration), min(u.version for u in units),
+                            {**cols.as_dict(), "token_versions": versions}, stats,
+                            {BUFFER_KEY: json.dumps(producer.snapshot(), sort_keys=True)})
+    stats.update(staleness_stats(iteration, versions, cfg.run.staleness))
+    stats.update(idle_stats(**window))
+    stats.update(throughput_stats(cols, {}, engine))
+    return RolloutOutput(batch, stats)

@@ -1,0 +1,258 @@
+"""Asynchronous sampling in the engine service (``run.max_staleness`` k ≥ 2, docs/off_policy.md): a background
+thread that keeps the engine generating the data order's prompts into a buffer of finished samples, ahead of the
+trainer by at most k policy versions; an iteration's rollout takes its batch from there.
+
+The data order is the run's (:func:`models.stages.rollout.draw_for`): iteration i trains exactly the prompts of
+draw i, so every prompt of an epoch is trained once whichever finished first. The thread samples draw j in units
+of :data:`UNIT_PROMPTS` prompts (GRPO groups whole: a prompt's n samples are one unit's), each with the engine's
+policy version v at its start, and starts one only while ``j − v ≤ k``: draw j is trained by the actor of version
+j, so each of its tokens is then at most k updates old (AReaL's ``max_head_offpolicyness``, Fu et al. 2025,
+arXiv:2505.24298). A unit staler than k when taken (a version moved back: a restarted or reloaded engine) is
+dropped, counted, and its prompts sampled again. Each sample is seeded by its position in its draw
+(:func:`models.engines.sample_seed`), as the synchronous rollout seeds it.
+
+New weights come between units (:class:`EngineTurns`: an op waiting for the engine goes before the next unit), so a
+unit's tokens share one version; with partial rollouts (``run.partial_rollouts``, the HF engine) they come between
+two tokens instead: the generations under way go on under the new policy, the KV cache of their earlier tokens
+kept, each token tagged with the version whose weights computed its logits.
+
+What survives a crash: nothing of the buffer needs to. A resumed run's engine starts producing at the resume point
+with the resumed actor; the samples that were finished but not taken, or in flight, were never trained, and their
+prompts are sampled again for the iterations that train them (no prompt lost, none trained twice). Results after a
+resume are not bit-identical to an uninterrupted run: which version drew a unit depends on timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from models.engines.rollout import RolloutColumns, encode_prompts, rollout_columns, sample
+
+log = logging.getLogger(__name__)
+
+UNIT_PROMPTS = 4
+"""Prompts per unit of generation: the longest a weight push waits for the engine is one unit's sampling."""
+
+
+class _NoWeights(Exception):
+    """The engine serves no actor (a push failed half-way through a unit)."""
+
+
+class EngineTurns:
+    """The engine, one user at a time: an op of the service (weights, evaluate, load) waits for the unit under
+    way and goes before the producer's next one."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy = False
+        self._waiting = 0
+
+    @contextlib.contextmanager
+    def op(self):
+        with self._cond:
+            self._waiting += 1
+            self._cond.wait_for(lambda: not self._busy)
+            self._waiting -= 1
+            self._busy = True
+        try:
+            yield
+        finally:
+            self._release()
+
+    @contextlib.contextmanager
+    def unit(self):
+        with self._cond:
+            self._cond.wait_for(lambda: not self._busy and not self._waiting)
+            self._busy = True
+        try:
+            yield
+        finally:
+            self._release()
+
+    def give_way(self) -> None:
+        """Inside a unit (partial rollouts, between two tokens): let the ops waiting for the engine run now."""
+        with self._cond:
+            if not self._waiting:
+                return
+            self._busy = False
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: not self._busy and not self._waiting)
+            self._busy = True
+
+    def _release(self) -> None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
+
+class Unit:
+    """Prompts ``start`` … ``end − 1`` of draw ``draw``, sampled by the actor of version ``version``."""
+
+    def __init__(self, draw: int, start: int, end: int, version: int, columns: RolloutColumns,
+                 versions: Optional[List[List[int]]] = None):
+        self.draw, self.start, self.end, self.version, self.columns = draw, start, end, version, columns
+        self.versions = versions  # per sample, per token (partial rollouts); None: all ``version``
+
+    def token_versions(self) -> List[List[int]]:
+        if self.versions is not None:
+            return self.versions
+        return [[self.version] * len(r) for r in self.columns.response_tokens]
+
+
+class Producer:
+    """The background sampler of one engine service. ``current()`` gives the engine and the version it serves
+    (-1: none, while weights load); ``draw(j)`` the :class:`~models.stages.rollout.Draw` of iteration j;
+    ``tokenizer`` encodes its prompts; sampling stops after iteration ``stop − 1``."""
+
+    def __init__(self, k: int, start: int, stop: int, current: Callable[[], Tuple[object, int]], draw, tokenizer,
+                 turns: EngineTurns, partial: bool = False):
+        self.k, self.stop, self.current, self.draw, self.turns = k, stop, current, draw, turns
+        self.tokenizer = tokenizer
+        self.partial = partial  # new weights between two tokens (HF engine: generate_versions)
+        self.cond = threading.Condition()
+        self.units: Dict[int, List[Unit]] = {}
+        self.todo: List[Tuple[int, int]] = []  # (draw, prompt position) of units to sample again, first
+        self.next = (start, 0)
+        self.expect = start  # the iteration whose batch the next take is for
+        self.dropped = 0
+        self.idle_s, self.window_t0 = 0.0, time.monotonic()
+        self.failed: Optional[BaseException] = None
+        self.stopped = False
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="producer")
+        self.thread.start()
+
+    def _position(self) -> Tuple[int, int]:
+        return self.todo[0] if self.todo else self.next
+
+    def _may_start(self) -> bool:
+        draw, _ = self._position()
+        version = self.current()[1]
+        return draw < self.stop and version >= 0 and draw - version <= self.k
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    t0 = time.monotonic()  # woken by a new version (poke), a take, or a second passing
+                    ready = self.cond.wait_for(lambda: self.stopped or self._may_start(), timeout=1.0)
+                    self.idle_s += time.monotonic() - t0
+                    if self.stopped:
+                        return
+                    if not ready:
+                        continue
+                    draw, start = self._position()
+                self._sample(draw, start)
+        except BaseException as err:  # noqa: BLE001 -- the next take raises it
+            log.exception("the producer stopped")
+            with self.cond:
+                self.failed = err
+                self.cond.notify_all()
+
+    def _sample(self, draw: int, start: int) -> None:
+        d = self.draw(draw)
+        end = min(start + UNIT_PROMPTS, len(d.prompt_ids))
+        versions = None
+        with self.turns.unit():
+            engine, version = self.current()
+            if version < 0 or draw - version > self.k:
+                return  # the weights moved while it waited: decide again
+            prompts, ids = d.data.prompts[start:end], d.prompt_ids[start:end]
+            if not self.partial:
+                cols = sample(engine, self.tokenizer, prompts, ids, d.spec, d.data.chat, first_index=start)
+            else:
+                try:
+                    cols, versions = self._sample_partial(engine, version, prompts, ids, d, start)
+                except _NoWeights:
+                    return  # a push failed mid-unit: sampled again once the engine serves an actor
+        with self.cond:
+            if self.todo and self.todo[0] == (draw, start):
+                self.todo.pop(0)
+            elif self.next == (draw, start):
+                self.next = (draw, end) if end < len(d.prompt_ids) else (draw + 1, 0)
+            else:
+                return  # restarted at another draw meanwhile: not this unit's
+            self.units.setdefault(draw, []).append(Unit(draw, start, end, version, cols, versions))
+            self.cond.notify_all()
+
+    def _sample_partial(self, engine, version: int, prompts, ids, d, start: int):
+        """The unit sampled step by step, giving way to pushes between two tokens (partial rollouts)."""
+        t0 = time.perf_counter()
+        tokens = encode_prompts(self.tokenizer, prompts, add_special_tokens=not d.data.chat)
+        gens, versions = engine.generate_versions(tokens, d.spec, start, version, self._between_steps)
+        return rollout_columns(self.tokenizer, prompts, ids, tokens, gens, d.spec.n, t0), versions
+
+    def _between_steps(self) -> int:
+        self.turns.give_way()
+        version = self.current()[1]
+        if version < 0:
+            raise _NoWeights()
+        return version
+
+    def poke(self) -> None:
+        """The engine's version changed: the thread decides again."""
+        with self.cond:
+            self.cond.notify_all()
+
+    def take(self, iteration: int, timeout_s: float) -> Tuple[List[Unit], Dict[str, float]]:
+        """The units of draw ``iteration`` in prompt order once all are sampled, none staler than k for the actor
+        of version ``iteration``; stale ones dropped, counted and sampled again. Also the window's
+        ``(window_s, engine_idle_s, trainer_wait_s, dropped)``."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            t0 = time.monotonic()
+            if iteration != self.expect:  # the run moved elsewhere (a retried or skipped iteration): start there
+                self.units, self.todo, self.next = {}, [], (iteration, 0)
+                self.cond.notify_all()
+            while True:
+                self._drop_stale(iteration)
+                units = sorted(self.units.get(iteration, []), key=lambda u: u.start)
+                if self.failed is not None:
+                    raise RuntimeError(f"the engine's producer failed: {self.failed}") from self.failed
+                if units and units[-1].end == len(self.draw(iteration).prompt_ids) and \
+                        all(a.end == b.start for a, b in zip(units, units[1:])) and units[0].start == 0:
+                    break
+                if not self.cond.wait(timeout=max(deadline - time.monotonic(), 0.0)) and \
+                        time.monotonic() >= deadline:
+                    raise TimeoutError(f"the batch of iteration {iteration} was not sampled in {timeout_s:.0f} s")
+            for old in [d for d in self.units if d <= iteration]:
+                del self.units[old]
+            self.expect = iteration + 1
+            now = time.monotonic()
+            window = (now - self.window_t0, self.idle_s, now - t0, self.dropped)
+            self.window_t0, self.idle_s, self.dropped = now, 0.0, 0
+            self.cond.notify_all()
+        return units, dict(zip(("window_s", "engine_idle_s", "trainer_wait_s", "dropped"), window))
+
+    def _drop_stale(self, iteration: int) -> None:
+        """Units of draw ``iteration`` sampled more than k versions before it: dropped and queued again."""
+        kept = []
+        for unit in self.units.get(iteration, []):
+            if iteration - unit.version > self.k:
+                self.dropped += len(unit.columns.response_tokens)
+                self.todo.append((unit.draw, unit.start))
+                log.warning("dropped prompts %d-%d of iteration %d: sampled by version %d, over %d behind",
+                            unit.start, unit.end - 1, iteration, unit.version, self.k)
+            else:
+                kept.append(unit)
+        self.units[iteration] = kept
+
+    def snapshot(self) -> Dict[str, Any]:
+        """The buffer as a batch records it: the prompts finished but not taken (``prompt_id`` ranges, first and
+        last, one per unit), and where sampling stands (draw, prompt). A resume samples them again from the resume
+        point: none of them was trained."""
+        with self.cond:
+            finished = sorted([int(u.columns.prompt_id[0]), int(u.columns.prompt_id[-1])]
+                              for units in self.units.values() for u in units)
+            return {"taken_through": self.expect - 1, "finished_not_taken": finished,
+                    "sampling": list(self._position())}
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+        self.thread.join(timeout=60)
+

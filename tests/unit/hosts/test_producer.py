@@ -1,0 +1,174 @@
+"""The engine service's background sampler of an asynchronous run (models/hosts/producer.py), with a real HF engine
+whose weights change between two actors as a trainer's pushes would change them: every batch taken holds its draw's
+prompts in order, each unit exactly what an engine holding the version it is tagged with samples for those prompts
+(so the per-token versions name the policy that really drew the tokens), no token staler than k, and the engine
+runs ahead of the trainer by k versions and no further."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from models.data.prompts import PromptDataset
+from models.demos.tokenizer import build_char_tokenizer
+from models.engines import HFEngine, SamplingSpec
+from models.engines.rollout import sample
+from models.hosts.async_batch import merged
+from models.hosts.producer import UNIT_PROMPTS, EngineTurns, Producer
+from models.stages.async_metrics import idle_stats, staleness_stats
+from models.stages.rollout import Draw
+from tests.unit.models.actor_checkpoints import actor_dir
+
+K, ITERATIONS, PER_DRAW = 2, 5, 6  # 6 prompts: units of 4 and 2
+
+
+@pytest.fixture(scope="module")
+def actors(tmp_path_factory):
+    root = tmp_path_factory.mktemp("actors")
+    return [actor_dir(root / "a", seed=0, intermediate_size=64), actor_dir(root / "b", seed=1, intermediate_size=64)]
+
+
+def draw(j: int) -> Draw:
+    prompts = [f"draw {j} prompt {p}" for p in range(PER_DRAW)]
+    data = PromptDataset(prompts, np.arange(PER_DRAW, dtype=np.int64))
+    ids = np.arange(j * PER_DRAW, (j + 1) * PER_DRAW, dtype=np.int64)
+    return Draw(j, data, ids, SamplingSpec(n=2, temperature=1.0, max_new_tokens=5, seed=100 + j))
+
+
+def test_batches_are_drawn_by_the_versions_they_name_and_at_most_k_behind(actors):
+    tok = build_char_tokenizer()
+    engine, turns, served = HFEngine(actors[0]), EngineTurns(), {"version": 0}
+    producer = Producer(K, 0, ITERATIONS, lambda: (engine, served["version"]), draw, tok, turns)
+    try:
+        taken = []
+        for i in range(ITERATIONS):
+            units, window = producer.take(i, timeout_s=120)
+            taken.append((units, window))
+            # the engine runs ahead until draw version + k is sampled, then waits for the next version
+            ahead = min(served["version"] + K + 1, ITERATIONS)
+            deadline = time.monotonic() + 60
+            while producer.next[0] < ahead and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert producer.next == (ahead, 0) and not producer.todo
+            with turns.op():  # the trainer's push of version i + 1
+                engine.load_weights(actors[(i + 1) % 2])
+                served["version"] = i + 1
+            producer.poke()
+    finally:
+        producer.close()
+    assert not producer.thread.is_alive()
+
+    lags = []
+    for i, (units, window) in enumerate(taken):
+        assert [(u.start, u.end) for u in units] == [(0, UNIT_PROMPTS), (UNIT_PROMPTS, PER_DRAW)]
+        cols, versions = merged(units)
+        assert cols.prompt_id.tolist() == np.repeat(draw(i).prompt_ids, 2).tolist()  # every prompt once, in order
+        for unit in units:  # what the actor of the version named samples for those prompts, seeded by position
+            reference = sample(HFEngine(actors[unit.version % 2]), tok, draw(i).data.prompts[unit.start:unit.end],
+                               draw(i).prompt_ids[unit.start:unit.end], draw(i).spec, first_index=unit.start)
+            assert unit.columns.response_tokens == reference.response_tokens
+            assert np.allclose(np.concatenate(unit.columns.sampler_logprobs),
+                               np.concatenate(reference.sampler_logprobs), atol=1e-6)
+        lags.append(int(staleness_stats(i, versions, K)["async/staleness_p100"]))
+        assert window["dropped"] == 0 and 0 <= window["trainer_wait_s"] <= window["window_s"]
+    # draws 0-2 sampled by version 0 at once; then draw j by version j - 2 as soon as it is pushed
+    assert lags == [0, 1, 2, 2, 2]
+
+
+def test_a_push_waits_for_the_unit_under_way_and_goes_before_the_next():
+    turns, order = EngineTurns(), []
+    in_unit = threading.Event()
+
+    def producer():
+        with turns.unit():
+            in_unit.set()
+            time.sleep(0.3)
+            order.append("unit 1")
+        with turns.unit():
+            order.append("unit 2")
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    in_unit.wait(5)
+    with turns.op():
+        order.append("push")
+    thread.join(5)
+    assert order == ["unit 1", "push", "unit 2"]
+
+
+def test_staleness_metrics_by_hand():
+    # iteration 5, k = 2: tokens at versions 5, 4, 4, 3 and a sample that took new weights half-way (3 then 4)
+    versions = [[5], [4, 4], [3, 4]]
+    out = staleness_stats(5, versions, 2)
+    assert out["async/staleness_p50"] == 1.0 and out["async/staleness_p100"] == 2.0  # lags 0, 1, 1, 2, 1
+    assert (out["async/lag_0_share"], out["async/lag_1_share"], out["async/lag_2_share"]) == (0.2, 0.6, 0.2)
+    assert out["async/partial_fraction"] == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="3 updates old.*run.max_staleness=2 allows 0..2"):
+        staleness_stats(6, versions, 2)
+    assert idle_stats(10.0, 0.5, 2.0, 4) == {"async/engine_idle_fraction": 0.05,
+                                             "async/trainer_idle_fraction": 0.2, "async/dropped_samples": 4.0}
+
+
+def _long(j: int) -> Draw:
+    """A draw whose responses all run ``max_new_tokens`` steps: room for weights to change mid-generation."""
+    d = draw(j)
+    return d._replace(spec=SamplingSpec(n=2, temperature=1.0, max_new_tokens=24, min_new_tokens=24, seed=7))
+
+
+def test_new_weights_between_two_tokens_tag_the_tokens_after_them(actors):
+    """The engine's step hook loads actor b after the third token: the first three tokens of every sample are what
+    actor a samples with the same seeds, the rest are tagged version 1 (and are not a's)."""
+    tok = build_char_tokenizer()
+    prompts = [tok(p)["input_ids"] for p in _long(0).data.prompts[:2]]
+    spec, engine, steps = _long(0).spec, HFEngine(actors[0]), []
+
+    def between_steps() -> int:
+        steps.append(len(steps))
+        if len(steps) == 3:
+            engine.load_weights(actors[1])
+        return 1 if len(steps) >= 3 else 0
+
+    gens, versions = engine.generate_versions(prompts, spec, first_index=0, version=0, between_steps=between_steps)
+    reference = HFEngine(actors[0]).generate(prompts, spec)
+    flat, ref = [g for p in gens for g in p], [g for p in reference for g in p]
+    assert versions == [[0] * 3 + [1] * 21] * 4
+    assert all(g.tokens[:3] == r.tokens[:3] for g, r in zip(flat, ref))
+    assert any(g.tokens[3:] != r.tokens[3:] for g, r in zip(flat, ref))
+
+
+def test_partial_rollouts_in_the_producer(actors):
+    """A push queued while a unit samples is served at the next token; the unit goes on under the new version."""
+    tok = build_char_tokenizer()
+    engine, turns, served = HFEngine(actors[0]), EngineTurns(), {"version": 0}
+    pushed = threading.Event()
+
+    def push():
+        while not turns._busy:  # the producer's first unit is under way
+            time.sleep(0.001)
+        with turns.op():
+            engine.load_weights(actors[1])
+            served["version"] = 1
+        pushed.set()
+
+    thread = threading.Thread(target=push)
+    thread.start()
+    producer = Producer(K, 0, 1, lambda: (engine, served["version"]), _long, tok, turns, partial=True)
+    try:
+        units, _ = producer.take(0, timeout_s=120)
+    finally:
+        producer.close()
+        thread.join(10)
+    assert pushed.is_set()
+    versions = merged(units)[1]
+    assert all(v == sorted(v) and set(v) <= {0, 1} for v in versions)
+    mixed = [v for v in versions if len(set(v)) == 2]
+    assert mixed and staleness_stats(1, versions, K)["async/partial_fraction"] > 0
+    first = units[0]  # its old tokens are actor a's, seeded by position
+    reference = sample(HFEngine(actors[0]), tok, _long(0).data.prompts[:UNIT_PROMPTS], _long(0).prompt_ids[:UNIT_PROMPTS],
+                       _long(0).spec)
+    for toks, ref, v in zip(first.columns.response_tokens, reference.response_tokens, first.token_versions()):
+        old = v.count(0)
+        assert toks[:old] == ref[:old]
