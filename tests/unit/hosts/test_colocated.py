@@ -130,3 +130,23 @@ def test_a_tensor_the_engine_did_not_take_fails_the_load(ckpts, monkeypatch):
         for k, values in read_back(positions, dtypes).items()})
     with pytest.raises(PushError, match="model.norm.weight"):
         load_in_process(engine, source, torch.float32, 1, "cpu")
+
+
+def test_a_tied_hub_checkpoint_loads_in_process_at_the_engine_dtype(qwen2_chat_dir, tmp_path):
+    """The in-process load on what users bring (tied embeddings, byte-level BPE, a chat template, two eos ids):
+    the engine ends up holding the trained weights cast to bfloat16 bit for bit, ``lm_head`` still the embedding
+    (one tensor sent for both), and the bytes counted at 2 a parameter."""
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(qwen2_chat_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 1e-2)
+    engine = HFEngine(qwen2_chat_dir, dtype="bfloat16")
+    source = WeightSource(trained, DistInfo(0, 1, 0, torch.device("cpu")), prefix="")
+    out = load_in_process(engine, source, torch.bfloat16, 1, "cpu", bucket_bytes=1 << 16)
+    held, want = engine.model.state_dict(), trained.state_dict()
+    assert engine.model.lm_head.weight.data_ptr() == engine.model.model.embed_tokens.weight.data_ptr()
+    assert all(torch.equal(bits(held[k]), bits(want[k].to(torch.bfloat16))) for k in want)
+    params = sum(p.numel() for p in trained.parameters())  # the tied weight once
+    assert out["resident/weights_loaded_bytes"] == 2 * params
