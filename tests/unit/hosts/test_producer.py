@@ -172,3 +172,29 @@ def test_partial_rollouts_in_the_producer(actors):
     for toks, ref, v in zip(first.columns.response_tokens, reference.response_tokens, first.token_versions()):
         old = v.count(0)
         assert toks[:old] == ref[:old]
+
+
+def test_versions_follow_each_sample_to_its_own_stop_on_a_hub_checkpoint(qwen2_chat_dir):
+    """On what users bring (byte-level BPE, a chat template, two eos ids in generation_config.json): with partial
+    rollouts' step hook moving the version after the second token (the same weights), every sample keeps the tokens
+    the plain ``generate`` draws with the same seeds, and holds exactly one version per token it kept, whichever
+    eos id (or the length limit) ended it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen2_chat_dir)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+               for text in ("reverse abc", "hello there, how are you?", "2+2=")]
+    prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
+    spec = SamplingSpec(n=3, temperature=1.0, max_new_tokens=12, seed=7)
+    engine, steps = HFEngine(qwen2_chat_dir), []
+
+    def between_steps() -> int:
+        steps.append(len(steps))
+        return 5 if len(steps) >= 2 else 4
+
+    gens, versions = engine.generate_versions(prompts, spec, first_index=0, version=4, between_steps=between_steps)
+    reference = HFEngine(qwen2_chat_dir).generate(prompts, spec)
+    flat, ref = [g for p in gens for g in p], [g for p in reference for g in p]
+    assert [g.tokens for g in flat] == [r.tokens for r in ref]
+    assert [len(v) for v in versions] == [len(g.tokens) for g in flat]
+    assert all(v == ([4] * 2 + [5] * (len(v) - 2))[:len(v)] for v in versions)
