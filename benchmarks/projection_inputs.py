@@ -189,6 +189,11 @@ LLAMA_70B_FULL = replace(LLAMA_70B, name="llama70b_ppo_full_critic_gpu", critic_
                          critic_params=None, sharded_state=True, score_nodes=8)
 """``configs/llama70b_ppo_full_critic_gpu.yaml``: a full 70B critic, an FSDP2 job on 8 nodes of 8, both
 trainers committing AdamW per rank, and scoring as the elastic task on the actor's 8 nodes."""
+LLAMA_8B_GRPO = replace(LLAMA_8B, name="llama8b_grpo_gpu", samples=64 * 8, critic_params=0.0, critic_gpus=0,
+                        critic_lora=False, reward_model=False)
+"""``configs/llama8b_grpo_gpu.yaml``: GRPO with a verifier as NeMo-RL's Llama-3.1-8B GRPO step runs it, 64 prompts
+× 8, 1024-token budget, no critic and no reward model (a reward function): only π_old and π_ref scored and the
+actor updated, FSDP2 on one node of 8, resident and colocated."""
 NEMO_70B = Shape("Llama-2-70B, NeMo-Aligner's layout (no preset)", params=69.0e9, samples=1024, prompt_tokens=512,
                  response_tokens=1024, actor_nodes=8, rollout_gpus=8, score_gpus=8, critic_gpus=64,
                  critic_lora=False, gen_speed=0.25)

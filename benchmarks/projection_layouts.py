@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Dict, List, Sequence, Tuple
 
 from benchmarks.project_iteration import PARTS, breakdown, compute_seconds, line, push_seconds
-from benchmarks.projection_inputs import (AREAL_SPEEDUP, LLAMA_8B, NEMO_70B, NEMO_ALIGNER_70B_GPUS,
+from benchmarks.projection_inputs import (AREAL_SPEEDUP, LLAMA_8B, LLAMA_8B_GRPO, NEMO_70B, NEMO_ALIGNER_70B_GPUS,
                                           NEMO_ALIGNER_70B_STEP_S, NEMO_RL_8B_GPUS, NEMO_RL_8B_STEP_S,
                                           NEMO_RL_8B_TOKENS, NEMO_RL_V04_8B_STEP_S, NEMO_RL_V04_32B, PRESETS,
                                           VERL_ASYNC_128_STEP_S, Assumptions, Shape, tokens)
@@ -34,10 +34,9 @@ SYNC_LAYOUTS = ("separate", "colocated")
 """The on-policy layouts (k = 0), among which :func:`recommend` picks the default."""
 LAYOUT_PARTS = (*PARTS, "sleep and wake", "overlap")
 """:data:`PARTS` plus the colocated engine's sleep and wake and the seconds async training hides (negative)."""
-GRPO_8B = replace(LLAMA_8B, name="8B GRPO shape (no preset)", critic_params=0.0, critic_gpus=0, critic_lora=False,
-                  reward_model=False)
-"""The 8B preset's batch and actor as NeMo-RL's GRPO step runs them: no critic, no reward model (a reward
-function), only π_old and π_ref scored and the actor updated, on the actor's 8 GPUs."""
+GRPO_8B = LLAMA_8B_GRPO
+"""The 8B GRPO preset, the shape NeMo-RL's GRPO step has: no critic, no reward model (a reward function), only
+π_old and π_ref scored and the actor updated, on the actor's 8 GPUs."""
 
 
 def inprocess_load_seconds(s: Shape, a: Assumptions) -> Dict[str, float]:

@@ -176,6 +176,20 @@ def test_each_projected_preset_is_its_config():
         "configs/llama70b_ppo_full_critic_gpu.yaml", []).model.critic_path
 
 
+
+def test_the_grpo_preset_projected_beside_nemo_rl_is_its_config():
+    """The 8B GRPO shape the layouts compare with NeMo-RL's GRPO step is ``configs/llama8b_grpo_gpu.yaml``: its
+    batch, budget, topology, no critic and no reward model, resident and colocated."""
+    from benchmarks.projection_inputs import LLAMA_8B_GRPO as s
+
+    cfg = load_config(f"configs/{s.name}.yaml", [])
+    assert s.samples == cfg.rollout.prompts_per_iteration * cfg.rollout.n_samples_per_prompt == 512
+    assert (s.response_tokens, s.save_interval) == (cfg.rollout.max_new_tokens, cfg.run.save_interval)
+    assert (s.actor_nodes, s.gpus_per_node, s.params) == (cfg.actor.nnodes, cfg.actor.nproc_per_node, LLAMA_8B.params)
+    assert not cfg.uses_critic and s.critic_gpus == 0 and s.critic_params == 0
+    assert cfg.reward.source == "function" and not s.reward_model
+    assert cfg.run.resident and cfg.run.resident_layout == "colocated"
+
 def test_rows_set_both_modes_beside_both_peers():
     out = {r.figure: r for r in rows(Assumptions())}
     for mode in ("stateless", "resident"):
