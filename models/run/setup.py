@@ -25,7 +25,6 @@ from models.run.resume import resume_run, resumes, run_layout, where_tracked
 from models.run.data import load_run_data, write_run_prompts
 from models.run.layout import RunInfo, RunLayout
 from models.run.types import PolicyState, RunHandle
-from models.training.critic_init import critic_from_actor
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +203,8 @@ def _check_vocabularies(cfg: TrainConfig, tokenizer) -> None:
 
 
 def _critic_from(actor_url: str, work: str) -> str:
+    from models.training.critic_init import critic_from_actor  # transformers: only where a critic is made
+
     return str(critic_from_actor(download_checkpoint(actor_url), os.path.join(work, "critic")))
 
 

@@ -5,7 +5,7 @@ their adapters, and a long-lived service can call the same functions.
 |---|---|---|
 | rollout | :func:`models.stages.rollout.run_rollout` (an asynchronous run's engine: :func:`models.hosts.async_batch.take_rollout`, metrics in :mod:`models.stages.async_metrics`) | :class:`~models.stages.outputs.RolloutOutput` |
 | score | :func:`models.stages.score.run_score` | :class:`~models.stages.outputs.ScoreOutput` |
-| advantages | :func:`models.stages.advantages.run_advantages` | :class:`~models.stages.advantages.AdvantagesOutput` |
+| advantages | :func:`models.stages.advantages.run_advantages` | :class:`~models.stages.outputs.AdvantagesOutput` |
 | actor update | :func:`models.stages.actor.train_actor` (one rank), :func:`~models.stages.actor.train_actor_ranks` (every rank of a launch) | :class:`~models.stages.outputs.UpdateOutput` |
 | critic update | :func:`models.stages.critic.train_critic` (one rank), :func:`~models.stages.critic.train_critic_ranks` (every rank of a launch) | :class:`~models.stages.outputs.UpdateOutput` |
 | commit | :func:`models.stages.commit.run_commit` | the next :class:`~models.run.types.PolicyState` |

@@ -4,7 +4,7 @@ loss learns from (DAPO's dynamic sampling and overlong filtering, docs/rlvr/).""
 
 from __future__ import annotations
 
-from typing import Dict, NamedTuple
+from typing import Dict
 
 import torch
 
@@ -13,12 +13,8 @@ from kernels.dapo import informative_groups, overlong_penalty
 from models.config import TrainConfig
 from models.data.batch import RolloutBatch
 from models.run.types import PolicyState, RunHandle
+from models.stages.outputs import AdvantagesOutput
 from models.timing import timed
-
-
-class AdvantagesOutput(NamedTuple):
-    batch: RolloutBatch
-    stats: Dict[str, float]
 
 
 def advantage_params(cfg: TrainConfig, kl_coef: float) -> AdvantageParams:

@@ -1,5 +1,6 @@
-"""What the rollout, score, update and finish stages return, torch-free: a resident run's thin tasks
-(:mod:`tasks.resident`) return the same types as the stateless tasks without importing the stages."""
+"""What the rollout, score, advantages, update and finish stages return, torch-free: a resident run's thin tasks
+(:mod:`tasks.resident`) return the same types as the stateless tasks without importing the stages, and a pod that
+only compiles the graph (a dynamic workflow's, a launch plan's) imports the task modules without torch."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ class RolloutOutput(NamedTuple):
 
 
 class ScoreOutput(NamedTuple):
+    batch: RolloutBatch
+    stats: Dict[str, float]
+
+
+class AdvantagesOutput(NamedTuple):
     batch: RolloutBatch
     stats: Dict[str, float]
 

@@ -48,24 +48,25 @@ print(json.dumps({h: chains.get(h, []) for h in HEAVY if h in sys.modules}))
 """
 
 
-def heavy_after_importing(modules: Sequence[str], root: pathlib.Path = ROOT) -> Dict[str, List[str]]:
-    """Import ``modules`` in a fresh interpreter with ``root`` first on the path: each heavy library then
+def heavy_after_importing(modules: Sequence[str], root: pathlib.Path = ROOT,
+                          heavy: Sequence[str] = HEAVY) -> Dict[str, List[str]]:
+    """Import ``modules`` in a fresh interpreter with ``root`` first on the path: each ``heavy`` library then
     loaded, with the chain of ``path:line`` (outermost first) that first imported it."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", PROBE, ",".join(HEAVY), str(root), *modules], cwd=root, env=env,
+    proc = subprocess.run([sys.executable, "-c", PROBE, ",".join(heavy), str(root), *modules], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def offenders(modules: Sequence[str], root: pathlib.Path = ROOT) -> List[str]:
-    """One line per module whose import alone loads a heavy library, naming the first importer chain;
+def offenders(modules: Sequence[str], root: pathlib.Path = ROOT, heavy: Sequence[str] = HEAVY) -> List[str]:
+    """One line per module whose import alone loads a ``heavy`` library, naming the first importer chain;
     empty when importing all of them together loads none (one interpreter in the usual case)."""
-    if not heavy_after_importing(modules, root):
+    if not heavy_after_importing(modules, root, heavy):
         return []
     out = []
     for module in modules:
-        loaded = heavy_after_importing([module], root)
+        loaded = heavy_after_importing([module], root, heavy)
         out += [f"{module} loads {lib} via {' -> '.join(chain) or '(outside the product)'}"
                 for lib, chain in loaded.items()]
     return out
@@ -74,6 +75,18 @@ def offenders(modules: Sequence[str], root: pathlib.Path = ROOT) -> List[str]:
 def test_thin_task_modules_import_without_torch_or_vllm():
     found = offenders(THIN_MODULES)
     assert not found, "a thin task's modules must import none of " + ", ".join(HEAVY) + ":\n" + "\n".join(found)
+
+
+GRAPH_MODULES = ("workflows.ppo", "workflows.reinforce", "tasks.run_tasks")
+"""What a pod that compiles or sets up the graph imports (a dynamic workflow's, ``prepare_run``), and every ``pyflyte
+run``: torch is allowed (the elastic tasks' plugin, flytekitplugins-kfpytorch, imports it as it defines them), the
+model libraries not; transformers alone (with scikit-learn, which it loads) took about 5 of the 9 s such a pod spent
+importing on the 2-core machine (2026-11-27)."""
+
+
+def test_a_graph_pod_imports_no_model_library():
+    found = offenders(GRAPH_MODULES, heavy=HEAVY[1:])
+    assert not found, "the graph's modules must import none of " + ", ".join(HEAVY[1:]) + ":\n" + "\n".join(found)
 
 
 def test_the_check_names_a_module_loading_torch_and_the_chain(tmp_path):
