@@ -1,4 +1,4 @@
-"""PPO (two iterations), GRPO (three) and a colocated GRPO (two) from the compiled package, every node a pod
+"""PPO (one iteration), GRPO (three) and a colocated GRPO (two) from the compiled package, every node a pod
 (``tests/cluster``), against the same seeds through a local ``pyflyte run``: the same checkpoints byte for byte, the same
 metrics, every run FINISHED in one ``mlflow server`` on 127.0.0.1. PPO runs stateless (every task loads
 its models), GRPO resident (``run.resident``): its services are nodes of the execution (the engine's pod,
@@ -9,7 +9,7 @@ local runs one.
 
 What differs on purpose: the pods' actor update is a two-node PyTorchJob (2 pods × 2 ranks, the
 operator's rendezvous environment on loopback), the local run's one node of 4 ranks (the same 4
-ranks, the same shards); the PPO run loses its second rollout pod mid-sampling and Flyte's retry
+ranks, the same shards); the PPO run loses its rollout pod mid-sampling and Flyte's retry
 redoes it; the GRPO run loses its engine service's pod mid-sampling (iteration 1's batch sampled, not
 written): Flyte starts it again from the run's start and the iteration's tasks go on with it, given the
 trainer's weights, no iteration redone. The colocated case (``run.resident_layout=colocated``, the HF engine)
@@ -36,15 +36,16 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 COMMON = ["run.num_iterations=2", "run.iterations_per_chunk=1", "run.eval_interval=2", "run.save_interval=1",
           "rollout.prompts_per_iteration=8", "actor.minibatch_size=16", "data.num_demo_eval_prompts=8"]
-RUN = {"ppo": COMMON + ["critic.minibatch_size=16", "critic.micro_batch_size=8", "rollout.engine=hf"],
+RUN = {"ppo": [o for o in COMMON if not o.startswith("run.num_iterations")]
+       + ["run.num_iterations=1", "critic.minibatch_size=16", "critic.micro_batch_size=8", "rollout.engine=hf"],
        "grpo": [o for o in COMMON if not o.startswith(("run.iterations_per_chunk", "run.num_iterations"))]
        + ["run.num_iterations=3", "run.iterations_per_chunk=2", "run.iterations_per_execution=2",
           "run.off_policy_steps=1", "actor.tis_cap=2", "run.resident=true", "run.resident_idle_timeout_s=600"],
        "colocated": COMMON + ["rollout.engine=hf", "run.resident=true", "run.resident_layout=colocated",
                               "run.resident_idle_timeout_s=600"]}
-ITERATIONS = {"ppo": 2, "grpo": 3, "colocated": 2}
+ITERATIONS = {"ppo": 1, "grpo": 3, "colocated": 2}
 EXECUTIONS = {"ppo": 2, "grpo": 3, "colocated": 2}
-"""The run's own execution (set-up, services, finish) and those of its iterations: PPO's one of both iterations,
+"""The run's own execution (set-up, services, finish) and those of its iterations: PPO's one of its iteration,
 GRPO's of iterations 0-1 (pipelined in one chunk) and of iteration 2, the colocated run's of both iterations."""
 """The critic's options only where there is a critic (an option the algorithm ignores is refused); PPO samples
 with the HF engine (its rollout and evaluation pods start in seconds: nothing here depends on the engine),
@@ -95,7 +96,7 @@ def test_a_run_across_executions_in_pods_matches_a_local_run(algo, packages, mak
     from mlflow.tracking import MlflowClient
 
     package = packages(*DEPLOY, registration_env(s3_server, mlflow_url))
-    faults = {"ppo": [Fault("rollout", "rollout/iter-000001")],
+    faults = {"ppo": [Fault("rollout", "rollout/iter-000000")],
               "grpo": [Fault("engine_service", "rollout/iter-000001")]}.get(algo, [])
     cluster = make_cluster(package, faults=faults, **({"parallelism": 2, "pin_cores": (0, 1)} if algo != "ppo" else {}))
     root = f"s3://{BUCKET}/{algo}-{tmp_path.name}"
@@ -165,17 +166,17 @@ def check_colocated(ex, pods_m: dict) -> None:
 
 
 def check_stateless_pods(ex) -> None:
-    """The two-node update ran as 2 pods, each sharing one download of each checkpoint between its ranks
-    (iteration 1 reads the reference and actor 0); the lost rollout pod's node ran again and went on."""
+    """The two-node update ran as 2 pods, each sharing one download of the checkpoint it trains between its
+    ranks (iteration 0's actor, the reference); the lost rollout pod's node ran again and went on."""
     updates = [a for a in ex.attempts if a.task.endswith("actor_update")]
-    assert [len(a.pods) for a in updates] == [2, 2]
+    assert [len(a.pods) for a in updates] == [2]
     # the critic update: a PyTorchJob of 2 pods too, matching the local 2-rank critic
-    assert [len(a.pods) for a in ex.attempts if a.task.endswith("critic_update")] == [2, 2]
-    for pod in updates[1].pods:
+    assert [len(a.pods) for a in ex.attempts if a.task.endswith("critic_update")] == [2]
+    for pod in updates[0].pods:
         cache = pod.folder / "tmp" / "flyte-rlhf-checkpoints"
-        assert len([d for d in os.listdir(cache) if not d.startswith(".") and os.path.isdir(cache / d)]) == 2
+        assert len([d for d in os.listdir(cache) if not d.startswith(".") and os.path.isdir(cache / d)]) == 1
     rollouts = [(a.node, a.outcome) for a in ex.attempts if a.task.endswith(".rollout")]
-    assert [o for _, o in rollouts] == ["outputs", "lost", "outputs"] and rollouts[1][0] == rollouts[2][0]
+    assert [o for _, o in rollouts] == ["lost", "outputs"] and rollouts[0][0] == rollouts[1][0]
 
 
 def check_services(ex, cluster, root: str) -> None:

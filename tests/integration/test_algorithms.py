@@ -107,14 +107,17 @@ def test_learns_the_tiny_task(algo, workflow, tmp_path):
     temperature with the same seed (paired: prompt difficulty cancels; the rollout reward of iteration 1
     against the last ones moves with each iteration's prompts).
 
-    The PPO run is also what ``make demo`` prints: it runs in a user's environment (none of the quieting
-    variables of this pytest process), registers its policy as the demo does, and its stdout and stderr
-    hold the project's own lines only (``console_lines.py``). The GRPO run is resident (``run.resident``:
-    the engine and the actor as the run's services)."""
+    Both runs are resident (``run.resident``: the engine, the actor and PPO's critic as the run's services,
+    a third of the stateless time per iteration with the same rewards: tests/integration/test_resume.py
+    compares the two modes bit for bit). The PPO run is also what ``make demo`` prints, its services' output
+    included: it runs in a user's environment (none of the quieting variables of this pytest process),
+    registers its policy as the demo does, and its stdout and stderr hold the project's own lines only
+    (``console_lines.py``)."""
     quick = ["run.num_iterations=15", "run.eval_interval=15", "run.eval_before_training=true",
              "rollout.eval_temperature=1.0", "data.num_demo_eval_prompts=512", "run.save_interval=100"]
+    quick += ["run.resident=true"]
     if algo != "ppo":  # registering and logging the checkpoint prove nothing more here
-        quick += ["run.registered_model_name=", "run.checkpoint_artifact_max_mb=0", "run.resident=true"]
+        quick += ["run.registered_model_name=", "run.checkpoint_artifact_max_mb=0"]
     env = demo_env(tmp_path / "home") if algo == "ppo" else None
     out = _pyflyte(f"workflows/{workflow}.py", f"{workflow}_training", f"configs/tiny_{algo}.yaml",
                    [f"run.storage_root={tmp_path}"] + quick, algo, tmp_path / "mlflow.db", env=env, stderr=True)

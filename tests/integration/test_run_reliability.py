@@ -29,7 +29,7 @@ from tests.integration.flyte_runs import FlyteRun, isolated_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-OVERRIDES = ["run.num_iterations=3", "run.eval_interval=0", "run.save_interval=1", "rollout.prompts_per_iteration=8",
+OVERRIDES = ["run.num_iterations=2", "run.eval_interval=0", "run.save_interval=1", "rollout.prompts_per_iteration=8",
              "rollout.n_samples_per_prompt=4", "actor.minibatch_size=16", "actor.micro_batch_size=8",
              "data.num_demo_train_prompts=64", "data.num_demo_eval_prompts=8", "run.registered_model_name=reliability"]
 
@@ -143,16 +143,16 @@ def test_a_second_launch_is_refused_and_ctrl_c_stops_a_run_that_resumes(launches
 
     again = launches.start("live", "3")
     out = again.wait(900)
-    assert "Run live finished: 3 iterations of grpo." in out and "[grpo] iter 1/3" not in out
+    assert "Run live finished: 2 iterations of grpo." in out and "[grpo] iter 1/2" not in out
     assert client.get_run(mlflow_run.info.run_id).info.status == "FINISHED"
     assert launches.lease("live")["released_at"]
-    assert launches.registered("live") == [("1", layout.actor_url(2))]
+    assert launches.registered("live") == [("1", layout.actor_url(1))]
 
     # extended after it finished: the registered model and `candidate` follow the new final policy
-    longer = launches.start("live", "4", overrides=["run.num_iterations=4"])
+    longer = launches.start("live", "4", overrides=["run.num_iterations=3"])
     out = longer.wait(900)
-    assert "resuming live: run.num_iterations: 3 -> 4 from iter-000003" in out and "[grpo] iter 4/4" in out
-    assert launches.registered("live") == [("1", layout.actor_url(2)), ("2", layout.actor_url(3))]
+    assert "resuming live: run.num_iterations: 2 -> 3 from iter-000002" in out and "[grpo] iter 3/3" in out
+    assert launches.registered("live") == [("1", layout.actor_url(1)), ("2", layout.actor_url(2))]
     assert str(client.get_model_version_by_alias("reliability", "candidate").version) == "2"
     tags = client.get_run(mlflow_run.info.run_id).data.tags
-    assert tags["config_change.iter-000003.run.num_iterations"] == "3 -> 4"
+    assert tags["config_change.iter-000002.run.num_iterations"] == "2 -> 3"
