@@ -1,11 +1,14 @@
 """Asynchronous training against the synchronous modes on the tiny GRPO preset, resident, through ``pyflyte run``.
 
     python benchmarks/bench_async.py [--quick] [--iterations N] [--staleness 0,1,2,4] [--overrides JSON]
-                                     [--partial] [--json PATH]
+                                     [--partial] [--slow-engine S] [--json PATH]
 
 One run per k of ``run.max_staleness`` (``actor.tis_cap=2`` from k = 1), the same seeds, with ``--overrides`` (a
 JSON list, e.g. ``'["rollout.engine=hf"]'``) on every run and ``--partial`` (``run.partial_rollouts=true``, HF engine
-only) on those with k ≥ 2. Printed per k:
+only) on those with k ≥ 2. ``--slow-engine S``: every engine call sleeps S seconds per prompt after generating,
+in every run (``RLHF_FAULT_SLOW_ENGINE``, models/faults.py): generation made the slower side as an engine on a GPU of
+its own would be, taking no CPU from the trainer (the tiny preset's generation is otherwise the faster side here).
+Printed per k:
 
 - seconds per iteration: the median of ``time/iteration_s`` (commit to commit, the run's own metric) over the
   iterations after the first two (the first carries the engine start);
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -98,7 +102,13 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-prompts", type=int, default=512, help="held-out prompts (default 512)")
     parser.add_argument("--overrides", default="[]", help="JSON list of config overrides for every run")
     parser.add_argument("--partial", action="store_true", help="run.partial_rollouts=true with k >= 2 (HF engine)")
+    parser.add_argument("--slow-engine", type=float, default=0.0,
+                        help="seconds per prompt every engine call sleeps, in every run (generation the slower side)")
     args = parser.parse_args(argv)
+    if args.slow_engine:
+        from models.faults import SLOW_ENGINE_ENV
+
+        os.environ[SLOW_ENGINE_ENV] = str(args.slow_engine)  # the runs' services inherit it
     iterations = args.iterations or (6 if args.quick else 15)
     with tempfile.TemporaryDirectory(prefix="bench-async-") as root:
         rows = bench([int(k) for k in args.staleness.split(",")], iterations, args.eval_prompts, root,

@@ -9,7 +9,9 @@ iteration's node). Per k: seconds per iteration (the mean time between consecuti
 the held-out ``eval/reward_mean`` after the last iteration (16 prompts), and with k ≥ 2 the means of
 ``async/engine_idle_fraction`` and ``async/trainer_idle_fraction`` after the first iteration. ``--quick``: 3
 iterations (default 5). ``--overrides``: a JSON list of config overrides for every run (a larger batch, so that
-generation is the slower side: ``'["rollout.prompts_per_iteration=64"]'``).
+generation is the slower side: ``'["rollout.prompts_per_iteration=64"]'``). ``--slow-engine S``: the engine sleeps S
+seconds per prompt after each generation, in every run (``RLHF_FAULT_SLOW_ENGINE`` in the pods' environment,
+models/faults.py): generation the slower side, on its own core, as an engine on a GPU of its own would be.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def idle(mlflow_url: str, root: str) -> Dict[str, float]:
     return out
 
 
-def measure(ks: List[int], iterations: int, overrides: List[str] = ()) -> List[Row]:
+def measure(ks: List[int], iterations: int, overrides: List[str] = (), slow_engine: float = 0.0) -> List[Row]:
     from tests.cluster.conftest import DEPLOY, IMAGE, new_cluster, registration_env
     from tests.cluster.package import build_package, load_package
     from tests.conftest import BUCKET
@@ -56,7 +58,12 @@ def measure(ks: List[int], iterations: int, overrides: List[str] = ()) -> List[R
               "rollout.engine=hf", "run.resident=true", "run.resident_idle_timeout_s=600", *overrides]
     out, rows = {}, []
     with tempfile.TemporaryDirectory() as tmp, moto_s3_server(BUCKET) as s3, mlflow_server(Path(tmp) / "mlflow") as ml:
-        package = load_package(build_package(Path(tmp) / "package", IMAGE, *DEPLOY, registration_env(s3, ml)))
+        env = registration_env(s3, ml)
+        if slow_engine:
+            from models.faults import SLOW_ENGINE_ENV
+
+            env = {**env, SLOW_ENGINE_ENV: str(slow_engine)}
+        package = load_package(build_package(Path(tmp) / "package", IMAGE, *DEPLOY, env))
         make = lambda: new_cluster(package, s3, Path(tmp) / "pods", Path(tmp) / "baked",  # noqa: E731
                                    parallelism=3, pin_cores=(0, 1))
         for k in ks:
@@ -80,9 +87,11 @@ def main(argv=None) -> int:
     parser.add_argument("--iterations", type=int, default=0, help="iterations per run (default 5; --quick 3)")
     parser.add_argument("--staleness", default="0,2", help="comma-separated values of run.max_staleness")
     parser.add_argument("--overrides", default="[]", help="JSON list of config overrides for every run")
+    parser.add_argument("--slow-engine", type=float, default=0.0,
+                        help="seconds per prompt every engine call sleeps, in every run (generation the slower side)")
     args = parser.parse_args(argv)
     rows = measure([int(k) for k in args.staleness.split(",")], args.iterations or (3 if args.quick else 5),
-                   json.loads(args.overrides))
+                   json.loads(args.overrides), args.slow_engine)
     print_rows(rows)
     write_rows(args.json, rows)
     return 0

@@ -2,7 +2,7 @@
 
 The tests kill a run at a chosen point and check it resumes as if nothing happened, or spoil an
 update and check the run stops, or slow an engine replica down, or make an engine's loader skip a weight, or
-fail one rank of a service. Six hooks:
+fail one rank of a service; and a benchmark can make generation the slower side. Seven hooks:
 
 - ``RLHF_FAULT_PAUSE="<point>:<seconds>"`` — :func:`pause_point` with a name containing
   ``<point>`` announces itself (``{RLHF_FAULT_DIR}/paused``, holding the point's name) and
@@ -19,6 +19,11 @@ fail one rank of a service. Six hooks:
 - ``RLHF_FAULT_SLOW_REPLICA="<replica>:<seconds per prompt>"`` — :func:`slow_replica`: that engine
   replica (``rollout.data_parallel_size``) sleeps that long per prompt of every chunk it is given, a
   straggler for the dispatch test (read in the replica's process, so set it before the replicas start).
+- ``RLHF_FAULT_SLOW_ENGINE="<seconds per prompt>"`` — :func:`slow_engine`: every sampling call of an engine
+  (:func:`models.engines.rollout.sample`, the synchronous rollout's and the asynchronous producer's alike) sleeps
+  that long per prompt after generating, an engine on hardware of its own that is slower than the trainer (it
+  takes no CPU from the trainer, as a GPU engine takes none). ``benchmarks/bench_async.py --slow-engine`` and
+  ``benchmarks/bench_async_pods.py --slow-engine`` set it for every run they compare.
 - ``RLHF_FAULT_DROP_PUSHED="<tensor name>"`` — :func:`drop_pushed`: an engine's loader leaves that tensor of a
   resident push out without a word (as vLLM's does with, say, v missing from ``qkv_proj``), for the push's
   read-back to catch (read where the loader runs: a vLLM worker's process inherits it from the engine's).
@@ -39,6 +44,7 @@ PAUSE_ENV = "RLHF_FAULT_PAUSE"
 KILL_RANK_ENV = "RLHF_FAULT_KILL_RANK"
 NAN_ADVANTAGES_ENV = "RLHF_FAULT_NAN_ADVANTAGES"
 SLOW_REPLICA_ENV = "RLHF_FAULT_SLOW_REPLICA"
+SLOW_ENGINE_ENV = "RLHF_FAULT_SLOW_ENGINE"
 DROP_PUSHED_ENV = "RLHF_FAULT_DROP_PUSHED"
 FAIL_RANK_ENV = "RLHF_FAULT_FAIL_RANK"
 DIR_ENV = "RLHF_FAULT_DIR"
@@ -94,6 +100,13 @@ def slow_replica(replica: int, prompts: int) -> None:
         return
     which, _, seconds = spec.partition(":")
     if int(which) == replica:
+        time.sleep(prompts * float(seconds))
+
+
+def slow_engine(prompts: int) -> None:
+    """Sleep ``prompts`` × the seconds ``RLHF_FAULT_SLOW_ENGINE`` gives."""
+    seconds = os.environ.get(SLOW_ENGINE_ENV)
+    if seconds:
         time.sleep(prompts * float(seconds))
 
 

@@ -9,6 +9,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from models.engines import Generation, GenerationEngine, SamplingSpec
+from models.faults import slow_engine
 
 
 @dataclass
@@ -49,6 +50,7 @@ def sample(engine: GenerationEngine, tokenizer, prompts: Sequence[str], prompt_i
     t0 = time.perf_counter()
     ids = encode_prompts(tokenizer, prompts, add_special_tokens=not chat)
     gens = engine.generate(ids, spec, first_index=first_index) if first_index else engine.generate(ids, spec)
+    slow_engine(len(prompts))  # a benchmark's slower engine (models/faults.py); nothing otherwise
     return rollout_columns(tokenizer, prompts, prompt_ids, ids, gens, spec.n, t0)
 
 

@@ -174,3 +174,21 @@ def test_shares_cores_and_gpus_are_split_per_replica():
     assert replica_gpus(["4", "5", "6", "7"], 2, 2) == ["4,5", "6,7"]
     with pytest.raises(EngineLoadError, match=r"needs 8 GPUs; this process sees 4"):
         replica_gpus(["0", "1", "2", "3"], 2, 4)
+
+
+def test_a_slowed_engine_sleeps_per_prompt_and_samples_the_same(ckpts, monkeypatch):
+    """``RLHF_FAULT_SLOW_ENGINE`` (the async benchmarks' slower engine): every sampling call sleeps its seconds per
+    prompt once the engine has generated, and the samples are the ones an unslowed call draws."""
+    from models import faults
+    from models.engines.rollout import sample
+
+    slept = []
+    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    tokenizer, engine = AutoTokenizer.from_pretrained(ckpts["a"]), HFEngine(ckpts["a"])
+    prompts = ["abc", "de", "fgh"]
+    plain = sample(engine, tokenizer, prompts, [0, 1, 2], SAMPLED)
+    assert slept == []
+    with environment({faults.SLOW_ENGINE_ENV: "0.25"}):
+        slowed = sample(engine, tokenizer, prompts, [0, 1, 2], SAMPLED)
+    assert slept == [0.75]
+    assert slowed.response_tokens == plain.response_tokens and slowed.sampler_logprobs == plain.sampler_logprobs
