@@ -62,6 +62,7 @@ class ColocatedActorHost(ActorHost):
         self.tp = cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
         self.groups = engine_groups(world, self.tp)  # refused at config time unless tp divides the ranks
         self.engine = engine_for(cfg, state.actor_url)  # every rank: from the checkpoint, probed
+        check_group(self.engine, self.groups[info.rank // self.tp])
         self.broken = False  # a failed load closed the engine: started again before the next load
         self.slept: Dict[str, float] = {}
 
@@ -88,7 +89,8 @@ class ColocatedActorHost(ActorHost):
         if ahead:
             raise ValueError("run.resident_layout=colocated samples on-policy only (run.off_policy_steps=0)")
         out = self.stage(state, lambda s, engines: run_rollout(self.cfg, self.run, s, 0, engine=engines))
-        return None if out is None else {"batch": out.batch.uri, "stats": {**out.stats, **self.slept}}
+        return None if out is None else {"batch": out.batch.uri, "stats": {
+            **out.stats, **self.slept, "resident/engine_groups": float(len(self.groups))}}
 
     @op
     def evaluate(self, state: Dict[str, Any]) -> Optional[float]:
@@ -165,6 +167,18 @@ def load_in_process(engine, source: WeightSource, dtype: torch.dtype, version: i
     sizes = push.stats(header)
     return {**put(engine), "resident/weights_loaded_bytes": sizes["resident/weights_bytes"],
             "resident/weights_params": sizes["resident/weights_params"]}
+
+
+def check_group(engine, ranks: List[int]) -> None:
+    """A vLLM engine in the ranks (``external_launcher``) must be sharded over exactly its engine group's ``ranks``
+    (vLLM lays its tensor-parallel groups out itself): a :class:`RuntimeError` naming both otherwise."""
+    if getattr(engine, "_llm_kwargs", {}).get("distributed_executor_backend") != "external_launcher":
+        return
+    from vllm.distributed import parallel_state
+
+    held = list(parallel_state.get_tp_group().ranks)
+    if held != ranks:
+        raise RuntimeError(f"vLLM sharded this rank's engine over actor ranks {held}, not its engine group {ranks}")
 
 
 def attempt(step: Callable[[], None], rank: int) -> str:

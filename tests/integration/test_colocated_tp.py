@@ -72,6 +72,7 @@ def _rank(rank: int, port: int, ckpts: dict, out_dir: str) -> None:
     from vllm.distributed import parallel_state
 
     from models.engines.vllm_engine import VLLMEngine
+    from models.hosts.colocated import check_group
     from models.training.distributed import wrap_for_training
     from models.training.policy import PolicyLogprobs
     from models.training.probe import reference_logprobs, verify_reference
@@ -80,6 +81,11 @@ def _rank(rank: int, port: int, ckpts: dict, out_dir: str) -> None:
     group = dist.new_group(backend="gloo")
     engine = VLLMEngine(ckpts["a"], max_model_len=64, tensor_parallel_size=TP, colocated=True)
     out = {"tp_ranks": parallel_state.get_tp_group().ranks, "workers": engine._workers()}
+    check_group(engine, [0, 1])  # the host's check at its start: vLLM's group is the engine group
+    try:
+        check_group(engine, [rank])
+    except RuntimeError as err:
+        out["other_group"] = str(err)
     out["tp2"] = _stage(engine, rank, group, TP, CALL)
     lm = AutoModelForCausalLM.from_pretrained(ckpts["b"], dtype=torch.float32)
     vocab = lm.config.vocab_size
@@ -123,6 +129,7 @@ def ranks(tmp_path_factory):
 def test_the_ranks_form_one_engine_group_sharded_two_ways(ranks):
     assert [r["tp_ranks"] for r in ranks] == [[0, 1], [0, 1]]  # vLLM's tensor-parallel group: both ranks
     assert [r["workers"] for r in ranks] == [1, 1]  # each rank's executor holds its own worker only
+    assert ranks[1]["other_group"] == "vLLM sharded this rank's engine over actor ranks [0, 1], not its engine group [1]"
 
 
 def test_the_group_samples_what_an_unsharded_engine_samples(ranks):
