@@ -13,10 +13,11 @@ same tokens where the engine's sampling is batch-invariant: the HF engine in flo
 With ``rollout.tensor_parallel_size`` = tp > 1 the ranks form engine groups of tp consecutive ranks (rank ``r`` in
 group ``r // tp``, its lead rank ``tp * (r // tp)``), each group one vLLM engine sharded tp ways (vLLM's
 ``external_launcher``: its tensor-parallel groups are the same consecutive ranks, ``initialize_model_parallel``
-laying the world out as ``[-1, dp, pp, tp]``). The prompts are dealt over the groups, and every rank of a group runs
-the group's share: vLLM's SPMD contract (every rank of a tensor-parallel engine makes the same calls with the same
-requests, its scheduler deterministic). The lead answers the generations; the others answer a digest of theirs,
-which rank 0 compares with the lead's (a group whose ranks sampled different tokens fails the call naming it).
+laying the world out as ``[-1, dp, pp, pcp, tp]``: vllm 0.32, ``distributed/parallel_state.py``). The prompts are
+dealt over the groups, and every rank of a group runs the group's share: vLLM's SPMD contract (every rank of a
+tensor-parallel engine makes the same calls with the same requests, its scheduler deterministic). The lead answers
+the generations; the others answer a digest of theirs, which rank 0 compares with the lead's (a group whose ranks
+sampled different tokens fails the call naming it).
 
 A rank whose share fails answers the error instead of generations, so no rank is left waiting in the gather; rank
 0 raises it, naming the rank, and still ends the followers (:meth:`RankEngines.end` in a ``finally``). (Within a
