@@ -40,6 +40,9 @@ CASES: Dict[str, Tuple[str, str, List[str]]] = {
     "ppo": ("ppo", "configs/tiny_ppo.yaml", []),
     "ppo-bf16": ("ppo", "configs/tiny_ppo.yaml", ["rollout.vllm_dtype=bfloat16"]),  # the push cast to bfloat16
     "grpo": ("reinforce", "configs/tiny_grpo.yaml", []),
+    # one engine sharded over 2 workers: separate, its service's 2 processes; colocated, the actor's 2 ranks as
+    # one engine group
+    "grpo-tp2": ("reinforce", "configs/tiny_grpo.yaml", ["rollout.tensor_parallel_size=2"]),
     "grpo-off-policy": ("reinforce", "configs/tiny_grpo.yaml", ["run.off_policy_steps=1", "actor.tis_cap=2",
                                                                 "actor.old_logprobs=recompute"]),
 }

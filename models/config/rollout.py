@@ -59,7 +59,9 @@ class RolloutConfig:
     """vLLM's tensor parallelism: the engine's weights and KV cache split over this many workers (GPUs on
     a GPU node, needing ``resources.rollout_gpu`` at least this; CPU workers pinned to disjoint cores on
     CPU). Sampled log-probs match one worker's within float tolerance; in-place weight reloads go to every
-    worker (each loads its own slice). 1: one worker in the task's process."""
+    worker (each loads its own slice). 1: one worker in the task's process. With
+    ``run.resident_layout=colocated``: engine groups of this many consecutive actor ranks, each rank one worker
+    (it must divide the actor's ranks)."""
     data_parallel_size: int = 1
     """Engine replicas: this many copies of the engine (each of ``tensor_parallel_size`` workers), each in
     its own process, fed per request: chunks of the iteration's prompts (a prompt's samples in one) go to

@@ -113,7 +113,8 @@ class RunConfig:
     every rank of the actor trainer service also holds an engine, the rollout data-parallel over all of them and
     the new weights loaded in each rank's process (no engine service, no bytes between processes). Colocated
     generation cannot overlap training, so it needs ``run.max_staleness=0``. Read only with ``run.resident=true``
-    (the 8B presets set ``colocated``, the layout their projection and the CPU benchmark favour)."""
+    (the 8B and 70B presets set ``colocated``, the layout their projection and the CPU benchmark favour; engine
+    groups of ``rollout.tensor_parallel_size`` ranks)."""
     resident_idle_timeout_s: float = 1800.0
     """A resident service with no request for this long stops by itself (a backstop: the run stops its
     services when it finishes or fails)."""

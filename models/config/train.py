@@ -74,14 +74,10 @@ class TrainConfig:
                              f"stateless mode (run.resident=false) for it")
         if self.run.resident_layout == "colocated":
             r, ranks = self.rollout, self.actor.nnodes * self.actor.nproc_per_node
-            check(ranks % r.tensor_parallel_size == 0,
+            check(ranks % r.tensor_parallel_size == 0,  # engine groups of tp consecutive ranks
                   f"run.resident_layout=colocated makes engines of rollout.tensor_parallel_size="
                   f"{r.tensor_parallel_size} ranks each out of the actor's {ranks} (actor.nnodes x "
                   f"actor.nproc_per_node): it must divide them")
-            check(r.tensor_parallel_size == 1,
-                  f"run.resident_layout=colocated holds one engine per actor rank in this version: "
-                  f"rollout.tensor_parallel_size={r.tensor_parallel_size} (engines over groups of ranks) is not "
-                  f"implemented; use 1, or run.resident_layout=separate")
             check(r.data_parallel_size == 1,
                   f"run.resident_layout=colocated: the actor's ranks are the engine replicas; "
                   f"rollout.data_parallel_size={r.data_parallel_size} must be 1")

@@ -158,7 +158,8 @@ class VLLMEngine(SwappableEngine):
         kwargs = llm_kwargs(checkpoint_dir, dtype, gpu_memory_utilization, max_model_len, seed, max_lora_rank,
                             tensor_parallel_size, enforce_eager, torch.cuda.is_available())
         if colocated:  # in a trainer's rank (run.resident_layout=colocated): sleeps on a GPU; beside other ranks,
-            kwargs["enable_sleep_mode"] = torch.cuda.is_available()  # it joins their process group (made first)
+            kwargs["enable_sleep_mode"] = torch.cuda.is_available()  # it joins their process group (made first),
+            # a tensor-parallel engine over tensor_parallel_size consecutive ranks (vLLM's own groups of the world)
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 kwargs["distributed_executor_backend"] = "external_launcher"
         self._lora = None  # vllm.lora.request.LoRARequest of the adapter being served
@@ -175,7 +176,7 @@ class VLLMEngine(SwappableEngine):
         read_settings_afresh()
         self._lora = None
         self._checkpoint = checkpoint_dir
-        with cpu_workers_bound(self._llm_kwargs.get("tensor_parallel_size", 1)):  # a restart binds them again
+        with cpu_workers_bound(self._workers()):  # a restart binds them again
             self.llm = LLM(model=checkpoint_dir, **self._llm_kwargs)
         self.stats.extra["cuda_graphs"] = float(cuda_graphs(self.llm))
         eos = self.llm.get_tokenizer().eos_token_id
@@ -247,6 +248,11 @@ class VLLMEngine(SwappableEngine):
         return merge_held(parts)
 
     def _workers(self) -> int:
+        """vLLM's workers in this process's executor: one in a trainer's rank (``external_launcher``: the other
+        ranks of a tensor-parallel engine hold the other workers, each its own shard), else
+        ``tensor_parallel_size``."""
+        if self._llm_kwargs.get("distributed_executor_backend") == "external_launcher":
+            return 1
         return int(self._llm_kwargs.get("tensor_parallel_size", 1))
 
     def _copy_in(self, reporting, kwargs: Dict[str, Any]) -> None:

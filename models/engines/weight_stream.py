@@ -249,19 +249,23 @@ def open_bucket(header: Mapping[str, Any], index: int, buffer: torch.Tensor) -> 
 
 
 def check_read_back(header: Mapping[str, Any], sent: Samples, held: Mapping[str, Sequence[Sequence[int]]],
-                    what: str) -> None:
+                    what: str, shard: bool = False) -> Dict[str, List[int]]:
     """``held``: per tensor and sampled position, the bits the engine holds there (from each of its workers that
     holds that element; none: no worker does). :class:`PushError` naming the first tensor whose element is
     missing or differs from what was sent; a float zero of either sign is the same weight (a read through a
-    kernel, ``w * 1 + 0``, cannot tell them apart)."""
+    kernel, ``w * 1 + 0``, cannot tell them apart). ``shard``: the engine is one rank of a tensor-parallel group,
+    holding its shard: an element it does not hold is not missing here (the group's union is checked apart:
+    :func:`models.hosts.colocated.uncovered`). The positions it holds, per tensor."""
     dtypes = {name: _dtype(dtype) for name, dtype, *_ in header["tensors"]}
+    holds: Dict[str, List[int]] = {}
     for name, samples in sent.items():
         found = held.get(name)
         if found is None or len(found) != len(samples):
             raise PushError(f"{what}: the engine cannot read back {name!r}: it holds no such weight")
         sign = 1 << (dtypes[name].itemsize * 8 - 1) if dtypes[name].is_floating_point else 0
+        holds[name] = [position for (position, _), got in zip(samples, found) if got]
         for (position, want), got in zip(samples, found):
-            if not got:
+            if not got and not shard:
                 raise PushError(f"{what}: the engine did not load {name!r}: element {position} is in none of its "
                                 f"weights")
             wrong = [b for b in got if b != want and not (sign and _zero(b, sign) and _zero(want, sign))]
@@ -269,6 +273,7 @@ def check_read_back(header: Mapping[str, Any], sent: Samples, held: Mapping[str,
                 raise PushError(f"{what}: the engine holds other weights than were sent in {name!r}: element "
                                 f"{position} holds bits {wrong[0] & (2 * sign - 1 if sign else -1):#x} where the "
                                 f"trainer sent {want & (2 * sign - 1 if sign else -1):#x}")
+    return holds
 
 
 def _zero(value: int, sign: int) -> bool:

@@ -15,22 +15,30 @@ so the run has no engine service, no weight transport and no engine node on a cl
 - The engine sleeps after each rollout and evaluation and wakes before the new weights go in
   (:mod:`models.engines.in_rank`): ``resident/sleep_s``, ``resident/wake_s``.
 
+With ``rollout.tensor_parallel_size`` = tp > 1 each engine group of tp consecutive ranks holds one vLLM engine
+sharded tp ways (:mod:`models.engines.rank_engines`); every rank still gathers each tensor whole and gives it to its
+engine, whose loader keeps the rank's shard, and reads back only what it holds: each element it holds is compared bit
+for bit, and every sampled element must be held by some rank of its group (:func:`uncovered`, checked on every rank
+once the ranks have told each other what they hold).
+
 A load that fails on any rank fails the update on every rank (:class:`~models.hosts.trainers.PushFailed`, the
-trained weights kept): the same request loads them again, into engines started afresh from the run's reference
-checkpoint where a failed load closed them (every tensor is loaded again, so nothing of the reference remains).
+trained weights kept): the ranks agree on it before the probe (a tensor-parallel engine's ranks must all run it, or
+none) and after it. The same request loads the weights again, into engines started afresh on every rank from the
+run's reference checkpoint (vLLM's groups are made by every rank of the world together; every tensor is loaded
+again, so nothing of the reference remains).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from models.checkpoint.local import local_checkpoint
 from models.engines import in_rank
-from models.engines.rank_engines import RankEngines, follow
+from models.engines.rank_engines import RankEngines, engine_groups, follow
 from models.hosts.pushes import Push, received, sealed
 from models.hosts.trainers import ActorHost, PushFailed
 from models.hosts.transports import adapter_file
@@ -51,7 +59,10 @@ class ColocatedActorHost(ActorHost):
         super().__init__(cfg, run, state, info)  # the trainer's process group first: vLLM's ranks join it
         world = info.world_size
         self.group = dist.new_group(backend="gloo") if world > 1 else None  # the engine calls, as Python objects
+        self.tp = cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
+        self.groups = engine_groups(world, self.tp)  # refused at config time unless tp divides the ranks
         self.engine = engine_for(cfg, state.actor_url)  # every rank: from the checkpoint, probed
+        check_group(self.engine, self.groups[info.rank // self.tp])
         self.broken = False  # a failed load closed the engine: started again before the next load
         self.slept: Dict[str, float] = {}
 
@@ -63,9 +74,9 @@ class ColocatedActorHost(ActorHost):
         in_rank.wake(self.engine)  # awake already after a load: the update's stats have its wake_s
         try:
             if not self.info.is_main:
-                follow(self.engine, self.info.rank, self.info.world_size, self.group)
+                follow(self.engine, self.info.rank, self.info.world_size, self.group, self.tp)
                 return None
-            engines = RankEngines(self.engine, self.info.world_size, self.group)
+            engines = RankEngines(self.engine, self.info.world_size, self.group, self.tp)
             try:
                 return run_stage(state, engines)
             finally:
@@ -78,7 +89,8 @@ class ColocatedActorHost(ActorHost):
         if ahead:
             raise ValueError("run.resident_layout=colocated samples on-policy only (run.off_policy_steps=0)")
         out = self.stage(state, lambda s, engines: run_rollout(self.cfg, self.run, s, 0, engine=engines))
-        return None if out is None else {"batch": out.batch.uri, "stats": {**out.stats, **self.slept}}
+        return None if out is None else {"batch": out.batch.uri, "stats": {
+            **out.stats, **self.slept, "resident/engine_groups": float(len(self.groups))}}
 
     @op
     def evaluate(self, state: Dict[str, Any]) -> Optional[float]:
@@ -90,37 +102,44 @@ class ColocatedActorHost(ActorHost):
         t0 = time.perf_counter()
         sequences, logprobs = reference_logprobs(unwrap(self.model), self.vocab)  # every rank: FSDP2
         wake_s = in_rank.wake(self.engine)
-        failed, out = "", {}
-        try:
+        out: Dict[str, float] = {}
+        shard: Optional[Dict[str, Any]] = {} if self.tp > 1 else None
+
+        def load() -> None:
             if self.broken:
                 self.engine.restart(local_checkpoint(self.run.reference_url))
                 self.broken = False
-            out = self.load(version)
+            out.update(self.load(version, shard))
+
+        def probe() -> None:
             result = verify_reference(self.engine, sequences, logprobs, self.cfg.probe_tolerance,
                                       f"the actor of iteration {version} (in process, rank {self.info.rank})")
             out["rollout/probe_gap_max"] = result.gap_max
-        except Exception as err:  # noqa: BLE001 -- every rank learns it below, and keeps the trained weights
-            failed, self.broken = f"rank {self.info.rank}: {type(err).__name__}: {err}", True
-        failures = [failed]
-        if self.group is not None:
-            failures = [None] * self.info.world_size
-            dist.all_gather_object(failures, failed, group=self.group)
-        failed = next((f for f in failures if f), "")
+
+        failed = self.agree(attempt(load, self.info.rank), shard)
+        if not failed:
+            failed = self.agree(attempt(probe, self.info.rank))
         if failed:
+            self.broken = True  # on every rank: the engines start again together
             raise PushFailed(f"loading the new weights into the colocated engines failed: {failed} (the trainer keeps "
                              f"the weights: the same request loads them again)")
         stats = {**out, "resident/weights_bytes": 0.0, "resident/wake_s": wake_s,
                  "time/weights_to_engine_s": time.perf_counter() - t0}
         return stats if self.info.is_main else {}
 
-    def load(self, version: int) -> Dict[str, float]:
-        """This rank's engine given the weights held: every tensor (or the LoRA adapter) whole on every rank."""
+    def agree(self, failed: str, shard: Optional[Mapping[str, Any]] = None) -> str:
+        return agreed(failed, shard, self.group, self.info.world_size, self.groups)
+
+    def load(self, version: int, shard: Optional[Dict[str, Any]] = None) -> Dict[str, float]:
+        """This rank's engine given the weights held: every tensor (or the LoRA adapter) whole on every rank;
+        ``shard``: its engine holds a tensor-parallel shard (see :func:`load_in_process`)."""
         source = WeightSource(unwrap(self.model), self.info)
         if self.cfg.actor.lora.enabled:
             config, body = adapter_file(self.lm, source.full(everywhere=True))
             return {**self.transport.receive({"adapter_config": config}, body)(self.engine),
                     "resident/weights_loaded_bytes": float(len(body))}
-        return load_in_process(self.engine, source, getattr(torch, self.cfg.engine_dtype), version, self.info.device)
+        return load_in_process(self.engine, source, getattr(torch, self.cfg.engine_dtype), version, self.info.device,
+                               shard=shard)
 
     def close(self) -> None:
         super().close()
@@ -128,21 +147,74 @@ class ColocatedActorHost(ActorHost):
 
 
 def load_in_process(engine, source: WeightSource, dtype: torch.dtype, version: int, device,
-                    bucket_bytes: Optional[int] = None) -> Dict[str, float]:
+                    bucket_bytes: Optional[int] = None, shard: Optional[Dict[str, Any]] = None) -> Dict[str, float]:
     """Every tensor of ``source`` whole on this rank (an all-gather of each FSDP2 shard in turn) at ``dtype``,
     sealed into buckets (samples and checksum, :func:`~models.hosts.pushes.sealed`; the samples drawn with a
     generator seeded ``version``) and loaded into ``engine`` bucket by bucket as a transported push is
     (:func:`~models.hosts.pushes.received`: each checksum checked, then the samples read back bit for bit). Every
     rank of ``source`` calls it (the gathers are collectives); its figures, with
-    ``resident/weights_loaded_bytes`` the tensors' bytes at ``dtype``."""
+    ``resident/weights_loaded_bytes`` the tensors' bytes at ``dtype``. ``shard`` (a dict): ``engine`` holds one
+    tensor-parallel shard; only what it holds is read back, and ``shard`` gets what was sampled and what it holds
+    (:func:`uncovered` checks a group's union)."""
     push = Push(dtype, bucket_bytes)
     header = push.header(source, device)
     buckets = sealed(header, source, device, version, dtype, everywhere=True)
     try:
-        put = received(header, enumerate(buckets), engine)
+        put = received(header, enumerate(buckets), engine, shard=shard)
     except BaseException:
         buckets.drain()  # the other ranks gather the rest: take part
         raise
     sizes = push.stats(header)
     return {**put(engine), "resident/weights_loaded_bytes": sizes["resident/weights_bytes"],
             "resident/weights_params": sizes["resident/weights_params"]}
+
+
+def check_group(engine, ranks: List[int]) -> None:
+    """A vLLM engine in the ranks (``external_launcher``) must be sharded over exactly its engine group's ``ranks``
+    (vLLM lays its tensor-parallel groups out itself): a :class:`RuntimeError` naming both otherwise."""
+    if getattr(engine, "_llm_kwargs", {}).get("distributed_executor_backend") != "external_launcher":
+        return
+    from vllm.distributed import parallel_state
+
+    held = list(parallel_state.get_tp_group().ranks)
+    if held != ranks:
+        raise RuntimeError(f"vLLM sharded this rank's engine over actor ranks {held}, not its engine group {ranks}")
+
+
+def attempt(step: Callable[[], None], rank: int) -> str:
+    """Run ``step``; what failed, as the other ranks are told it (empty: nothing)."""
+    try:
+        step()
+        return ""
+    except Exception as err:  # noqa: BLE001 -- every rank learns it, and keeps the trained weights
+        return f"rank {rank}: {type(err).__name__}: {err}"
+
+
+def agreed(failed: str, shard: Optional[Mapping[str, Any]], group, world: int, groups: List[List[int]]) -> str:
+    """Every rank's failure (``failed``: its text, empty for none) told to every rank over ``group``: the first one;
+    then, with ``shard`` (this rank's sampled and held elements, :func:`~models.hosts.pushes.received`), the first
+    sampled element no rank of an engine group holds (:func:`uncovered`). Every rank calls it and gets the same
+    answer (empty: every rank succeeded)."""
+    mine = (failed, dict(shard or {}))
+    answers = [mine]
+    if group is not None:
+        answers = [None] * world
+        dist.all_gather_object(answers, mine, group=group)
+    first = next((f for f, _ in answers if f), "")
+    if first or shard is None:
+        return first
+    return uncovered([a[1] for a in answers], groups) or ""
+
+
+def uncovered(shards: Sequence[Mapping[str, Any]], groups: List[List[int]]) -> Optional[str]:
+    """The first sampled element of a push that no rank of an engine group holds (``shards[r]``: rank ``r``'s
+    ``sent`` and ``holds``, :func:`~models.hosts.pushes.received`, each ``{tensor: [flat positions]}``), naming the
+    group and the tensor; None when every group holds every element between its ranks."""
+    for g, ranks in enumerate(groups):
+        for name, where in shards[ranks[0]].get("sent", {}).items():
+            union = set().union(*(shards[r].get("holds", {}).get(name, ()) for r in ranks))
+            missing = [p for p in where if p not in union]
+            if missing:
+                return (f"no rank of engine group {g} (actor ranks {ranks[0]}-{ranks[-1]}) holds {name!r} element "
+                        f"{missing[0]}: the group's engine did not load it")
+    return None

@@ -127,13 +127,15 @@ class Held:
 
 
 def received(header: Mapping[str, Any], buckets: Iterable[Tuple[int, torch.Tensor]], engine=None,
-             held: Optional[Held] = None) -> Callable[[Any], Dict[str, float]]:
+             held: Optional[Held] = None, shard: Optional[Dict[str, Any]] = None) -> Callable[[Any], Dict[str, float]]:
     """The receiver's end of a push: ``buckets`` (``(index, bytes)`` as they arrive) opened, their checksums
     checked, and loaded into ``engine`` one at a time; or, without ``engine``, kept. The function returned puts
     the kept buckets into the engine it is given (the streamed ones are in already), reads the samples back and
     compares them (:class:`~models.engines.weight_stream.PushError` naming the first tensor that differs), and
     returns the push's figures: ``resident/receiver_peak_bytes`` (the most bytes of buckets alive at once: ``held``,
-    which counted them from their allocation, or from their arrival)."""
+    which counted them from their allocation, or from their arrival). ``shard`` (a dict): the engine is one rank of a
+    tensor-parallel group: only the elements it holds are compared, and ``shard`` gets ``sent`` (the positions
+    sampled per tensor) and ``holds`` (those it holds), for the group's union to be checked across its ranks."""
     held, samples, kept = held or Held(), {}, []
     t0 = time.perf_counter()
     into = engine
@@ -152,8 +154,10 @@ def received(header: Mapping[str, Any], buckets: Iterable[Tuple[int, torch.Tenso
         t1 = time.perf_counter()
         dtypes = {name: dtype for name, dtype, *_ in header["tensors"]}
         held.clear()
-        check_read_back(header, samples, engine.read_back(positions(samples), dtypes),
-                        "after the push, reading the weights back")
+        holds = check_read_back(header, samples, engine.read_back(positions(samples), dtypes),
+                                "after the push, reading the weights back", shard=shard is not None)
+        if shard is not None:
+            shard.update(sent=positions(samples), holds=holds)
         return {"resident/receiver_peak_bytes": float(held.peak), "time/weights_receive_s": receive_s,
                 "time/weights_read_back_s": time.perf_counter() - t1}
 

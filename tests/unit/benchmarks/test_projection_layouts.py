@@ -115,3 +115,19 @@ def test_the_printed_table_has_each_layout_and_the_recommendation(capsys):
         t = layout_breakdown(s, Assumptions(), "colocated")["total"]
         assert summary.split()[0] == s.name and summary.split()[-1] == recommend(s, Assumptions()) == "colocated"
         assert f"{t:.0f} ({layout_gpus(s, 'colocated')})" in summary
+
+
+def test_every_gpu_preset_runs_resident_in_the_layout_the_projection_recommends_and_fits_it():
+    """The preset's ``run.resident_layout`` is the projection's default (the 70B presets: engine groups of 8 ranks),
+    it loads resident, and colocated vLLM's share of an 80-GB GPU fits beside what the trainer keeps there (vLLM
+    refuses to start with less free memory than its share) and holds the engine's weights."""
+    from models.config.io import load_config
+
+    for s in PRESETS:
+        cfg = load_config(f"configs/{s.name}.yaml", ["run.resident=true"])
+        assert cfg.run.resident_layout == recommend(s, Assumptions()), s.name
+        if cfg.run.resident_layout == "colocated":
+            mem, share = colocated_memory_gb(s), cfg.rollout.vllm_gpu_memory_utilization * 80
+            assert mem["trainer"] + share <= 80 and share > mem["engine"], (s.name, mem, share)
+            ranks = cfg.actor.nnodes * cfg.actor.nproc_per_node
+            assert ranks % cfg.rollout.tensor_parallel_size == 0 and s.rollout_gpus == cfg.rollout.tensor_parallel_size

@@ -2,7 +2,11 @@
 (hand-worked), the ranks' engines answering as one engine (two gloo ranks, each with its own HF engine, against one
 engine given every prompt), a rank's failed share failing the call on rank 0 naming the rank, and the in-process load
 from FSDP2 shards (every rank's engine then holds the unsharded model's weights bit for bit; a tensor the engine
-did not take fails the load). The config's refusals are in ``tests/unit/tasks/test_config.py``."""
+did not take fails the load). Engine groups (``rollout.tensor_parallel_size`` > 1): the ranks' layout, a call dealt
+over the groups with every rank of a group running its share (two HF engines standing in for the ranks of one
+tensor-parallel engine: they sample alike), a group whose ranks answer differently failing the call, and a push's
+sampled elements checked per shard and then over each group. vLLM sharded over two ranks is in
+``tests/integration/test_colocated_tp.py``. The config's refusals are in ``tests/unit/tasks/test_config.py``."""
 
 from __future__ import annotations
 
@@ -14,9 +18,9 @@ import torch
 import torch.multiprocessing as mp
 
 from models.engines import HFEngine, SamplingSpec
-from models.engines.rank_engines import deal_by_length
-from models.engines.weight_stream import PushError, bits
-from models.hosts.colocated import load_in_process
+from models.engines.rank_engines import Digest, RankError, deal_by_length, digest, engine_groups, group_answers
+from models.engines.weight_stream import PushError, bits, check_read_back
+from models.hosts.colocated import load_in_process, uncovered
 from models.training.distributed import DistInfo
 from models.training.weight_source import WeightSource
 from tests.processes import free_port
@@ -53,17 +57,19 @@ def _rank(rank: int, port: int, ckpts: dict, out_dir: str) -> None:
     dist.init_process_group("gloo")
     group = dist.new_group(backend="gloo")
     engine = HFEngine(ckpts["a"], dtype="float32")
+    other = HFEngine(ckpts["b"], dtype="float32") if rank else engine  # rank 1 sampling otherwise than its lead
     out = {}
-    for prompts in (CALL, BAD):
+    for key, prompts, tp, mine in (("generations", CALL, 1, engine), ("error", BAD, 1, engine),
+                                   ("group", CALL, 2, engine), ("split", CALL, 2, other)):
         if rank:
-            follow(engine, rank, RANKS, group)
+            follow(mine, rank, RANKS, group, tp)
             continue
-        engines = RankEngines(engine, RANKS, group)
+        engines = RankEngines(mine, RANKS, group, tp)
         try:
             gens = engines.generate(prompts, SPEC)
-            out["generations"] = [[[g.tokens, g.logprobs] for g in per_prompt] for per_prompt in gens]
+            out[key] = [[[g.tokens, g.logprobs] for g in per_prompt] for per_prompt in gens]
         except RuntimeError as err:
-            out["error"] = str(err)
+            out[key] = str(err)
         finally:
             engines.end()
     trained = AutoModelForCausalLM.from_pretrained(ckpts["b"], dtype=torch.float32)
@@ -103,6 +109,52 @@ def test_the_ranks_engines_sample_what_one_engine_samples(ckpts, ranks):
     gaps = [abs(a - b) for per_prompt, ref in zip(got, one) for g, r in zip(per_prompt, ref)
             for a, b in zip(g[1], r.logprobs)]
     assert max(gaps) < 1e-5  # the same samples; log-probs within float32 noise of another batch's padding
+
+
+@pytest.mark.slow
+def test_one_engine_group_of_both_ranks_samples_what_one_engine_samples(ranks):
+    group, two = ranks[0]["group"], ranks[0]["generations"]  # dealt over 1 group and over 2: the same seeds
+    assert [[g[0] for g in p] for p in group] == [[g[0] for g in p] for p in two]
+    gaps = [abs(a - b) for p, q in zip(group, two) for g, h in zip(p, q) for a, b in zip(g[1], h[1])]
+    assert max(gaps) < 1e-5  # another batch's padding
+
+
+@pytest.mark.slow
+def test_a_group_whose_ranks_sample_differently_fails_the_call(ranks):
+    assert ranks[0]["split"].startswith("the ranks of engine group 0 (actor ranks 0-1) answered a generate call "
+                                        "differently: rank 1 against its lead 0")
+
+
+def test_engine_groups_are_consecutive_ranks_and_tp_must_divide_the_world():
+    assert engine_groups(8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert engine_groups(4, 1) == [[0], [1], [2], [3]]
+    with pytest.raises(ValueError, match="rollout.tensor_parallel_size=3 must divide the actor's 4 ranks"):
+        engine_groups(4, 3)
+
+
+def test_group_answers_take_each_leads_answers_once_its_ranks_agree():
+    a, b = [[1, 2]], [[3]]
+    assert group_answers([a, Digest(digest(a)), b, Digest(digest(b))], 2, "generate") == [a, b]
+    assert group_answers([a, b], 1, "generate") == [a, b]
+    with pytest.raises(RuntimeError, match="engine group 1 \\(actor ranks 2-3\\) answered a generate call "
+                                           "differently: rank 3 against its lead 2"):
+        group_answers([a, Digest(digest(a)), b, Digest(digest(a))], 2, "generate")
+    with pytest.raises(RuntimeError, match="the engine of actor rank 1 failed its share of a generate call: boom"):
+        group_answers([a, RankError("boom")], 2, "generate")
+
+
+def test_a_shard_is_checked_on_what_it_holds_and_a_group_on_their_union():
+    header = {"tensors": [["w", "float32", [4], 0, 0, 2]]}
+    sent = {"w": [(0, 7), (3, 9)]}  # (flat position, bits sent)
+    assert check_read_back(header, sent, {"w": [[7], []]}, "t", shard=True) == {"w": [0]}  # element 3: not here
+    with pytest.raises(PushError, match="element 3 is in none of its weights"):
+        check_read_back(header, sent, {"w": [[7], []]}, "t")  # one engine: every element must be held
+    with pytest.raises(PushError, match="element 3 holds bits 0x8 where the trainer sent 0x9"):
+        check_read_back(header, sent, {"w": [[], [8]]}, "t", shard=True)  # what it holds must be what was sent
+    first, second = {"sent": {"w": [0, 3]}, "holds": {"w": [0]}}, {"sent": {"w": [0, 3]}, "holds": {"w": [3]}}
+    assert uncovered([first, second], [[0, 1]]) is None
+    assert uncovered([first, first, first, second], [[0, 1], [2, 3]]) == (
+        "no rank of engine group 0 (actor ranks 0-1) holds 'w' element 3: the group's engine did not load it")
 
 
 @pytest.mark.slow

@@ -284,8 +284,8 @@ def test_what_a_resident_run_does_not_serve_is_refused_naming_it(override, named
      r"generation and training cannot overlap: run.max_staleness=2 needs run.resident_layout=separate"),
     (["run.resident=true", "rollout.tensor_parallel_size=3"],
      r"rollout.tensor_parallel_size=3 ranks each out of the actor's 2 .*: it must divide them"),
-    (["run.resident=true", "rollout.tensor_parallel_size=2"],
-     r"one engine per actor rank in this version: rollout.tensor_parallel_size=2 .* not implemented"),
+    (["run.resident=true", "rollout.engine=hf", "rollout.tensor_parallel_size=2"],
+     r"rollout.tensor_parallel_size=2 needs rollout.engine=vllm \(the HF engine runs in one process\)"),
     (["run.resident=true", "rollout.data_parallel_size=2"],
      r"the actor's ranks are the engine replicas; rollout.data_parallel_size=2 must be 1"),
 ])
@@ -294,6 +294,9 @@ def test_a_colocated_layout_it_cannot_run_is_refused_naming_why(overrides, messa
         load_config("tiny_grpo", ["run.resident_layout=colocated", *overrides])
     cfg = load_config("tiny_grpo", ["run.resident=true", "run.resident_layout=colocated"])
     assert cfg.run.resident_layout == "colocated"
+    cfg = load_config("tiny_grpo", ["run.resident=true", "run.resident_layout=colocated", "rollout.engine=vllm",
+                                    "rollout.tensor_parallel_size=2"])  # one engine group of the actor's 2 ranks
+    assert (cfg.rollout.tensor_parallel_size, cfg.actor.nnodes * cfg.actor.nproc_per_node) == (2, 2)
     # read only by a resident run: a stateless run of a preset that sets it ignores it, off-policy included
     load_config("tiny_grpo", ["run.resident_layout=colocated", "run.off_policy_steps=1", "actor.tis_cap=2"])
     with pytest.raises(ConfigError, match="run.resident_layout"):
