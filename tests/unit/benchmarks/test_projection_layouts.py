@@ -123,7 +123,9 @@ def test_every_gpu_preset_runs_resident_in_the_layout_the_projection_recommends_
     refuses to start with less free memory than its share) and holds the engine's weights."""
     from models.config.io import load_config
 
-    for s in PRESETS:
+    from benchmarks.projection_inputs import LLAMA_8B_GRPO
+
+    for s in (*PRESETS, LLAMA_8B_GRPO):
         cfg = load_config(f"configs/{s.name}.yaml", ["run.resident=true"])
         assert cfg.run.resident_layout == recommend(s, Assumptions()), s.name
         if cfg.run.resident_layout == "colocated":
