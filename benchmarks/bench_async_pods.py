@@ -10,7 +10,7 @@ the held-out ``eval/reward_mean`` after the last iteration (16 prompts), and wit
 ``async/engine_idle_fraction`` and ``async/trainer_idle_fraction`` after the first iteration. ``--quick``: 3
 iterations (default 5). ``--overrides``: a JSON list of config overrides for every run (a larger batch, so that
 generation is the slower side: ``'["rollout.prompts_per_iteration=64"]'``). ``--slow-engine S``: the engine sleeps S
-seconds per prompt after each generation, in every run (``RLHF_FAULT_SLOW_ENGINE`` in the pods' environment,
+seconds per prompt after each generation, in every run (``RLHF_FAULT_SLOW_ENGINE`` in every pod's environment,
 models/faults.py): generation the slower side, on its own core, as an engine on a GPU of its own would be.
 """
 
@@ -58,14 +58,14 @@ def measure(ks: List[int], iterations: int, overrides: List[str] = (), slow_engi
               "rollout.engine=hf", "run.resident=true", "run.resident_idle_timeout_s=600", *overrides]
     out, rows = {}, []
     with tempfile.TemporaryDirectory() as tmp, moto_s3_server(BUCKET) as s3, mlflow_server(Path(tmp) / "mlflow") as ml:
-        env = registration_env(s3, ml)
-        if slow_engine:
+        package = load_package(build_package(Path(tmp) / "package", IMAGE, *DEPLOY, registration_env(s3, ml)))
+        slow = {}
+        if slow_engine:  # every pod's environment, as a node's (the engine service's pod reads it)
             from models.faults import SLOW_ENGINE_ENV
 
-            env = {**env, SLOW_ENGINE_ENV: str(slow_engine)}
-        package = load_package(build_package(Path(tmp) / "package", IMAGE, *DEPLOY, env))
+            slow = {SLOW_ENGINE_ENV: str(slow_engine)}
         make = lambda: new_cluster(package, s3, Path(tmp) / "pods", Path(tmp) / "baked",  # noqa: E731
-                                   parallelism=3, pin_cores=(0, 1))
+                                   cluster_env=slow, parallelism=3, pin_cores=(0, 1))
         for k in ks:
             lag = [f"run.max_staleness={k}", "actor.tis_cap=2"] if k else []
             root = f"s3://{BUCKET}/k{k}"

@@ -15,12 +15,7 @@ import dataclasses
 import os
 from typing import Dict
 
-CACHE_ENV = "RLHF_CACHE_DIR"
-
-
-def cache_dir() -> str:
-    """Content-keyed cache of the demo models (``RLHF_CACHE_DIR``, default ``~/.cache/flyte-rlhf``)."""
-    return os.environ.get(CACHE_ENV, os.path.join(os.path.expanduser("~"), ".cache", "flyte-rlhf"))
+from models.environ import CACHE_ENV, cache_dir  # noqa: F401 -- the demos' models are cached there, by content
 
 
 STARTS = ("actor", "critic", "train_prompts", "eval_prompts")

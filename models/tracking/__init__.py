@@ -54,8 +54,53 @@ def client():
     import mlflow
     from mlflow.tracking import MlflowClient
 
+    seed_sqlite_store(tracking_uri())
     mlflow.set_tracking_uri(tracking_uri())
     return MlflowClient(tracking_uri=tracking_uri())
+
+
+def sqlite_path(uri: str) -> Optional[str]:
+    """The database file of a ``sqlite:///`` tracking URI (relative to the working directory with three slashes,
+    absolute with four), else None."""
+    return uri[len("sqlite:///"):] or None if uri.startswith("sqlite:///") else None
+
+
+def seed_sqlite_store(uri: str) -> None:
+    """A local store that does not exist yet starts as a copy of an empty one MLflow made and migrated before
+    (``<cache_dir>/mlflow-<version>.db``, made once per machine and MLflow version): creating a store runs every
+    schema migration of MLflow's history, about 4 s of CPU a new ``mlflow.db`` (each test's, a user's first run in a
+    folder). The copy is linked into place, so a store another process made first is kept as it is."""
+    import shutil
+
+    path = sqlite_path(uri)
+    if path is None or os.path.exists(path):
+        return
+    tmp = f"{path}.{os.getpid()}.seed"
+    try:
+        shutil.copyfile(_empty_store(), tmp)
+        os.link(tmp, path)
+    except FileExistsError:
+        pass  # another process of the run made it meanwhile
+    except Exception as err:  # noqa: BLE001 -- an unwritable cache or folder: MLflow makes the store itself
+        log.debug("no seeded MLflow store at %s: %s", path, err)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _empty_store() -> str:
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from models.environ import cache_dir
+
+    template = os.path.join(cache_dir(), f"mlflow-{mlflow.__version__}.db")
+    if not os.path.exists(template):
+        os.makedirs(os.path.dirname(template), exist_ok=True)
+        made = f"{template}.{os.getpid()}.tmp"
+        MlflowClient(tracking_uri=f"sqlite:///{os.path.abspath(made)}").search_experiments()  # creates, migrates
+        os.replace(made, template)  # whole or not at all; a concurrent maker's copy is the same
+    return template
 
 
 def start_run(experiment: str, run_name: str, params: Mapping[str, Any],

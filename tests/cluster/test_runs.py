@@ -1,4 +1,4 @@
-"""PPO (one iteration), GRPO (three) and a colocated GRPO (two) from the compiled package, every node a pod
+"""PPO (one iteration), GRPO (three) and a colocated GRPO (one) from the compiled package, every node a pod
 (``tests/cluster``), against the same seeds through a local ``pyflyte run``: the same checkpoints byte for byte, the same
 metrics, every run FINISHED in one ``mlflow server`` on 127.0.0.1. PPO runs stateless (every task loads
 its models), GRPO resident (``run.resident``): its services are nodes of the execution (the engine's pod,
@@ -41,12 +41,13 @@ RUN = {"ppo": [o for o in COMMON if not o.startswith("run.num_iterations")]
        "grpo": [o for o in COMMON if not o.startswith(("run.iterations_per_chunk", "run.num_iterations"))]
        + ["run.num_iterations=3", "run.iterations_per_chunk=2", "run.iterations_per_execution=2",
           "run.off_policy_steps=1", "actor.tis_cap=2", "run.resident=true", "run.resident_idle_timeout_s=600"],
-       "colocated": COMMON + ["rollout.engine=hf", "run.resident=true", "run.resident_layout=colocated",
-                              "run.resident_idle_timeout_s=600"]}
-ITERATIONS = {"ppo": 1, "grpo": 3, "colocated": 2}
+       "colocated": [o for o in COMMON if not o.startswith("run.num_iterations")]
+       + ["run.num_iterations=1", "rollout.engine=hf", "run.resident=true", "run.resident_layout=colocated",
+          "run.resident_idle_timeout_s=600"]}
+ITERATIONS = {"ppo": 1, "grpo": 3, "colocated": 1}
 EXECUTIONS = {"ppo": 2, "grpo": 3, "colocated": 2}
 """The run's own execution (set-up, services, finish) and those of its iterations: PPO's one of its iteration,
-GRPO's of iterations 0-1 (pipelined in one chunk) and of iteration 2, the colocated run's of both iterations."""
+GRPO's of iterations 0-1 (pipelined in one chunk) and of iteration 2, the colocated run's of its iteration."""
 """The critic's options only where there is a critic (an option the algorithm ignores is refused); PPO samples
 with the HF engine (its rollout and evaluation pods start in seconds: nothing here depends on the engine),
 GRPO with vLLM, so vLLM runs in pods from the package too (in the engine service's pod). GRPO
@@ -156,13 +157,16 @@ def check_executions(ex, count: int) -> None:
 
 def check_colocated(ex, pods_m: dict) -> None:
     """``run.resident_layout=colocated``: the actor trainer's PyTorchJob (2 pods of 2 ranks) is the run's one
-    service, its ranks the engines (no engine node, no task that loads a model); no weight bytes travelled."""
+    service, its ranks the engines (no engine node, no task that loads a model); no weight bytes travelled, and the
+    update's weights were loaded in process."""
     services = sorted({a.task.rsplit(".", 1)[-1] for a in ex.attempts if a.task.endswith("_service")})
     assert services == ["actor_service"], services
     actor = [a for a in ex.attempts if a.task.endswith(".actor_service")][-1]
     assert actor.outcome == "outputs" and len(actor.pods) == 2, (actor.outcome, actor.error)
     assert not [a for a in ex.attempts if a.task.split(".")[-1] in ("rollout", "score", "actor_update")]
     assert [v for _, v in pods_m["resident/weights_bytes"]] == [0.0] * ITERATIONS["colocated"]
+    # the update's weights loaded into the ranks' engines in process (before the final evaluation samples)
+    assert [v > 0 for _, v in pods_m["resident/weights_loaded_bytes"]] == [True] * ITERATIONS["colocated"]
 
 
 def check_stateless_pods(ex) -> None:

@@ -1,0 +1,65 @@
+"""A new local MLflow store (``sqlite:///...``) starts as a copy of an empty one MLflow made and migrated before
+(``models.tracking.seed_sqlite_store``): the same schema and contents as a store MLflow creates itself, never laid
+over a store that exists, and MLflow's own creation still there when the cache cannot be written."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from models import tracking
+
+
+def _schema(path) -> tuple:
+    with sqlite3.connect(path) as db:
+        tables = db.execute("SELECT type, name, sql FROM sqlite_master ORDER BY type, name").fetchall()
+        version = db.execute("SELECT version_num FROM alembic_version").fetchall()
+        experiments = db.execute("SELECT experiment_id, name, lifecycle_stage FROM experiments").fetchall()
+    return tables, version, experiments
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_a_seeded_store_is_the_store_mlflow_makes_and_takes_a_run(tmp_path, cache, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    made = tmp_path / "made.db"
+    MlflowClient(tracking_uri=f"sqlite:///{made}").search_experiments()  # MLflow's own creation, the reference
+    seeded = tmp_path / "runs" / "mlflow.db"
+    seeded.parent.mkdir()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{seeded}")
+    run_id = tracking.start_run("seeded", "r", {"a": 1}, {"t": "x"})
+    assert [p.name for p in cache.iterdir()] == [f"mlflow-{__import__('mlflow').__version__}.db"]
+    assert sorted(p.name for p in seeded.parent.iterdir()) == ["mlflow.db"]  # no copy left behind
+    tables, version, _ = _schema(seeded)
+    assert (tables, version) == _schema(made)[:2]
+    assert tracking.log_metrics(run_id, {"x": 1.0}, step=0) == 1
+    assert tracking.client().get_run(run_id).data.params == {"a": "1"}
+
+
+def test_an_existing_store_is_kept_as_it_is(tmp_path, cache, monkeypatch):
+    store = tmp_path / "mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
+    run_id = tracking.start_run("kept", "r", {}, {})
+    tracking.seed_sqlite_store(f"sqlite:///{store}")
+    assert tracking.client().get_run(run_id).info.run_name == "r"
+
+
+def test_an_unwritable_cache_leaves_the_creation_to_mlflow(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the cache folder would go
+    monkeypatch.setenv("RLHF_CACHE_DIR", str(blocked / "cache"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    run_id = tracking.start_run("plain", "r", {}, {})
+    assert tracking.client().get_run(run_id).info.status == "RUNNING"
+
+
+def test_only_sqlite_paths_are_seeded():
+    assert tracking.sqlite_path("sqlite:///mlflow.db") == "mlflow.db"
+    assert tracking.sqlite_path("sqlite:////abs/m.db") == "/abs/m.db"
+    assert tracking.sqlite_path("http://127.0.0.1:5000") is None and tracking.sqlite_path("sqlite:///") is None
