@@ -91,10 +91,11 @@ class RunConfig:
     dropped and counted). The loss is decoupled PPO either way: π_old is the actor the update starts from,
     ``actor.tis_cap`` weights each token by π_old/π_sampler."""
     partial_rollouts: bool = False
-    """With ``max_staleness`` ≥ 2 and ``rollout.engine=hf``: new weights reach the engine between two tokens
-    of the generations under way, which go on under the new policy (the KV cache of their earlier tokens kept;
-    each token tagged with the version that drew it). Off: generations finish under the weights they started
-    with, and new weights wait for them (at most one unit of 4 prompts)."""
+    """With ``max_staleness`` ≥ 2: new weights reach the engine between two tokens of the generations under
+    way, which go on under the new policy, each token tagged with the version whose weights computed its
+    logits (HF engine: the KV cache of their earlier tokens kept; vLLM: recomputed by the new weights). Off:
+    generations finish under the weights they started with, and new weights wait for them (at most one unit
+    of 4 prompts)."""
     resident: bool = False
     """Keep the actor trainer, the generation engine and (PPO) the critic trainer loaded for the whole run
     as services the iteration's tasks call, instead of loading every model from storage in every task

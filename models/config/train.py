@@ -168,10 +168,9 @@ class TrainConfig:
     def _check_off_policy(self) -> None:
         """What a stale sampler needs, k = ``run.max_staleness`` ≥ 1 (docs/off_policy.md)."""
         k = self.run.staleness
-        check(not self.run.partial_rollouts or k >= 2 and self.rollout.engine == "hf",
-              f"run.partial_rollouts with run.max_staleness={k} and rollout.engine={self.rollout.engine}: partial "
-              f"rollouts need asynchronous training (run.max_staleness >= 2) and the HF engine, which samples step "
-              f"by step (rollout.engine=hf)")
+        check(not self.run.partial_rollouts or k >= 2,
+              f"run.partial_rollouts with run.max_staleness={k}: partial rollouts need asynchronous training "
+              f"(run.max_staleness >= 2), where new weights may arrive while the engine generates")
         if not k:
             return
         name = "run.off_policy_steps=1" if self.run.off_policy_steps else f"run.max_staleness={k}"

@@ -12,9 +12,10 @@ dropped, counted, and its prompts sampled again. Each sample is seeded by its po
 (:func:`models.engines.sample_seed`), as the synchronous rollout seeds it.
 
 New weights come between units (:class:`EngineTurns`: an op waiting for the engine goes before the next unit), so a
-unit's tokens share one version; with partial rollouts (``run.partial_rollouts``, the HF engine) they come between
-two tokens instead: the generations under way go on under the new policy, the KV cache of their earlier tokens
-kept, each token tagged with the version whose weights computed its logits.
+unit's tokens share one version; with partial rollouts (``run.partial_rollouts``) they come between two tokens
+instead: the generations under way go on under the new policy (the HF engine keeps the KV cache of their earlier
+tokens; vLLM recomputes it with the new weights, :mod:`models.engines.vllm_steps`), each token tagged with the
+version whose weights computed its logits.
 
 What survives a crash: nothing of the buffer needs to. A resumed run's engine starts producing at the resume point
 with the resumed actor; the samples that were finished but not taken, or in flight, were never trained, and their
@@ -112,7 +113,7 @@ class Producer:
                  turns: EngineTurns, partial: bool = False):
         self.k, self.stop, self.current, self.draw, self.turns = k, stop, current, draw, turns
         self.tokenizer = tokenizer
-        self.partial = partial  # new weights between two tokens (HF engine: generate_versions)
+        self.partial = partial  # new weights between two tokens (the engine's generate_versions)
         self.cond = threading.Condition()
         self.units: Dict[int, List[Unit]] = {}
         self.todo: List[Tuple[int, int]] = []  # (draw, prompt position) of units to sample again, first
