@@ -11,10 +11,12 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from models.data.prompts import PromptDataset
 from models.demos.tokenizer import build_char_tokenizer
 from models.engines import HFEngine, SamplingSpec
+from kernels.losses import truncated_is_weights
 from models.engines.rollout import sample
 from models.hosts.async_batch import merged
 from models.hosts.producer import UNIT_PROMPTS, EngineTurns, Producer
@@ -108,8 +110,11 @@ def test_staleness_metrics_by_hand():
     assert out["async/partial_fraction"] == pytest.approx(1 / 3)
     with pytest.raises(ValueError, match="3 updates old.*run.max_staleness=2 allows 0..2"):
         staleness_stats(6, versions, 2)
-    assert idle_stats(10.0, 0.5, 2.0, 4) == {"async/engine_idle_fraction": 0.05,
-                                             "async/trainer_idle_fraction": 0.2, "async/dropped_samples": 4.0}
+    assert idle_stats(10.0, 0.5, 2.0, 4, 3) == {"async/engine_idle_fraction": 0.05,
+                                                "async/trainer_idle_fraction": 0.2, "async/dropped_samples": 4.0,
+                                                "async/reweighted_samples": 3.0}
+    out = staleness_stats(6, versions, 2, reweighted=True)  # kept stale samples: lags 1, 2, 2, 3, 2
+    assert out["async/staleness_p100"] == 3.0 and out["async/lag_over_k_share"] == 0.2
 
 
 def _long(j: int) -> Draw:
@@ -198,3 +203,59 @@ def test_versions_follow_each_sample_to_its_own_stop_on_a_hub_checkpoint(qwen2_c
     assert [g.tokens for g in flat] == [r.tokens for r in ref]
     assert [len(v) for v in versions] == [len(g.tokens) for g in flat]
     assert all(v == ([4] * 2 + [5] * (len(v) - 2))[:len(v)] for v in versions)
+
+
+@pytest.mark.parametrize("stale", ["drop", "reweight"])
+def test_a_unit_made_stale_by_a_version_moving_back_is_dropped_or_reweighted(actors, stale):
+    """Draw 4 starts at version 2 (actor a); mid-unit a restarted trainer pushes version 1 (actor b), 3 behind
+    draw 4 with k = 2, then version 2 again. Dropped: the unit's 8 samples are counted and drawn again, every
+    trained token is version 2. Reweighted: the unit is trained as drawn, counted, its version-1 tokens weighted by
+    min(π_old/π_sampler, C) against their own sampler log-probs (π_old here actor a: they are a's rare tokens)."""
+    tok = build_char_tokenizer()
+    engine, turns, served = HFEngine(actors[0]), EngineTurns(), {"version": 2}
+
+    def push(actor: int, version: int) -> None:
+        with turns.op():
+            engine.load_weights(actors[actor])
+            served["version"] = version
+        producer.poke()
+
+    def pushes():
+        while not turns._busy:  # the first unit of draw 4 is under way
+            time.sleep(0.001)
+        push(1, 1)
+        deadline = time.monotonic() + 60
+        while producer.next == (4, 0) and time.monotonic() < deadline:  # it finished, partly at version 1
+            time.sleep(0.01)
+        push(0, 2)
+
+    producer = Producer(K, 4, 5, lambda: (engine, served["version"]), _long, tok, turns, partial=True, stale=stale)
+    thread = threading.Thread(target=pushes)
+    thread.start()
+    try:
+        units, window = producer.take(4, timeout_s=120)
+    finally:
+        producer.close()
+        thread.join(10)
+    cols, versions = merged(units)
+    assert cols.prompt_id.tolist() == np.repeat(_long(4).prompt_ids, 2).tolist()  # every prompt once, in order
+    stale_samples = [v for v in versions if 4 - min(v) > K]
+    if stale == "drop":
+        assert (window["dropped"], window["reweighted"]) == (2 * UNIT_PROMPTS, 0)
+        assert not stale_samples and {x for v in versions for x in v} == {2}
+        return
+    assert (window["dropped"], window["reweighted"]) == (0, 2 * UNIT_PROMPTS)
+    assert len(stale_samples) == 2 * UNIT_PROMPTS and all(v[0] == 2 and v[-1] == 1 for v in stale_samples)
+    assert staleness_stats(4, versions, K, reweighted=True)["async/staleness_p100"] == 3.0
+    cap, first = 0.5, units[0]
+    sampler = np.concatenate(first.columns.sampler_logprobs)
+    old = np.concatenate(HFEngine(actors[0]).prompt_logprobs(
+        [p + r for p, r in zip(first.columns.prompt_tokens, first.columns.response_tokens)]))
+    old = np.concatenate([o[len(p) - 1:] for o, p in zip(np.split(old, np.cumsum(
+        [len(p) + len(r) - 1 for p, r in zip(first.columns.prompt_tokens, first.columns.response_tokens)])[:-1]),
+        first.columns.prompt_tokens)])
+    weights = truncated_is_weights(torch.tensor(old), torch.tensor(sampler), cap).numpy()
+    assert np.allclose(weights, np.minimum(np.exp(old - sampler), cap)) and weights.max() <= cap
+    by_b = np.concatenate(first.token_versions()) == 1
+    assert weights[by_b].mean() < 0.01  # b's tokens, rare under a: weighted down
+    assert (weights[~by_b] == cap).any()  # a's own tokens: ratio about 1 (eos masked for the sampler), held at C
