@@ -13,18 +13,21 @@ import numpy as np
 import pytest
 import torch
 
+from models.config.io import load_config
+from models.data.batch import RolloutBatch
 from models.data.prompts import PromptDataset
 from models.demos.tokenizer import build_char_tokenizer
 from models.engines import HFEngine, SamplingSpec
 from kernels.losses import truncated_is_weights
 from models.engines.rollout import sample
-from models.hosts.async_batch import merged
+from models.hosts.async_batch import merged, take_rollout
 from models.hosts.producer import UNIT_PROMPTS, EngineTurns, Producer
 from models.stages.async_metrics import idle_stats, staleness_stats
+from models.run.types import RunHandle
 from models.stages.rollout import Draw
 from tests.unit.models.actor_checkpoints import actor_dir
 
-K, ITERATIONS, PER_DRAW = 2, 5, 6  # 6 prompts: units of 4 and 2
+K, PER_DRAW = 2, 6  # 6 prompts: units of 4 and 2
 
 
 @pytest.fixture(scope="module")
@@ -40,17 +43,23 @@ def draw(j: int) -> Draw:
     return Draw(j, data, ids, SamplingSpec(n=2, temperature=1.0, max_new_tokens=5, seed=100 + j))
 
 
-def test_batches_are_drawn_by_the_versions_they_name_and_at_most_k_behind(actors):
+@pytest.mark.parametrize("k", [K, 4])
+def test_batches_are_drawn_by_the_versions_they_name_and_at_most_k_behind(actors, k, tmp_path):
+    """Each batch taken as an iteration's rollout takes it (``take_rollout``: written to the run as Arrow, read back
+    here), at k = 2 and k = 4 (the issue's two settings), over k + 3 iterations: warm-up, then lag k."""
     tok = build_char_tokenizer()
+    iterations = k + 3
+    cfg = load_config("configs/tiny_grpo.yaml", ["run.resident=true", f"run.max_staleness={k}", "actor.tis_cap=2"])
+    run = RunHandle(str(tmp_path), "async", "", "", "", "")
     engine, turns, served = HFEngine(actors[0]), EngineTurns(), {"version": 0}
-    producer = Producer(K, 0, ITERATIONS, lambda: (engine, served["version"]), draw, tok, turns)
+    producer = Producer(k, 0, iterations, lambda: (engine, served["version"]), draw, tok, turns)
+    take, taken = producer.take, []
+    producer.take = lambda i, timeout_s: taken.append(take(i, timeout_s)) or taken[-1]  # the units, for the checks
     try:
-        taken = []
-        for i in range(ITERATIONS):
-            units, window = producer.take(i, timeout_s=120)
-            taken.append((units, window))
+        for i in range(iterations):
+            take_rollout(cfg, run, producer, i, engine)
             # the engine runs ahead until draw version + k is sampled, then waits for the next version
-            ahead = min(served["version"] + K + 1, ITERATIONS)
+            ahead = min(served["version"] + k + 1, iterations)
             deadline = time.monotonic() + 60
             while producer.next[0] < ahead and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -66,18 +75,20 @@ def test_batches_are_drawn_by_the_versions_they_name_and_at_most_k_behind(actors
     lags = []
     for i, (units, window) in enumerate(taken):
         assert [(u.start, u.end) for u in units] == [(0, UNIT_PROMPTS), (UNIT_PROMPTS, PER_DRAW)]
-        cols, versions = merged(units)
-        assert cols.prompt_id.tolist() == np.repeat(draw(i).prompt_ids, 2).tolist()  # every prompt once, in order
+        table = RolloutBatch.read(run.layout.batch_url(i, "rollouts")).table
+        assert table.column("prompt_id").to_pylist() == np.repeat(draw(i).prompt_ids, 2).tolist()  # each once
+        versions = table.column("token_versions").to_pylist()
+        assert versions == merged(units)[1]
         for unit in units:  # what the actor of the version named samples for those prompts, seeded by position
             reference = sample(HFEngine(actors[unit.version % 2]), tok, draw(i).data.prompts[unit.start:unit.end],
                                draw(i).prompt_ids[unit.start:unit.end], draw(i).spec, first_index=unit.start)
             assert unit.columns.response_tokens == reference.response_tokens
             assert np.allclose(np.concatenate(unit.columns.sampler_logprobs),
                                np.concatenate(reference.sampler_logprobs), atol=1e-6)
-        lags.append(int(staleness_stats(i, versions, K)["async/staleness_p100"]))
+        lags.append(max(i - v for vs in versions for v in vs))
         assert window["dropped"] == 0 and 0 <= window["trainer_wait_s"] <= window["window_s"]
-    # draws 0-2 sampled by version 0 at once; then draw j by version j - 2 as soon as it is pushed
-    assert lags == [0, 1, 2, 2, 2]
+    # draws 0..k sampled by version 0 at once; then draw j by version j - k as soon as it is pushed
+    assert lags == [min(i, k) for i in range(iterations)]
 
 
 def test_a_push_waits_for_the_unit_under_way_and_goes_before_the_next():
