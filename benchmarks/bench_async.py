@@ -4,8 +4,8 @@
                                      [--partial] [--json PATH]
 
 One run per k of ``run.max_staleness`` (``actor.tis_cap=2`` from k = 1), the same seeds, with ``--overrides`` (a
-JSON list, e.g. ``'["rollout.engine=hf"]'``) on every run and ``--partial`` (``run.partial_rollouts=true``, HF engine
-only) on those with k ≥ 2. Printed per k:
+JSON list, e.g. ``'["rollout.engine=hf"]'``) on every run and ``--partial`` (``run.partial_rollouts=true``, either
+engine) on those with k ≥ 2. Printed per k:
 
 - seconds per iteration: the median of ``time/iteration_s`` (commit to commit, the run's own metric) over the
   iterations after the first two (the first carries the engine start);
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     parser.add_argument("--staleness", default="0,1,2,4", help="comma-separated values of run.max_staleness")
     parser.add_argument("--eval-prompts", type=int, default=512, help="held-out prompts (default 512)")
     parser.add_argument("--overrides", default="[]", help="JSON list of config overrides for every run")
-    parser.add_argument("--partial", action="store_true", help="run.partial_rollouts=true with k >= 2 (HF engine)")
+    parser.add_argument("--partial", action="store_true", help="run.partial_rollouts=true with k >= 2")
     args = parser.parse_args(argv)
     iterations = args.iterations or (6 if args.quick else 15)
     with tempfile.TemporaryDirectory(prefix="bench-async-") as root:
