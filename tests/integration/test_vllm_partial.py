@@ -4,12 +4,22 @@ push of other weights after the third step, each token is tagged with the versio
 logits, and its log-prob is what Hugging Face's forward of those weights gives it (before the push actor a's,
 after it actor b's, whose KV is recomputed on resubmission), in float32. One engine for the module."""
 
+import threading
+import time
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from models.data.prompts import PromptDataset
+from models.demos.tokenizer import build_char_tokenizer
 from models.engines import SamplingSpec, VLLMEngine
+from models.hosts.async_batch import merged
+from models.hosts.producer import EngineTurns, Producer
+from models.stages.rollout import Draw
+from tests.unit.hosts.pushes import push_later, take_once
 from tests.unit.models.actor_checkpoints import PROMPTS, actor_dir
 
 pytestmark = pytest.mark.integration
@@ -92,3 +102,36 @@ def test_a_push_mid_generation_tags_and_scores_the_tokens_after_it(engine, ckpts
     after = [g for p in engine.generate(PROMPTS, LONG) for g in p]
     for prompt, gen in zip(prompts, after):
         assert (torch.tensor(gen.logprobs) - _hf_logprobs(ckpts[1], prompt, gen.tokens, stops)).abs().max() < TOL
+
+
+def test_a_push_from_the_service_lands_mid_unit_in_the_producer(engine, ckpts):
+    """The engine service's way: the producer samples a unit on its thread; the push comes from another (the
+    ``weights`` op, through :class:`EngineTurns`), queued during the first step and served after it. The unit goes
+    on under version 1, every token after the switch scored by actor b."""
+    engine.load_weights(ckpts[0])
+    tok, turns, served = build_char_tokenizer(), EngineTurns(), {"version": 0}
+    prompts = [f"draw 0 prompt {p}" for p in range(4)]
+    the_draw = Draw(0, PromptDataset(prompts, np.arange(4, dtype=np.int64)), np.arange(4, dtype=np.int64), LONG)
+
+    first_step = threading.Event()
+
+    class Producing(Producer):  # after the first step, it waits until the push is queued (no race with the unit)
+        def _between_steps(self) -> int:
+            if not first_step.is_set():
+                first_step.set()
+                deadline = time.monotonic() + 30
+                while not turns._waiting and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            return super()._between_steps()
+
+    thread = push_later(lambda: first_step.wait(60), turns, engine, ckpts[1], served, 1)
+    producer = Producing(2, 0, 1, lambda: (engine, served["version"]), lambda j: the_draw, tok, turns, partial=True)
+    units = take_once(producer, thread)
+    assert served["version"] == 1
+    cols, versions = merged(units)
+    assert versions == [[0] + [1] * 11] * 8  # the push landed after the first step, for every sample
+    stops = engine.stop_ids(LONG)
+    for prompt, toks, lps, v in zip(cols.prompt_tokens, cols.response_tokens, cols.sampler_logprobs, versions):
+        new = torch.tensor(v) == 1
+        ref = _hf_logprobs(ckpts[1], list(prompt), list(toks), stops)
+        assert (torch.tensor(lps)[new] - ref[new]).abs().max() < TOL

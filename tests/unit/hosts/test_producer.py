@@ -25,6 +25,7 @@ from models.hosts.producer import UNIT_PROMPTS, EngineTurns, Producer
 from models.stages.async_metrics import idle_stats, staleness_stats
 from models.run.types import RunHandle
 from models.stages.rollout import Draw
+from tests.unit.hosts.pushes import push_later, take_once
 from tests.unit.models.actor_checkpoints import actor_dir
 
 K, PER_DRAW = 2, 6  # 6 prompts: units of 4 and 2
@@ -159,25 +160,15 @@ def test_partial_rollouts_in_the_producer(actors):
     """A push queued while a unit samples is served at the next token; the unit goes on under the new version."""
     tok = build_char_tokenizer()
     engine, turns, served = HFEngine(actors[0]), EngineTurns(), {"version": 0}
-    pushed = threading.Event()
 
-    def push():
+    def unit_under_way():
         while not turns._busy:  # the producer's first unit is under way
             time.sleep(0.001)
-        with turns.op():
-            engine.load_weights(actors[1])
-            served["version"] = 1
-        pushed.set()
 
-    thread = threading.Thread(target=push)
-    thread.start()
+    thread = push_later(unit_under_way, turns, engine, actors[1], served, 1)
     producer = Producer(K, 0, 1, lambda: (engine, served["version"]), _long, tok, turns, partial=True)
-    try:
-        units, _ = producer.take(0, timeout_s=120)
-    finally:
-        producer.close()
-        thread.join(10)
-    assert pushed.is_set()
+    units = take_once(producer, thread)
+    assert served["version"] == 1
     versions = merged(units)[1]
     assert all(v == sorted(v) and set(v) <= {0, 1} for v in versions)
     mixed = [v for v in versions if len(set(v)) == 2]
