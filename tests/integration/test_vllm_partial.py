@@ -75,10 +75,13 @@ def test_step_loop_without_a_push_is_generate(engine, ckpts):
 def test_a_push_mid_generation_tags_and_scores_the_tokens_after_it(engine, ckpts):
     engine.load_weights(ckpts[0])
     reference = [g for p in engine.generate(PROMPTS, LONG) for g in p]
-    steps = []
+    evaluation = engine.generate(PROMPTS[:2], LONG, first_index=5)
+    steps, evaluated = [], []
 
     def between_steps() -> int:
         steps.append(1)
+        if len(steps) == 2:  # an evaluation between two steps: the loop's requests leave and come back
+            evaluated.extend(engine.generate(PROMPTS[:2], LONG, first_index=5))
         if len(steps) == 3:
             engine.load_weights(ckpts[1])  # the push: the requests under way leave the engine first
         return 1 if len(steps) >= 3 else 0
@@ -86,6 +89,7 @@ def test_a_push_mid_generation_tags_and_scores_the_tokens_after_it(engine, ckpts
     reloads = engine.stats.reloads
     gens, versions = engine.generate_versions(PROMPTS, LONG, version=0, between_steps=between_steps)
     assert engine.stats.reloads == reloads + 1  # in place, not a restart
+    assert [[g.tokens for g in p] for p in evaluated] == [[g.tokens for g in p] for p in evaluation]
     flat = [g for p in gens for g in p]
     prompts, stops = [p for p in PROMPTS for _ in range(LONG.n)], engine.stop_ids(LONG)
     assert versions == [[0] * 3 + [1] * 9] * len(flat)
