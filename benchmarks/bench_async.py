@@ -4,8 +4,8 @@
                                      [--partial] [--slow-engine S] [--json PATH]
 
 One run per k of ``run.max_staleness`` (``actor.tis_cap=2`` from k = 1), the same seeds, with ``--overrides`` (a
-JSON list, e.g. ``'["rollout.engine=hf"]'``) on every run and ``--partial`` (``run.partial_rollouts=true``, HF engine
-only) on those with k ≥ 2. ``--slow-engine S``: every engine call sleeps S seconds per prompt after generating,
+JSON list, e.g. ``'["rollout.engine=hf"]'``) on every run and ``--partial`` (``run.partial_rollouts=true``, either
+engine) on those with k ≥ 2. ``--slow-engine S``: every engine call sleeps S seconds per prompt after generating,
 in every run (``RLHF_FAULT_SLOW_ENGINE``, models/faults.py): generation made the slower side as an engine on a GPU of
 its own would be, taking no CPU from the trainer (the tiny preset's generation is otherwise the faster side here).
 Printed per k:
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     parser.add_argument("--staleness", default="0,1,2,4", help="comma-separated values of run.max_staleness")
     parser.add_argument("--eval-prompts", type=int, default=512, help="held-out prompts (default 512)")
     parser.add_argument("--overrides", default="[]", help="JSON list of config overrides for every run")
-    parser.add_argument("--partial", action="store_true", help="run.partial_rollouts=true with k >= 2 (HF engine)")
+    parser.add_argument("--partial", action="store_true", help="run.partial_rollouts=true with k >= 2")
     parser.add_argument("--slow-engine", type=float, default=0.0,
                         help="seconds per prompt every engine call sleeps, in every run (generation the slower side)")
     args = parser.parse_args(argv)

@@ -91,10 +91,17 @@ class RunConfig:
     dropped and counted). The loss is decoupled PPO either way: π_old is the actor the update starts from,
     ``actor.tis_cap`` weights each token by π_old/π_sampler."""
     partial_rollouts: bool = False
-    """With ``max_staleness`` ≥ 2 and ``rollout.engine=hf``: new weights reach the engine between two tokens
-    of the generations under way, which go on under the new policy (the KV cache of their earlier tokens kept;
-    each token tagged with the version that drew it). Off: generations finish under the weights they started
-    with, and new weights wait for them (at most one unit of 4 prompts)."""
+    """With ``max_staleness`` ≥ 2: new weights reach the engine between two tokens of the generations under
+    way, which go on under the new policy, each token tagged with the version whose weights computed its
+    logits (HF engine: the KV cache of their earlier tokens kept; vLLM: recomputed by the new weights). Off:
+    generations finish under the weights they started with, and new weights wait for them (at most one unit
+    of 4 prompts)."""
+    stale_samples: str = "drop"
+    """With ``max_staleness`` k ≥ 2, a unit of samples found staler than k when its batch is taken (the
+    engine's version moved back: a restarted or reloaded engine): ``drop`` (counted as
+    ``async/dropped_samples``, its prompts sampled again) or ``reweight`` (trained, counted as
+    ``async/reweighted_samples``, with the truncated importance weight min(π_old/π_sampler, ``actor.tis_cap``)
+    against its per-token behaviour log-probs, as every token of an asynchronous run)."""
     resident: bool = False
     """Keep the actor trainer, the generation engine and (PPO) the critic trainer loaded for the whole run
     as services the iteration's tasks call, instead of loading every model from storage in every task
@@ -178,6 +185,7 @@ class RunConfig:
         check(not (self.off_policy_steps and self.max_staleness), f"run.off_policy_steps={self.off_policy_steps} "
               f"with run.max_staleness={self.max_staleness}: off_policy_steps is max_staleness's older name (1 is "
               f"max_staleness=1); set max_staleness alone")
+        check_choice("run.stale_samples", self.stale_samples, ["drop", "reweight"])
         check(self.staleness < 2 or self.resident, f"run.max_staleness={self.max_staleness} (asynchronous "
               f"training) needs run.resident=true: the engine service generates between the iterations' tasks")
         check_choice("run.algorithm", self.algorithm, list(algorithms.ALGORITHMS))

@@ -164,10 +164,14 @@ class TrainConfig:
     def _check_off_policy(self) -> None:
         """What a stale sampler needs, k = ``run.max_staleness`` ≥ 1 (docs/off_policy.md)."""
         k = self.run.staleness
-        check(not self.run.partial_rollouts or k >= 2 and self.rollout.engine == "hf",
-              f"run.partial_rollouts with run.max_staleness={k} and rollout.engine={self.rollout.engine}: partial "
-              f"rollouts need asynchronous training (run.max_staleness >= 2) and the HF engine, which samples step "
-              f"by step (rollout.engine=hf)")
+        check(not self.run.partial_rollouts or k >= 2,
+              f"run.partial_rollouts with run.max_staleness={k}: partial rollouts need asynchronous training "
+              f"(run.max_staleness >= 2), where new weights may arrive while the engine generates")
+        check(self.run.stale_samples == "drop" or k >= 2 and self.actor.tis_cap > 0,
+              f"run.stale_samples={self.run.stale_samples} with run.max_staleness={k} and actor.tis_cap="
+              f"{self.actor.tis_cap}: samples staler than k are trained with the truncated importance weight "
+              f"min(π_old/π_sampler, C) against their per-token behaviour log-probs, so it needs asynchronous "
+              f"training (run.max_staleness >= 2) and actor.tis_cap > 0 (e.g. 2)")
         if not k:
             return
         name = "run.off_policy_steps=1" if self.run.off_policy_steps else f"run.max_staleness={k}"

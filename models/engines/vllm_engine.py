@@ -26,13 +26,14 @@ import logging
 import os
 import time
 from contextlib import contextmanager
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from models import console
 from models.environ import environment
 from models.engines import vllm_push
+from models.engines.vllm_steps import Sample, StepLoop
 from models.engines.weight_stream import merge_held
 from models.engines.base import (EngineLoadError, Generation, SamplingSpec, SwappableEngine, contiguous_shares,
                                 request_indices, sample_seed)
@@ -167,6 +168,7 @@ class VLLMEngine(SwappableEngine):
         self._shared: Dict[int, str] = {}  # a push's shared-memory buffers given out: storage -> file
         self._llm_kwargs = kwargs
         self._checkpoint = checkpoint_dir
+        self._steps: Optional[StepLoop] = None  # generate_versions under way
         self.llm = None
         self._begin(checkpoint_dir)
 
@@ -282,6 +284,8 @@ class VLLMEngine(SwappableEngine):
             self._lora = LoRARequest(f"adapter-{self._lora_ids}", self._lora_ids, adapter_dir)
 
     def _llm(self):
+        if self._steps is not None:  # a push or another op between two steps of generate_versions: its requests
+            self._steps.suspend()  # leave the engine first (submitted again afterwards)
         if self.llm is None:
             raise EngineLoadError("VLLMEngine is closed (closed by its owner, or its last restart failed)")
         return self.llm
@@ -303,24 +307,29 @@ class VLLMEngine(SwappableEngine):
             k += len(s) - 1
         return out
 
+    def _params(self, spec: SamplingSpec, seed: int, drawn: int = 0):
+        """vLLM's ``SamplingParams`` for one sample seeded ``seed`` that has ``drawn`` of its tokens already."""
+        from vllm import SamplingParams
+
+        greedy = spec.temperature == 0
+        return SamplingParams(
+            n=1, temperature=spec.temperature, top_p=1.0 if greedy else spec.top_p,
+            top_k=0 if greedy else spec.top_k, max_tokens=spec.max_new_tokens - drawn,
+            min_tokens=max(spec.min_new_tokens - drawn, 0), seed=seed, logprobs=0,
+            stop_token_ids=self.stop_ids(spec), stop=list(spec.stop_strings) or None)
+
     def generate(self, prompts: List[List[int]], spec: SamplingSpec, first_index: int = 0,
                  indices: Optional[Sequence[int]] = None) -> List[List[Generation]]:
         """``first_index``: the index of ``prompts[0]`` in the whole request (an engine replica's share),
         so sample ``j`` of ``prompts[i]`` is seeded ``sample_seed(spec.seed, first_index + i, j)``; or ``indices``,
         each prompt's index (a share dealt by length over ranks, :mod:`models.engines.rank_engines`)."""
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import TokensPrompt
 
         at = request_indices(prompts, first_index, indices)
         llm = self._llm()
         t0 = time.perf_counter()
-        greedy = spec.temperature == 0
-        stop_ids = self.stop_ids(spec)
-        params = [SamplingParams(
-            n=1, temperature=spec.temperature, top_p=1.0 if greedy else spec.top_p,
-            top_k=0 if greedy else spec.top_k, max_tokens=spec.max_new_tokens, min_tokens=spec.min_new_tokens,
-            seed=sample_seed(spec.seed, at[i], j), logprobs=0, stop_token_ids=stop_ids,
-            stop=list(spec.stop_strings) or None,
-        ) for i in range(len(prompts)) for j in range(spec.n)]
+        params = [self._params(spec, sample_seed(spec.seed, at[i], j)) for i in range(len(prompts))
+                  for j in range(spec.n)]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(spec.n)]
         outs = llm.generate(requests, params, use_tqdm=False, lora_request=self._lora)
         results: List[List[Generation]] = [[] for _ in prompts]
@@ -332,6 +341,37 @@ class VLLMEngine(SwappableEngine):
             self.stats.generated_tokens += len(toks)
         self.stats.generate_s += time.perf_counter() - t0
         return results
+
+    def generate_versions(self, prompts: List[List[int]], spec: SamplingSpec, first_index: int = 0, version: int = 0,
+                          between_steps: Optional[Callable[[], int]] = None,
+                          indices: Optional[Sequence[int]] = None) -> Tuple[List[List[Generation]], List[List[int]]]:
+        """:meth:`generate` step by step (:class:`models.engines.vllm_steps.StepLoop`), and each sample's per-token
+        policy versions (prompt-major): the weights served at the start are ``version``; ``between_steps()``, called
+        after every step, may let the service's ops use the engine (a push: the samples under way go on under the
+        new weights, their earlier tokens' KV recomputed by them) and returns the version served from then on."""
+        at = request_indices(prompts, first_index, indices)
+        llm = self._llm()
+        samples = [Sample(list(p), sample_seed(spec.seed, at[i], j)) for i, p in enumerate(prompts)
+                   for j in range(spec.n)]
+        loop = StepLoop(llm, samples, lambda s: self._params(spec, s.seed, len(s.tokens)), self._lora)
+
+        def guarded() -> int:
+            served = between_steps()
+            if self.llm is not llm:  # a restart: this generation's requests went with the old engine
+                raise EngineLoadError("the engine was restarted during a generation")
+            return served
+
+        t0 = time.perf_counter()
+        self._steps = loop
+        try:
+            loop.run(version, guarded if between_steps is not None else None)
+        finally:
+            self._steps = None
+        gens = loop.generations(llm.get_tokenizer(), spec)
+        results: List[List[Generation]] = [gens[i * spec.n:(i + 1) * spec.n] for i in range(len(prompts))]
+        self.stats.generated_tokens += sum(len(g.tokens) for g in gens)
+        self.stats.generate_s += time.perf_counter() - t0
+        return results, [s.versions for s in samples]
 
     def close(self) -> None:
         vllm_push.drop()  # a push given up in this process's worker

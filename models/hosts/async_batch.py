@@ -44,10 +44,10 @@ def take_rollout(cfg: TrainConfig, run: RunHandle, producer: Producer, iteration
         units, window = producer.take(iteration, cfg.run.resident_start_timeout_s)
         cols, versions = merged(units)
         pause_point(f"rollout/iter-{iteration:06d}")  # tests only: kill the run mid-rollout
-        batch = write_batch(cfg, run, producer.draw(iteration), min(u.version for u in units),
+        batch = write_batch(cfg, run, producer.draw(iteration), min(u.oldest() for u in units),
                             {**cols.as_dict(), "token_versions": versions}, stats,
                             {BUFFER_KEY: json.dumps(producer.snapshot(), sort_keys=True)})
-    stats.update(staleness_stats(iteration, versions, cfg.run.staleness))
+    stats.update(staleness_stats(iteration, versions, cfg.run.staleness, cfg.run.stale_samples == "reweight"))
     stats.update(idle_stats(**window))
     stats.update(throughput_stats(cols, {}, engine))
     return RolloutOutput(batch, stats)

@@ -104,7 +104,8 @@ class EngineHost(Host):
 
             self.producer = Producer(self.cfg.run.staleness, state.iteration, self.cfg.run.num_iterations,
                                      lambda: (self.engine, self.version), draw,
-                                     load_tokenizer(self.run.reference_url), self.turns, self.cfg.run.partial_rollouts)
+                                     load_tokenizer(self.run.reference_url), self.turns, self.cfg.run.partial_rollouts,
+                                     self.cfg.run.stale_samples)
         out = take_rollout(self.cfg, self.run, self.producer, state.iteration, self.engine)
         self.taken = (state.iteration, {"batch": out.batch.uri, "stats": out.stats})
         return self.taken[1]

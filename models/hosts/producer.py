@@ -7,14 +7,16 @@ draw i, so every prompt of an epoch is trained once whichever finished first. Th
 of :data:`UNIT_PROMPTS` prompts (GRPO groups whole: a prompt's n samples are one unit's), each with the engine's
 policy version v at its start, and starts one only while ``j − v ≤ k``: draw j is trained by the actor of version
 j, so each of its tokens is then at most k updates old (AReaL's ``max_head_offpolicyness``, Fu et al. 2025,
-arXiv:2505.24298). A unit staler than k when taken (a version moved back: a restarted or reloaded engine) is
-dropped, counted, and its prompts sampled again. Each sample is seeded by its position in its draw
+arXiv:2505.24298). A unit staler than k when taken (its oldest token: a version moved back, a restarted or reloaded
+engine pushed older weights mid-unit) is dropped, counted, and its prompts sampled again; or, with
+``run.stale_samples=reweight``, kept and counted, trained with the truncated importance weight like every token. Each sample is seeded by its position in its draw
 (:func:`models.engines.sample_seed`), as the synchronous rollout seeds it.
 
 New weights come between units (:class:`EngineTurns`: an op waiting for the engine goes before the next unit), so a
-unit's tokens share one version; with partial rollouts (``run.partial_rollouts``, the HF engine) they come between
-two tokens instead: the generations under way go on under the new policy, the KV cache of their earlier tokens
-kept, each token tagged with the version whose weights computed its logits.
+unit's tokens share one version; with partial rollouts (``run.partial_rollouts``) they come between two tokens
+instead: the generations under way go on under the new policy (the HF engine keeps the KV cache of their earlier
+tokens; vLLM recomputes it with the new weights, :mod:`models.engines.vllm_steps`), each token tagged with the
+version whose weights computed its logits.
 
 What survives a crash: nothing of the buffer needs to. A resumed run's engine starts producing at the resume point
 with the resumed actor; the samples that were finished but not taken, or in flight, were never trained, and their
@@ -96,29 +98,36 @@ class Unit:
                  versions: Optional[List[List[int]]] = None):
         self.draw, self.start, self.end, self.version, self.columns = draw, start, end, version, columns
         self.versions = versions  # per sample, per token (partial rollouts); None: all ``version``
+        self.reweighted = False  # counted as staler than k and kept (run.stale_samples=reweight)
 
     def token_versions(self) -> List[List[int]]:
         if self.versions is not None:
             return self.versions
         return [[self.version] * len(r) for r in self.columns.response_tokens]
 
+    def oldest(self) -> int:
+        """The oldest version among its tokens (``version`` if it has none)."""
+        return min((v for vs in self.token_versions() for v in vs), default=self.version)
+
 
 class Producer:
     """The background sampler of one engine service. ``current()`` gives the engine and the version it serves
     (-1: none, while weights load); ``draw(j)`` the :class:`~models.stages.rollout.Draw` of iteration j;
-    ``tokenizer`` encodes its prompts; sampling stops after iteration ``stop − 1``."""
+    ``tokenizer`` encodes its prompts; sampling stops after iteration ``stop − 1``; ``stale``: what becomes of a
+    unit staler than k when taken (``run.stale_samples``: ``drop`` or ``reweight``)."""
 
     def __init__(self, k: int, start: int, stop: int, current: Callable[[], Tuple[object, int]], draw, tokenizer,
-                 turns: EngineTurns, partial: bool = False):
+                 turns: EngineTurns, partial: bool = False, stale: str = "drop"):
         self.k, self.stop, self.current, self.draw, self.turns = k, stop, current, draw, turns
         self.tokenizer = tokenizer
-        self.partial = partial  # new weights between two tokens (HF engine: generate_versions)
+        self.partial = partial  # new weights between two tokens (the engine's generate_versions)
         self.cond = threading.Condition()
         self.units: Dict[int, List[Unit]] = {}
         self.todo: List[Tuple[int, int]] = []  # (draw, prompt position) of units to sample again, first
         self.next = (start, 0)
         self.expect = start  # the iteration whose batch the next take is for
-        self.dropped = 0
+        self.stale = stale
+        self.dropped = self.reweighted = 0
         self.idle_s, self.window_t0 = 0.0, time.monotonic()
         self.failed: Optional[BaseException] = None
         self.stopped = False
@@ -200,7 +209,7 @@ class Producer:
     def take(self, iteration: int, timeout_s: float) -> Tuple[List[Unit], Dict[str, float]]:
         """The units of draw ``iteration`` in prompt order once all are sampled, none staler than k for the actor
         of version ``iteration``; stale ones dropped, counted and sampled again. Also the window's
-        ``(window_s, engine_idle_s, trainer_wait_s, dropped)``."""
+        ``(window_s, engine_idle_s, trainer_wait_s, dropped, reweighted)``."""
         deadline = time.monotonic() + timeout_s
         with self.cond:
             t0 = time.monotonic()
@@ -222,20 +231,29 @@ class Producer:
                 del self.units[old]
             self.expect = iteration + 1
             now = time.monotonic()
-            window = (now - self.window_t0, self.idle_s, now - t0, self.dropped)
-            self.window_t0, self.idle_s, self.dropped = now, 0.0, 0
+            window = (now - self.window_t0, self.idle_s, now - t0, self.dropped, self.reweighted)
+            self.window_t0, self.idle_s, self.dropped, self.reweighted = now, 0.0, 0, 0
             self.cond.notify_all()
-        return units, dict(zip(("window_s", "engine_idle_s", "trainer_wait_s", "dropped"), window))
+        return units, dict(zip(("window_s", "engine_idle_s", "trainer_wait_s", "dropped", "reweighted"), window))
 
     def _drop_stale(self, iteration: int) -> None:
-        """Units of draw ``iteration`` sampled more than k versions before it: dropped and queued again."""
+        """Units of draw ``iteration`` holding a token more than k versions before it: dropped and queued again,
+        or (``stale="reweight"``) kept and counted once."""
         kept = []
         for unit in self.units.get(iteration, []):
-            if iteration - unit.version > self.k:
+            if iteration - unit.oldest() > self.k and self.stale == "reweight":
+                if not unit.reweighted:
+                    unit.reweighted = True
+                    self.reweighted += len(unit.columns.response_tokens)
+                    log.warning("kept prompts %d-%d of iteration %d: tokens of version %d, over %d behind, "
+                                "trained with the truncated importance weight", unit.start, unit.end - 1,
+                                iteration, unit.oldest(), self.k)
+                kept.append(unit)
+            elif iteration - unit.oldest() > self.k:
                 self.dropped += len(unit.columns.response_tokens)
                 self.todo.append((unit.draw, unit.start))
                 log.warning("dropped prompts %d-%d of iteration %d: sampled by version %d, over %d behind",
-                            unit.start, unit.end - 1, iteration, unit.version, self.k)
+                            unit.start, unit.end - 1, iteration, unit.oldest(), self.k)
             else:
                 kept.append(unit)
         self.units[iteration] = kept

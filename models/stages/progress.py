@@ -39,7 +39,9 @@ def _async(m: Dict[str, float]) -> str:
     """Asynchronous training (``run.max_staleness`` ≥ 2): the tokens' lag, drops and who waited."""
     if "async/staleness_p100" not in m:
         return ""
+    kept = m.get("async/reweighted_samples", 0)  # run.stale_samples=reweight: stale samples trained
     return (f"lag p50 {m['async/staleness_p50']:.0f} max {m['async/staleness_p100']:.0f}  "
-            f"dropped {m.get('async/dropped_samples', 0):.0f}  partial {m.get('async/partial_fraction', 0):.2f}  "
+            f"dropped {m.get('async/dropped_samples', 0):.0f}  " + (f"reweighted {kept:.0f}  " if kept else "") +
+            f"partial {m.get('async/partial_fraction', 0):.2f}  "
             f"idle engine {m.get('async/engine_idle_fraction', 0):.0%} trainer "
             f"{m.get('async/trainer_idle_fraction', 0):.0%}  ")

@@ -76,10 +76,14 @@ def test_both_engines_stop_on_the_second_eos_id(vllm_engine_cls, qwen2_chat_dir,
         engine = vllm_engine_cls(stopping, max_model_len=256)
         try:
             (vllm_gen,), = engine.generate([prompt], greedy)
+            ((step_gen,),), versions = engine.generate_versions([prompt], greedy, version=3,
+                                                                between_steps=lambda: 3)  # partial rollouts' loop
         finally:
             engine.close()
         (hf_gen,), = HFEngine(stopping).generate([prompt], greedy)
         assert (vllm_gen.tokens, vllm_gen.is_end) == (hf_gen.tokens, hf_gen.is_end) == ([first], True), name
+        assert (step_gen.tokens, step_gen.is_end, versions) == ([first], True, [[3]]), name
+        assert step_gen.logprobs == pytest.approx(vllm_gen.logprobs, abs=1e-6), name
 
 
 def test_sample_streams_do_not_collide_across_prompts(vllm_engine_cls, qwen2_chat_dir):

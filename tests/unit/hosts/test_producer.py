@@ -11,18 +11,24 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
+from models.config.io import load_config
+from models.data.batch import RolloutBatch
 from models.data.prompts import PromptDataset
 from models.demos.tokenizer import build_char_tokenizer
 from models.engines import HFEngine, SamplingSpec
+from kernels.losses import truncated_is_weights
 from models.engines.rollout import sample
-from models.hosts.async_batch import merged
+from models.hosts.async_batch import merged, take_rollout
 from models.hosts.producer import UNIT_PROMPTS, EngineTurns, Producer
 from models.stages.async_metrics import idle_stats, staleness_stats
+from models.run.types import RunHandle
 from models.stages.rollout import Draw
+from tests.unit.hosts.pushes import push_later, take_once
 from tests.unit.models.actor_checkpoints import actor_dir
 
-K, ITERATIONS, PER_DRAW = 2, 5, 6  # 6 prompts: units of 4 and 2
+K, PER_DRAW = 2, 6  # 6 prompts: units of 4 and 2
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +44,23 @@ def draw(j: int) -> Draw:
     return Draw(j, data, ids, SamplingSpec(n=2, temperature=1.0, max_new_tokens=5, seed=100 + j))
 
 
-def test_batches_are_drawn_by_the_versions_they_name_and_at_most_k_behind(actors):
+@pytest.mark.parametrize("k", [K, 4])
+def test_batches_are_drawn_by_the_versions_they_name_and_at_most_k_behind(actors, k, tmp_path):
+    """Each batch taken as an iteration's rollout takes it (``take_rollout``: written to the run as Arrow, read back
+    here), at k = 2 and k = 4 (the issue's two settings), over k + 3 iterations: warm-up, then lag k."""
     tok = build_char_tokenizer()
+    iterations = k + 3
+    cfg = load_config("configs/tiny_grpo.yaml", ["run.resident=true", f"run.max_staleness={k}", "actor.tis_cap=2"])
+    run = RunHandle(str(tmp_path), "async", "", "", "", "")
     engine, turns, served = HFEngine(actors[0]), EngineTurns(), {"version": 0}
-    producer = Producer(K, 0, ITERATIONS, lambda: (engine, served["version"]), draw, tok, turns)
+    producer = Producer(k, 0, iterations, lambda: (engine, served["version"]), draw, tok, turns)
+    take, taken = producer.take, []
+    producer.take = lambda i, timeout_s: taken.append(take(i, timeout_s)) or taken[-1]  # the units, for the checks
     try:
-        taken = []
-        for i in range(ITERATIONS):
-            units, window = producer.take(i, timeout_s=120)
-            taken.append((units, window))
+        for i in range(iterations):
+            take_rollout(cfg, run, producer, i, engine)
             # the engine runs ahead until draw version + k is sampled, then waits for the next version
-            ahead = min(served["version"] + K + 1, ITERATIONS)
+            ahead = min(served["version"] + k + 1, iterations)
             deadline = time.monotonic() + 60
             while producer.next[0] < ahead and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -64,18 +76,20 @@ def test_batches_are_drawn_by_the_versions_they_name_and_at_most_k_behind(actors
     lags = []
     for i, (units, window) in enumerate(taken):
         assert [(u.start, u.end) for u in units] == [(0, UNIT_PROMPTS), (UNIT_PROMPTS, PER_DRAW)]
-        cols, versions = merged(units)
-        assert cols.prompt_id.tolist() == np.repeat(draw(i).prompt_ids, 2).tolist()  # every prompt once, in order
+        table = RolloutBatch.read(run.layout.batch_url(i, "rollouts")).table
+        assert table.column("prompt_id").to_pylist() == np.repeat(draw(i).prompt_ids, 2).tolist()  # each once
+        versions = table.column("token_versions").to_pylist()
+        assert versions == merged(units)[1]
         for unit in units:  # what the actor of the version named samples for those prompts, seeded by position
             reference = sample(HFEngine(actors[unit.version % 2]), tok, draw(i).data.prompts[unit.start:unit.end],
                                draw(i).prompt_ids[unit.start:unit.end], draw(i).spec, first_index=unit.start)
             assert unit.columns.response_tokens == reference.response_tokens
             assert np.allclose(np.concatenate(unit.columns.sampler_logprobs),
                                np.concatenate(reference.sampler_logprobs), atol=1e-6)
-        lags.append(int(staleness_stats(i, versions, K)["async/staleness_p100"]))
+        lags.append(max(i - v for vs in versions for v in vs))
         assert window["dropped"] == 0 and 0 <= window["trainer_wait_s"] <= window["window_s"]
-    # draws 0-2 sampled by version 0 at once; then draw j by version j - 2 as soon as it is pushed
-    assert lags == [0, 1, 2, 2, 2]
+    # draws 0..k sampled by version 0 at once; then draw j by version j - k as soon as it is pushed
+    assert lags == [min(i, k) for i in range(iterations)]
 
 
 def test_a_push_waits_for_the_unit_under_way_and_goes_before_the_next():
@@ -108,8 +122,11 @@ def test_staleness_metrics_by_hand():
     assert out["async/partial_fraction"] == pytest.approx(1 / 3)
     with pytest.raises(ValueError, match="3 updates old.*run.max_staleness=2 allows 0..2"):
         staleness_stats(6, versions, 2)
-    assert idle_stats(10.0, 0.5, 2.0, 4) == {"async/engine_idle_fraction": 0.05,
-                                             "async/trainer_idle_fraction": 0.2, "async/dropped_samples": 4.0}
+    assert idle_stats(10.0, 0.5, 2.0, 4, 3) == {"async/engine_idle_fraction": 0.05,
+                                                "async/trainer_idle_fraction": 0.2, "async/dropped_samples": 4.0,
+                                                "async/reweighted_samples": 3.0}
+    out = staleness_stats(6, versions, 2, reweighted=True)  # kept stale samples: lags 1, 2, 2, 3, 2
+    assert out["async/staleness_p100"] == 3.0 and out["async/lag_over_k_share"] == 0.2
 
 
 def _long(j: int) -> Draw:
@@ -143,25 +160,15 @@ def test_partial_rollouts_in_the_producer(actors):
     """A push queued while a unit samples is served at the next token; the unit goes on under the new version."""
     tok = build_char_tokenizer()
     engine, turns, served = HFEngine(actors[0]), EngineTurns(), {"version": 0}
-    pushed = threading.Event()
 
-    def push():
+    def unit_under_way():
         while not turns._busy:  # the producer's first unit is under way
             time.sleep(0.001)
-        with turns.op():
-            engine.load_weights(actors[1])
-            served["version"] = 1
-        pushed.set()
 
-    thread = threading.Thread(target=push)
-    thread.start()
+    thread = push_later(unit_under_way, turns, engine, actors[1], served, 1)
     producer = Producer(K, 0, 1, lambda: (engine, served["version"]), _long, tok, turns, partial=True)
-    try:
-        units, _ = producer.take(0, timeout_s=120)
-    finally:
-        producer.close()
-        thread.join(10)
-    assert pushed.is_set()
+    units = take_once(producer, thread)
+    assert served["version"] == 1
     versions = merged(units)[1]
     assert all(v == sorted(v) and set(v) <= {0, 1} for v in versions)
     mixed = [v for v in versions if len(set(v)) == 2]
@@ -198,3 +205,59 @@ def test_versions_follow_each_sample_to_its_own_stop_on_a_hub_checkpoint(qwen2_c
     assert [g.tokens for g in flat] == [r.tokens for r in ref]
     assert [len(v) for v in versions] == [len(g.tokens) for g in flat]
     assert all(v == ([4] * 2 + [5] * (len(v) - 2))[:len(v)] for v in versions)
+
+
+@pytest.mark.parametrize("stale", ["drop", "reweight"])
+def test_a_unit_made_stale_by_a_version_moving_back_is_dropped_or_reweighted(actors, stale):
+    """Draw 4 starts at version 2 (actor a); mid-unit a restarted trainer pushes version 1 (actor b), 3 behind
+    draw 4 with k = 2, then version 2 again. Dropped: the unit's 8 samples are counted and drawn again, every
+    trained token is version 2. Reweighted: the unit is trained as drawn, counted, its version-1 tokens weighted by
+    min(π_old/π_sampler, C) against their own sampler log-probs (π_old here actor a: they are a's rare tokens)."""
+    tok = build_char_tokenizer()
+    engine, turns, served = HFEngine(actors[0]), EngineTurns(), {"version": 2}
+
+    def push(actor: int, version: int) -> None:
+        with turns.op():
+            engine.load_weights(actors[actor])
+            served["version"] = version
+        producer.poke()
+
+    def pushes():
+        while not turns._busy:  # the first unit of draw 4 is under way
+            time.sleep(0.001)
+        push(1, 1)
+        deadline = time.monotonic() + 60
+        while producer.next == (4, 0) and time.monotonic() < deadline:  # it finished, partly at version 1
+            time.sleep(0.01)
+        push(0, 2)
+
+    producer = Producer(K, 4, 5, lambda: (engine, served["version"]), _long, tok, turns, partial=True, stale=stale)
+    thread = threading.Thread(target=pushes)
+    thread.start()
+    try:
+        units, window = producer.take(4, timeout_s=120)
+    finally:
+        producer.close()
+        thread.join(10)
+    cols, versions = merged(units)
+    assert cols.prompt_id.tolist() == np.repeat(_long(4).prompt_ids, 2).tolist()  # every prompt once, in order
+    stale_samples = [v for v in versions if 4 - min(v) > K]
+    if stale == "drop":
+        assert (window["dropped"], window["reweighted"]) == (2 * UNIT_PROMPTS, 0)
+        assert not stale_samples and {x for v in versions for x in v} == {2}
+        return
+    assert (window["dropped"], window["reweighted"]) == (0, 2 * UNIT_PROMPTS)
+    assert len(stale_samples) == 2 * UNIT_PROMPTS and all(v[0] == 2 and v[-1] == 1 for v in stale_samples)
+    assert staleness_stats(4, versions, K, reweighted=True)["async/staleness_p100"] == 3.0
+    cap, first = 0.5, units[0]
+    sampler = np.concatenate(first.columns.sampler_logprobs)
+    old = np.concatenate(HFEngine(actors[0]).prompt_logprobs(
+        [p + r for p, r in zip(first.columns.prompt_tokens, first.columns.response_tokens)]))
+    old = np.concatenate([o[len(p) - 1:] for o, p in zip(np.split(old, np.cumsum(
+        [len(p) + len(r) - 1 for p, r in zip(first.columns.prompt_tokens, first.columns.response_tokens)])[:-1]),
+        first.columns.prompt_tokens)])
+    weights = truncated_is_weights(torch.tensor(old), torch.tensor(sampler), cap).numpy()
+    assert np.allclose(weights, np.minimum(np.exp(old - sampler), cap)) and weights.max() <= cap
+    by_b = np.concatenate(first.token_versions()) == 1
+    assert weights[by_b].mean() < 0.01  # b's tokens, rare under a: weighted down
+    assert (weights[~by_b] == cap).any()  # a's own tokens: ratio about 1 (eos masked for the sampler), held at C

@@ -43,12 +43,19 @@ def _cfg(preset: str, *overrides: str):
     (["run.max_staleness=2", "run.resident=true", "actor.tis_cap=2", "actor.lora.rank=4"],
      "asynchronous training pushes full weights only"),
     (["run.partial_rollouts=true"], "partial rollouts need asynchronous training"),
-    (["run.max_staleness=2", "run.resident=true", "actor.tis_cap=2", "run.partial_rollouts=true"],
-     "run.partial_rollouts with run.max_staleness=2 and rollout.engine=vllm"),
+    (["run.stale_samples=keep"], "run.stale_samples"),
+    (["run.stale_samples=reweight"], "run.stale_samples=reweight with run.max_staleness=0"),
+    (["run.max_staleness=2", "run.resident=true", "run.stale_samples=reweight"],
+     "run.stale_samples=reweight with run.max_staleness=2 and actor.tis_cap=0.0: samples staler than k"),
 ])
 def test_what_off_policy_cannot_combine_with_is_refused_with_the_reason(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         _cfg("tiny_grpo", *overrides)
+
+
+def test_partial_rollouts_are_taken_with_the_vllm_engine():
+    cfg = _cfg("tiny_grpo", "run.max_staleness=2", "run.resident=true", "actor.tis_cap=2", "run.partial_rollouts=true")
+    assert (cfg.rollout.engine, cfg.run.partial_rollouts) == ("vllm", True)  # vLLM steps through generate_versions
 
 
 def _graph(cfg, state: PolicyState, critic: bool):

@@ -73,4 +73,7 @@ def test_asynchronous_training_shows_its_lag_drops_and_idle_time():
                                             "async/dropped_samples": 4.0, "async/partial_fraction": 0.25,
                                             "async/engine_idle_fraction": 0.05, "async/trainer_idle_fraction": 0.2})
     assert "lag p50 1 max 2  dropped 4  partial 0.25  idle engine 5% trainer 20%  (" in line
+    kept = progress_line(TrainConfig(), 0, {**BASE, "async/staleness_p50": 1.0, "async/staleness_p100": 3.0,
+                                            "async/reweighted_samples": 8.0})  # run.stale_samples=reweight
+    assert "lag p50 1 max 3  dropped 0  reweighted 8  partial 0.00  idle" in kept and "reweighted" not in line
     assert "lag" not in progress_line(TrainConfig(), 0, BASE)

@@ -1,0 +1,140 @@
+"""vLLM driven step by step, for partial rollouts (``run.partial_rollouts``, docs/off_policy.md): the samples of
+:meth:`models.engines.VLLMEngine.generate_versions` go in as requests of vLLM's engine (``llm_engine.add_request``)
+and advance one ``llm_engine.step()`` at a time, as vLLM's own ``LLM._run_engine`` drives them; between two steps
+the caller's ``between_steps()`` may let the service's ops use the engine (a weight push, an evaluation).
+
+Anything else using the engine first *suspends* the loop (:meth:`StepLoop.suspend`, called by the engine's
+``_llm()``): the requests under way are aborted, their tokens so far kept. When ``between_steps()`` returns, each
+unfinished sample is submitted again with its tokens appended to its prompt (``max_tokens`` and ``min_tokens``
+less what it has), so the keys and values of its earlier tokens are recomputed by the weights served from then
+on. Its next tokens' log-probs are then exactly the new policy's, π_new(y_t | x, y_<t), the π_sampler that
+truncated importance sampling (``actor.tis_cap``) divides by. AReaL keeps the old weights' KV cache instead; vLLM
+cannot (it resets its prefix cache only once no block is in use, so blocks of the old weights would also serve
+later requests), and the kept cache's log-probs belong to no policy. The cost: one prefill of prompt + tokens so
+far per unfinished sample and suspension.
+
+Each token is tagged with the version whose weights computed its logits: the version served when the step that
+drew it ran. A resubmitted sample draws from a new stream, seeded ``stream_seed(seed, tokens so far)``; without a
+suspension every sample is the one request ``generate`` makes (same seed, same stop ids and limits), so the loop's
+tokens and log-probs are ``generate``'s. With a suspension a stop string that straddles the resubmission is found
+afterwards (:func:`cut_at_stop_string`), as vLLM checks only the text a request generated itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from models.engines.base import Generation, SamplingSpec, stream_seed
+
+_LOOPS = itertools.count()
+
+
+@dataclass
+class Sample:
+    """One sample of the loop: its prompt, seed, and what it has drawn so far."""
+
+    prompt: List[int]
+    seed: int
+    tokens: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
+    versions: List[int] = field(default_factory=list)
+    resubmitted: bool = False
+    done: bool = False
+    ended: bool = False  # a stop token or string, not the length limit
+
+
+def cut_at_stop_string(tokenizer, tokens: List[int], stop_strings: Sequence[str]) -> int:
+    """The number of tokens up to and including the first whose text completes a stop string (``len(tokens)``
+    if none does): vLLM's stop on strings, applied afterwards to a sample submitted twice."""
+    if stop_strings:
+        for t in range(1, len(tokens) + 1):
+            text, before = tokenizer.decode(tokens[:t]), tokenizer.decode(tokens[:t - 1])
+            if any(s in text and s not in before for s in stop_strings):
+                return t
+    return len(tokens)
+
+
+class StepLoop:
+    """The samples of one ``generate_versions`` call in the ``llm``'s engine; ``params(sample)`` gives a
+    sample's ``SamplingParams`` for what it still has to draw."""
+
+    def __init__(self, llm, samples: List[Sample], params: Callable[[Sample], Any], lora=None):
+        self.llm, self.samples, self.params, self.lora = llm, samples, params, lora
+        self.running: Dict[str, Sample] = {}  # vLLM request id -> sample
+        self.suspended = False
+        self._ids = itertools.count()
+        self._tag = f"steps-{next(_LOOPS)}"
+
+    def submit(self, samples: List[Sample]) -> None:
+        from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        for s in samples:
+            params = self.params(s)
+            params.output_kind = RequestOutputKind.DELTA  # each step's new tokens
+            rid = f"{self._tag}-{next(self._ids)}"  # the outputs carry it (vLLM's internal id adds a suffix)
+            self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=s.prompt + s.tokens), params,
+                                            lora_request=self.lora)
+            self.running[rid] = s
+
+    def suspend(self) -> None:
+        """Abort the requests under way (their tokens kept): something else is about to use the engine."""
+        if self.running and not self.suspended:
+            self.llm.llm_engine.abort_request(list(self.running))
+            self.running = {}
+        self.suspended = True
+
+    def resume(self) -> None:
+        """Submit again the unfinished samples of a suspension, each from its prompt and tokens so far."""
+        if not self.suspended:
+            return
+        self.suspended = False
+        todo = [s for s in self.samples if not s.done]
+        for s in todo:
+            s.resubmitted = True
+            s.seed = stream_seed(s.seed, len(s.tokens))
+        self.submit(todo)
+
+    def step(self, version: int) -> None:
+        """One engine step; each new token tagged ``version``."""
+        for out in self.llm.llm_engine.step():
+            s = self.running.get(out.request_id)
+            if s is None:
+                continue  # an aborted request's last output
+            c = out.outputs[0]
+            new = list(c.token_ids)
+            s.tokens += new
+            s.logprobs += [float(step[t].logprob) for step, t in zip(c.logprobs or [], new)]
+            s.versions += [version] * len(new)
+            if out.finished:
+                s.done, s.ended = True, c.finish_reason == "stop"
+                del self.running[out.request_id]
+
+    def run(self, version: int, between_steps: Optional[Callable[[], int]]) -> int:
+        """Step until every sample is done; ``between_steps()`` after each step (while any is left) returns the
+        version served from then on. Returns the last version."""
+        self.submit(self.samples)
+        try:
+            while self.running:
+                self.step(version)
+                if between_steps is not None and any(not s.done for s in self.samples):
+                    version = between_steps()
+                    self.resume()
+        except BaseException:
+            with contextlib.suppress(Exception):  # nothing of this call left in the engine (if it still runs)
+                self.suspend()
+            raise
+        return version
+
+    def generations(self, tokenizer, spec: SamplingSpec) -> List[Generation]:
+        """Each sample as a :class:`Generation`, cut at a stop string a resubmission hid from vLLM."""
+        out = []
+        for s in self.samples:
+            keep = cut_at_stop_string(tokenizer, s.tokens, spec.stop_strings) if s.resubmitted else len(s.tokens)
+            ended = s.ended or keep < len(s.tokens)
+            del s.tokens[keep:], s.logprobs[keep:], s.versions[keep:]
+            out.append(Generation(s.tokens, s.logprobs, ended))
+        return out
