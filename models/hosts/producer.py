@@ -33,6 +33,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from models.engines.rollout import RolloutColumns, encode_prompts, rollout_columns, sample
+from models.faults import slow_engine
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +193,7 @@ class Producer:
         t0 = time.perf_counter()
         tokens = encode_prompts(self.tokenizer, prompts, add_special_tokens=not d.data.chat)
         gens, versions = engine.generate_versions(tokens, d.spec, start, version, self._between_steps)
+        slow_engine(len(prompts))  # a benchmark's slower engine, as :func:`sample` has it (models/faults.py)
         return rollout_columns(self.tokenizer, prompts, ids, tokens, gens, d.spec.n, t0), versions
 
     def _between_steps(self) -> int:
