@@ -24,7 +24,7 @@ of a dense model need nothing from each other, so each here is a plain engine
   replica.
 - Resources: on GPU, replica ``r`` sees GPUs ``[r·tp, (r+1)·tp)`` of this process's; on CPU it is pinned to
   its own share of this process's cores, its vLLM workers bound inside that share as
-  :func:`~models.engines.vllm_engine.cpu_workers_bound` does for tensor parallelism (a
+  :func:`~models.engines.vllm_setup.cpu_workers_bound` does for tensor parallelism (a
   ``VLLM_CPU_OMP_THREADS_BIND`` the user set is split: it must list ``dp·tp`` groups).
 """
 
@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from models.engines.base import EngineLoadError, EngineStats, Generation, SamplingSpec
 from models.engines.dispatch import Dispatch, request_chunks
-from models.engines.vllm_engine import cpu_worker_groups
+from models.engines.vllm_setup import cpu_worker_groups
 from models.faults import slow_replica
 
 LOAD_OPS = ("load_weights", "load_tensors", "set_adapter", "restart", "begin_push", "push_chunk", "end_push",

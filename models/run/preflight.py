@@ -299,7 +299,7 @@ def check_rollout_setup(cfg: TrainConfig, actor_config: Dict) -> None:
     r, lora = cfg.rollout, cfg.actor.lora
     if not (lora.enabled and r.engine == "vllm" and r.lora_mode == "adapter" and not r.remote_url):
         return
-    from models.engines.vllm_engine import unsupported_lora_targets  # here: the thin tasks' pods import no torch
+    from models.engines.vllm_setup import unsupported_lora_targets  # here: the thin tasks' pods import no torch
 
     bad = unsupported_lora_targets(actor_config, lora.target_modules)
     if bad:

@@ -211,7 +211,7 @@ def test_probe_stops_the_run_when_a_restart_does_not_help(qwen2_chat_dir, tmp_pa
 
 
 def test_cpu_workers_get_disjoint_shares_of_the_allowed_cores():
-    from models.engines.vllm_engine import cpu_worker_groups
+    from models.engines.vllm_setup import cpu_worker_groups
 
     assert cpu_worker_groups([3, 2, 1, 0], 2) == "0,1|2,3"
     assert cpu_worker_groups([0, 1, 2], 2) == "0,1|2"  # the first worker takes the odd core
@@ -223,7 +223,7 @@ def test_cpu_workers_get_disjoint_shares_of_the_allowed_cores():
 def test_the_cpu_workers_binding_lasts_only_while_the_engine_starts(monkeypatch):
     """vLLM's workers read the binding when the engine starts them; after that the process's environment
     is as before, so a later one-worker engine of the process binds as vLLM would (not to one core)."""
-    from models.engines.vllm_engine import cpu_workers_bound
+    from models.engines.vllm_setup import cpu_workers_bound
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
@@ -301,7 +301,7 @@ def test_vllm_captures_cuda_graphs_on_a_gpu_unless_told_not_to(ckpts, monkeypatc
     """``rollout.enforce_eager`` (#38 item 7): CUDA graphs on a GPU by default, eager when asked; the CPU is always
     eager. Read from vLLM's arguments, and from the config through the engine a stage starts."""
     from models.config.io import load_config
-    from models.engines.vllm_engine import llm_kwargs
+    from models.engines.vllm_setup import llm_kwargs
     from models.stages import engine as stage_engine
 
     def eager(cuda, asked=False):
