@@ -22,8 +22,9 @@ fail one rank of a service; and a benchmark can make generation the slower side.
 - ``RLHF_FAULT_SLOW_ENGINE="<seconds per prompt>"`` — :func:`slow_engine`: every sampling call of an engine
   (:func:`models.engines.rollout.sample`, and the producer's partial rollouts: the synchronous and asynchronous
   paths alike) sleeps that long per prompt after generating, an engine on hardware of its own that is slower
-  than the trainer (it takes no CPU from the trainer, as a GPU engine takes none). ``benchmarks/bench_async.py --slow-engine`` and
-  ``benchmarks/bench_async_pods.py --slow-engine`` set it for every run they compare.
+  than the trainer (it takes no CPU from the trainer, as a GPU engine takes none).
+  ``benchmarks/bench_async.py --slow-engine`` and ``benchmarks/bench_async_pods.py --slow-engine`` set it for
+  every run they compare.
 - ``RLHF_FAULT_DROP_PUSHED="<tensor name>"`` — :func:`drop_pushed`: an engine's loader leaves that tensor of a
   resident push out without a word (as vLLM's does with, say, v missing from ``qkv_proj``), for the push's
   read-back to catch (read where the loader runs: a vLLM worker's process inherits it from the engine's).
