@@ -221,6 +221,57 @@ def _texts_of_mlflow_run(runs: Runs, run_id: str) -> str:
     return "\n".join(parts)
 
 
+DESIGN_METRICS = [
+    "rollout/reward_mean", "rollout/reward_std", "rollout/reward_with_kl_mean", "rollout/init_policy_kl",
+    "rollout/response_length_mean", "rollout/fraction_ended",
+    "adv/advantages_mean", "adv/advantages_std", "adv/returns_mean", "adv/values_mean",
+    "actor/loss", "actor/clip_frac", "actor/approx_kl", "actor/entropy", "actor/grad_norm", "actor/lr",
+    "critic/loss", "critic/explained_variance", "critic/grad_norm", "eval/reward_mean",
+    "time/rollout_s", "time/score_s", "time/advantages_s", "time/actor_update_s", "time/critic_update_s",
+    "throughput/rollout_tokens_per_s",
+]
+"""What docs/design.md promises a PPO run logs to MLflow."""
+
+
+def test_the_uninterrupted_run_is_a_whole_ppo_run_on_s3(runs):
+    """``ppo_training`` through ``pyflyte run`` on the moto S3 server with MLflow in SQLite (formerly
+    ``test_ppo_workflow.py``, whose run was this one's twin): every iteration's checkpoints load as HF models, its
+    batch holds every advantage column, every design metric is logged, AdamW's state goes from one update to the
+    next and is kept beside the newest checkpoints only, the run's prompts and sample tables are stored."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from models.checkpoint import download_checkpoint
+    from models.config.io import load_config
+    from models.data.batch import ADVANTAGE_COLUMNS
+    from models.training.files import optimizer_url
+
+    layout = runs.layout("reference")
+    for i in range(ITERATIONS):
+        assert is_committed(layout.actor_url(i)) and is_committed(layout.critic_url(i))
+        AutoModelForCausalLM.from_pretrained(download_checkpoint(layout.actor_url(i)))
+        AutoModelForTokenClassification.from_pretrained(download_checkpoint(layout.critic_url(i)))
+        batch = RolloutBatch.read(layout.batch_url(i, "advantages"))
+        batch.validate(ADVANTAGE_COLUMNS + ("values", "prompt", "response"))
+        assert batch.num_rows == 8 * 4 and batch.metadata.iteration == i
+    client, run_id = _client(runs), _run_id(runs, "reference")
+    metrics = client.get_run(run_id).data.metrics
+    assert not [k for k in DESIGN_METRICS if k not in metrics]
+    assert client.get_run(run_id).data.params["actor.lr"] == "0.0001"
+    cfg = load_config("configs/tiny_ppo.yaml", OVERRIDES)
+    samples = cfg.rollout.prompts_per_iteration * cfg.rollout.n_samples_per_prompt
+    per_iteration = {"actor": cfg.actor.ppo_epochs * samples // cfg.actor.minibatch_size,
+                     "critic": cfg.critic.epochs * samples // cfg.critic.minibatch_size}
+    for role, steps in per_iteration.items():
+        urls = [getattr(layout, f"{role}_url")(i) for i in range(ITERATIONS)]
+        assert not storage.exists(optimizer_url(urls[0])) and is_committed(optimizer_url(urls[1]))
+        history = [m.value for m in sorted(client.get_metric_history(run_id, f"{role}/optimizer_steps_total"),
+                                           key=lambda m: m.step)]
+        assert history == [steps, 2 * steps], role
+    assert [a.path for a in client.list_artifacts(run_id, "samples")] == \
+        [f"samples/iter-{i:06d}.json" for i in range(ITERATIONS)]
+    assert storage.exists(storage.join(layout.url, "data", "train_prompts.jsonl"))
+
+
 def test_no_credentials_in_mlflow_or_logs(runs):
     secrets = list(SECRETS.values()) + [URL_PASSWORD]
     for name in ("reference", "resumed"):
