@@ -43,7 +43,8 @@ from models.engines.base import (MIN_ENGINE_TEMPERATURE, EngineLoadError, Engine
                                 stream_seed)
 from models.engines.hf_engine import HFEngine
 from models.engines.replicas import EngineReplicas
-from models.engines.vllm_engine import VLLM_LORA_RANKS, VLLM_MAX_LORA_RANK, VLLMEngine  # noqa: F401
+from models.engines.vllm_engine import VLLMEngine
+from models.engines.vllm_setup import VLLM_LORA_RANKS, VLLM_MAX_LORA_RANK  # noqa: F401
 from models.engines.weights import pack_weights, unpack_weights  # noqa: F401
 
 

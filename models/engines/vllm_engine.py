@@ -29,8 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from models.engines import vllm_push
-from models.engines.vllm_setup import (VLLM_LORA_RANKS, VLLM_MAX_LORA_RANK, cpu_workers_bound,  # noqa: F401
-                                       cuda_graphs, llm_kwargs, read_json, read_settings_afresh,
+from models.engines.vllm_setup import (cpu_workers_bound, cuda_graphs, llm_kwargs, read_json, read_settings_afresh,
                                        unsupported_lora_targets)
 from models.engines.vllm_steps import Sample, StepLoop
 from models.engines.weight_stream import merge_held

@@ -36,14 +36,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 COMMON = ["run.num_iterations=2", "run.iterations_per_chunk=1", "run.eval_interval=2", "run.save_interval=1",
           "rollout.prompts_per_iteration=8", "actor.minibatch_size=16", "data.num_demo_eval_prompts=8"]
-RUN = {"ppo": [o for o in COMMON if not o.startswith("run.num_iterations")]
-       + ["run.num_iterations=1", "critic.minibatch_size=16", "critic.micro_batch_size=8", "rollout.engine=hf"],
+ONE_ITERATION = [o for o in COMMON if not o.startswith("run.num_iterations")] + ["run.num_iterations=1"]
+RUN = {"ppo": ONE_ITERATION + ["critic.minibatch_size=16", "critic.micro_batch_size=8", "rollout.engine=hf"],
        "grpo": [o for o in COMMON if not o.startswith(("run.iterations_per_chunk", "run.num_iterations"))]
        + ["run.num_iterations=3", "run.iterations_per_chunk=2", "run.iterations_per_execution=2",
           "run.off_policy_steps=1", "actor.tis_cap=2", "run.resident=true", "run.resident_idle_timeout_s=600"],
-       "colocated": [o for o in COMMON if not o.startswith("run.num_iterations")]
-       + ["run.num_iterations=1", "rollout.engine=hf", "run.resident=true", "run.resident_layout=colocated",
-          "run.resident_idle_timeout_s=600"]}
+       "colocated": ONE_ITERATION + ["rollout.engine=hf", "run.resident=true", "run.resident_layout=colocated",
+                                     "run.resident_idle_timeout_s=600"]}
 ITERATIONS = {"ppo": 1, "grpo": 3, "colocated": 1}
 EXECUTIONS = {"ppo": 2, "grpo": 3, "colocated": 2}
 """The run's own execution (set-up, services, finish) and those of its iterations: PPO's one of its iteration,
