@@ -97,8 +97,11 @@ class Server:
         self._lock = threading.Lock()
         self._pending = self._writing = 0  # serial requests queued or running; answers being written
         family = socket.AF_INET6 if ":" in listen else socket.AF_INET
-        self.httpd = type("HTTPServer", (ThreadingHTTPServer,), {"address_family": family})((listen, port),
-                                                                                            self._handler())
+        # socketserver listens with a backlog of 5: past 5 connections waiting for accept() Linux drops the
+        # handshake (a 1 s SYN retransmit, or a reset once the request is sent), which many clients hit at once
+        self.httpd = type("HTTPServer", (ThreadingHTTPServer,), {"address_family": family,
+                                                                 "request_queue_size": socket.SOMAXCONN})(
+            (listen, port), self._handler())
         self.httpd.daemon_threads = True
         name = advertise or listen
         self.url = f"http://{f'[{name}]' if ':' in name else name}:{self.httpd.server_address[1]}"

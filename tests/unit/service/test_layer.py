@@ -137,6 +137,25 @@ def test_the_guard_answers_before_reading_a_request(tmp_path):
     server.close()
 
 
+def test_many_clients_connecting_at_once_all_get_through(tmp_path):
+    """Sixteen clients of a reward server connect at once: with socketserver's listen backlog of 5, Linux dropped
+    the handshakes past the fifth waiting connection (a 1 s retransmit, or a reset: lost requests in bench_server)."""
+    server, _, _, _ = start(tmp_path)
+    server.httpd.shutdown()  # nothing accepts: every connection waits in the listen queue
+    address = server.url.split("//")[1].rsplit(":", 1)
+    waiting = []
+    try:
+        for _ in range(64):
+            waiting.append(socket.create_connection((address[0], int(address[1])), timeout=0.5))
+    except OSError as err:
+        pytest.fail(f"connection {len(waiting) + 1} of 64 waiting for accept() failed: {err!r}")
+    finally:
+        for s in waiting:
+            s.close()
+        server.stop("done")
+        server.close()
+
+
 def test_idle_timeout_and_a_gone_parent_stop_the_service(tmp_path):
     server, _, thread, out = start(tmp_path, idle_timeout_s=0.5)
     thread.join(10)
