@@ -221,7 +221,8 @@ def test_ppo_end_to_end_with_critic_server(ppo_run, tmp_path):
     with server_process(["--critic", setup.state.critic_url, "--storage-root", str(tmp_path), "--threads", "1"],
                         log_path=tmp_path / "srv.log") as srv:
         out = _pyflyte("workflows/ppo.py", "ppo_training", "configs/tiny_ppo.yaml",
-                       [f"run.storage_root={tmp_path}", f"critic.remote_url={srv.url}"] + SMALL + CRITIC_SMALL,
+                       [f"run.storage_root={tmp_path}", f"critic.remote_url={srv.url}", "rollout.engine=hf"]
+                       + SMALL + CRITIC_SMALL,  # the HF engine: the remote critic is the point, not vLLM's start
                        "e2e-remote", tmp_path / "mlflow.db")
     assert "[ppo] iter 2/2" in out
     layout = RunLayout(str(tmp_path), "e2e-remote")

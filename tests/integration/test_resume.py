@@ -27,6 +27,7 @@ import os
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from models import storage
@@ -47,6 +48,7 @@ OVERRIDES = [f"run.num_iterations={ITERATIONS}", "run.eval_interval=2", "run.sav
              "rollout.prompts_per_iteration=8", "rollout.n_samples_per_prompt=4",
              "actor.minibatch_size=16", "actor.micro_batch_size=8", "critic.minibatch_size=16",
              "critic.micro_batch_size=16", "data.num_demo_train_prompts=64", "data.num_demo_eval_prompts=8",
+             "rollout.engine=hf",  # what is killed and resumed is the run; a stateless vLLM starts ~20 s per task
              # unused with reward.source=function, but a config value: it must not reach MLflow as is
              f"reward.remote_url=http://trainer:{URL_PASSWORD}@127.0.0.1:9/"]
 RETAIN = ["run.keep_checkpoints=0", "run.keep_batches=0"]  # the killed run's: only what a resume needs
@@ -192,9 +194,12 @@ def test_resumed_run_equals_the_uninterrupted_one(runs):
                                                                      "checkpoint.iter-000001/critic"]
 
 
-def _assert_equals_the_reference(runs: Runs, name: str, batches=None, checkpoints=range(ITERATIONS)) -> None:
+def _assert_equals_the_reference(runs: Runs, name: str, batches=None, checkpoints=range(ITERATIONS),
+                                 sampler_atol: float = 0.0) -> None:
     """Run ``name`` has the uninterrupted run's metrics, batches (``batches``: ``{iteration: table}`` taken
-    before retention deleted them; default: its files) and checkpoint files (of ``checkpoints``), bit for bit."""
+    before retention deleted them; default: its files) and checkpoint files (of ``checkpoints``), bit for bit;
+    the batches' ``sampler_logprobs`` within ``sampler_atol`` where not 0 (HF ``generate`` computes them over
+    its left-padded batch, whose shape depends on the prompts each engine got: the same tokens, rounding apart)."""
     client = _client(runs)
     ref_id, res_id = _run_id(runs, "reference"), _run_id(runs, name)
     for key in PER_ITERATION + ["eval/reward_mean"]:
@@ -203,7 +208,12 @@ def _assert_equals_the_reference(runs: Runs, name: str, batches=None, checkpoint
         assert ref == res, key
     ref_l, res_l = runs.layout("reference"), runs.layout(name)
     for i, b in (batches or {i: _advantages(res_l, i) for i in range(ITERATIONS)}).items():
-        assert _advantages(ref_l, i).equals(b), f"iteration {i}: batches differ"
+        ref = _advantages(ref_l, i)
+        if sampler_atol:  # every column bit for bit but the engine's own log-probs, within sampler_atol
+            got, want = (np.concatenate(t.column("sampler_logprobs").to_pylist()) for t in (b, ref))
+            assert got.shape == want.shape and np.abs(got - want).max() <= sampler_atol, f"iteration {i}"
+            ref, b = (t.drop_columns(["sampler_logprobs"]) for t in (ref, b))
+        assert ref.equals(b), f"iteration {i}: batches differ"
     for i in checkpoints:
         for url_a, url_b in ((ref_l.actor_url(i), res_l.actor_url(i)), (ref_l.critic_url(i), res_l.critic_url(i))):
             assert _weights_digest(url_a) == _weights_digest(url_b), url_b
@@ -346,4 +356,4 @@ def test_a_resident_run_killed_and_resumed_equals_the_stateless_one(runs, reside
     assert transports and {m.value for m in transports} == {1.0}, "the weights did not go over the gloo channel"
     sent = {m.step: m.value for m in client.get_metric_history(run_id, "resident/weights_bytes")}
     assert sent[0] == 0 and sent[1] > 0, sent  # iteration 0 colocated (loaded in process), 1 separate (sent)
-    _assert_equals_the_reference(runs, "resident")
+    _assert_equals_the_reference(runs, "resident", sampler_atol=1e-4)  # colocated: each rank samples half the prompts

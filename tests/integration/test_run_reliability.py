@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 OVERRIDES = ["run.num_iterations=2", "run.eval_interval=0", "run.save_interval=1", "rollout.prompts_per_iteration=8",
              "rollout.n_samples_per_prompt=4", "actor.minibatch_size=16", "actor.micro_batch_size=8",
-             "data.num_demo_train_prompts=64", "data.num_demo_eval_prompts=8", "run.registered_model_name=reliability"]
+             "data.num_demo_train_prompts=64", "data.num_demo_eval_prompts=8", "run.registered_model_name=reliability", "rollout.engine=hf"]
 
 
 class Launches:
