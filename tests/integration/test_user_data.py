@@ -82,7 +82,8 @@ def test_a_reasoning_gym_task_trains_with_its_own_verifier(tmp_path):
     out = pyflyte(tmp_path, SMALL + ["data.source=reasoning_gym", "data.reasoning_gym.task=basic_arithmetic",
                                      "data.reasoning_gym.size=64", "data.reasoning_gym.eval_size=8",
                                      "data.reasoning_gym.options=[max_terms=2, max_digits=1]",
-                                     "reward.function=models.data.reasoning_gym:reasoning_gym_reward"], "rg")
+                                     "reward.function=models.data.reasoning_gym:reasoning_gym_reward",
+                                     "rollout.engine=hf"], "rg")  # the data and verifier are the point
     assert "[grpo] iter 2/2" in out
     layout = RunLayout(str(tmp_path / "runs"), "rg")
     ds = reasoning_gym.create_dataset("basic_arithmetic", seed=0, size=64, max_terms=2, max_digits=1)
