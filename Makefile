@@ -10,8 +10,8 @@ PIP := $(PY) -m pip
 INSTALLER ?= uv
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 ifeq ($(INSTALLER),uv)
-INSTALL = $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) $(if $(FIND_LINKS),--find-links $(FIND_LINKS)) \
-  $(if $(PIP_INDEX_URL),--index-url $(PIP_INDEX_URL)) $(if $(PIP_EXTRA_INDEX_URL),--extra-index-url $(PIP_EXTRA_INDEX_URL))
+INSTALL = $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) $(foreach l,$(FIND_LINKS),--find-links $(l)) \
+  $(if $(PIP_INDEX_URL),--index-url $(PIP_INDEX_URL)) $(foreach u,$(PIP_EXTRA_INDEX_URL),--extra-index-url $(u))
 UNINSTALL = $(VENV)/bin/uv pip uninstall -q --python $(PY)
 else
 INSTALL = $(PIP) install -q
