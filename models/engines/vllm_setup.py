@@ -22,6 +22,7 @@ VLLM_MAX_LORA_RANK = VLLM_LORA_RANKS[-1]
 EMBEDDING_TARGETS = ("lm_head", "embed_tokens")
 """LoRA targets vLLM adapts only for architectures that list them in ``embedding_modules``."""
 
+
 def unsupported_lora_targets(model_config: Dict[str, Any], target_modules: Sequence[str]) -> List[str]:
     """The LoRA ``target_modules`` vLLM cannot serve as an adapter on the architecture of a checkpoint
     (its ``config.json`` as a dict): ``lm_head``/``embed_tokens`` where the architecture's vLLM class

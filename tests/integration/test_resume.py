@@ -32,7 +32,7 @@ import pytest
 
 from models import storage
 from models.checkpoint import is_committed, read_marker
-from models.data.batch import RolloutBatch
+from models.data.batch import ADVANTAGE_COLUMNS, RolloutBatch
 from models.run.layout import RunLayout
 from models.run.retention import usage
 from tests.conftest import BUCKET
@@ -252,7 +252,6 @@ def test_the_uninterrupted_run_is_a_whole_ppo_run_on_s3(runs):
 
     from models.checkpoint import download_checkpoint
     from models.config.io import load_config
-    from models.data.batch import ADVANTAGE_COLUMNS
     from models.training.files import optimizer_url
 
     layout = runs.layout("reference")

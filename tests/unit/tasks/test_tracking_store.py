@@ -12,10 +12,10 @@ from models import tracking
 
 
 def _schema(path) -> tuple:
-    """The store's tables, its schema version (Alembic's) and its experiments. (Indexes are left out: MLflow adds
-    some as a store is used, e.g. its assessment roll-ups, so a used store has more than a new one.)"""
+    """The store's tables (their SQL), its schema version (Alembic's) and its experiments. (Indexes are left out:
+    MLflow adds some as a store is used, e.g. its assessment roll-ups, so a used store has more than a new one.)"""
     with sqlite3.connect(path) as db:
-        tables = db.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name").fetchall()
+        tables = db.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table' ORDER BY name").fetchall()
         version = db.execute("SELECT version_num FROM alembic_version").fetchall()
         experiments = db.execute("SELECT experiment_id, name, lifecycle_stage FROM experiments").fetchall()
     return tables, version, experiments
@@ -36,9 +36,9 @@ def test_a_seeded_store_is_the_store_mlflow_makes_and_takes_a_run(tmp_path, cach
     seeded.parent.mkdir()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{seeded}")
     run_id = tracking.start_run("seeded", "r", {"a": 1}, {"t": "x"})
-    assert [p.name for p in cache.iterdir()] == [f"mlflow-{__import__('mlflow').__version__}.db"]
-    assert sorted(p.name for p in seeded.parent.iterdir()) == ["mlflow.db"]  # no copy left behind
     template = cache / f"mlflow-{__import__('mlflow').__version__}.db"
+    assert list(cache.iterdir()) == [template]
+    assert sorted(p.name for p in seeded.parent.iterdir()) == ["mlflow.db"]  # no copy left behind
     assert _schema(template) == _schema(made)  # what a new store starts from: the store MLflow makes
     tables, version, _ = _schema(seeded)
     assert (tables, version) == _schema(made)[:2] and len(tables) > 10
