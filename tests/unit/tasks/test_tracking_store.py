@@ -12,10 +12,16 @@ from models import tracking
 
 
 def _schema(path) -> tuple:
-    """The store's tables (their SQL), its schema version (Alembic's) and its experiments. (Indexes are left out:
-    MLflow adds some as a store is used, e.g. its assessment roll-ups, so a used store has more than a new one.)"""
+    """The store's tables, its schema version (Alembic's) and its experiments. A table is its columns in order
+    (SQLite's table_info) and the lines of its SQL as a set: Alembic's batch migrations rewrite a table with its
+    constraints in set order, so two stores MLflow makes itself list the same CHECKs in either order (PYTHONHASHSEED).
+    (Indexes are left out: MLflow adds some as a store is used, so a used store has more than a new one.)"""
     with sqlite3.connect(path) as db:
-        tables = db.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table' ORDER BY name").fetchall()
+        tables = [
+            (name, db.execute(f"PRAGMA table_info('{name}')").fetchall(),
+             sorted(line.strip().rstrip(",") for line in sql.splitlines()))
+            for name, sql in db.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table' ORDER BY name")
+        ]
         version = db.execute("SELECT version_num FROM alembic_version").fetchall()
         experiments = db.execute("SELECT experiment_id, name, lifecycle_stage FROM experiments").fetchall()
     return tables, version, experiments
