@@ -281,7 +281,7 @@ def read_marker(url: str) -> Mapping[str, Any]:
     marker = storage.read_json(marker_url)
     if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
         raise CheckpointError(f"checkpoint {url}: malformed {MARKER}")
-    for rel in set(marker["files"]) | set(storage.list_files(url)):
+    for rel in sorted(set(marker["files"]) | set(storage.list_files(url))):  # the same first error every time
         check_file_allowed(rel, url)  # also files not in the marker: never leave a pickle beside
     return marker
 
