@@ -46,11 +46,12 @@ def unpublish(run_url: str, name: str) -> None:
 
 
 def read(run_url: str, name: str) -> "ServiceAddress | None":
-    url = address_url(run_url, name)
-    if not storage.exists(url):
+    try:  # one read, no exists() first: a service may unpublish between the two
+        data = storage.read_json(address_url(run_url, name))
+    except FileNotFoundError:
         return None
     fields = {f.name for f in dataclasses.fields(ServiceAddress)}
-    return ServiceAddress(**{k: v for k, v in storage.read_json(url).items() if k in fields})
+    return ServiceAddress(**{k: v for k, v in data.items() if k in fields})
 
 
 def find(run_url: str, name: str, launch: str, wait_s: float = 0.0, label: str = "") -> ServiceAddress:

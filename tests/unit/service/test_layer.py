@@ -193,6 +193,23 @@ def test_the_address_book_finds_a_launch_s_own_service_and_stops_only_those(tmp_
     server.close()
 
 
+def test_an_address_removed_as_it_is_read_reads_as_none(tmp_path, monkeypatch):
+    """A caller polling the book while a service unpublishes (a restart, the run's end) sees no address, never a
+    FileNotFoundError: the address is gone between a check that it exists and its read (found by test_resume)."""
+    from models import storage
+
+    run = str(tmp_path / "r1")
+    book.publish(run, book.ServiceAddress("engine", "http://127.0.0.1:1", 41, "exec-1"))
+    read_json = storage.read_json
+
+    def unpublished_first(url, *args, **kwargs):
+        book.unpublish(run, "engine")  # the service goes just before the read
+        return read_json(url, *args, **kwargs)
+
+    monkeypatch.setattr(storage, "read_json", unpublished_first)
+    assert book.read(run, "engine") is None
+
+
 def test_the_loop_runs_each_request_on_every_rank():
     """A trainer service's ranks: rank 0's requests reach the others (``share``), each rank runs the same ops."""
     requests = [("score", {"state": {"iteration": 1}, "batch": "b"}, None), ("stop", {"reason": "end"}, None)]
