@@ -229,8 +229,9 @@ def _fresh(fs: fsspec.AbstractFileSystem, path: str) -> None:
 
 
 def read_bytes(url: str, retry: RetryPolicy = DEFAULT_RETRY, **storage_options: Any) -> bytes:
-    """The whole content of the file at ``url``."""
+    """The whole content of the file at ``url`` as it is now (no cached listing decides whether it is there)."""
     fs, path = fs_and_path(url, **storage_options)
+    _fresh(fs, path)
     data = with_retry("read", url, lambda: fs.cat_file(path), retry)
     count("read", url, len(data))
     return data

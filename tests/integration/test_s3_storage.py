@@ -104,3 +104,19 @@ def test_prompts_on_s3(s3_url, tmp_path):
         load_prompts(PromptDataConfig(url=bad))
     with pytest.raises(PromptDataError, match="missing.jsonl: file not found"):
         load_prompts(PromptDataConfig(url=storage.join(s3_url, "missing.jsonl")))
+
+
+def test_a_read_sees_a_file_another_process_wrote_after_a_listing(s3_url):
+    """A listing this process cached (s3fs's dircache) never hides a file another process wrote since: the address
+    book reads a service's address without an exists() first (which always dropped cached listings)."""
+    import s3fs
+
+    from models.service import book
+
+    run = storage.join(s3_url, "run")
+    book.publish(run, book.ServiceAddress("critic", "http://127.0.0.1:1", 40, "exec-1"))
+    storage.list_files(storage.join(run, "services"))  # this process now holds the folder's listing
+    other = s3fs.S3FileSystem(skip_instance_cache=True, **storage.fs_and_path(run)[0].storage_options)
+    address = {"name": "engine", "url": "http://127.0.0.1:2", "pid": 41, "launch": "exec-1"}
+    other.pipe_file(storage.fs_and_path(book.address_url(run, "engine"))[1], json.dumps(address).encode())
+    assert book.read(run, "engine").pid == 41
