@@ -1,11 +1,12 @@
-"""Asynchronous training (``run.max_staleness=2``, resident) killed at three points, resumed, counted: the tiny GRPO
-run has its engine service SIGKILLed once iteration 1 is committed (the run starts it again and goes on), then its
-actor trainer service once iteration 2 is (the run fails naming it); the rerun is SIGKILLed whole (the ``pyflyte``
-process group) while the engine service hands out a batch; the third launch finishes the run. Every iteration is committed once
-(its progress line printed once over the three launches, its metrics logged once), the batches the updates trained
-on hold exactly the prompts of the data order, no row twice within the epoch, and every trained token is at most
-k = 2 policy versions old (read from the batches' ``token_versions``). Samples the killed launches had finished
-but not trained are sampled again, so the resumed results need not equal an uninterrupted run's."""
+"""Asynchronous training (``run.max_staleness=2``, resident) killed at two points, resumed, counted: the tiny GRPO
+run has its engine service SIGKILLed once iteration 1 is committed (the run starts it again and goes on), then the
+whole launch is SIGKILLed (the ``pyflyte`` process group) while the restarted engine service hands out iteration 4's
+batch; the second launch finishes the run. Every iteration is committed once (its progress line printed once over
+the two launches, its metrics logged once), the batches the updates trained on hold exactly the prompts of the data
+order, no row twice within the epoch, and every trained token is at most k = 2 policy versions old (read from the
+batches' ``token_versions``). Samples the killed launch had finished but not trained are sampled again, so the
+resumed results need not equal an uninterrupted run's. (A killed actor trainer service failing the run with its
+name is ``test_resume.py``'s resident run's first launch.)"""
 
 from __future__ import annotations
 
@@ -54,32 +55,28 @@ def killed(tmp_path_factory):
                         [f"run.storage_root={root}"] + OVERRIDES, "async", dict(env, **(extra_env or {})),
                         tmp / f"{attempt}.log")
 
-    first = start("1")  # 1. the engine service, once iteration 1 is committed; 2. the actor trainer, after iteration 2
+    faults = tmp / "faults"  # 2. the whole launch, while the restarted engine service hands out iteration 4's batch
+    point = "rollout/iter-000004"
+    first = start("1", {"RLHF_FAULT_PAUSE": f"{point}:300", "RLHF_FAULT_DIR": str(faults)})
     first.wait_until(lambda: _iteration(layout) >= 1 and "engine" in _pids(layout), "iteration 1's commit")
-    engine = _pids(layout)["engine"]
+    engine = _pids(layout)["engine"]  # 1. the engine service, once iteration 1 is committed
     os.kill(engine, signal.SIGKILL)
     first.wait_until(lambda: _pids(layout).get("engine", engine) != engine and _iteration(layout) >= 2,
                      "the engine started again and iteration 2's commit")
-    os.kill(_pids(layout)["actor"], signal.SIGKILL)
-    assert first.proc.wait(timeout=300) != 0
+    first.wait_until(lambda: (faults / "paused").exists() and point in (faults / "paused").read_text(),
+                     f"the pause at {point}")
+    first.kill()
     resume = _iteration(layout)  # the last iteration committed
     assert 2 <= resume < ITERATIONS - 1, first.output()[-4000:]
-
-    faults = tmp / "faults"  # 3. the whole launch, while the engine service hands out the batch after the resume's
-    point = f"rollout/iter-{resume + 1:06d}"
-    second = start("2", {"RLHF_FAULT_PAUSE": f"{point}:300", "RLHF_FAULT_DIR": str(faults)})
-    second.wait_until(lambda: (faults / "paused").exists() and point in (faults / "paused").read_text(),
-                      f"the pause at {point}")
-    second.kill()
-    logs = [first.output(), second.output(), start("3").wait(900)]
+    logs = [first.output(), start("2").wait(900)]
     return dict(layout=layout, logs=logs, db=tmp / "mlflow.db")
 
 
-def test_killed_three_times_no_prompt_is_lost_or_trained_twice(killed):
-    first, second, last = killed["logs"]
+def test_killed_twice_no_prompt_is_lost_or_trained_twice(killed):
+    first, last = killed["logs"]
     assert "the engine service exited (code -9): started again" in first, first[-4000:]
-    assert "the actor trainer service" in first and "does not answer" in first, first[-4000:]
-    for i in range(1, ITERATIONS + 1):  # each iteration committed once over the three launches
+    assert f"Run async finished: {ITERATIONS} iterations of grpo." in last, last[-4000:]
+    for i in range(1, ITERATIONS + 1):  # each iteration committed once over the two launches
         assert sum(log.count(f"[grpo] iter {i}/{ITERATIONS} ") for log in killed["logs"]) == 1, i
     layout, rows = killed["layout"], []
     for i in range(ITERATIONS):
