@@ -90,9 +90,43 @@ def test_setup_refuses_a_kv_cache_that_holds_no_sequence_of_the_context(monkeypa
     assert check_engine_memory(_cfg("tiny_grpo", "rollout.engine=hf"), QWEN3_06B) is None  # not vLLM's cache
 
 
+def test_a_cpu_engine_refuses_its_kv_cache_before_any_weight_loads(tmp_path, monkeypatch):
+    """The rollout server's engine, or one started outside a run: refused from ``config.json`` alone (this folder
+    has no weights, which vLLM would have failed on first)."""
+    from models.engines import EngineLoadError, VLLMEngine
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(EngineLoadError, match=r"vllm_kv_cache_gib .*=0\.5 GiB of KV cache cannot hold one sequence of "
+                                              r"max_model_len=4096 tokens"):
+        VLLMEngine(_config_only(tmp_path), max_model_len=4096, kv_cache_gib=0.5)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")  # the environment's wins, and says so
+    with pytest.raises(EngineLoadError, match=r"=0 GiB \(VLLM_CPU_KVCACHE_SPACE is set and wins\)"):
+        VLLMEngine(_config_only(tmp_path), max_model_len=544, kv_cache_gib=4)
+
+
 def test_a_generation_budget_over_the_checkpoints_limit_is_refused():
     assert prompt_room(_cfg("tiny_tools"), QWEN3_06B) == 40960 - 160  # episodes: the episode's tokens, not 48
     assert prompt_room(_cfg("tiny_grpo"), {"vocab_size": 8}) is None  # the checkpoint does not say
     with pytest.raises(ConfigError, match=r"rollout\.max_episode_tokens=40960 leaves no room for a prompt in the "
                                           r"actor's context of 40960 tokens \(its config\.json max_position_embeddings"):
         prompt_room(_cfg("tiny_tools", "rollout.max_episode_tokens=40960"), QWEN3_06B)
+
+
+def test_replicas_and_the_rollout_server_start_their_engines_with_a_context(tmp_path, monkeypatch):
+    import models.engines as engines
+    from models.hosts import rollout as server
+
+    made = {}
+    monkeypatch.setattr(engines, "EngineReplicas", lambda make, n, workers: made.update(make.keywords, n=n))
+    kw = engine_kwargs(_cfg("tiny_grpo", "rollout.data_parallel_size=2"))
+    engines.make_engine("vllm", "unused", **kw)  # each replica process calls make_engine with these
+    assert (made["max_model_len"], made["n"]) == (kw["max_model_len"], 2)
+
+    seen = {}
+    monkeypatch.setattr(server, "_fetch", lambda url: _config_only(tmp_path))
+    monkeypatch.setattr(server, "make_engine", lambda kind, weights, **kw: seen.update(kw))
+    for given, context in (({}, 8192), ({"max_tokens": 1024}, 1024), ({"max_model_len": 600}, 600)):
+        host = server.RolloutHost(server.RolloutServiceConfig("committed", **given))
+        host._thread.shutdown()
+        assert seen["max_model_len"] == context  # the engine caps it at the checkpoint's (llm_kwargs)
