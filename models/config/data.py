@@ -83,7 +83,11 @@ class DataConfig:
     max_prompt_chars: int = 2048
     """Prompts longer than this (as rendered) are reported as bad rows before any model loads."""
     max_prompt_tokens: int = 512
-    """Prompts longer than this many tokens are reported as bad rows."""
+    """The prompt budget in tokens (as the model sees it, special tokens included; with ``rollout.environment``,
+    the first prompt the environment writes). A longer prompt is refused at set-up, before any model loads,
+    naming its file and row (prompts are never truncated: a cut prompt would train on a question it never
+    asked). With ``rollout.max_new_tokens`` (or ``rollout.max_episode_tokens``) it sets the vLLM engine's context,
+    ``max_model_len`` (docs/real_checkpoints.md)."""
     reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
     """Task, sizes, seed and options of ``source=reasoning_gym``."""
 

@@ -52,9 +52,16 @@ class RolloutConfig:
     within ~1e-6 on the test models; with bfloat16/float16 on either side the tolerance is at least
     ``models.training.probe.LOW_PRECISION_PROBE_TOLERANCE`` (``TrainConfig.probe_tolerance``). 0 turns the check off."""
     vllm_kv_cache_gib: float = 1.0
-    """KV-cache space for vLLM on CPU (``VLLM_CPU_KVCACHE_SPACE``)."""
+    """KV-cache space of each vLLM engine on CPU, in GiB (vLLM's ``kv_cache_memory_bytes``; a
+    ``VLLM_CPU_KVCACHE_SPACE`` set in the environment wins). It must hold at least one sequence of the run's
+    context (``data.max_prompt_tokens`` + ``rollout.max_new_tokens``, or ``rollout.max_episode_tokens`` for
+    episodes): refused at set-up otherwise, with the figure needed (per token: 2 × layers × KV heads × head dim
+    × the bytes of ``rollout.vllm_dtype``). Sequences beyond what it holds wait their turn. On a GPU vLLM sizes
+    its cache from ``rollout.vllm_gpu_memory_utilization`` instead."""
     vllm_gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take on a GPU."""
+    vllm_max_num_seqs: int = 0
+    """Most sequences one vLLM engine runs at once (vLLM's ``max_num_seqs``); 0: vLLM's default."""
     tensor_parallel_size: int = 1
     """vLLM's tensor parallelism: the engine's weights and KV cache split over this many workers (GPUs on
     a GPU node, needing ``resources.rollout_gpu`` at least this; CPU workers pinned to disjoint cores on
@@ -122,6 +129,9 @@ class RolloutConfig:
               f"1e-5 greedily), the HF engine at the one asked")
         check(self.probe_tolerance >= 0, "rollout.probe_tolerance must be >= 0 (0 = no probe)")
         check_choice("rollout.vllm_dtype", self.vllm_dtype, ["float32", "bfloat16", "float16"])
+        check(self.vllm_kv_cache_gib > 0, f"rollout.vllm_kv_cache_gib={self.vllm_kv_cache_gib} must be > 0")
+        check(self.vllm_max_num_seqs >= 0, f"rollout.vllm_max_num_seqs={self.vllm_max_num_seqs} must be >= 0 "
+                                           f"(0: vLLM's default)")
         check(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size must be >= 1")
         check(self.tensor_parallel_size == 1 or self.engine == "vllm",
               f"rollout.tensor_parallel_size={self.tensor_parallel_size} needs rollout.engine=vllm (the HF engine "

@@ -236,6 +236,15 @@ class TrainConfig:
         return self.spec.uses_critic
 
     @property
+    def engine_context(self) -> int:
+        """The longest sequence the run can produce, the engine's ``max_model_len`` (capped at the checkpoint's
+        ``max_position_embeddings``, whose room every prompt is checked against at set-up): a prompt of
+        ``data.max_prompt_tokens`` and what follows it, ``rollout.max_new_tokens`` or, with ``rollout.environment``,
+        ``rollout.max_episode_tokens`` (every sampled, tool and user token after the first prompt)."""
+        r = self.rollout
+        return self.data.max_prompt_tokens + (r.max_episode_tokens if r.environment else r.max_new_tokens)
+
+    @property
     def engine_dtype(self) -> str:
         """The dtype the generation engine holds its weights in: ``rollout.vllm_dtype`` for vLLM, ``model.dtype`` for
         the HF engine (what a resident run's trainer casts its weights to before it sends them)."""

@@ -58,7 +58,8 @@ class PromptDataConfig:
     max_prompt_chars: int = 8192
     """Longest allowed prompt as rendered, in characters."""
     max_prompt_tokens: Optional[int] = None
-    """Longest allowed prompt in tokens (checked only when a tokenizer is given)."""
+    """Longest allowed prompt in tokens (checked only when a tokenizer is given): a longer prompt is an error
+    naming its file and row, never truncated."""
     max_errors: int = 20
     """How many problems to list in the error (all are counted)."""
     hf_name: str = ""
@@ -67,9 +68,10 @@ class PromptDataConfig:
     """``hf``: the split to read; ``reasoning_gym``: ``train`` or ``eval``."""
     reasoning_gym: Any = None
     """``reasoning_gym``: a :class:`models.config.ReasoningGymConfig`."""
-    context_room: Optional[Tuple[int, int]] = None
-    """(tokens a prompt may take in the model's context, the longest response ``rollout.max_new_tokens``
-    that leaves them): prompts longer than the first are errors (checked with a tokenizer)."""
+    context_room: Optional[Tuple] = None
+    """(tokens a prompt may take in the model's context, the generation budget that leaves them, and optionally
+    the budget's setting, default ``rollout.max_new_tokens``): prompts longer than the first are errors (checked
+    with a tokenizer)."""
 
     def __post_init__(self) -> None:
         if not self.url and self.source != "reasoning_gym":
@@ -176,13 +178,14 @@ def _check_tokens(wheres: Sequence[str], encoded: Sequence[Sequence[int]], confi
                   errors: ErrorList) -> None:
     """Token lengths (with the special tokens the model sees) against ``max_prompt_tokens`` and the
     room the model's context leaves."""
-    room, new = config.context_room or (None, 0)
+    room, new, *named = config.context_room or (None, 0)
+    name = named[0] if named else "rollout.max_new_tokens"
     for where, ids in zip(wheres, encoded):
         if config.max_prompt_tokens is not None and len(ids) > config.max_prompt_tokens:
-            errors.add(f"{where}: prompt has {len(ids)} tokens > max_prompt_tokens={config.max_prompt_tokens}")
+            errors.add(f"{where}: prompt has {len(ids)} tokens > data.max_prompt_tokens={config.max_prompt_tokens}")
         elif room is not None and len(ids) > room:
             errors.add(f"{where}: prompt has {len(ids)} tokens, but the model's context of {room + new} tokens "
-                       f"(max_position_embeddings) leaves {room} beside rollout.max_new_tokens={new}")
+                       f"(max_position_embeddings) leaves {room} beside {name}={new}")
 
 
 def _prompt_ids(records: List[Record], id_column: str, errors: ErrorList) -> np.ndarray:

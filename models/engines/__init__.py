@@ -84,11 +84,13 @@ def get_engine(kind: str, checkpoint_dir: str, slot: str = "policy", **kwargs) -
 
     New weights go in place, or by a restart where that cannot work (see ``load_weights``); an
     engine that cannot serve them is dropped and the error raised. An engine
-    that serves LoRA adapters (``max_lora_rank > 0``) is only reused for the same rank limit.
+    that serves LoRA adapters (``max_lora_rank > 0``) is only reused for the same rank limit, and any engine only
+    for the same context and KV cache.
     """
     key = _architecture_key(checkpoint_dir, kind, kwargs.get("dtype", "float32")) + (
         kwargs.get("max_lora_rank", 0), kwargs.get("tensor_parallel_size", 1), kwargs.get("data_parallel_size", 1),
-        kwargs.get("enforce_eager", False))
+        kwargs.get("enforce_eager", False), kwargs.get("max_model_len"), kwargs.get("max_num_seqs", 0),
+        kwargs.get("kv_cache_gib", 1.0))
     cached = _CACHE.get(slot)
     if cached is not None and cached.key == key:
         if cached.weights != checkpoint_dir:

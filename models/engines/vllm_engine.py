@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from models.engines import vllm_push
+from models.engines.context import check_kv_cache
 from models.engines.vllm_setup import (cpu_workers_bound, cuda_graphs, llm_kwargs, read_json, read_settings_afresh,
                                        unsupported_lora_targets)
 from models.engines.vllm_steps import Sample, StepLoop
@@ -55,11 +56,13 @@ class VLLMEngine(SwappableEngine):
     def __init__(self, checkpoint_dir: str, dtype: str = "float32", kv_cache_gib: float = 1.0,
                  gpu_memory_utilization: float = 0.5, max_model_len: Optional[int] = None, seed: int = 0,
                  max_lora_rank: int = 0, tensor_parallel_size: int = 1, enforce_eager: bool = False,
-                 colocated: bool = False):
+                 colocated: bool = False, max_num_seqs: int = 0):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
         kwargs = llm_kwargs(checkpoint_dir, dtype, gpu_memory_utilization, max_model_len, seed, max_lora_rank,
-                            tensor_parallel_size, enforce_eager, torch.cuda.is_available())
+                            tensor_parallel_size, enforce_eager, torch.cuda.is_available(), kv_cache_gib, max_num_seqs)
+        if not torch.cuda.is_available() and "max_model_len" in kwargs:  # refused before any weight loads
+            check_kv_cache(read_json(checkpoint_dir, "config.json"), dtype, kwargs["max_model_len"], kv_cache_gib,
+                           tensor_parallel_size)
         if colocated:  # in a trainer's rank (run.resident_layout=colocated): sleeps on a GPU; beside other ranks,
             kwargs["enable_sleep_mode"] = torch.cuda.is_available()  # it joins their process group (made first),
             # a tensor-parallel engine over tensor_parallel_size consecutive ranks (vLLM's own groups of the world)

@@ -14,6 +14,7 @@ import torch
 
 from models import console
 from models.engines.base import EngineLoadError, contiguous_shares
+from models.engines.context import GIB, model_len
 from models.environ import environment
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -81,23 +82,28 @@ def read_settings_afresh() -> None:
 
 
 def llm_kwargs(checkpoint_dir: str, dtype: str, gpu_memory_utilization: float, max_model_len: Optional[int],
-               seed: int, max_lora_rank: int, tensor_parallel_size: int, enforce_eager: bool, cuda: bool
-               ) -> Dict[str, Any]:
+               seed: int, max_lora_rank: int, tensor_parallel_size: int, enforce_eager: bool, cuda: bool,
+               kv_cache_gib: float = 1.0, max_num_seqs: int = 0) -> Dict[str, Any]:
     """vLLM's ``LLM`` arguments for :class:`VLLMEngine` (``cuda``: whether it runs on a GPU). On a GPU vLLM captures
-    CUDA graphs of the decode steps unless ``enforce_eager``; the CPU has none, so it runs eager there."""
+    CUDA graphs of the decode steps unless ``enforce_eager``; the CPU has none, so it runs eager there.
+    ``max_model_len``: the run's context, capped at the checkpoint's (:func:`models.engines.context.model_len`;
+    None: the checkpoint's). On CPU the KV cache is ``kv_cache_gib``; ``max_num_seqs`` 0: vLLM's default."""
     kwargs: Dict[str, Any] = dict(dtype=dtype, enforce_eager=bool(enforce_eager or not cuda), seed=seed,
                                   logprobs_mode="processed_logprobs", generation_config="vllm",
                                   use_tqdm_on_load=console.verbose())
     if tensor_parallel_size > 1:  # workers in their own processes, each loading its slice
         kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="mp")
-    if max_model_len:  # default: the model's own limit
-        kwargs["max_model_len"] = max_model_len
+    length = model_len(max_model_len, read_json(checkpoint_dir, "config.json"))
+    if length:
+        kwargs["max_model_len"] = length
+    if max_num_seqs:
+        kwargs["max_num_seqs"] = max_num_seqs
     if cuda:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     else:  # a prefill split across steps rewinds each seeded request's generator, which a CPU
         # generator cannot ("CPU Generator does not use offset"): prefill every prompt whole
-        model_len = max_model_len or read_json(checkpoint_dir, "config.json").get("max_position_embeddings", 0)
-        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(int(model_len), 2048))
+        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(int(length or 0), 2048, max_num_seqs),
+                      kv_cache_memory_bytes=int(kv_cache_gib * GIB))
     if max_lora_rank:  # one adapter at a time, of rank up to the next size vLLM accepts
         rank = next((r for r in VLLM_LORA_RANKS if r >= max_lora_rank), None)
         if rank is None:

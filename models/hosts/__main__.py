@@ -47,7 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     _common_args(r, port=8124, root="fsspec URL inside which the checkpoints the requests name lie", root_required=True)
     r.add_argument("--kv-cache-gib", type=float, default=1.0, help="vLLM KV-cache space on CPU (GiB)")
     r.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="fraction of GPU memory for vLLM")
-    r.add_argument("--max-model-len", type=int, default=0, help="vLLM context length (0: the model's own)")
+    r.add_argument("--max-model-len", type=int, default=0,
+                   help="vLLM context length (0: --max-tokens), at most the model's own")
+    r.add_argument("--max-num-seqs", type=int, default=0, help="vLLM: most sequences at once (0: vLLM's default)")
     r.add_argument("--max-lora-rank", type=int, default=0, help="vLLM: serve LoRA adapters up to this rank")
     r.add_argument("--seed", type=int, default=0, help="vLLM engine seed (requests carry their own)")
     r.add_argument("--tensor-parallel-size", type=int, default=1,

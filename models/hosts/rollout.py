@@ -44,6 +44,10 @@ class RolloutServiceConfig:
     kv_cache_gib: float = 1.0
     gpu_memory_utilization: float = 0.5
     max_model_len: int = 0
+    """vLLM's context; 0: ``max_tokens`` (the longest prompt + response a request may ask for), either capped at
+    the checkpoint's ``max_position_embeddings``."""
+    max_num_seqs: int = 0
+    """vLLM: most sequences run at once (0: vLLM's default)."""
     max_lora_rank: int = 0
     """vLLM: largest LoRA rank served (0: no adapters). The HF engine serves any adapter (peft)."""
     seed: int = 0
@@ -64,8 +68,8 @@ class RolloutServiceConfig:
             raise ValueError(f"unknown engine {self.engine!r}: use 'vllm' or 'hf'")
         if self.kv_cache_gib <= 0 or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("need kv_cache_gib > 0 and 0 < gpu_memory_utilization <= 1")
-        if self.max_model_len < 0 or self.max_lora_rank < 0:
-            raise ValueError("need max_model_len >= 0 and max_lora_rank >= 0")
+        if self.max_model_len < 0 or self.max_lora_rank < 0 or self.max_num_seqs < 0:
+            raise ValueError("need max_model_len >= 0, max_num_seqs >= 0 and max_lora_rank >= 0")
         if self.tensor_parallel_size < 1 or (self.tensor_parallel_size > 1 and self.engine != "vllm"):
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: need >= 1, and 1 with the HF engine")
         if self.data_parallel_size < 1:
@@ -116,7 +120,8 @@ class RolloutHost(Host):
         self.weights = _fetch(config.checkpoint_url)
         kwargs = dict(dtype=config.dtype) if config.engine == "hf" else dict(
             dtype=config.dtype, kv_cache_gib=config.kv_cache_gib, seed=config.seed,
-            gpu_memory_utilization=config.gpu_memory_utilization, max_model_len=config.max_model_len or None,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            max_model_len=config.max_model_len or config.max_tokens, max_num_seqs=config.max_num_seqs,
             max_lora_rank=config.max_lora_rank, tensor_parallel_size=config.tensor_parallel_size,
             enforce_eager=config.enforce_eager)
         self.engine = make_engine(config.engine, self.weights, data_parallel_size=config.data_parallel_size, **kwargs)

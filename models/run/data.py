@@ -16,9 +16,9 @@ from models.data.prompts import PromptDataConfig, PromptDataset, load_prompts
 
 
 def prompt_data_config(d: DataConfig, url: str, split: str = "",
-                       context: Optional[Tuple[int, int]] = None) -> PromptDataConfig:
+                       context: Optional[Tuple] = None) -> PromptDataConfig:
     """How to read and render ``url`` (or the generated rows of ``split``) as the run's config says;
-    ``context``: (tokens a prompt may take, ``rollout.max_new_tokens``) in the actor's context."""
+    ``context``: (tokens a prompt may take in the actor's context, the generation budget, its setting)."""
     rg = d.source == "reasoning_gym"
     return PromptDataConfig(url=url, source=d.source, prompt_column="question" if rg else d.prompt_column,
                             messages_column=d.messages_column, id_column=d.id_column,
@@ -30,7 +30,7 @@ def prompt_data_config(d: DataConfig, url: str, split: str = "",
 
 
 def load_run_data(d: DataConfig, tokenizer, train_url: str = "", eval_url: str = "",
-                  context: Optional[Tuple[int, int]] = None) -> Tuple[PromptDataset, PromptDataset]:
+                  context: Optional[Tuple] = None) -> Tuple[PromptDataset, PromptDataset]:
     """Training and held-out prompts, every row validated and rendered with ``tokenizer``.
     ``train_url`` / ``eval_url`` (the demo's files) stand in for ``data.train_prompts`` / ``eval_prompts``.
     Held-out prompts default to: reasoning-gym's eval rows, the ``eval_split`` (``hf``), else the

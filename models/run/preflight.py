@@ -121,13 +121,6 @@ def model_vocab_size(model_url: str) -> int | None:
     return cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
 
 
-def model_context(model_url: str) -> int | None:
-    """``max_position_embeddings`` of the checkpoint's ``config.json`` (or of its ``text_config``): the
-    longest prompt + response it takes; None if absent."""
-    cfg = storage.read_json(storage.join(model_url, "config.json"))
-    return cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")
-
-
 def check_vocab(tokenizer, model_url: str, what: str) -> None:
     """The tokenizer's ids must index the model's embedding: ``len(tokenizer) <= vocab_size``
     (a larger embedding, padded for speed, is fine)."""

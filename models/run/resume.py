@@ -82,6 +82,7 @@ RESUMABLE: Dict[str, str] = {
     "rollout.remote_timeout_s": "time limit of a rollout server call",
     "rollout.vllm_kv_cache_gib": "the engine's memory, not its samples",
     "rollout.vllm_gpu_memory_utilization": "as rollout.vllm_kv_cache_gib",
+    "rollout.vllm_max_num_seqs": "as rollout.vllm_kv_cache_gib (each sample is a request seeded on its own)",
 }
 """Fields that may change on resume, with why each is safe to change in the middle of a run."""
 RESUMABLE_SECTIONS = {"resources": "what each task asks of the cluster: the same computation on other machines"}

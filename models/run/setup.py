@@ -20,7 +20,8 @@ from models.config import ConfigError, TrainConfig
 from models.config.io import flatten, given_keys, load_config, to_dict
 from models.rewards import RewardError, parse_spec
 from models.run.preflight import (check_eval_prompts_exist, check_model_dirs, check_reward_named, check_rollout_setup,
-                                  check_sources, check_start_named, check_storage, check_vocab, model_context)
+                                  check_sources, check_start_named, check_storage, check_vocab)
+from models.run.context import check_engine_memory, check_first_prompts, generation_budget, prompt_room
 from models.run.resume import resume_run, resumes, run_layout, where_tracked
 from models.run.data import load_run_data, write_run_prompts
 from models.run.layout import RunInfo, RunLayout
@@ -98,28 +99,21 @@ BUILT_PARTS = ("actor", "critic", "train_prompts", "eval_prompts")
 """What a builder (``model.builder``) may return, ``actor`` always."""
 
 
-def _prompt_room(cfg: TrainConfig, actor: str) -> Optional[int]:
-    """Tokens a prompt may take: the actor's context (``max_position_embeddings``) less
-    ``rollout.max_new_tokens``; None when the checkpoint does not say."""
-    context = model_context(actor)
-    if context is None:
-        return None
-    if context <= cfg.rollout.max_new_tokens:
-        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
-                          f"actor's context of {context} tokens (max_position_embeddings)")
-    return context - cfg.rollout.max_new_tokens
-
-
 def _checked_data(cfg: TrainConfig, tokenizer, train_url: str = "", eval_url: str = "", actor: str = ""):
     """The run's training and held-out prompts, validated against the context of the ``actor`` checkpoint
     (default ``model.actor_path``), and the reward source tried on four of them."""
-    room = _prompt_room(cfg, actor or cfg.model.actor_path)
+    actor_config = storage.read_json(storage.join(actor or cfg.model.actor_path, "config.json"))
+    room = prompt_room(cfg, actor_config)
+    name, budget = generation_budget(cfg)
     train, held_out = load_run_data(cfg.data, tokenizer, train_url, eval_url,
-                                    context=(room, cfg.rollout.max_new_tokens) if room else None)
+                                    context=(room, budget, name) if room else None)
     if cfg.rollout.environment and (train.chat or held_out.chat):  # a prompt column of conversations (TRL's)
         raise ConfigError(f"rollout.environment gets each row's plain text 'prompt' and writes the conversation "
                           f"itself, but data.prompt_column={cfg.data.prompt_column!r} holds conversations; give "
                           f"text prompts")
+    for data in (train, held_out) if held_out is not train else (train,):
+        check_first_prompts(cfg, data, tokenizer, room)
+    check_engine_memory(cfg, actor_config)
     check_sources(cfg, train.take(range(min(4, len(train)))), len(tokenizer))
     return train, held_out
 

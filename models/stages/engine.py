@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -18,7 +18,7 @@ from models.engines.base import EngineStats, Generation, SamplingSpec
 from models.stages.services import server
 from models.training.lora import base_url, is_adapter
 from models.training.merge import merged_copy
-from models.training.probe import ensure_serves
+from models.training.probe import PROBE_LENGTH, ensure_serves
 
 
 class RemoteEngine:
@@ -77,6 +77,22 @@ def remote_engine_for(cfg: TrainConfig, actor_url: str) -> RemoteEngine:
     return engine
 
 
+def engine_kwargs(cfg: TrainConfig) -> Dict[str, Any]:
+    """The arguments of every engine the run starts in its own processes (:func:`models.engines.get_engine`: the
+    rollout and evaluation tasks, the resident engine service, each colocated rank or tensor-parallel group, each
+    replica of ``rollout.data_parallel_size``). vLLM's context is the run's (:attr:`TrainConfig.engine_context`,
+    at least the probe's sequences; the engine caps it at the checkpoint's), its KV cache
+    ``rollout.vllm_kv_cache_gib`` on CPU."""
+    r = cfg.rollout
+    kwargs: Dict[str, Any] = dict(
+        dtype=r.vllm_dtype, kv_cache_gib=r.vllm_kv_cache_gib, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+        max_model_len=max(cfg.engine_context, PROBE_LENGTH), max_num_seqs=r.vllm_max_num_seqs, seed=cfg.run.seed,
+        tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager,
+        colocated=cfg.run.resident_layout == "colocated") if r.engine == "vllm" else dict(dtype=cfg.model.dtype)
+    kwargs["data_parallel_size"] = r.data_parallel_size  # replicas of either engine
+    return kwargs
+
+
 def engine_for(cfg: TrainConfig, actor_url: str):
     """An engine serving the policy at ``actor_url``: the rollout server if ``rollout.remote_url`` is
     set, else one in this process. With ``actor.lora``: its base weights plus the adapter
@@ -87,12 +103,7 @@ def engine_for(cfg: TrainConfig, actor_url: str):
     r = cfg.rollout
     if r.remote_url:
         return remote_engine_for(cfg, actor_url)
-    kwargs = dict(dtype=r.vllm_dtype, kv_cache_gib=r.vllm_kv_cache_gib,
-                  gpu_memory_utilization=r.vllm_gpu_memory_utilization, seed=cfg.run.seed,
-                  tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager,
-                  colocated=cfg.run.resident_layout == "colocated") \
-        if r.engine == "vllm" else dict(dtype=cfg.model.dtype)
-    kwargs["data_parallel_size"] = r.data_parallel_size  # replicas of either engine
+    kwargs = engine_kwargs(cfg)
     local = local_checkpoint(actor_url)
     adapter = local if is_adapter(local) else None  # None before the first LoRA update: the base itself
     if not cfg.actor.lora.enabled or r.lora_mode == "merged":

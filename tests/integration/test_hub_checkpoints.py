@@ -86,18 +86,40 @@ def test_both_engines_stop_on_the_second_eos_id(vllm_engine_cls, qwen2_chat_dir,
         assert step_gen.logprobs == pytest.approx(vllm_gen.logprobs, abs=1e-6), name
 
 
-def test_sample_streams_do_not_collide_across_prompts(vllm_engine_cls, qwen2_chat_dir):
+def test_sample_streams_do_not_collide_across_prompts(vllm_engine_cls, qwen2_chat_dir, tmp_path):
     """vLLM gives sample j of a request seeded s the stream s + j: with per-prompt seeds base + i,
     (prompt i, sample j) and (prompt i+1, sample j−1) drew the same response whenever the prompts
-    were equal. Each sample now has its own seeded request."""
-    engine = vllm_engine_cls(str(qwen2_chat_dir), max_model_len=256)
+    were equal. Each sample now has its own seeded request.
+
+    The engine is the one a run starts (``engine_kwargs``) on a checkpoint that says Qwen3's 40,960 positions: its
+    context is the run's budget, its batch of prefill tokens follows that, and its KV cache is the run's 1 GiB in the
+    blocks :func:`models.engines.context.kv_fit` counts (#46)."""
+    import shutil
+
+    from models.config.io import load_config
+    from models.engines import make_engine
+    from models.engines.context import kv_fit
+    from models.stages.engine import engine_kwargs
+
+    long_context = tmp_path / "qwen2-40960"
+    shutil.copytree(qwen2_chat_dir, long_context)
+    config = json.loads((long_context / "config.json").read_text())
+    (long_context / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 40960}))
+    cfg = load_config("tiny_grpo", ["rollout.engine=vllm", "data.max_prompt_tokens=480", "rollout.max_new_tokens=32",
+                                    "rollout.vllm_kv_cache_gib=1"])
+    engine = make_engine("vllm", str(long_context), **engine_kwargs(cfg))
     try:
+        vllm_config = engine.llm.llm_engine.vllm_config
+        assert vllm_config.model_config.max_model_len == cfg.engine_context == 512  # not the checkpoint's 40,960
+        assert vllm_config.scheduler_config.max_num_batched_tokens == 2048
+        fit = kv_fit(config, "float32", 512, 1.0)
+        assert vllm_config.cache_config.num_gpu_blocks == fit.space_bytes // fit.block_bytes
         same = _prompt(qwen2_chat_dir, "Reverse: abc")
         spec = SamplingSpec(n=4, max_new_tokens=6, seed=11)
         out = [[tuple(g.tokens) for g in p] for p in engine.generate([same] * 8, spec)]
         shifted = sum(out[i][j] == out[i + 1][j - 1] for i in range(7) for j in range(1, 4))
         assert shifted == 0 and len({r for p in out for r in p}) == 32
-        engine.restart(str(qwen2_chat_dir))  # a restarted engine (a resumed run) draws the same samples
+        engine.restart(str(long_context))  # a restarted engine (a resumed run) draws the same samples
         assert [[tuple(g.tokens) for g in p] for p in engine.generate([same] * 8, spec)] == out
     finally:
         engine.close()

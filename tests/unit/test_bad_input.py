@@ -148,7 +148,7 @@ CASES = [
     ("prompt over the character limit", lambda w, a, r, m: base(w, a) + ["data.max_prompt_chars=4"], "ppo",
      PromptDataError, r"line 3 \(row 2\): prompt has 5 characters > max_prompt_chars=4"),
     ("prompt over the token limit", lambda w, a, r, m: base(w, a) + ["data.max_prompt_tokens=2"], "ppo",
-     PromptDataError, r"line 3 \(row 2\): prompt has 3 tokens > max_prompt_tokens=2"),
+     PromptDataError, r"line 3 \(row 2\): prompt has 3 tokens > data\.max_prompt_tokens=2"),
     ("prompt longer than the model's context", lambda w, a, r, m: base(w, a, write_lines(w / "long.jsonl", [
         '{"prompt": "a b"}', '{"prompt": "a b a b a b a b a b"}'])), "ppo", PromptDataError,
      r"long\.jsonl line 2 \(row 1\): prompt has 10 tokens, but the model's context of 16 tokens "

@@ -320,3 +320,4 @@ def test_vllm_captures_cuda_graphs_on_a_gpu_unless_told_not_to(ckpts, monkeypatc
         cfg = load_config("tiny_ppo", ["rollout.engine=vllm", f"rollout.enforce_eager={str(asked).lower()}"])
         stage_engine.engine_for(cfg, url)
         assert seen["enforce_eager"] is asked
+        assert seen["max_model_len"] == cfg.engine_context  # the run's context, not the checkpoint's (#46)

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -114,7 +115,7 @@ def test_missing_and_empty_files(tmp_path):
 def test_token_limit_uses_the_tokenizer(tmp_path):
     url = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "one two"}, {"prompt": "one two three four"}])
     assert len(load(url, WordTokenizer(), max_prompt_tokens=5)) == 2
-    with pytest.raises(PromptDataError, match=r"line 2 \(row 1\): prompt has 5 tokens > max_prompt_tokens=4"):
+    with pytest.raises(PromptDataError, match=r"line 2 \(row 1\): prompt has 5 tokens > data\.max_prompt_tokens=4"):
         load(url, WordTokenizer(), max_prompt_tokens=4)
 
 
@@ -141,6 +142,26 @@ def qwen_tok(qwen2_chat_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(qwen2_chat_dir)
+
+
+def test_an_environments_first_prompt_over_the_budget_is_refused(qwen_tok):
+    """Prompts over ``data.max_prompt_tokens`` are refused, never truncated (``test_bad_input.py``); with
+    ``rollout.environment`` the prompt is the one the environment writes, tools and system message included."""
+    from models.config import ConfigError
+    from models.config.io import load_config
+    from models.data.prompts import PromptDataset
+    from models.demos.tool_tasks import CALCULATOR, SYSTEM
+    from models.run.context import check_first_prompts
+
+    tok = qwen_tok
+    data = PromptDataset(["What is 12*13?", "What is 2*3?"], np.array([7, 9], dtype=np.int64), {"answer": ["156", "6"]})
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 12*13?"}]
+    n = len(tok.apply_chat_template(messages, tools=[CALCULATOR.schema()], add_generation_prompt=True,
+                                    tokenize=True, return_dict=False))
+    check_first_prompts(load_config("tiny_tools", [f"data.max_prompt_tokens={n}"]), data, tok, room=None)
+    with pytest.raises(ConfigError, match=rf"1 first prompts .* longer than data\.max_prompt_tokens={n - 1}, or "
+                                          rf"{n} beside rollout\.max_episode_tokens=160 .*: row 7: {n} tokens$"):
+        check_first_prompts(load_config("tiny_tools", [f"data.max_prompt_tokens={n - 1}"]), data, tok, room=n)
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +219,7 @@ def test_messages_column_on_llama_writes_one_bos(tmp_path, llama_tok):
 def test_token_limit_counts_the_rendered_prompt(tmp_path, qwen_tok):
     url = write_jsonl(tmp_path / "gsm.jsonl", GSM_ROWS[:1])
     plain = len(qwen_tok(GSM_ROWS[0]["question"])["input_ids"])
-    with pytest.raises(PromptDataError, match=r"row 0\): prompt has \d+ tokens > max_prompt_tokens="):
+    with pytest.raises(PromptDataError, match=r"row 0\): prompt has \d+ tokens > data\.max_prompt_tokens="):
         load(url, qwen_tok, prompt_column="question", apply_chat_template=True, max_prompt_tokens=plain + 2)
 
 
