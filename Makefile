@@ -21,6 +21,7 @@ endif
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
+ENVS_STAMP := $(VENV)/.installed-envs
 QUICK ?=
 BENCH_ARGS ?=
 PYTEST_ARGS ?=
@@ -88,7 +89,7 @@ endif
 test:
 	@RLHF_TEST_STARTED=$$(date +%s) $(MAKE) --no-print-directory test-run
 
-test-run: $(BENCH_STAMP) browser sandbox
+test-run: $(BENCH_STAMP) $(ENVS_STAMP) browser sandbox
 	$(PY) -m pytest tests -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # Debian's Chromium and its WebDriver for tests/integration/test_mlflow_ui.py (as root, or via sudo).
@@ -143,6 +144,12 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml constraints.txt
 	$(INSTALL) -c constraints.txt -e ".[bench]"
 	$(UNINSTALL) torchvision torchaudio torchcodec
 	touch $(BENCH_STAMP)
+
+# The libraries whose environments the adapters run (the `envs` extra; models/environments/adapters/), for their
+# tests; a user installs them with `pip install '.[envs]'`.
+$(ENVS_STAMP): $(STAMP) pyproject.toml constraints.txt
+	$(INSTALL) -c constraints.txt -e ".[envs]"
+	touch $(ENVS_STAMP)
 
 # The reward/critic server under 16 concurrent clients for 60 s: throughput, latency p50/p90/p99,
 # lost and mixed responses (exit 1 if any).

@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 
 from models.config.checks import check, check_choice
 from models.config.engine_limits import MIN_ENGINE_TEMPERATURE
+from models.environments.adapters import spec_error
 
 MIN_TRAIN_TEMPERATURE = 0.1
 """Lowest ``rollout.temperature``: at τ a logit change of 88.7·τ between two policies overflows a
@@ -99,7 +100,9 @@ class RolloutConfig:
     """Seconds to wait for one answer of the rollout server (a request may load new weights first)."""
     environment: str = ""
     """Multi-turn episodes: ``module:Class`` of an environment (``models.environments.episodes.Environment``), built
-    from each dataset row; empty: one prompt, one response. docs/multi_turn.md"""
+    from each dataset row, or another library's environment unchanged: ``verifiers:NAME``, ``openenv:module:Class``
+    (or ``openenv:http://host:port``), ``textarena:ENV_ID``, ``gem:ENV_ID``, ``skyrl:ENV_ID``, ``gym:module:factory``
+    (the ``envs`` extra); empty: one prompt, one response. docs/multi_turn.md"""
     max_turns: int = 4
     """With ``environment``: assistant turns per episode at most (then it ends truncated)."""
     max_episode_tokens: int = 256
@@ -144,8 +147,8 @@ class RolloutConfig:
               f"rollout.remote_url={self.remote_url!r} must be an http:// or https:// URL with a host "
               f"(or empty for an engine inside the task)")
         check(self.remote_timeout_s > 0, "rollout.remote_timeout_s must be > 0")
-        check(not self.environment or (self.environment.count(":") == 1 and all(self.environment.split(":"))),
-              f"rollout.environment={self.environment!r} must look like 'package.module:Class' (or be empty)")
+        check(not self.environment or not spec_error(self.environment),
+              f"rollout.environment: {spec_error(self.environment)}")
         check(self.max_turns >= 1, "rollout.max_turns must be >= 1")
         check(self.max_episode_tokens >= 1, "rollout.max_episode_tokens must be >= 1")
         check(self.tool_timeout_s > 0, "rollout.tool_timeout_s must be > 0")

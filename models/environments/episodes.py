@@ -30,7 +30,6 @@ from typing import Any, Dict, List, Mapping, Sequence
 
 from models.environments.chat_tokens import ChatTokens
 from models.engines.base import SamplingSpec, stream_seed
-from models.rewards import resolve_reward_fn
 from models.environments.tools import Tool, ToolCallParser, run_tool_calls, tools_by_name
 
 
@@ -52,6 +51,10 @@ class Environment:
 
     tools: Sequence[Tool] = ()
     """Tools the model may call; their schemas go to the chat template (``tools=``)."""
+    runs_tools = False
+    """True: the environment runs the calls itself (an adapter of a library that does, e.g. ``verifiers``):
+    the loop gives ``step`` the turn with its calls and no results, and shows the ``tool`` messages ``step``
+    returns; the schemas for the template are then ``tool_schemas`` (set by ``start``)."""
 
     def __init__(self, row: Mapping[str, Any]):
         self.row = dict(row)
@@ -66,9 +69,12 @@ class Environment:
         return Step(done=not tool_results)
 
 
-def load_environment(spec: str) -> type:
-    """The class named by ``module:Class`` (errors name the spec)."""
-    return resolve_reward_fn(spec)
+def load_environment(spec: str):
+    """What builds an environment from a row: the class ``module:Class`` names, or an adapter's for another
+    library's environment (``verifiers:NAME``, ``textarena:ENV_ID``, ...: :mod:`models.environments.adapters`)."""
+    from models.environments.adapters import environment_factory
+
+    return environment_factory(spec)
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,13 @@ class Episode:
         return not (self.done or self.truncated)
 
 
+def tool_schemas(env) -> List[Dict[str, Any]]:
+    """The schemas of ``env``'s tools for the chat template (an environment that runs its own: ``tool_schemas``)."""
+    if getattr(env, "runs_tools", False):
+        return list(getattr(env, "tool_schemas", None) or [])
+    return [t.schema() for t in getattr(env, "tools", ())]  # a class of its own may have none
+
+
 def turn_stops(tokenizer, parser: ToolCallParser, spec: SamplingSpec) -> SamplingSpec:
     """``spec`` plus the parser's end-of-call text: a stop token when it is one token of the vocabulary
     (kept in the output with its log-prob by both engines), else a stop string."""
@@ -126,12 +139,12 @@ def _assistant_message(tokenizer, parser: ToolCallParser, tokens: Sequence[int])
 def run_episodes(engine, tokenizer, envs: Sequence[Any], spec: SamplingSpec, limits: EpisodeLimits,
                  parser: ToolCallParser, pool: ThreadPoolExecutor) -> List[Episode]:
     """Run one episode per environment; ``spec.seed`` seeds turn t's call with ``stream_seed(seed, t)``."""
-    env_tools = [tuple(getattr(env, "tools", ())) for env in envs]  # a class of its own may have none
-    chats = [ChatTokens(tokenizer, [t.schema() for t in tools] or None) for tools in env_tools]
-    episodes = []
-    for env, chat in zip(envs, chats):
-        messages = list(env.start())
-        episodes.append(Episode(env, chat.first_prompt(messages), messages))
+    episodes, chats = [], []
+    for env in envs:
+        messages = list(env.start())  # before the tools: an adapter may learn them as it starts
+        chats.append(ChatTokens(tokenizer, tool_schemas(env) or None))
+        episodes.append(Episode(env, chats[-1].first_prompt(messages), messages))
+    env_tools = [() if getattr(env, "runs_tools", False) else tuple(getattr(env, "tools", ())) for env in envs]
     tools = [tools_by_name(t) for t in env_tools]
     turn_spec = turn_stops(tokenizer, parser, spec)
     for turn in range(limits.max_turns):
@@ -153,7 +166,7 @@ def run_episodes(engine, tokenizer, envs: Sequence[Any], spec: SamplingSpec, lim
                 ep.messages.append(message)
                 continue
             assistants[k] = message
-            calls += [(k, c) for c in parsed]
+            calls += [] if getattr(ep.env, "runs_tools", False) else [(k, c) for c in parsed]
         results = run_tool_calls(calls, tools, limits.tool_timeout_s, pool)
         for k, message in assistants.items():
             _answer(episodes[k], chats[k], message, results.get(k, []), limits)

@@ -151,6 +151,21 @@ def check_reward_functions(cfg: TrainConfig, probe) -> None:
                         f"responses)") from err
 
 
+def check_environment(cfg: TrainConfig, probe) -> None:
+    """``rollout.environment`` before any model loads: its library installed, nothing it needs that this
+    machine cannot give (a hub dataset, a container, a server that does not answer), one environment built
+    and started on each of the ``probe`` rows (:func:`models.environments.adapters.check_environment`)."""
+    if not cfg.rollout.environment:
+        return
+    from models.environments.adapters import EnvironmentUnavailable, check_environment as check_env
+
+    rows = [{"prompt": p, **cols} for p, cols in zip(probe.prompts, probe.row_columns())]
+    try:
+        check_env(cfg.rollout.environment, rows)
+    except EnvironmentUnavailable as err:
+        raise ConfigError(str(err)) from None
+
+
 def check_server(url: str, what: str, timeout_s: float, num_tokens: int) -> None:
     """The reward/critic server's ``health`` op answers in time with the configured token
     (``ServiceError`` naming the URL: unreachable, timed out, 401, 5xx after retries), serves
@@ -167,9 +182,10 @@ def check_server(url: str, what: str, timeout_s: float, num_tokens: int) -> None
 
 
 def check_sources(cfg: TrainConfig, probe, num_tokens: int) -> None:
-    """The reward source and the remote servers the config names (``probe``: a few training rows,
+    """The environment, the reward source and the remote servers the config names (``probe``: a few training rows,
     a :class:`models.data.prompts.PromptDataset`; ``num_tokens``: the size of the run's tokenizer)."""
     r = cfg.reward
+    check_environment(cfg, probe)
     if r.source == "function":
         check_reward_functions(cfg, probe)
     elif r.source == "remote":

@@ -1,13 +1,17 @@
 """Multi-turn episodes through ``pyflyte run``: 2 iterations of GRPO (``configs/tiny_tools.yaml``, resident and
 colocated: two actor ranks sampling the episodes) and
 of PPO (``configs/tiny_ppo.yaml`` with an environment) on the Qwen2-shaped chat checkpoint, with
-the calculator environment. The batches hold one row per episode with its ``loss_mask``, the
-rewards are the environment's, the advantages are 0 off the policy's tokens, and MLflow has the
-``episode/*`` metrics and the conversations in its sample table."""
+the calculator task: this project's environment for GRPO, the same task written as a ``verifiers``
+ToolEnv (``verifiers:models.demos.verifiers_calculator``, used unchanged through its adapter) for PPO.
+The batches hold one row per episode with its ``loss_mask``, the rewards are the environment's (for
+``verifiers``, its rubric's), the advantages are 0 off the policy's tokens, and MLflow has the
+``episode/*`` metrics, ``rollout/reward_mean`` and the conversations in its sample table. The other
+libraries' adapters run in-process in ``test_env_adapters.py``."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -15,7 +19,7 @@ import mlflow
 import numpy as np
 import pytest
 
-from models.demos.tool_tasks import problems
+from models.demos.tool_tasks import final_number, problems
 from models.data.batch import RolloutBatch
 from models.run.layout import RunLayout
 from tests.integration.flyte_runs import FlyteRun, isolated_env
@@ -27,7 +31,7 @@ SMALL = ["run.storage_root={root}/runs", "run.num_iterations=2", "run.eval_inter
          "rollout.max_new_tokens=12", "actor.nproc_per_node=1", "actor.minibatch_size=8", "actor.micro_batch_size=8",
          "rollout.max_turns=2", "rollout.max_episode_tokens=48", "data.train_prompts={root}/train.jsonl",
          "data.eval_prompts={root}/eval.jsonl", "model.actor_path={root}/actor"]
-ENV = ["rollout.environment=models.demos.tool_tasks:ArithmeticEnv",
+ENV = ["rollout.environment=verifiers:models.demos.verifiers_calculator", "rollout.max_turns=3",
        "reward.function=models.environments.episode_rollout:environment_reward"]
 
 
@@ -50,12 +54,23 @@ def _check(root: Path, run_name: str) -> None:
             assert all(a == 0 for a, k in zip(adv, m) if not k) and all(x == 0 for x, k in zip(lp, m) if not k)
         np.testing.assert_array_equal(b.column("reward_raw").to_numpy(), b.column("episode_reward").to_numpy())
         assert all(json.loads(e)[0]["role"] == "system" for e in b.column("episode").to_pylist())
+        if run_name == "tools-ppo":  # verifiers' rubric: the exact answer of a finished episode, 0 for a cut one
+            for e, r, end in zip(b.column("episode").to_pylist(), b.column("episode_reward").to_pylist(),
+                                 b.column("is_end").to_pylist()):
+                messages = json.loads(e)
+                a, c = map(int, re.findall(r"\d+", messages[1]["content"]))  # "What is A*B?"
+                last = [m for m in messages if m["role"] == "assistant"][-1]
+                assert r == (float(final_number(last["content"]) == str(a * c)) if end else 0.0)
     client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
     run_id = layout.read_run_info().mlflow_run_id
     metrics = client.get_run(run_id).data.metrics
     assert {"episode/turns_mean", "episode/tool_calls_mean", "episode/tool_errors_mean", "episode/truncated_frac",
             "eval/reward_mean", "rollout/logprob_gap_max"} <= set(metrics)
     assert metrics["rollout/logprob_gap_max"] < 1e-3
+    means = [np.mean(RolloutBatch.read(layout.batch_url(i, "advantages")).column("reward_raw").to_numpy())
+             for i in range(2)]
+    logged = sorted(client.get_metric_history(run_id, "rollout/reward_mean"), key=lambda m: m.step)
+    np.testing.assert_allclose([m.value for m in logged], means, atol=1e-6)
     # the preset evaluates the starting policy too (GRPO: run.eval_before_training in tiny_tools.yaml)
     steps = [m.step for m in client.get_metric_history(run_id, "eval/reward_mean")]
     assert sorted(steps) == ([-1, 1] if run_name == "tools-grpo" else [1])
