@@ -82,6 +82,9 @@ class EpisodeLimits:
     max_turns: int = 4
     max_episode_tokens: int = 256
     tool_timeout_s: float = 10.0
+    max_prompt_tokens: int = 0
+    """The first prompt's budget (``data.max_prompt_tokens``; 0: none): the engine's context is this plus
+    ``max_episode_tokens``, so a longer first prompt is refused as its episode starts, never truncated."""
 
 
 @dataclass
@@ -144,6 +147,10 @@ def run_episodes(engine, tokenizer, envs: Sequence[Any], spec: SamplingSpec, lim
         messages = list(env.start())  # before the tools: an adapter may learn them as it starts
         chats.append(ChatTokens(tokenizer, tool_schemas(env) or None))
         episodes.append(Episode(env, chats[-1].first_prompt(messages), messages))
+        if limits.max_prompt_tokens and len(episodes[-1].prompt_ids) > limits.max_prompt_tokens:
+            raise ValueError(f"an environment's first prompt has {len(episodes[-1].prompt_ids)} tokens > "
+                             f"data.max_prompt_tokens={limits.max_prompt_tokens} (its messages and tools through the "
+                             f"chat template): {str(messages[-1].get('content', ''))[:80]!r}")
     env_tools = [() if getattr(env, "runs_tools", False) else tuple(getattr(env, "tools", ())) for env in envs]
     tools = [tools_by_name(t) for t in env_tools]
     turn_spec = turn_stops(tokenizer, parser, spec)

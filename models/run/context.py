@@ -80,21 +80,30 @@ def check_engine_memory(cfg: TrainConfig, actor_config: Dict[str, Any]):
     return fit
 
 
+FIRST_PROMPTS_CHECKED = 256
+"""Rows whose first prompt set-up renders when there are more: those of the longest texts (an environment writes a
+row's first prompt from its text; the episode loop still refuses any first prompt over the budget as it starts)."""
+
+
 def check_first_prompts(cfg: TrainConfig, data, tokenizer, room: Optional[int]) -> None:
-    """With ``rollout.environment``: every row's first prompt as its environment writes it (its messages and
-    tools through the chat template; the data's own check saw only the row's text) against
-    ``data.max_prompt_tokens`` and the ``room`` the actor's context leaves. A :class:`ConfigError` listing them."""
+    """With ``rollout.environment``: rows' first prompts as their environment writes them (its messages and tools
+    through the chat template, as :func:`models.environments.episodes.run_episodes` renders them; the data's own
+    check saw only the row's text) against ``data.max_prompt_tokens`` and the ``room`` the actor's context leaves.
+    Every row up to :data:`FIRST_PROMPTS_CHECKED`, else that many of the longest texts (starting an environment
+    per row can cost milliseconds). A :class:`ConfigError` listing them."""
     if not cfg.rollout.environment:
         return
     from models.environments.chat_tokens import ChatTokens
-    from models.environments.episodes import load_environment
+    from models.environments.episodes import load_environment, tool_schemas
 
     env_cls, limit = load_environment(cfg.rollout.environment), cfg.data.max_prompt_tokens
+    rows = list(zip(data.prompts, data.row_columns()))
+    order = sorted(range(len(rows)), key=lambda i: -len(str(rows[i][0])))[:FIRST_PROMPTS_CHECKED]
     bad: List[str] = []
-    for i, row in enumerate({"prompt": p, **cols} for p, cols in zip(data.prompts, data.row_columns())):
-        env = env_cls(row)
-        tools = [t.schema() for t in getattr(env, "tools", ())]
-        n = len(ChatTokens(tokenizer, tools or None).first_prompt(list(env.start())))
+    for i in sorted(order):
+        env = env_cls({"prompt": rows[i][0], **rows[i][1]})
+        messages = list(env.start())  # before the tools: an adapter may learn them as it starts
+        n = len(ChatTokens(tokenizer, tool_schemas(env) or None).first_prompt(messages))
         if n > limit or (room is not None and n > room):
             bad.append(f"row {int(data.row_ids[i])}: {n} tokens")
     if bad:

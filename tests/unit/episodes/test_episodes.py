@@ -122,3 +122,22 @@ def test_tool_calls_run_and_their_results_are_rendered(qwen):
     assert observation == (f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{rows[0]['answer']}\n</tool_response>"
                            "<|im_end|>\n<|im_start|>assistant\n")
     assert cols.sampler_logprobs[0] == [-0.5 if m else 0.0 for m in mask]
+
+
+def test_a_first_prompt_over_the_prompt_budget_is_refused_as_its_episode_starts(qwen):
+    """The engine's context is ``data.max_prompt_tokens`` + ``rollout.max_episode_tokens``: a first prompt the
+    environment writes longer than its budget (set-up renders only the longest rows' beyond 256) is refused before
+    any generate, naming the setting, never truncated."""
+    engine, tok, _ = qwen
+    envs = [TalkEnv({"prompt": "Say hi."})]
+    n = len(tok.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True,
+                                    tokenize=True, return_dict=False))
+    counting = CountingEngine(engine)
+    spec = SamplingSpec(temperature=1.0, max_new_tokens=4, seed=3)
+    with ThreadPoolExecutor(1) as pool:
+        with pytest.raises(ValueError, match=rf"first prompt has {n} tokens > data\.max_prompt_tokens={n - 1} "):
+            run_episodes(counting, tok, envs, spec, EpisodeLimits(1, 20, 5.0, max_prompt_tokens=n - 1), HermesParser(),
+                         pool)
+        assert counting.calls == []
+        run_episodes(counting, tok, envs, spec, EpisodeLimits(1, 20, 5.0, max_prompt_tokens=n), HermesParser(), pool)
+    assert counting.calls == [1]

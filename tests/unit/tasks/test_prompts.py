@@ -164,6 +164,26 @@ def test_an_environments_first_prompt_over_the_budget_is_refused(qwen_tok):
         check_first_prompts(load_config("tiny_tools", [f"data.max_prompt_tokens={n - 1}"]), data, tok, room=n)
 
 
+def test_set_up_renders_the_first_prompts_of_the_longest_rows_beyond_its_limit(qwen_tok, monkeypatch):
+    """Past ``FIRST_PROMPTS_CHECKED`` rows set-up renders those of the longest texts: the one long row is refused
+    among many short ones, and a limit of 1 (the longest row only) still finds it."""
+    from models.config import ConfigError
+    from models.config.io import load_config
+    from models.data.prompts import PromptDataset
+    from models.run import context
+
+    texts = [f"What is {i}*{i}?" for i in range(40)]
+    texts[23] = "What is " + " * ".join(str(1000 + i) for i in range(40)) + "?"
+    data = PromptDataset(texts, np.arange(100, 140, dtype=np.int64), {"answer": ["0"] * 40})
+    cfg = load_config("tiny_tools", ["data.max_prompt_tokens=400"])  # a short row: about 320
+    for limit in (256, 1):
+        monkeypatch.setattr(context, "FIRST_PROMPTS_CHECKED", limit)
+        with pytest.raises(ConfigError, match=r": 1 first prompts .*: row 123: \d+ tokens$"):
+            context.check_first_prompts(cfg, data, qwen_tok, room=None)
+    monkeypatch.setattr(context, "FIRST_PROMPTS_CHECKED", 1)
+    context.check_first_prompts(cfg, data.take([0, 1, 2]), qwen_tok, room=None)  # the short rows fit
+
+
 @pytest.fixture(scope="module")
 def llama_tok(llama_bpe_dir):
     from transformers import AutoTokenizer
