@@ -13,7 +13,9 @@ Full weights go at the engine's dtype (``TrainConfig.engine_dtype``: ``rollout.v
 ``model.dtype`` for the HF engine; the trainer casts each tensor as it gathers it, round to nearest even, as a checkpoint load
 casts), in buckets (:mod:`models.engines.weight_stream`): the trainer's rank 0 gathers a bucket's tensors (one
 FSDP2 gather each, every rank taking part) and sends it before it gathers the next, and the engine loads each
-bucket before it receives the next (with ``run.off_policy_steps=1`` it keeps them until the push is served).
+bucket before it receives the next (with ``run.off_policy_steps=1`` or ``run.max_staleness`` ≥ 2 it keeps them until
+the push is served: in host memory, each copied there as it arrives, so an NCCL push holds at most two buckets on the
+engine's GPU while vLLM generates).
 Each bucket carries its checksum, checked before it is loaded; after the load the engine reads sampled elements
 of every tensor back from its own weights and compares them bit for bit with what the trainer sent, then checks
 the probe; until both passed it serves no iteration. ``resident/weights_bytes`` is the tensors' bytes at the
@@ -224,10 +226,11 @@ class CollectiveTransport(Transport):
             raise ChannelError("the weights came over the collective transport, but no weight channel is open "
                                "(the actor trainer opens one with the connect op at its first push)")
         receiver, backend = self.receiver, self.receiver.backend
-        held = Held()
+        held = Held()  # kept (engine None): each bucket copied to host memory as it arrives, two at most on the device
         alloc = held.alloc(engine.push_buffer if engine is not None else _in_memory)
         try:
-            return received(meta["header"], receiver.buckets(meta["header"], int(meta["push"]), alloc), engine, held)
+            return received(meta["header"], receiver.buckets(meta["header"], int(meta["push"]), alloc), engine, held,
+                            to_host=engine is None)
         except Exception as err:
             self.close()
             raise ChannelError(f"receiving the weights from the actor trainer over the collective transport "
