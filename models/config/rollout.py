@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 from urllib.parse import urlsplit
 
 from models.config.checks import check, check_choice
@@ -55,6 +55,10 @@ class RolloutConfig:
     """KV-cache space for vLLM on CPU (``VLLM_CPU_KVCACHE_SPACE``)."""
     vllm_gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take on a GPU."""
+    vllm_max_num_seqs: Optional[int] = None
+    """The most sequences vLLM's scheduler runs in one step (vLLM's ``max_num_seqs``; None: vLLM's default for its
+    platform). The asynchronous sampler (``run.max_staleness`` ≥ 2) keeps at least this many in flight while it has
+    prompts it may start (docs/off_policy.md)."""
     tensor_parallel_size: int = 1
     """vLLM's tensor parallelism: the engine's weights and KV cache split over this many workers (GPUs on
     a GPU node, needing ``resources.rollout_gpu`` at least this; CPU workers pinned to disjoint cores on
@@ -104,6 +108,8 @@ class RolloutConfig:
     ``hermes`` = ``<tool_call>{json}</tool_call>``, ChatML/Qwen/Hermes)."""
 
     def __post_init__(self) -> None:
+        check(self.vllm_max_num_seqs is None or self.vllm_max_num_seqs >= 1,
+              "rollout.vllm_max_num_seqs must be >= 1 (or null: vLLM's default)")
         check_choice("rollout.engine", self.engine, ["vllm", "hf"])
         check(self.prompts_per_iteration >= 1, "rollout.prompts_per_iteration must be >= 1")
         check(self.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt must be >= 1")

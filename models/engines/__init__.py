@@ -88,7 +88,7 @@ def get_engine(kind: str, checkpoint_dir: str, slot: str = "policy", **kwargs) -
     """
     key = _architecture_key(checkpoint_dir, kind, kwargs.get("dtype", "float32")) + (
         kwargs.get("max_lora_rank", 0), kwargs.get("tensor_parallel_size", 1), kwargs.get("data_parallel_size", 1),
-        kwargs.get("enforce_eager", False))
+        kwargs.get("enforce_eager", False), kwargs.get("max_num_seqs"))
     cached = _CACHE.get(slot)
     if cached is not None and cached.key == key:
         if cached.weights != checkpoint_dir:

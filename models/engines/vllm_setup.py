@@ -81,8 +81,8 @@ def read_settings_afresh() -> None:
 
 
 def llm_kwargs(checkpoint_dir: str, dtype: str, gpu_memory_utilization: float, max_model_len: Optional[int],
-               seed: int, max_lora_rank: int, tensor_parallel_size: int, enforce_eager: bool, cuda: bool
-               ) -> Dict[str, Any]:
+               seed: int, max_lora_rank: int, tensor_parallel_size: int, enforce_eager: bool, cuda: bool,
+               max_num_seqs: Optional[int] = None) -> Dict[str, Any]:
     """vLLM's ``LLM`` arguments for :class:`VLLMEngine` (``cuda``: whether it runs on a GPU). On a GPU vLLM captures
     CUDA graphs of the decode steps unless ``enforce_eager``; the CPU has none, so it runs eager there."""
     kwargs: Dict[str, Any] = dict(dtype=dtype, enforce_eager=bool(enforce_eager or not cuda), seed=seed,
@@ -92,6 +92,8 @@ def llm_kwargs(checkpoint_dir: str, dtype: str, gpu_memory_utilization: float, m
         kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="mp")
     if max_model_len:  # default: the model's own limit
         kwargs["max_model_len"] = max_model_len
+    if max_num_seqs:  # default: vLLM's own for its platform
+        kwargs["max_num_seqs"] = int(max_num_seqs)
     if cuda:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     else:  # a prefill split across steps rewinds each seeded request's generator, which a CPU

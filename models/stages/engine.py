@@ -90,7 +90,7 @@ def engine_for(cfg: TrainConfig, actor_url: str):
     kwargs = dict(dtype=r.vllm_dtype, kv_cache_gib=r.vllm_kv_cache_gib,
                   gpu_memory_utilization=r.vllm_gpu_memory_utilization, seed=cfg.run.seed,
                   tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager,
-                  colocated=cfg.run.resident_layout == "colocated") \
+                  colocated=cfg.run.resident_layout == "colocated", max_num_seqs=r.vllm_max_num_seqs) \
         if r.engine == "vllm" else dict(dtype=cfg.model.dtype)
     kwargs["data_parallel_size"] = r.data_parallel_size  # replicas of either engine
     local = local_checkpoint(actor_url)
