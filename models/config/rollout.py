@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 from urllib.parse import urlsplit
 
 from models.config.checks import check, check_choice
@@ -62,7 +62,9 @@ class RolloutConfig:
     vllm_gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take on a GPU."""
     vllm_max_num_seqs: int = 0
-    """Most sequences one vLLM engine runs at once (vLLM's ``max_num_seqs``); 0: vLLM's default."""
+    """Most sequences one vLLM engine runs at once (vLLM's ``max_num_seqs``); 0: vLLM's default for its platform.
+    The asynchronous sampler (``run.max_staleness`` ≥ 2) keeps at least this many in flight while it has prompts it
+    may start (docs/off_policy.md)."""
     tensor_parallel_size: int = 1
     """vLLM's tensor parallelism: the engine's weights and KV cache split over this many workers (GPUs on
     a GPU node, needing ``resources.rollout_gpu`` at least this; CPU workers pinned to disjoint cores on

@@ -132,6 +132,11 @@ class RunConfig:
     """How long a resident service may show no sign of life (no answer, and no heartbeat: a service sends one
     every sixth of this while an op runs, however long the op takes) before the task or service calling it
     fails, naming it (docs/cluster.md#reliability-of-the-services)."""
+    resident_push_wait_s: float = 3600.0
+    """How long the actor trainer waits for the engine service to take a push of new weights (it may first finish an
+    off-policy rollout or an asynchronous unit) before the update fails naming the engine. Its ranks wait outside
+    the process group's collectives (rank 0 for the engine, the others on rank 0 in a gloo group of this timeout),
+    so no collective timeout (NCCL's watchdog) ends them meanwhile."""
     resident_rank_grace_s: float = 10.0
     """How long after one rank of a resident trainer service failed an op its other ranks may still be inside it;
     a rank still there is blocked in a collective the failed one never entered, and the service stops with the
@@ -196,6 +201,7 @@ class RunConfig:
         check(self.resident_idle_timeout_s > 0, "run.resident_idle_timeout_s must be > 0")
         check(self.resident_start_timeout_s > 0, "run.resident_start_timeout_s must be > 0")
         check(self.resident_answer_timeout_s > 0, "run.resident_answer_timeout_s must be > 0")
+        check(self.resident_push_wait_s > 0, "run.resident_push_wait_s must be > 0")
         check(self.resident_rank_grace_s > 0, "run.resident_rank_grace_s must be > 0")
         check_choice("run.resident_weight_transport", self.resident_weight_transport, ["collective", "http"])
         check_choice("run.resident_layout", self.resident_layout, ["separate", "colocated"])

@@ -20,8 +20,9 @@ of a dense model need nothing from each other, so each here is a plain engine
   within the engine's float noise). :attr:`EngineReplicas.last_dispatch` says who did what in the last call.
 - ``load_weights`` / ``load_tensors`` / ``set_adapter`` / ``restart`` and a push's chunks go to every replica at
   once; each reloads in place (or restarts, as :meth:`SwappableEngine.load_weights` decides); a failure in any
-  raises :class:`EngineLoadError` naming the replica. Tensors go through shared memory. ``read_back`` asks every
-  replica.
+  raises :class:`EngineLoadError` naming the replica. Tensors go through shared memory, as host tensors
+  (:func:`on_host`): a replica's ``CUDA_VISIBLE_DEVICES`` hides the GPU a pushed CUDA bucket is on, where CUDA IPC
+  would open it. ``read_back`` asks every replica.
 - Resources: on GPU, replica ``r`` sees GPUs ``[r·tp, (r+1)·tp)`` of this process's; on CPU it is pinned to
   its own share of this process's cores, its vLLM workers bound inside that share as
   :func:`~models.engines.vllm_setup.cpu_workers_bound` does for tensor parallelism (a
@@ -99,6 +100,21 @@ def _placements(replicas: int, workers: int) -> List[Tuple[Dict[str, str], List[
     binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
     return [({"VLLM_CPU_OMP_THREADS_BIND": b, "OMP_NUM_THREADS": str(len(cores))}, cores)
             for cores, b in replica_cpus(os.sched_getaffinity(0), binding, replicas, workers)]
+
+
+def on_host(tensors: Mapping[str, Any]) -> Dict[str, Any]:
+    """``tensors`` for the Pipe to the replicas: each on the host (a CUDA tensor copied there; pickled, torch hands
+    a CUDA tensor over by CUDA IPC, which the replica cannot open on a device its ``CUDA_VISIBLE_DEVICES`` hides).
+    :class:`EngineLoadError` for one that still is not on the host."""
+    out: Dict[str, Any] = {}
+    for name, t in tensors.items():
+        if getattr(t, "device", None) is not None and t.device.type != "cpu":
+            t = t.to("cpu")
+            if t.device.type != "cpu":
+                raise EngineLoadError(f"the tensor {name!r} for the engine replicas is on {t.device}, not the host: "
+                                      f"a replica cannot open it")
+        out[name] = t
+    return out
 
 
 def _counts(engine: Any) -> Tuple[int, int]:
@@ -267,13 +283,13 @@ class EngineReplicas:
         self._everywhere("load_weights", checkpoint_dir)
 
     def load_tensors(self, state: Mapping[str, Any]) -> None:
-        self._everywhere("load_tensors", dict(state))
+        self._everywhere("load_tensors", on_host(state))
 
     def begin_push(self, shapes: Mapping[str, Sequence[int]]) -> None:
         self._everywhere("begin_push", {k: list(v) for k, v in shapes.items()})
 
     def push_chunk(self, tensors: Mapping[str, Any]) -> None:
-        self._everywhere("push_chunk", dict(tensors))
+        self._everywhere("push_chunk", on_host(tensors))
 
     def end_push(self) -> None:
         self._everywhere("end_push")

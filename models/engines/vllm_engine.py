@@ -278,6 +278,46 @@ class VLLMEngine(SwappableEngine):
         self.stats.generate_s += time.perf_counter() - t0
         return results, [s.versions for s in samples]
 
+    def max_num_seqs(self) -> int:
+        """The most sequences vLLM's scheduler runs in one step (``rollout.vllm_max_num_seqs``, or vLLM's default)."""
+        return int(self._llm().llm_engine.vllm_config.scheduler_config.max_num_seqs)
+
+    def stream(self) -> StepLoop:
+        """A step loop open to samples added while it runs (:meth:`StepLoop.add`: continuous batching, the
+        asynchronous producer's, :mod:`models.hosts.stream`); any other use of the engine suspends it, as it
+        suspends :meth:`generate_versions`' loop."""
+        loop = StepLoop(self._llm(), [], lambda s: s.params(s), self._lora)
+        self._steps = loop
+        return loop
+
+    def stream_samples(self, prompts: List[List[int]], spec: SamplingSpec, first_index: int) -> List[Sample]:
+        """The samples of ``prompts`` for a :meth:`stream` (prompt-major, ``spec.n`` each), seeded as
+        :meth:`generate` seeds them."""
+        def params(s: Sample):
+            return self._params(spec, s.seed, len(s.tokens))
+
+        return [Sample(list(p), sample_seed(spec.seed, first_index + i, j), params=params)
+                for i, p in enumerate(prompts) for j in range(spec.n)]
+
+    def stream_open(self, loop: StepLoop) -> bool:
+        """Whether ``loop``'s requests are still this engine's (not after a restart, a new adapter, another loop)."""
+        return self._steps is loop and self.llm is loop.llm and self._lora is loop.lora
+
+    def stream_step(self, loop: StepLoop, version: int) -> List[Sample]:
+        """One step of ``loop`` (:meth:`StepLoop.step`), its tokens counted in the engine's stats."""
+        t0 = time.perf_counter()
+        done = loop.step(version)
+        self.stats.generated_tokens += sum(len(s.tokens) for s in done)
+        self.stats.generate_s += time.perf_counter() - t0
+        return done
+
+    def close_stream(self, loop: StepLoop) -> None:
+        """``loop``'s requests out of the engine; the engine no longer suspends it."""
+        if self.llm is loop.llm:
+            loop.suspend()
+        if self._steps is loop:
+            self._steps = None
+
     def close(self) -> None:
         vllm_push.drop()  # a push given up in this process's worker
         llm, self.llm = getattr(self, "llm", None), None

@@ -44,6 +44,8 @@ class Sample:
     resubmitted: bool = False
     done: bool = False
     ended: bool = False  # a stop token or string, not the length limit
+    params: Optional[Callable[["Sample"], Any]] = field(default=None, repr=False, compare=False)
+    """Its ``SamplingParams`` for what it still has to draw (None: the loop's)."""
 
 
 def cut_at_stop_string(tokenizer, tokens: List[int], stop_strings: Sequence[str]) -> int:
@@ -73,12 +75,34 @@ class StepLoop:
         from vllm.sampling_params import RequestOutputKind
 
         for s in samples:
-            params = self.params(s)
+            params = (s.params or self.params)(s)
             params.output_kind = RequestOutputKind.DELTA  # each step's new tokens
             rid = f"{self._tag}-{next(self._ids)}"  # the outputs carry it (vLLM's internal id adds a suffix)
             self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=s.prompt + s.tokens), params,
                                             lora_request=self.lora)
             self.running[rid] = s
+
+    def add(self, samples: List[Sample]) -> None:
+        """More samples while the loop runs (continuous batching: the asynchronous producer's), submitted now."""
+        if self.suspended:
+            raise RuntimeError("samples added to a suspended step loop (resume it first)")
+        self.samples += samples
+        self.submit(samples)
+
+    def forget(self, samples: List[Sample]) -> None:
+        """Samples the caller took (done) or gave up (their requests aborted, if any are under way)."""
+        ids = {id(s) for s in samples}
+        gone = [rid for rid, s in self.running.items() if id(s) in ids]
+        if gone:
+            self.llm.llm_engine.abort_request(gone)
+            for rid in gone:
+                del self.running[rid]
+        self.samples = [s for s in self.samples if id(s) not in ids]
+
+    @property
+    def in_flight(self) -> int:
+        """Requests of this loop in the engine now."""
+        return len(self.running)
 
     def suspend(self) -> None:
         """Abort the requests under way (their tokens kept): something else is about to use the engine."""
@@ -98,8 +122,9 @@ class StepLoop:
             s.seed = stream_seed(s.seed, len(s.tokens))
         self.submit(todo)
 
-    def step(self, version: int) -> None:
-        """One engine step; each new token tagged ``version``."""
+    def step(self, version: int) -> List[Sample]:
+        """One engine step; each new token tagged ``version``. The samples it finished."""
+        finished = []
         for out in self.llm.llm_engine.step():
             s = self.running.get(out.request_id)
             if s is None:
@@ -112,6 +137,8 @@ class StepLoop:
             if out.finished:
                 s.done, s.ended = True, c.finish_reason == "stop"
                 del self.running[out.request_id]
+                finished.append(s)
+        return finished
 
     def run(self, version: int, between_steps: Optional[Callable[[], int]]) -> int:
         """Step until every sample is done; ``between_steps()`` after each step (while any is left) returns the
@@ -131,10 +158,15 @@ class StepLoop:
 
     def generations(self, tokenizer, spec: SamplingSpec) -> List[Generation]:
         """Each sample as a :class:`Generation`, cut at a stop string a resubmission hid from vLLM."""
-        out = []
-        for s in self.samples:
-            keep = cut_at_stop_string(tokenizer, s.tokens, spec.stop_strings) if s.resubmitted else len(s.tokens)
-            ended = s.ended or keep < len(s.tokens)
-            del s.tokens[keep:], s.logprobs[keep:], s.versions[keep:]
-            out.append(Generation(s.tokens, s.logprobs, ended))
-        return out
+        return generations(self.samples, tokenizer, spec)
+
+
+def generations(samples: List[Sample], tokenizer, spec: SamplingSpec) -> List[Generation]:
+    """Each of ``samples`` (done) as a :class:`Generation`, cut at a stop string a resubmission hid from vLLM."""
+    out = []
+    for s in samples:
+        keep = cut_at_stop_string(tokenizer, s.tokens, spec.stop_strings) if s.resubmitted else len(s.tokens)
+        ended = s.ended or keep < len(s.tokens)
+        del s.tokens[keep:], s.logprobs[keep:], s.versions[keep:]
+        out.append(Generation(s.tokens, s.logprobs, ended))
+    return out

@@ -156,9 +156,10 @@ class Sender:
                                f"({type(err).__name__}: {str(err).strip()[:300]})") from err
         atexit.register(self.close)  # a process group left at the interpreter's exit aborts the process
 
-    def wait_ready(self, push: int, give_up: Callable[[], bool], timeout_s: float) -> None:
+    def wait_ready(self, push: int, give_up: Callable[[], bool], timeout_s: float, setting: str = "") -> None:
         """Until the receiver takes push ``push`` (it may be busy with other work first; no broadcast waits
-        on it meanwhile), ``give_up()`` is true (the receiver failed before), or ``timeout_s`` passed."""
+        on it meanwhile), ``give_up()`` is true (the receiver failed before), or ``timeout_s`` passed (the error
+        names ``setting``, the limit's)."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -169,7 +170,8 @@ class Sender:
             if give_up():
                 raise ChannelError("the receiver gave up the push before taking it")
             if time.monotonic() > deadline:
-                raise ChannelError(f"the receiver did not take the push in {timeout_s:g} s")
+                raise ChannelError(f"the receiver did not take the push in {timeout_s:g} s"
+                                   + (f" ({setting})" if setting else ""))
 
     @property
     def device(self) -> torch.device:

@@ -49,5 +49,6 @@ def take_rollout(cfg: TrainConfig, run: RunHandle, producer: Producer, iteration
                             {BUFFER_KEY: json.dumps(producer.snapshot(), sort_keys=True)})
     stats.update(staleness_stats(iteration, versions, cfg.run.staleness, cfg.run.stale_samples == "reweight"))
     stats.update(idle_stats(**window))
+    stats.update(producer.flight_stats())
     stats.update(throughput_stats(cols, {}, engine))
     return RolloutOutput(batch, stats)

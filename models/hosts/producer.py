@@ -86,6 +86,11 @@ class EngineTurns:
             self._cond.wait_for(lambda: not self._busy and not self._waiting)
             self._busy = True
 
+    @property
+    def waiting(self) -> bool:
+        """Whether an op waits for the engine (the continuous sampler stops admitting, or gives way)."""
+        return self._waiting > 0
+
     def _release(self) -> None:
         with self._cond:
             self._busy = False
@@ -130,6 +135,8 @@ class Producer:
         self.stale = stale
         self.dropped = self.reweighted = 0
         self.idle_s, self.window_t0 = 0.0, time.monotonic()
+        self.epoch = 0  # moves when the run restarts sampling at another draw: units admitted before are not its
+        self.steps = self.in_flight_sum = 0  # the continuous sampler's engine steps and requests they ran
         self.failed: Optional[BaseException] = None
         self.stopped = False
         self.thread = threading.Thread(target=self._loop, daemon=True, name="producer")
@@ -139,13 +146,63 @@ class Producer:
         return self.todo[0] if self.todo else self.next
 
     def _may_start(self) -> bool:
+        return self.may_start()
+
+    def may_start(self) -> bool:
+        """Whether the next unit may start at the version served now (under ``cond``)."""
+        return self.may_start_at(self.current()[1])
+
+    def may_start_at(self, version: int) -> bool:
         draw, _ = self._position()
-        version = self.current()[1]
         return draw < self.stop and version >= 0 and draw - version <= self.k
+
+    def claim(self) -> Tuple[int, int, int]:
+        """The next unit ``(draw, start, end)``, taken off the queue as it starts (under ``cond``; continuous)."""
+        draw, start = self._position()
+        n = len(self.draw(draw).prompt_ids)
+        end = min(start + UNIT_PROMPTS, n)
+        if self.todo:
+            self.todo.pop(0)
+        else:
+            self.next = (draw, end) if end < n else (draw + 1, 0)
+        return draw, start, end
+
+    def finished(self, draw: int, start: int, end: int, version: int, epoch: int, cols: RolloutColumns,
+                 versions: Optional[List[List[int]]]) -> None:
+        """A unit the continuous sampler finished, to the buffer (dropped if the run moved meanwhile)."""
+        with self.cond:
+            if epoch == self.epoch:
+                self.units.setdefault(draw, []).append(Unit(draw, start, end, version, cols, versions))
+                self.cond.notify_all()
+
+    def requeue(self, units: List[Tuple[int, int, int]]) -> None:
+        """Units ``(draw, start, epoch)`` given up under way: sampled again first."""
+        with self.cond:
+            self.todo[:0] = sorted((d, s) for d, s, e in units if e == self.epoch)
+            self.cond.notify_all()
+
+    def count_step(self, in_flight: int, target: int) -> None:
+        self.steps += 1
+        self.in_flight_sum += in_flight
+
+    def flight_stats(self) -> Dict[str, float]:
+        """``async/engine_in_flight_mean``: the requests an engine step ran, on average, since the last call (the
+        continuous sampler's; none for the unit by unit one)."""
+        with self.cond:
+            steps, total, self.steps, self.in_flight_sum = self.steps, self.in_flight_sum, 0, 0
+        return {"async/engine_in_flight_mean": total / steps} if steps else {}
 
     def _loop(self) -> None:
         try:
             while True:
+                engine = self.current()[0]
+                if hasattr(engine, "stream"):  # vLLM: continuous batching (models/hosts/stream.py)
+                    from models.hosts.stream import Streamer
+
+                    Streamer(self, engine).run()
+                    if self.stopped:
+                        return
+                    continue
                 with self.cond:
                     t0 = time.monotonic()  # woken by a new version (poke), a take, or a second passing
                     ready = self.cond.wait_for(lambda: self.stopped or self._may_start(), timeout=1.0)
@@ -217,6 +274,7 @@ class Producer:
             t0 = time.monotonic()
             if iteration != self.expect:  # the run moved elsewhere (a retried or skipped iteration): start there
                 self.units, self.todo, self.next = {}, [], (iteration, 0)
+                self.epoch += 1
                 self.cond.notify_all()
             while True:
                 self._drop_stale(iteration)

@@ -5,7 +5,9 @@
   casts each into its bucket and gives the buckets out sealed (samples, checksum), one at a time;
 - the receiver (the engine service): :func:`received` opens each bucket as it arrives (its checksum checked
   before anything of it is loaded) and loads it into the engine before it takes the next, or keeps them all
-  (off-policy: the push is served later); then the engine's weights are read back at the samples and compared
+  (off-policy, asynchronous: the push is served later) in host memory, each copied there from the channel's
+  buffer as it arrives (pinned where CUDA: an NCCL push lands on the engine's GPU, which vLLM keeps generating on
+  meanwhile, so the GPU holds two buckets at most, never the whole push); then the engine's weights are read back at the samples and compared
   bit for bit with what was sent (:func:`~models.engines.weight_stream.check_read_back`).
 """
 
@@ -126,14 +128,23 @@ class Held:
         self.storages = []
 
 
+def host_copy(buffer: torch.Tensor) -> torch.Tensor:
+    """``buffer`` copied into host memory (pinned where CUDA, for the copies to and from the GPU)."""
+    out = torch.empty(buffer.numel(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    return out.copy_(buffer.reshape(-1).view(torch.uint8))
+
+
 def received(header: Mapping[str, Any], buckets: Iterable[Tuple[int, torch.Tensor]], engine=None,
-             held: Optional[Held] = None, shard: Optional[Dict[str, Any]] = None) -> Callable[[Any], Dict[str, float]]:
+             held: Optional[Held] = None, shard: Optional[Dict[str, Any]] = None,
+             to_host: bool = False) -> Callable[[Any], Dict[str, float]]:
     """The receiver's end of a push: ``buckets`` (``(index, bytes)`` as they arrive) opened, their checksums
     checked, and loaded into ``engine`` one at a time; or, without ``engine``, kept. The function returned puts
     the kept buckets into the engine it is given (the streamed ones are in already), reads the samples back and
     compares them (:class:`~models.engines.weight_stream.PushError` naming the first tensor that differs), and
-    returns the push's figures: ``resident/receiver_peak_bytes`` (the most bytes of buckets alive at once: ``held``,
-    which counted them from their allocation, or from their arrival). ``shard`` (a dict): the engine is one rank of a
+    returns the push's figures: ``resident/receiver_peak_bytes`` (the most bytes of buckets alive at once where they
+    arrive: ``held``, which counted them from their allocation, or from their arrival) and
+    ``resident/receiver_host_bytes`` (the kept buckets' bytes in host memory). ``to_host``: the buckets kept are
+    copied to host memory as they arrive (:func:`host_copy`), the channel's buffer let go before the next arrives. ``shard`` (a dict): the engine is one rank of a
     tensor-parallel group: only the elements it holds are compared, and ``shard`` gets ``sent`` (the positions
     sampled per tensor) and ``holds`` (those it holds), for the group's union to be checked across its ranks."""
     held, samples, kept = held or Held(), {}, []
@@ -142,7 +153,9 @@ def received(header: Mapping[str, Any], buckets: Iterable[Tuple[int, torch.Tenso
     if into is not None:
         _load(into, header, _opened(header, buckets, held), samples)
     else:
-        kept = list(_opened(header, buckets, held))
+        kept = list(_opened(header, buckets, held, to_host))
+    host_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                      for tensors, _ in kept for t in tensors.values()}.values())
     receive_s = time.perf_counter() - t0
 
     def put(engine) -> Dict[str, float]:
@@ -158,16 +171,29 @@ def received(header: Mapping[str, Any], buckets: Iterable[Tuple[int, torch.Tenso
                                 "after the push, reading the weights back", shard=shard is not None)
         if shard is not None:
             shard.update(sent=positions(samples), holds=holds)
-        return {"resident/receiver_peak_bytes": float(held.peak), "time/weights_receive_s": receive_s,
+        return {"resident/receiver_peak_bytes": float(held.peak), "resident/receiver_host_bytes": float(host_bytes),
+                "time/weights_receive_s": receive_s,
                 "time/weights_read_back_s": time.perf_counter() - t1}
 
     return put
 
 
-def _opened(header, buckets, held: Held) -> Iterator[Tuple[Dict[str, torch.Tensor], Samples]]:
+def _opened(header, buckets, held: Held, to_host: bool = False) -> Iterator[Tuple[Dict[str, torch.Tensor], Samples]]:
     for index, buffer in buckets:
-        yield open_bucket(header, index, held.add(buffer))
-        del buffer
+        tensors, samples = open_bucket(header, index, held.add(buffer))  # checked where it arrived
+        if to_host:  # the channel's buffer goes with this frame: two alive at most
+            tensors = _rehomed(tensors, buffer, host_copy(buffer))
+        yield tensors, samples
+        del buffer, tensors
+
+
+def _rehomed(tensors: Dict[str, torch.Tensor], buffer: torch.Tensor, host: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """``tensors`` (views of ``buffer``) as the same views of ``host``, its copy."""
+    out = {}
+    for name, t in tensors.items():
+        at = t.storage_offset() * t.element_size() - buffer.storage_offset()
+        out[name] = host[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    return out
 
 
 def _load(engine, header: Mapping[str, Any], chunks: Iterable[Tuple[Dict[str, torch.Tensor], Samples]],

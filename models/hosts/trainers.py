@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -23,9 +23,9 @@ from models.checkpoint.local import load_tokenizer
 from models.config import TrainConfig
 from models.data.batch import RolloutBatch
 from models.hosts.engine import WrongIteration, check_iteration
-from models.hosts.transports import transport_for
+from models.hosts.transports import Transport, transport_for
 from models.run.types import PolicyState, RunHandle
-from models.service.client import ServiceError
+from models.service.client import ServiceClient, ServiceError
 from models.service.ops import Host, op
 from models.stages.actor import ACTOR
 from models.stages.critic import CRITIC
@@ -35,7 +35,7 @@ from models.stages.score_metrics import check_sampling_temperature
 from models.stages.score_ranks import load_reference_ranks, load_reward_model_ranks, score_forward_ranks
 from models.stages.services import ENGINE, LABELS, critic_service, run_service
 from models.stages.updates import load_trainee, saves_at, update_trainee
-from models.training.distributed import DistInfo, from_main, unwrap
+from models.training.distributed import DistInfo, from_main, unwrap, waiting_group
 from models.training.probe import reference_logprobs
 from models.training.weight_source import WeightSource
 
@@ -117,6 +117,7 @@ class ActorHost(TrainerHost):
         one_rm = cfg.reward.source == "model" and info.world_size == 1
         self.rewards = reward_source(cfg, run, info.device) if one_rm else None
         self.transport = transport_for(cfg, run.reference_url)  # rank 0's end, kept between pushes
+        self.waiting = waiting_group(cfg.run.resident_push_wait_s + cfg.run.resident_answer_timeout_s)
 
     @property
     def lm(self):
@@ -157,28 +158,48 @@ class ActorHost(TrainerHost):
         the engine checks them against; :class:`PushFailed` when the engine did not confirm them."""
         t0 = time.perf_counter()
         sequences, logprobs = reference_logprobs(unwrap(self.model), self.vocab)  # every rank: FSDP2
-        source = WeightSource(unwrap(self.model), self.info)  # gathered tensor by tensor as the push sends them
-        out, failed = {}, ""
-        if not self.info.is_main:
-            self.transport.follow(source)  # every rank takes part in the gathers
-        else:
-            args = {"version": version, "probe": {"sequences": sequences, "logprobs": logprobs},
-                    "tolerance": self.cfg.probe_tolerance, "defer": defer}
-            engine = None
-            try:
-                engine = run_service(self.cfg, self.run, ENGINE)
-                out = self.transport.send(engine, args, self.lm, source)
-            except Exception as err:  # noqa: BLE001 -- every rank learns it below, and keeps the weights
-                if engine is None:
-                    self.transport.follow(source)  # no push began: the other ranks' gathers still need this one
-                failed = f"{type(err).__name__}: {err}" if not isinstance(err, ServiceError) else str(err)
-        failed = from_main(failed)  # every rank keeps or drops the update alike
-        if failed:
-            raise PushFailed(f"{failed} (the trainer keeps the weights: the same request sends them again)")
+        args = {"version": version, "probe": {"sequences": sequences, "logprobs": logprobs},
+                "tolerance": self.cfg.probe_tolerance, "defer": defer}
+        engine = (lambda: run_service(self.cfg, self.run, ENGINE)) if self.info.is_main else None
+        out = push_weights(self.transport, WeightSource(unwrap(self.model), self.info), engine, args, self.lm,
+                           self.waiting, self.cfg.run.resident_push_wait_s)
         return {**out, "time/weights_to_engine_s": time.perf_counter() - t0} if self.info.is_main else {}
 
     def close(self) -> None:
         self.transport.close()
+
+
+def push_weights(transport: Transport, source: WeightSource, engine: Optional[Callable[[], ServiceClient]],
+                 args: Dict[str, Any], lm, waiting, wait_s: float) -> Dict[str, float]:
+    """A push from every rank of a trainer: ``engine`` (rank 0: the engine service's client; the others: None). No
+    rank enters a collective of the push (the gathers) before rank 0 knows the engine took it (at most ``wait_s``):
+    meanwhile the others wait on rank 0 in ``waiting`` (:func:`~models.training.distributed.waiting_group`, a
+    timeout of its own), and again while rank 0 waits for the engine's reply. :class:`PushFailed` on every rank when
+    the engine did not confirm the weights."""
+    out, failed, client = {}, "", None
+    if engine is not None:
+        try:
+            client = engine()
+            transport.ready(client, args, source, wait_s)
+        except Exception as err:  # noqa: BLE001 -- every rank learns it below; no gather began
+            failed = _reason(err)
+    failed = from_main(failed, waiting)
+    if not failed:
+        if engine is None:
+            transport.follow(source)  # every rank takes part in the gathers
+        else:
+            try:
+                out = transport.send(client, args, lm, source)
+            except Exception as err:  # noqa: BLE001 -- every rank learns it below, and keeps the weights
+                failed = _reason(err)
+        failed = from_main(failed, waiting)  # every rank keeps or drops the update alike
+    if failed:
+        raise PushFailed(f"{failed} (the trainer keeps the weights: the same request sends them again)")
+    return out
+
+
+def _reason(err: Exception) -> str:
+    return str(err) if isinstance(err, ServiceError) else f"{type(err).__name__}: {err}"
 
 
 class CriticHost(TrainerHost):

@@ -13,7 +13,9 @@ Full weights go at the engine's dtype (``TrainConfig.engine_dtype``: ``rollout.v
 ``model.dtype`` for the HF engine; the trainer casts each tensor as it gathers it, round to nearest even, as a checkpoint load
 casts), in buckets (:mod:`models.engines.weight_stream`): the trainer's rank 0 gathers a bucket's tensors (one
 FSDP2 gather each, every rank taking part) and sends it before it gathers the next, and the engine loads each
-bucket before it receives the next (with ``run.off_policy_steps=1`` it keeps them until the push is served).
+bucket before it receives the next (with ``run.off_policy_steps=1`` or ``run.max_staleness`` ≥ 2 it keeps them until
+the push is served: in host memory, each copied there as it arrives, so an NCCL push holds at most two buckets on the
+engine's GPU while vLLM generates).
 Each bucket carries its checksum, checked before it is loaded; after the load the engine reads sampled elements
 of every tensor back from its own weights and compares them bit for bit with what the trainer sent, then checks
 the probe; until both passed it serves no iteration. ``resident/weights_bytes`` is the tensors' bytes at the
@@ -52,6 +54,12 @@ class Transport:
 
     def __init__(self, dtype: str = "float32", bucket_bytes: Optional[int] = None):
         self.push = Push(getattr(torch, dtype), bucket_bytes)
+
+    def ready(self, engine: ServiceClient, args: Dict[str, Any], source: WeightSource,
+              wait_s: Optional[float] = None) -> None:
+        """Rank 0 of the trainer, before the push's first collective (its other ranks wait outside any meanwhile,
+        :func:`models.hosts.trainers.push_weights`): what must hold before the gathers begin, at most ``wait_s``
+        (None: as long as the engine shows life). Nothing here; the collective transport: the engine took the push."""
 
     def send(self, engine: ServiceClient, args: Dict[str, Any], lm, source: WeightSource) -> Dict[str, float]:
         """Run the engine's ``weights`` op with ``args`` and the weights of ``source`` (rank 0 of the trainer); its
@@ -175,6 +183,7 @@ class CollectiveTransport(Transport):
         self.engine_url, self.pushes = "", 0
         self.timeout = {} if timeout_s is None else {"timeout_s": timeout_s}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="weights-op")
+        self.begun: Optional[Tuple[Sender, Dict[str, Any], Future]] = None  # ready(): the push under way
 
     def _join(self, engine: ServiceClient) -> Sender:
         if self.sender is not None and self.engine_url == engine.url:
@@ -185,9 +194,10 @@ class CollectiveTransport(Transport):
         self.sender, self.engine_url = Sender(host, offer, **self.timeout), engine.url
         return self.sender
 
-    def send(self, engine, args, lm, source):
-        reply: Optional[Future] = None
-        backend, buckets = "not formed", None
+    def ready(self, engine, args, source, wait_s=None):
+        """The channel formed, the ``weights`` op under way and the engine listening on it (after the op it runs: an
+        off-policy rollout, an asynchronous unit): no broadcast and no gather waits on the engine meanwhile."""
+        self.begun, reply, backend = None, None, "not formed"
         try:
             sender = self._join(engine)
             backend = sender.backend
@@ -195,9 +205,26 @@ class CollectiveTransport(Transport):
             self.pushes += 1
             op_args = {**args, "meta": {"header": header, "push": self.pushes}}
             reply = self.pool.submit(engine.call, "weights", op_args)  # the op takes the broadcasts while it runs
-            # until the engine takes the op (after the op it runs: an off-policy rollout), as long as it shows
-            # life: its heartbeat keeps the op's reply pending, its silence (or failure) ends it
-            sender.wait_ready(self.pushes, reply.done, float("inf") if engine.heartbeat else engine.timeout_s)
+            if wait_s is None:  # as long as it shows life: its heartbeat keeps the reply pending, silence ends it
+                wait_s = float("inf") if engine.heartbeat else engine.timeout_s
+            sender.wait_ready(self.pushes, reply.done, wait_s, "run.resident_push_wait_s")
+        except BaseException as err:
+            self.close()  # the engine drops its end too: the next push forms a new channel
+            raise self._failed(err, args, engine, backend, reply) from None
+        self.begun = (sender, header, reply)
+
+    def send(self, engine, args, lm, source):
+        begun, self.begun = self.begun, None
+        if begun is None:
+            try:
+                self.ready(engine, args, source)
+            except BaseException:
+                source.follow(self.push.dtype)  # the other ranks' gathers
+                raise
+            begun, self.begun = self.begun, None
+        sender, header, reply = begun
+        buckets = None
+        try:
             buckets = sealed(header, source, sender.device, self.pushes, self.push.dtype)
             for bucket in buckets:
                 sender.send_bucket(bucket)
@@ -205,14 +232,18 @@ class CollectiveTransport(Transport):
         except BaseException as err:
             source.follow(self.push.dtype) if buckets is None else buckets.drain()  # the other ranks' gathers
             self.close()  # the engine drops its end too: the next push forms a new channel
-            if not isinstance(err, (ChannelError, ServiceError, torch.distributed.DistError, OSError)):
-                raise  # (DistError: the engine's store or group gone mid-push, e.g. the engine killed)
-            kind = type(err) if isinstance(err, ServiceError) else ServiceError
-            raise kind(f"the weights of iteration {args['version']} to {engine.label} at {engine.url} over the "
-                       f"collective transport ({backend}) failed: {err}{_engine_error(reply, err)}. The engine does "
-                       f"not serve them: the trainer keeps them for the same request to send again (or set "
-                       f"run.resident_weight_transport=http)") from None
-        return {**out, **self.push.stats(header), "resident/weights_transport": CODES[backend]}
+            raise self._failed(err, args, engine, sender.backend, reply) from None
+        return {**out, **self.push.stats(header), "resident/weights_transport": CODES[sender.backend]}
+
+    @staticmethod
+    def _failed(err: BaseException, args, engine, backend: str, reply: Optional[Future]) -> BaseException:
+        if not isinstance(err, (ChannelError, ServiceError, torch.distributed.DistError, OSError)):
+            return err  # (DistError: the engine's store or group gone mid-push, e.g. the engine killed)
+        kind = type(err) if isinstance(err, ServiceError) else ServiceError
+        return kind(f"the weights of iteration {args['version']} to {engine.label} at {engine.url} over the "
+                    f"collective transport ({backend}) failed: {err}{_engine_error(reply, err)}. The engine does "
+                    f"not serve them: the trainer keeps them for the same request to send again (or set "
+                    f"run.resident_weight_transport=http)")
 
     def connect(self, host: str, gpu: str = "", timeout_s: Optional[float] = None) -> Dict[str, Any]:
         self.close()
@@ -224,10 +255,11 @@ class CollectiveTransport(Transport):
             raise ChannelError("the weights came over the collective transport, but no weight channel is open "
                                "(the actor trainer opens one with the connect op at its first push)")
         receiver, backend = self.receiver, self.receiver.backend
-        held = Held()
+        held = Held()  # kept (engine None): each bucket copied to host memory as it arrives, two at most on the device
         alloc = held.alloc(engine.push_buffer if engine is not None else _in_memory)
         try:
-            return received(meta["header"], receiver.buckets(meta["header"], int(meta["push"]), alloc), engine, held)
+            return received(meta["header"], receiver.buckets(meta["header"], int(meta["push"]), alloc), engine, held,
+                            to_host=engine is None)
         except Exception as err:
             self.close()
             raise ChannelError(f"receiving the weights from the actor trainer over the collective transport "

@@ -102,13 +102,23 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def from_main(value):
-    """Rank 0's ``value`` on every rank (a small Python object; itself in a single process). A collective."""
+def from_main(value, group=None):
+    """Rank 0's ``value`` on every rank (a small Python object; itself in a single process). A collective (of
+    ``group``: default, the process group)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
+
+
+def waiting_group(timeout_s: float):
+    """A gloo group of every rank with a timeout of its own, ``timeout_s``: for the other ranks to wait on rank 0
+    while it waits on something outside the group (a service), in no collective of the process group meanwhile,
+    whose timeout (NCCL's watchdog) would end them first. None in a single process. Every rank makes it together."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    return dist.new_group(backend="gloo", timeout=dt.timedelta(seconds=timeout_s))
 
 
 def all_reduce_mean_dict(stats: Dict[str, float]) -> Dict[str, float]:

