@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -79,14 +79,24 @@ def remote_engine_for(cfg: TrainConfig, actor_url: str) -> RemoteEngine:
 
 def engine_for(cfg: TrainConfig, actor_url: str):
     """An engine serving the policy at ``actor_url``: the rollout server if ``rollout.remote_url`` is
-    set, else one in this process. With ``actor.lora``: its base weights plus the adapter
-    (``rollout.lora_mode=adapter``), or the adapter merged into the base (``merged``).
+    set, else one in this process (:func:`started_engine`).
 
     After every weight change the engine is probed against the trainer's forward
-    (:func:`models.training.probe.ensure_serves`; the rollout server probes its own)."""
-    r = cfg.rollout
-    if r.remote_url:
+    (:func:`models.training.probe.ensure_serves`: the checkpoint loaded as the trainer loads it; the rollout
+    server probes its own)."""
+    if cfg.rollout.remote_url:
         return remote_engine_for(cfg, actor_url)
+    engine, restart, served, local = started_engine(cfg, actor_url)
+    ensure_serves(engine, served, local, cfg.probe_tolerance, restart, local_checkpoint, what=actor_url,
+                  dtype=cfg.model.dtype)
+    return engine
+
+
+def started_engine(cfg: TrainConfig, actor_url: str) -> Tuple[Any, Callable[[], None], tuple, str]:
+    """An engine in this process serving the policy at ``actor_url``, not yet probed: with ``actor.lora`` its base
+    weights plus the adapter (``rollout.lora_mode=adapter``), or the adapter merged into the base (``merged``).
+    Also a restart from what it serves, the served ``(weights, adapter)`` and the checkpoint's local folder."""
+    r = cfg.rollout
     kwargs = dict(dtype=r.vllm_dtype, kv_cache_gib=r.vllm_kv_cache_gib,
                   gpu_memory_utilization=r.vllm_gpu_memory_utilization, seed=cfg.run.seed,
                   tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager,
@@ -108,6 +118,4 @@ def engine_for(cfg: TrainConfig, actor_url: str):
         if served[1] is not None:
             engine.set_adapter(served[1])
 
-    ensure_serves(engine, served, local, cfg.probe_tolerance, restart, local_checkpoint, what=actor_url,
-                  dtype=cfg.model.dtype)
-    return engine
+    return engine, restart, served, local
