@@ -51,12 +51,14 @@ def test_the_dims_are_the_projected_parameters():
 
 def as_configured(s: Shape, cfg) -> Shape:
     """``s`` with what its preset's YAML sets for the update's memory."""
-    out = replace(s, micro_batch=cfg.actor.micro_batch_size, activation_checkpointing=cfg.actor.activation_checkpointing,
+    a = cfg.actor
+    out = replace(s, micro_batch=a.micro_batch_size, activation_checkpointing=a.activation_checkpointing,
                   max_prompt_tokens=cfg.data.max_prompt_tokens, response_tokens=cfg.rollout.max_new_tokens)
     if not cfg.uses_critic:
         return out
     c = cfg.critic
-    return replace(out, critic_micro_batch=c.micro_batch_size, critic_activation_checkpointing=c.activation_checkpointing,
+    return replace(out, critic_micro_batch=c.micro_batch_size,
+                   critic_activation_checkpointing=c.activation_checkpointing,
                    critic_lora_rank=c.lora.rank if c.lora.enabled else s.critic_lora_rank)
 
 
