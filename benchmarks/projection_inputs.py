@@ -108,6 +108,34 @@ class Assumptions:
 
 
 @dataclass(frozen=True)
+class Dims:
+    """A Llama-style decoder's sizes (the model's ``config.json``), what the update's activations scale with."""
+
+    layers: int
+    d_model: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+
+    @property
+    def d_kv(self) -> int:
+        """Width of the keys (and of the values): ``d_model · kv_heads / heads`` (grouped-query attention)."""
+        return self.d_model * self.kv_heads // self.heads
+
+    def layer_params(self) -> float:
+        """Parameters of one decoder layer (:func:`llama_params`' per-layer term)."""
+        return 2 * self.d_model ** 2 + 2 * self.d_model * self.d_kv + 3 * self.d_model * self.ffn + 2 * self.d_model
+
+
+LLAMA3_8B_DIMS = Dims(layers=32, d_model=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256)
+"""Llama-3(.1)-8B's ``config.json`` (meta-llama on the Hugging Face hub): 32 layers, 4096 wide, 32 query and 8 KV
+heads, FFN 14336, vocabulary 128256."""
+LLAMA3_70B_DIMS = Dims(layers=80, d_model=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256)
+"""Llama-3-70B's ``config.json``: 80 layers, 8192 wide, 64 query and 8 KV heads, FFN 28672, vocabulary 128256."""
+
+
+@dataclass(frozen=True)
 class Shape:
     """A PPO run's sizes: models, batch and the GPUs of each task (stateless) or service (resident)."""
 
@@ -160,6 +188,23 @@ class Shape:
     push_bucket_bytes: int = 256 << 20
     """Most tensor bytes of one bucket of a push (``models/engines/weight_stream.py``, ``BUCKET_BYTES``): the
     engine loads a bucket before it takes the next, so it holds two at most."""
+    dims: Optional[Dims] = None
+    """The actor's decoder sizes (None: no update memory is projected, ``benchmarks/projection_memory.py``)."""
+    critic_dims: Optional[Dims] = None
+    """The critic's (None: :attr:`dims`)."""
+    max_prompt_tokens: int = 1024
+    """``data.max_prompt_tokens``: with ``rollout.max_new_tokens`` the longest row of a micro-batch."""
+    micro_batch: int = 4
+    """``actor.micro_batch_size``: rows of one forward and backward on a rank."""
+    critic_micro_batch: int = 8
+    """``critic.micro_batch_size``."""
+    activation_checkpointing: bool = True
+    """``actor.activation_checkpointing``: each decoder layer keeps only its input through the forward."""
+    critic_activation_checkpointing: bool = True
+    """``critic.activation_checkpointing``."""
+    critic_lora_rank: int = 64
+    """``critic.lora.rank`` of a LoRA critic (:attr:`critic_lora`): its adapters on every projection of every
+    layer are what it trains."""
 
 
 def llama_params(layers: int, d_model: int, kv_heads: int, ffn: int, vocab: int, heads: int, tied: bool) -> float:
@@ -172,25 +217,27 @@ def llama_params(layers: int, d_model: int, kv_heads: int, ffn: int, vocab: int,
 
 
 LLAMA_8B = Shape("llama8b_ppo_gpu", params=8.03e9, samples=128 * 4, prompt_tokens=512, response_tokens=1024,
-                 actor_nodes=1)
+                 actor_nodes=1, dims=LLAMA3_8B_DIMS)
 """``configs/llama8b_ppo_gpu.yaml``: 128 prompts × 4, 1024-token budget, the actor on one node of 8, rollout,
 score and the LoRA critic on one GPU each."""
 LLAMA_8B_FULL = replace(LLAMA_8B, name="llama8b_ppo_full_critic_gpu", critic_gpus=8, critic_lora=False,
-                        critic_sharded_state=True)
+                        critic_sharded_state=True, critic_micro_batch=4)
 """``configs/llama8b_ppo_full_critic_gpu.yaml``: the 8B preset with a full critic, an FSDP2 job on one node of
 8 whose ranks commit their shards of AdamW's moments (the actor's are committed whole, as the base sets)."""
 LLAMA_70B = Shape("llama70b_ppo_gpu", params=llama_params(80, 8192, 8, 28672, 128256, heads=64, tied=False),
                   samples=256 * 4, prompt_tokens=512, response_tokens=1024, actor_nodes=8, rollout_gpus=8,
-                  score_gpus=8, critic_gpus=1, critic_params=LLAMA_8B.params, gen_speed=0.25, save_interval=20)
+                  score_gpus=8, critic_gpus=1, critic_params=LLAMA_8B.params, gen_speed=0.25, save_interval=20,
+                  dims=LLAMA3_70B_DIMS, critic_dims=LLAMA3_8B_DIMS, micro_batch=2)
 """``configs/llama70b_ppo_gpu.yaml`` (Llama-3-70B shapes, 70.6B): 256 prompts × 4, 1024-token budget, the actor
 FSDP2 over 8 nodes of 8, rollout (tensor parallel 8) and score on one node of 8, an 8B LoRA critic on one
 GPU (the critic update is one process), a 70B reward model. :data:`PRESETS` projects it as shipped."""
 LLAMA_70B_FULL = replace(LLAMA_70B, name="llama70b_ppo_full_critic_gpu", critic_gpus=64, critic_lora=False,
-                         critic_params=None, sharded_state=True, score_nodes=8)
+                         critic_params=None, sharded_state=True, score_nodes=8, critic_dims=None,
+                         critic_micro_batch=2)
 """``configs/llama70b_ppo_full_critic_gpu.yaml``: a full 70B critic, an FSDP2 job on 8 nodes of 8, both
 trainers committing AdamW per rank, and scoring as the elastic task on the actor's 8 nodes."""
 LLAMA_8B_GRPO = replace(LLAMA_8B, name="llama8b_grpo_gpu", samples=64 * 8, critic_params=0.0, critic_gpus=0,
-                        critic_lora=False, reward_model=False)
+                        critic_lora=False, reward_model=False, max_prompt_tokens=512)
 """``configs/llama8b_grpo_gpu.yaml``: GRPO with a verifier as NeMo-RL's Llama-3.1-8B GRPO step runs it, 64 prompts
 × 8, 1024-token budget, no critic and no reward model (a reward function): only π_old and π_ref scored and the
 actor updated, FSDP2 on one node of 8, resident and colocated."""

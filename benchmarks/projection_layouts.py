@@ -26,6 +26,7 @@ from benchmarks.projection_inputs import (AREAL_SPEEDUP, LLAMA_8B, LLAMA_8B_GRPO
                                           NEMO_ALIGNER_70B_STEP_S, NEMO_RL_8B_GPUS, NEMO_RL_8B_STEP_S,
                                           NEMO_RL_8B_TOKENS, NEMO_RL_V04_8B_STEP_S, NEMO_RL_V04_32B, PRESETS,
                                           VERL_ASYNC_128_STEP_S, Assumptions, Shape, tokens)
+from benchmarks.projection_memory import memory_line
 from benchmarks.rows import Row, row
 
 LAYOUTS = ("separate", "colocated", "async")
@@ -174,6 +175,8 @@ def layout_table(s: Shape, a: Assumptions) -> str:
     mem = colocated_memory_gb(s)
     lines.append(f"  colocated GPU memory while generating: trainer {mem['trainer']:.1f} GB + engine weights "
                  f"{mem['engine']:.1f} GB per GPU; the rest of 80 GB for the KV cache")
+    if s.dims is not None:
+        lines.append(memory_line(s))
     n, t = balanced_async(s, a)
     lines.append(f"  async with the engine sized to the trainer's side: {n} engine GPUs, {t:.1f} s, "
                  f"{tokens_per_s_per_gpu(s, t, layout_gpus(s, 'async') - s.rollout_gpus + n):.0f} tokens/s/GPU")

@@ -127,6 +127,13 @@ class ActorConfig(ElasticTopology):
     the whole float32 model and rank 0 writing and uploading it alone. The folder loads as any Hugging Face
     checkpoint. Under DDP or one process, for a LoRA adapter (small) and for a model transformers converts
     on save (fused experts, e.g. Mixtral), rank 0 commits as with false."""
+    activation_checkpointing: bool = False
+    """Checkpoint each decoder layer's activations in the update (``models/training/distributed.py``,
+    ``checkpoint_activations``): a layer keeps only its input through the forward and recomputes the rest in the
+    backward, about a third more compute for activations of ``2 × tokens × hidden`` bytes a layer instead of the
+    whole set (``benchmarks/projection_memory.py`` counts both per micro-batch). The gradients are the same. On in
+    the GPU presets of 8B and above: without it a 70B micro-batch of 2 × 2,048 tokens needs ~110 GB of
+    activations on an 80-GB GPU. Scoring forwards keep nothing either way (no gradients)."""
     old_logprobs: str = "recompute"
     """π_old: ``recompute`` (a forward of the training-side actor in ``score``) or ``sampler`` (the
     engine's own log-probs, one forward less; only where the engine computes in the trainer's dtype,

@@ -43,6 +43,10 @@ class CriticConfig(ElasticTopology):
     """Commit the trained critic's weights by rank, as ``actor.checkpoint_by_rank`` (the same code,
     ``models/training/weight_shards.py``): under FSDP2 on two ranks or more each rank writes and uploads its
     own file of the Hugging Face folder; one process, DDP or a LoRA critic commit from rank 0 as with false."""
+    activation_checkpointing: bool = False
+    """Checkpoint each decoder layer's activations in the critic's update, as ``actor.activation_checkpointing``
+    (the same code); on in the GPU presets of 8B and above. Not applied by the critic server
+    (``critic.remote_url``), which refuses it."""
     remote_url: str = ""
     """Critic server base URL; empty runs the critic inside the tasks."""
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -64,6 +68,9 @@ class CriticConfig(ElasticTopology):
         check(not (self.checkpoint_by_rank and self.remote_url),
               "critic.checkpoint_by_rank needs the critic inside the tasks: the critic server "
               "(critic.remote_url) commits its own checkpoints")
+        check(not (self.activation_checkpointing and self.remote_url),
+              "critic.activation_checkpointing needs the critic inside the tasks: the critic server "
+              "(critic.remote_url) trains its own critic")
         check(self.lr > 0, "critic.lr must be > 0")
         check(self.epochs >= 1, "critic.epochs must be >= 1")
         check(self.minibatch_size >= 1 and self.micro_batch_size >= 1,

@@ -3,9 +3,13 @@ scores and updates, and wakes for the rollout (:func:`sleep` / :func:`wake`, eac
 ``resident/sleep_s``, ``resident/wake_s``), and a vLLM engine closes without ending the trainer's process group
 (:func:`close_vllm`).
 
-- vLLM on a GPU: its sleep mode (``LLM.sleep(level=1)``: the weights offloaded to host memory, the KV cache
-  freed; ``wake_up`` restores both), as veRL's hybrid engine and NeMo-RL's colocated mode do. The engine must be
-  started with ``enable_sleep_mode`` (:class:`~models.engines.vllm_engine.VLLMEngine` ``colocated=True``).
+- vLLM on a GPU: its sleep mode, as veRL's hybrid engine and NeMo-RL's colocated mode use it. Level 2 when new
+  weights will be pushed before the next generation (``discard_weights``: the weights and the KV cache freed,
+  nothing copied; vLLM keeps the model's buffers), else level 1 (the weights offloaded to host memory and back).
+  :func:`wake` wakes the tags asked for: before a push the weights alone, the KV cache once they are loaded and the
+  cache emptied (veRL's order), so the two are never both allocated beside the incoming tensors. The engine must
+  be started with ``enable_sleep_mode`` (:class:`~models.engines.vllm_engine.VLLMEngine` ``colocated=True``).
+  :func:`weights_discarded` says whether an engine woken since still lacks its weights.
 - vLLM on the CPU, where sleep mode is a no-op ("sleep mode is not supported on CPU"): the KV cache's storage is
   freed (``resize_(0)``, the prefix cache reset first) and given back before the rollout; the layers' views see
   the restored storage (the spike of issue #39, ``sleep_cpu.py``: the same samples after a free and restore).
@@ -15,9 +19,12 @@ scores and updates, and wakes for the rollout (:func:`sleep` / :func:`wake`, eac
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List
+import weakref
+from typing import Any, Dict, List, Sequence, Set
 
 import torch
+
+from models.engines.vllm_steps import reset_prefix_cache
 
 _FREED: Dict[int, List[Any]] = {}
 """Per worker (its id): the KV cache's storages freed and their sizes (the worker is this process's)."""
@@ -61,30 +68,59 @@ def _sleep_mode(engine) -> bool:
     return bool(getattr(engine, "_llm_kwargs", {}).get("enable_sleep_mode"))
 
 
-def sleep(engine) -> float:
-    """Put ``engine`` to sleep (see the module docstring); the seconds it took."""
+TAGS = ("weights", "kv_cache")
+"""vLLM's sleep-mode tags a colocated engine wakes, in the order it wakes them."""
+_ASLEEP: "weakref.WeakKeyDictionary[Any, Set[str]]" = weakref.WeakKeyDictionary()
+"""Per ``LLM`` (a restart makes a new one, awake): the tags still asleep."""
+_DISCARDED: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+"""Per ``LLM``: slept at level 2, and no weights loaded since (:func:`weights_loaded`)."""
+
+
+def sleep(engine, discard_weights: bool = False) -> float:
+    """Put ``engine`` to sleep (see the module docstring): ``discard_weights`` when new weights are pushed before
+    it generates again (vLLM's level 2), else level 1; the seconds it took."""
     t0 = time.perf_counter()
     llm = _vllm(engine)
     if llm is not None:
         if _sleep_mode(engine):
-            llm.sleep(level=1)
+            llm.sleep(level=2 if discard_weights else 1)
+            _ASLEEP[llm] = set(TAGS)
+            _DISCARDED[llm] = discard_weights
         else:
-            llm.reset_prefix_cache()  # no prefix may be served from a freed cache
+            reset_prefix_cache(llm)  # no prefix may be served from a freed cache
             llm.collective_rpc(free_kv)
     return time.perf_counter() - t0
 
 
-def wake(engine) -> float:
-    """Wake ``engine`` for the rollout, or before new weights go in; the seconds it took."""
+def wake(engine, tags: Sequence[str] = TAGS) -> float:
+    """Wake ``engine``'s ``tags`` (of :data:`TAGS`; those asleep): all for a rollout, ``("weights",)`` before new
+    weights go in and ``("kv_cache",)`` once they are loaded; the seconds it took. On the CPU the weights never
+    sleep: the KV cache's storage comes back with ``kv_cache``."""
     t0 = time.perf_counter()
     llm = _vllm(engine)
     if llm is not None:
         if _sleep_mode(engine):
-            if llm.llm_engine.is_sleeping():
-                llm.wake_up()
-        else:
+            asleep = _ASLEEP.get(llm, set())
+            wanted = [t for t in TAGS if t in tags and t in asleep]
+            if wanted:
+                llm.wake_up(tags=wanted)
+                asleep.difference_update(wanted)
+        elif "kv_cache" in tags:
             llm.collective_rpc(restore_kv)
     return time.perf_counter() - t0
+
+
+def weights_discarded(engine) -> bool:
+    """Whether ``engine`` slept at level 2 and has been given no weights since: it must not generate before a load."""
+    llm = _vllm(engine)
+    return llm is not None and _DISCARDED.get(llm, False)
+
+
+def weights_loaded(engine) -> None:
+    """New weights are in ``engine`` (a push's load succeeded): it may generate once its KV cache is awake."""
+    llm = _vllm(engine)
+    if llm is not None:
+        _DISCARDED.pop(llm, None)
 
 
 def close_vllm(llm) -> None:

@@ -32,7 +32,7 @@ from models.engines import vllm_push
 from models.engines.context import check_kv_cache
 from models.engines.vllm_setup import (cpu_workers_bound, cuda_graphs, llm_kwargs, read_json, read_settings_afresh,
                                        unsupported_lora_targets)
-from models.engines.vllm_steps import Sample, StepLoop
+from models.engines.vllm_steps import Sample, StepLoop, reset_prefix_cache
 from models.engines.weight_stream import merge_held
 from models.engines.base import (EngineLoadError, Generation, SamplingSpec, SwappableEngine, request_indices,
                                 sample_seed)
@@ -164,7 +164,7 @@ class VLLMEngine(SwappableEngine):
 
     def _copy_in(self, reporting, kwargs: Dict[str, Any]) -> None:
         problems = [p for reports in self._llm().collective_rpc(reporting, kwargs=kwargs) for p in reports]
-        self.llm.reset_prefix_cache()  # stale prefixes would give old-weight results
+        reset_prefix_cache(self.llm)  # stale prefixes would give old-weight results
         self._lora = None
         if problems:
             raise RuntimeError(f"vLLM's loader reported: {'; '.join(problems)[:500]}")

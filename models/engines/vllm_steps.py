@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -170,3 +171,25 @@ def generations(samples: List[Sample], tokenizer, spec: SamplingSpec) -> List[Ge
         del s.tokens[keep:], s.logprobs[keep:], s.versions[keep:]
         out.append(Generation(s.tokens, s.logprobs, ended))
     return out
+
+
+RESET_WAITS_S = (0.0, 0.05, 0.1, 0.2, 0.4, 0.8)
+"""Waits before each try of :func:`reset_prefix_cache` (1.55 s in all)."""
+
+
+def reset_prefix_cache(llm, waits: Optional[Sequence[float]] = None) -> None:
+    """Drop every cached prefix of ``llm`` after new weights went in, or raise naming the reset.
+
+    vLLM's ``reset_prefix_cache()`` returns False and resets nothing while a request still holds cache blocks
+    (``BlockPool.reset_prefix_cache``); the next rollout would then reuse prefixes the old weights computed. The
+    requests of a step loop are aborted before a push (:meth:`StepLoop.suspend`), and an engine core in
+    another process frees their blocks shortly after: tried again after each of ``waits``; still False, a
+    :class:`RuntimeError` fails the push (the engine is closed, as after any failed copy). ``waits``: None for
+    :data:`RESET_WAITS_S`."""
+    waits = RESET_WAITS_S if waits is None else waits
+    for wait in waits:
+        time.sleep(wait)
+        if llm.reset_prefix_cache() is not False:
+            return
+    raise RuntimeError(f"vLLM's prefix cache reset failed {len(waits)} times in {sum(waits):.2f} s (requests still "
+                       f"hold cache blocks): prefixes computed by the old weights could be served")

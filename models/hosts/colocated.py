@@ -12,8 +12,16 @@ so the run has no engine service, no weight transport and no engine node on a cl
   engine's weights read back at the samples bit for bit), then the probe against the trainer's forward. LoRA: the
   adapter's file, made on every rank and served as the separate layout's engine serves it. No byte crosses a
   process: ``resident/weights_bytes`` is 0 (``resident/weights_loaded_bytes``: what each engine took).
-- The engine sleeps after each rollout and evaluation and wakes before the new weights go in
-  (:mod:`models.engines.in_rank`): ``resident/sleep_s``, ``resident/wake_s``.
+- The engine sleeps after each rollout and evaluation (:mod:`models.engines.in_rank`): after a rollout, which a
+  full-weight push follows, its weights are discarded (vLLM's level 2: nothing copied to host memory only to be
+  overwritten); after an evaluation, or before a LoRA push (the base stays), they are kept (level 1). Before a push
+  only the weights wake; the KV cache wakes once they are loaded and the device's cache emptied (veRL's order):
+  ``resident/sleep_s``, ``resident/wake_s``. A stage asked of an engine whose weights were discarded and not
+  replaced (a rollout asked again) first loads the weights held.
+- The probe at start compares each rank's engine with the trainer's forward of the weights the ranks hold (no
+  checkpoint read into host memory: at 70B that was the whole model on every rank); a miss on any rank restarts
+  every rank's engine (:func:`~models.training.probe.verify_together`): a tensor-parallel engine's restart runs
+  collectives over the whole world, so no rank may restart alone.
 
 With ``rollout.tensor_parallel_size`` = tp > 1 each engine group of tp consecutive ranks holds one vLLM engine
 sharded tp ways (:mod:`models.engines.rank_engines`); every rank still gathers each tensor whole and gives it to its
@@ -44,11 +52,11 @@ from models.hosts.trainers import ActorHost, PushFailed
 from models.hosts.transports import adapter_file
 from models.run.types import PolicyState
 from models.service.ops import op
-from models.stages.engine import engine_for
+from models.stages.engine import started_engine
 from models.stages.evaluate import run_evaluate
 from models.stages.rollout import run_rollout
 from models.training.distributed import unwrap
-from models.training.probe import reference_logprobs, verify_reference
+from models.training.probe import reference_logprobs, verify_reference, verify_together
 from models.training.weight_source import WeightSource
 
 
@@ -61,16 +69,31 @@ class ColocatedActorHost(ActorHost):
         self.group = dist.new_group(backend="gloo") if world > 1 else None  # the engine calls, as Python objects
         self.tp = cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
         self.groups = engine_groups(world, self.tp)  # refused at config time unless tp divides the ranks
-        self.engine = engine_for(cfg, state.actor_url)  # every rank: from the checkpoint, probed
+        self.engine, restart, _, _ = started_engine(cfg, state.actor_url)  # every rank: from the checkpoint
         check_group(self.engine, self.groups[info.rank // self.tp])
         self.broken = False  # a failed load closed the engine: started again before the next load
         self.slept: Dict[str, float] = {}
+        self.probe_at_start(restart, state.actor_url)
 
-    def stage(self, state: Dict[str, Any], run_stage) -> Optional[Any]:
+    def probe_at_start(self, restart: Callable[[], None], what: str) -> None:
+        """Every rank's engine against the trainer's forward of the weights the ranks hold (see the module
+        docstring); a miss on any rank restarts them all. Every rank calls it."""
+        if self.cfg.probe_tolerance <= 0:
+            return
+        sequences, logprobs = reference_logprobs(unwrap(self.model), self.vocab)  # every rank: FSDP2
+        result = verify_together(self.engine, sequences, logprobs, self.cfg.probe_tolerance, restart,
+                                 lambda missed: bool(self.agree("missed" if missed else "")),
+                                 f"{what} (in process, rank {self.info.rank})")
+        self.engine.stats.extra["probe_gap_max"] = result.gap_max
+
+    def stage(self, state: Dict[str, Any], run_stage, push_follows: bool = False) -> Optional[Any]:
         """``run_stage(state, engine)`` on rank 0 with the ranks' engines, the other ranks serving their shares;
-        then the engines sleep. Rank 0's result."""
+        then the engines sleep, discarding their weights when ``push_follows`` (a full-weight push comes before
+        the next stage). Rank 0's result."""
         state = PolicyState(**state)
         self.held(state.iteration)  # on every rank, before any collective
+        if in_rank.weights_discarded(self.engine):  # no push came since: the weights held go in again
+            self.send_weights(self.version, defer=False)
         in_rank.wake(self.engine)  # awake already after a load: the update's stats have its wake_s
         try:
             if not self.info.is_main:
@@ -82,13 +105,14 @@ class ColocatedActorHost(ActorHost):
             finally:
                 engines.end()
         finally:
-            self.slept = {"resident/sleep_s": in_rank.sleep(self.engine)}
+            self.slept = {"resident/sleep_s": in_rank.sleep(self.engine, discard_weights=push_follows)}
 
     @op
     def rollout(self, state: Dict[str, Any], ahead: int = 0) -> Optional[Dict[str, Any]]:
         if ahead:
             raise ValueError("run.resident_layout=colocated samples on-policy only (run.off_policy_steps=0)")
-        out = self.stage(state, lambda s, engines: run_rollout(self.cfg, self.run, s, 0, engine=engines))
+        out = self.stage(state, lambda s, engines: run_rollout(self.cfg, self.run, s, 0, engine=engines),
+                         push_follows=not self.cfg.actor.lora.enabled)  # a LoRA push leaves the base as it is
         return None if out is None else {"batch": out.batch.uri, "stats": {
             **out.stats, **self.slept, "resident/engine_groups": float(len(self.groups))}}
 
@@ -101,7 +125,7 @@ class ColocatedActorHost(ActorHost):
         (see the module docstring); :class:`PushFailed` on every rank when any rank's load failed."""
         t0 = time.perf_counter()
         sequences, logprobs = reference_logprobs(unwrap(self.model), self.vocab)  # every rank: FSDP2
-        wake_s = in_rank.wake(self.engine)
+        wake_s = in_rank.wake(self.engine, ("weights",))  # the KV cache once the weights are in
         out: Dict[str, float] = {}
         shard: Optional[Dict[str, Any]] = {} if self.tp > 1 else None
 
@@ -112,6 +136,10 @@ class ColocatedActorHost(ActorHost):
             out.update(self.load(version, shard))
 
         def probe() -> None:
+            nonlocal wake_s
+            in_rank.weights_loaded(self.engine)
+            empty_device_cache()  # the gathered tensors' blocks, before the KV cache takes its share
+            wake_s += in_rank.wake(self.engine, ("kv_cache",))
             result = verify_reference(self.engine, sequences, logprobs, self.cfg.probe_tolerance,
                                       f"the actor of iteration {version} (in process, rank {self.info.rank})")
             out["rollout/probe_gap_max"] = result.gap_max
@@ -144,6 +172,12 @@ class ColocatedActorHost(ActorHost):
     def close(self) -> None:
         super().close()
         self.engine.close()
+
+
+def empty_device_cache() -> None:
+    """Give the CUDA caching allocator's free blocks back to the device (nothing on the CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def load_in_process(engine, source: WeightSource, dtype: torch.dtype, version: int, device,

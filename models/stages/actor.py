@@ -48,7 +48,7 @@ def load_actor(cfg: TrainConfig, url: str, info: DistInfo):
 
     a = cfg.actor
     return load_for_update(url, AutoModelForCausalLM, cfg.model.dtype, a.lora, CAUSAL_LM, PolicyLogprobs,
-                           cfg.model.pack_sequences, info, a.sharding)
+                           cfg.model.pack_sequences, info, a.sharding, a.activation_checkpointing)
 
 
 def update_actor(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch, info: DistInfo,

@@ -38,7 +38,7 @@ def load_critic(cfg: TrainConfig, url: str, info: DistInfo):
 
     c = cfg.critic
     return load_for_update(url, AutoModelForTokenClassification, cfg.model.dtype, c.lora, TOKEN_CLS, CriticValues,
-                           cfg.model.pack_sequences, info, c.sharding)
+                           cfg.model.pack_sequences, info, c.sharding, c.activation_checkpointing)
 
 
 def update_critic(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch, info: DistInfo,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -95,14 +95,24 @@ def engine_kwargs(cfg: TrainConfig) -> Dict[str, Any]:
 
 def engine_for(cfg: TrainConfig, actor_url: str):
     """An engine serving the policy at ``actor_url``: the rollout server if ``rollout.remote_url`` is
-    set, else one in this process. With ``actor.lora``: its base weights plus the adapter
-    (``rollout.lora_mode=adapter``), or the adapter merged into the base (``merged``).
+    set, else one in this process (:func:`started_engine`).
 
     After every weight change the engine is probed against the trainer's forward
-    (:func:`models.training.probe.ensure_serves`; the rollout server probes its own)."""
-    r = cfg.rollout
-    if r.remote_url:
+    (:func:`models.training.probe.ensure_serves`: the checkpoint loaded as the trainer loads it; the rollout
+    server probes its own)."""
+    if cfg.rollout.remote_url:
         return remote_engine_for(cfg, actor_url)
+    engine, restart, served, local = started_engine(cfg, actor_url)
+    ensure_serves(engine, served, local, cfg.probe_tolerance, restart, local_checkpoint, what=actor_url,
+                  dtype=cfg.model.dtype)
+    return engine
+
+
+def started_engine(cfg: TrainConfig, actor_url: str) -> Tuple[Any, Callable[[], None], tuple, str]:
+    """An engine in this process serving the policy at ``actor_url``, not yet probed: with ``actor.lora`` its base
+    weights plus the adapter (``rollout.lora_mode=adapter``), or the adapter merged into the base (``merged``).
+    Also a restart from what it serves, the served ``(weights, adapter)`` and the checkpoint's local folder."""
+    r = cfg.rollout
     kwargs = engine_kwargs(cfg)
     local = local_checkpoint(actor_url)
     adapter = local if is_adapter(local) else None  # None before the first LoRA update: the base itself
@@ -119,6 +129,4 @@ def engine_for(cfg: TrainConfig, actor_url: str):
         if served[1] is not None:
             engine.set_adapter(served[1])
 
-    ensure_serves(engine, served, local, cfg.probe_tolerance, restart, local_checkpoint, what=actor_url,
-                  dtype=cfg.model.dtype)
-    return engine
+    return engine, restart, served, local

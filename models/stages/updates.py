@@ -75,21 +75,23 @@ def reads_shards(url: str, lora: LoraConfig, info: DistInfo, sharding: str) -> b
 
 def load_for_update(url: str, auto_cls, dtype: str, lora: LoraConfig, task_type: str,
                     wrapper: Callable[[nn.Module], nn.Module], pack: bool, info: DistInfo,
-                    sharding: str = "auto") -> nn.Module:
+                    sharding: str = "auto", activation_checkpointing: bool = False) -> nn.Module:
     """``wrapper(model)`` of checkpoint ``url`` (:func:`load_trainable`) ready to train on ``info``'s ranks
     (:func:`models.training.distributed.wrap_for_training`), computing in ``dtype``; ``pack``:
-    ``model.pack_sequences``. Read rank by rank where :func:`reads_shards` says so: a LoRA model's
+    ``model.pack_sequences``; ``activation_checkpointing``: ``actor.activation_checkpointing`` (the critic's).
+    Read rank by rank where :func:`reads_shards` says so: a LoRA model's
     frozen base by shard (in ``dtype``, as :func:`load_trainable` loads it), its adapter whole."""
     compute = getattr(torch, dtype)
     if reads_shards(url, lora, info, sharding):
         local = local_checkpoint(url)
         if not lora.enabled:
-            return load_sharded(local, auto_cls, info, sharding, compute, wrapper, pack)
+            return load_sharded(local, auto_cls, info, sharding, compute, wrapper, pack, activation_checkpointing)
         base = local_checkpoint(base_url(local)) if is_adapter(local) else local
         adapt = functools.partial(with_adapter, local_dir=local, spec=lora, task_type=task_type)
-        return load_sharded_lora(local, base, auto_cls, info, sharding, compute, adapt, wrapper, pack)
+        return load_sharded_lora(local, base, auto_cls, info, sharding, compute, adapt, wrapper, pack,
+                                 activation_checkpointing)
     model = load_trainable(url, auto_cls, dtype, lora, task_type)
-    return wrap_for_training(with_packing(wrapper(model), pack), info, sharding, compute)
+    return wrap_for_training(with_packing(wrapper(model), pack), info, sharding, compute, activation_checkpointing)
 
 
 def save_trained(model, tokenizer, url: str, from_url: str, full_state=None, prefix: str = "") -> None:

@@ -145,14 +145,49 @@ def uses_fsdp2(sharding: str, info: DistInfo) -> bool:
     return sharding == "auto" and info.device.type == "cuda" and info.world_size > 1
 
 
+def _inner(module: nn.Module) -> nn.Module:
+    """The model a training wrapper holds (``lm`` or ``critic``; peft or not), or ``module`` itself."""
+    return next((getattr(module, a) for a in ("lm", "critic") if hasattr(module, a)), module)
+
+
+def decoder_layers(module: nn.Module) -> List[nn.Module]:
+    """The decoder layers of the model ``module`` wraps (FSDP2's units, the checkpointed blocks); none if it has no
+    ``layers`` trunk."""
+    inner = _inner(module)
+    trunk = inner.get_decoder() if hasattr(inner, "get_decoder") else getattr(inner, "model", None)
+    return list(getattr(trunk, "layers", []))
+
+
+def checkpoint_activations(module: nn.Module) -> None:
+    """Activation checkpointing per decoder layer (``actor.activation_checkpointing``): in training mode each layer
+    keeps only its input and recomputes the rest in the backward (Chen et al. 2016, "Training Deep Nets with
+    Sublinear Memory Cost"), through Hugging Face's ``gradient_checkpointing_enable`` with torch's non-reentrant
+    checkpoint. It marks the layers and replaces no module, so parameter names, state dicts and FSDP2's units stay
+    as they are; the recompute runs inside the layer's call, after FSDP2's hooks gather the layer again. Gradients
+    are those of the plain forward (the same operations, recomputed); forwards in eval mode keep everything. A
+    model without the support (or without decoder layers) is a :class:`ValueError` naming it."""
+    inner = _inner(module)
+    if not getattr(inner, "supports_gradient_checkpointing", False) or not decoder_layers(module):
+        raise ValueError(f"activation_checkpointing: {type(inner).__name__} has no decoder layers that Hugging Face's "
+                         f"gradient checkpointing marks; set actor.activation_checkpointing (critic.*) to false")
+    inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    unmarked = [i for i, layer in enumerate(decoder_layers(module)) if not getattr(layer, "gradient_checkpointing", 0)]
+    if unmarked:
+        raise ValueError(f"activation_checkpointing: decoder layers {unmarked} of {type(inner).__name__} were not "
+                         f"checkpointed")
+
+
 def wrap_for_training(module: nn.Module, info: DistInfo, sharding: str = "auto",
-                      compute_dtype: torch.dtype = torch.float32) -> nn.Module:
+                      compute_dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False) -> nn.Module:
     """``module`` (a training wrapper of :mod:`models.training.policy`, float32 where it trains) ready to train
     on ``info.device``: FSDP2-sharded, in DDP, or itself for one process (see :data:`SHARDINGS`).
 
     ``compute_dtype`` below float32: forwards compute in it, the trained weights, their gradients
-    and AdamW's state stay float32 (FSDP2's mixed precision, else the wrapper's autocast)."""
+    and AdamW's state stay float32 (FSDP2's mixed precision, else the wrapper's autocast).
+    ``activation_checkpointing``: each decoder layer checkpointed first (:func:`checkpoint_activations`)."""
     low = compute_dtype != torch.float32
+    if activation_checkpointing:
+        checkpoint_activations(module)
     if uses_fsdp2(sharding, info):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -162,9 +197,7 @@ def wrap_for_training(module: nn.Module, info: DistInfo, sharding: str = "auto",
         mesh = init_device_mesh(info.device.type, (info.world_size,))
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if low else None
         kw = {"mesh": mesh, **({"mp_policy": mp} if mp else {})}
-        inner = next((getattr(module, a) for a in ("lm", "critic") if hasattr(module, a)), module)  # peft or not
-        trunk = inner.get_decoder() if hasattr(inner, "get_decoder") else getattr(inner, "model", None)
-        for layer in getattr(trunk, "layers", []):
+        for layer in decoder_layers(module):
             fully_shard(layer, **kw)  # frozen base and trainable adapters share a unit: FSDP2 allows mixed requires_grad
         fully_shard(module, **kw)  # the rest: embeddings, final norm, head, and every buffer
         return module

@@ -181,22 +181,30 @@ def verify(engine, policy_dir: str, tolerance: float, restart: Callable[[], None
     """Check that ``engine`` serves the policy in ``policy_dir`` (the trainer's forward in ``dtype``);
     restart it once (``restart``) if not; raise :class:`EngineMismatchError` if that did not help."""
     sequences, reference = trainer_logprobs(policy_dir, fetch, dtype)
+    return _verified(engine, sequences, reference, tolerance, restart, lambda missed: missed, what or policy_dir,
+                     ("log-probs differ by up to {gap}; restarting the engine from the checkpoint",
+                      "log-probs still differ after restarting the engine from the checkpoint: largest gap {gap}"))
+
+
+_ENDING = (". The engine does not compute this model as the trainer does, so sampling from it would not be on-policy: "
+           "try rollout.engine=hf, or another rollout.vllm_dtype")
+
+
+def _verified(engine, sequences, reference, tolerance: float, restart: Callable[[], None],
+              any_rank: Callable[[bool], bool], name: str, texts: Tuple[str, str]) -> ProbeResult:
+    """The probe, one restart when ``any_rank(missed)``, and :class:`EngineMismatchError` when it still misses;
+    ``texts``: the miss's and the failure's messages, ``{gap}`` where the gap goes."""
     result = compare(engine, sequences, reference)
-    if result.gap_max <= tolerance:
+    if not any_rank(result.gap_max > tolerance):
         return result
-    name = what or policy_dir
-    message = (f"rollout engine vs trainer on {name}: log-probs differ by up to {_gap_text(result, tolerance)}; "
-               f"restarting the engine from the checkpoint")
+    message = f"rollout engine vs trainer on {name}: " + texts[0].format(gap=_gap_text(result, tolerance))
     log.warning(message)
     print(message, flush=True)
     restart()
     again = compare(engine, sequences, reference)
-    if again.gap_max > tolerance:
-        raise EngineMismatchError(
-            f"rollout engine vs trainer on {name}: log-probs still differ after restarting the engine from the "
-            f"checkpoint: largest gap {_gap_text(again, tolerance)}. The engine does not compute this model as the "
-            f"trainer does, so sampling from it would not be on-policy: try rollout.engine=hf, or another "
-            f"rollout.vllm_dtype")
+    if any_rank(again.gap_max > tolerance):
+        raise EngineMismatchError(f"rollout engine vs trainer on {name}: " +
+                                  texts[1].format(gap=_gap_text(again, tolerance)) + _ENDING)
     print(f"rollout engine vs trainer on {name}: {again.gap_max:.3g} nats after the restart", flush=True)
     return dataclasses.replace(again, restarted=True)
 
@@ -216,6 +224,20 @@ def verify_reference(engine, sequences: Sequence[Sequence[int]], reference: Sequ
             f"memory, log-probs differ by up to {_gap_text(result, tolerance)}. The engine does not serve the "
             f"weights the trainer holds, so sampling from it would not be on-policy: the run stops")
     return result
+
+
+def verify_together(engine, sequences: Sequence[Sequence[int]], reference: Sequence[Sequence[float]], tolerance: float,
+                    restart: Callable[[], None], any_rank: Callable[[bool], bool], what: str) -> ProbeResult:
+    """:func:`verify` for engines in the ranks of one launch (``run.resident_layout=colocated``), against the
+    trainer's ``reference`` (its :func:`reference_logprobs` of ``sequences``, from the weights the ranks hold: no
+    checkpoint is read). Whether to restart is decided by every rank together: ``any_rank(missed)`` (every rank
+    calls it, every rank gets the same answer) is whether any rank's gap is over ``tolerance``; then every rank
+    restarts (a tensor-parallel engine's restart runs collectives over the whole world) and probes again, and
+    every rank raises :class:`EngineMismatchError` if any rank still misses."""
+    return _verified(engine, sequences, reference, tolerance, restart, any_rank, what,
+                     ("a rank's log-probs differ by more than the tolerance (this rank: {gap}); every rank restarts "
+                      "its engine", "log-probs still differ on some rank after every rank restarted its engine (this "
+                      "rank: {gap})"))
 
 
 _VERIFIED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

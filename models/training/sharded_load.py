@@ -203,21 +203,25 @@ def meta_model(local_dir: str, auto_cls, dtype: torch.dtype) -> nn.Module:
 
 
 def load_sharded(local_dir: str, auto_cls, info: DistInfo, sharding: str, compute_dtype: torch.dtype,
-                 wrapper: Callable[[nn.Module], nn.Module], pack: bool = False) -> nn.Module:
+                 wrapper: Callable[[nn.Module], nn.Module], pack: bool = False,
+                 activation_checkpointing: bool = False) -> nn.Module:
     """The full-weight checkpoint in ``local_dir`` as ``wrapper(model)`` (e.g. ``PolicyLogprobs``),
     FSDP2-sharded over ``info``'s ranks (``sharding`` must mean FSDP2 there), each rank reading only its
     rows, float32 master weights computing in ``compute_dtype``. ``pack``: ``model.pack_sequences``
-    (checked on the loaded model, :func:`models.training.policy.with_packing`).
+    (checked on the loaded model, :func:`models.training.policy.with_packing`); ``activation_checkpointing``:
+    as :func:`wrap_for_training`'s.
 
     A collective: every rank calls it. Returns the module :func:`wrap_for_training` returns."""
     model = meta_model(local_dir, auto_cls, torch.float32)
     module = disable_dropout(model.eval())
-    return _shard_and_read(wrapper(module), model, local_dir, info, sharding, compute_dtype, pack)
+    return _shard_and_read(wrapper(module), model, local_dir, info, sharding, compute_dtype, pack,
+                           activation_checkpointing=activation_checkpointing)
 
 
 def load_sharded_lora(local_dir: str, base_dir: str, auto_cls, info: DistInfo, sharding: str,
                       compute_dtype: torch.dtype, adapt: Callable[[nn.Module], nn.Module],
-                      wrapper: Callable[[nn.Module], nn.Module], pack: bool = False) -> nn.Module:
+                      wrapper: Callable[[nn.Module], nn.Module], pack: bool = False,
+                      activation_checkpointing: bool = False) -> nn.Module:
     """:func:`load_sharded` of a LoRA model: the frozen base of the full checkpoint in ``base_dir`` (in
     ``compute_dtype``, as the whole load has it) read by shard, each rank its rows, with ``adapt(base)``'s
     adapter (``local_dir``'s if that is an adapter folder, else fresh:
@@ -238,15 +242,17 @@ def load_sharded_lora(local_dir: str, base_dir: str, auto_cls, info: DistInfo, s
         lora = disable_dropout(adapt(model).eval())
         given = {n: p.detach().clone() for n, p in model.named_parameters()
                  if p.requires_grad and (is_adapter(local_dir) or base_name(n) not in files)}
-    return _shard_and_read(wrapper(lora), model, base_dir, info, sharding, compute_dtype, pack, given, base_name)
+    return _shard_and_read(wrapper(lora), model, base_dir, info, sharding, compute_dtype, pack, given, base_name,
+                           activation_checkpointing)
 
 
 def _shard_and_read(top: nn.Module, model: nn.Module, local_dir: str, info: DistInfo, sharding: str,
                     compute_dtype: torch.dtype, pack: bool, given: Optional[Dict[str, torch.Tensor]] = None,
-                    rename: Callable[[str], str] = lambda name: name) -> nn.Module:
+                    rename: Callable[[str], str] = lambda name: name,
+                    activation_checkpointing: bool = False) -> nn.Module:
     """``top`` (a wrapper of meta-device ``model``) FSDP2-sharded, its storage made and every rank's rows
     read (:func:`fill_from_checkpoint` of ``local_dir``, ``given`` and ``rename`` passed on)."""
-    module = wrap_for_training(top, info, sharding, compute_dtype)
+    module = wrap_for_training(top, info, sharding, compute_dtype, activation_checkpointing)
     if not hasattr(module, "reshard"):
         raise ValueError(f"sharded load: sharding {sharding!r} over {info.world_size} rank(s) is not FSDP2")
     materialise(module, model, info.device)

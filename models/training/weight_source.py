@@ -62,13 +62,14 @@ class WeightSource:
         """``(name, the whole tensor on ``device``)`` on rank 0, ``(name, None)`` on the others, one tensor at a
         time, in :meth:`tensors`' order, floating point cast to ``dtype`` (None: as trained) by each rank before
         its rows travel: a collective under FSDP2, so every rank iterates all of it. ``everywhere``: the whole
-        tensor on every rank (an all-gather: each rank loads its own engine, ``run.resident_layout=colocated``)."""
+        tensor on every rank (an all-gather of the shards already cast, so a float32 tensor never stands whole on a
+        rank: each rank loads its own engine, ``run.resident_layout=colocated``)."""
         sharded = self.sharded()
         for name, t in self.state.items():
             cast = dtype if dtype is not None and t.dtype.is_floating_point else None
             if everywhere:
-                local = t.detach()
-                yield name, (local.full_tensor() if hasattr(local, "full_tensor") else local).to(device, cast)
+                local = t.detach() if cast is None else t.detach().to(cast)  # a DTensor: each rank casts its shard
+                yield name, (local.full_tensor() if hasattr(local, "full_tensor") else local).to(device)
             elif sharded:
                 yield name, gather_to(t, 0, self.info, device, cast)
             else:

@@ -83,9 +83,60 @@ def _rank(rank: int, port: int, ckpts: dict, out_dir: str) -> None:
     whole = AutoModelForCausalLM.from_pretrained(ckpts["b"], dtype=torch.float32).state_dict()
     held = engine.model.state_dict()
     out.update(sharded=sharded, same_bits=all(torch.equal(bits(held[k]), bits(whole[k])) for k in whole))
+    out.update(_gathers_at_bfloat16(source, whole))
+    out["probe"] = _agreed_probe(rank, ckpts, group)
     with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
+
+
+def _gathers_at_bfloat16(source: WeightSource, whole: dict) -> dict:
+    """Every tensor gathered whole at bfloat16 (the colocated load's gather), each DTensor gathered recorded: its
+    dtype and the bytes of this rank's shard it sends."""
+    from torch.distributed.tensor import DTensor
+
+    moved, real = [], DTensor.full_tensor
+
+    def recording(self, *args, **kwargs):
+        moved.append([str(self.dtype).removeprefix("torch."), self.to_local().numel() * self.to_local().element_size(),
+                      self.to_local().numel()])
+        return real(self, *args, **kwargs)
+
+    DTensor.full_tensor = recording
+    try:
+        got = dict(source.gathered(torch.device("cpu"), torch.bfloat16, everywhere=True))
+    finally:
+        DTensor.full_tensor = real
+    exact = all(torch.equal(bits(got[k]), bits(whole[k].to(torch.bfloat16))) for k in got)
+    return {"gathers": moved, "gathered_exact": exact}
+
+
+def _agreed_probe(rank: int, ckpts: dict, group) -> dict:
+    """The start-up probe of :class:`ColocatedActorHost` on this rank: the trainer holds actor ``b`` (FSDP2-sharded
+    as the actor trains), rank 0's engine serves ``b`` and rank 1's ``a`` (a miss on rank 1 only); a restart serves
+    ``b``."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from models.hosts.colocated import ColocatedActorHost
+    from models.training.distributed import wrap_for_training
+    from models.training.policy import PolicyLogprobs
+
+    host = object.__new__(ColocatedActorHost)
+    host.info, host.group, host.groups = DistInfo(rank, RANKS, rank, torch.device("cpu")), group, [[0], [1]]
+    lm = AutoModelForCausalLM.from_pretrained(ckpts["b"], dtype=torch.float32)
+    host.cfg, host.vocab = SimpleNamespace(probe_tolerance=1e-4), 40
+    host.model = wrap_for_training(PolicyLogprobs(lm), host.info, "fsdp2")
+    host.engine = HFEngine(ckpts["a" if rank else "b"], dtype="float32")
+    restarts = []
+
+    def restart() -> None:
+        restarts.append(rank)
+        host.engine.restart(ckpts["b"])
+
+    host.probe_at_start(restart, "actor b")
+    return {"restarts": len(restarts), "gap": host.engine.stats.extra["probe_gap_max"]}
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +219,27 @@ def test_every_rank_loads_the_unsharded_weights_from_fsdp2_shards_bit_for_bit(ck
     for rank in ranks:
         assert rank["sharded"] and rank["same_bits"]
         assert rank["load"]["resident/weights_loaded_bytes"] == 4 * params
+
+
+@pytest.mark.slow
+def test_the_colocated_gather_moves_each_shard_cast_to_the_engines_dtype(ckpts, ranks):
+    """Each DTensor is gathered at bfloat16, 2 bytes an element of the rank's shard (never float32 whole first), and
+    what arrives is the float32 weights cast to bfloat16 bit for bit."""
+    params = sum(p.numel() for p in HFEngine(ckpts["b"]).model.parameters())
+    for rank in ranks:
+        assert rank["gathers"] and {dtype for dtype, _, _ in rank["gathers"]} == {"bfloat16"}
+        assert all(nbytes == 2 * numel for _, nbytes, numel in rank["gathers"])
+        assert sum(numel for _, _, numel in rank["gathers"]) < params  # its shard only
+        assert rank["gathered_exact"]
+    assert sum(numel for r in ranks for _, _, numel in r["gathers"]) == params
+
+
+@pytest.mark.slow
+def test_one_ranks_probe_miss_restarts_every_ranks_engine(ranks):
+    """Rank 0's engine serves the trainer's weights, rank 1's does not: both restart (a restart runs collectives
+    over every rank under vLLM's external_launcher), and both then pass."""
+    assert [r["probe"]["restarts"] for r in ranks] == [1, 1]
+    assert all(r["probe"]["gap"] < 1e-4 for r in ranks)
 
 
 def test_a_tensor_the_engine_did_not_take_fails_the_load(ckpts, monkeypatch):

@@ -3,7 +3,9 @@ with bfloat16 compute on float32 master weights.
 
 FSDP2 is what ``actor.sharding=auto`` picks on GPUs; it runs on CPU too, so the sharded path
 (wrapping, accumulation without gradient sync, clipping DTensor gradients, the gathered weights that
-are saved, the optimizer state carried to the next iteration) is checked here, where CI runs.
+are saved, the optimizer state carried to the next iteration) is checked here, where CI runs. The FSDP2 ranks
+train with activation checkpointing (``actor.activation_checkpointing``, as the GPU presets do) and still end at
+the plain one process's weights.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch.multiprocessing as mp
 
 from kernels.losses import PolicyLossConfig
 from models.training import optimizer_state
-from models.training.distributed import DistInfo, full_state_dict, is_sharded, unwrap, uses_fsdp2, wrap_for_training
+from models.training.distributed import (DistInfo, decoder_layers, full_state_dict, is_sharded, unwrap, uses_fsdp2,
+                                         wrap_for_training)
 from models.training.policy import PolicyLogprobs
 from models.training.update import LoopSettings, UpdateData, actor_loss_fn, make_optimizer, run_update
 from tests.processes import free_port
@@ -70,7 +73,8 @@ def _worker(rank: int, world: int, port: int, sharding: str, out_dir: str, compu
 
     info = join_gloo(rank, world, port)
     try:
-        model = wrap_for_training(policy(), info, sharding, getattr(torch, compute))
+        model = wrap_for_training(policy(), info, sharding, getattr(torch, compute),
+                                  activation_checkpointing=sharding == "fsdp2")
         first = train(model, info, lr)
         state = optimizer_state.gather(model, first["optimizer"])
         # the next iteration: a new optimizer takes the committed state, as carried_optimizer does
@@ -83,6 +87,7 @@ def _worker(rank: int, world: int, port: int, sharding: str, out_dir: str, compu
         weights = full_state_dict(model) if is_sharded(model) else unwrap(model).state_dict()
         if rank == 0:
             torch.save({"weights": {k: v.detach().cpu() for k, v in weights.items()}, "sharded": is_sharded(model),
+                        "checkpointed": [layer.gradient_checkpointing for layer in decoder_layers(unwrap(model))],
                         "stats": [first["stats"], second["stats"]], "state": state},
                        os.path.join(out_dir, "rank0.pt"))
     finally:
@@ -114,6 +119,7 @@ def test_two_ranks_train_as_one_process(sharding, reference, tmp_path):
     optimizer steps, the AdamW state carried between them; the loss and gradient norm agree."""
     got = two_ranks(sharding, tmp_path)
     assert got["sharded"] == (sharding == "fsdp2")
+    assert got["checkpointed"] == [sharding == "fsdp2"] * 2
     start = policy().state_dict()
     moved = 0.0
     assert set(got["weights"]) == set(reference["weights"])
