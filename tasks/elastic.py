@@ -18,8 +18,10 @@ amortise, and the cluster runs exactly the plugin's code.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
+import signal
 from typing import Any, Sequence
 
 import cloudpickle
@@ -28,8 +30,10 @@ from flytekit.exceptions.user import FlyteRecoverableException, FlyteUserRuntime
 from flytekit.extend import TaskPlugins
 from flytekitplugins.kfpytorch import Elastic
 
+from models import processes
 from models.environ import environment
 from models.run import end as run_end
+from models.run.keeper import keeper
 from tasks.flyte_internals import CustomLaunchElasticTask, adopt_rank0_result, is_recoverable_worker_error, spawn_helper
 
 FORKSERVER = "forkserver"
@@ -75,6 +79,7 @@ class ActorElasticTask(CustomLaunchElasticTask):
     def _launch_from_forkserver(self, kwargs) -> Any:
         # set before the forkserver imports torch; the agent hands it to the workers, and this process's
         # later tasks see the user's setting again
+        keeper()  # the workers' memory sampled for the messages, and none left behind if this process dies
         with environment({"OMP_NUM_THREADS": str(worker_threads(self.task_config.nproc_per_node))}):
             start_forkserver(PRELOAD)
             return self._launch(kwargs)
@@ -93,7 +98,8 @@ class ActorElasticTask(CustomLaunchElasticTask):
                               start_method=FORKSERVER)
         try:
             out = elastic_launch(config=config, entrypoint=spawn_helper)(
-                cloudpickle.dumps(self.task_function), ctx.raw_output_prefix, None, None, kwargs)
+                cloudpickle.dumps(functools.partial(as_worker, self.task_function)), ctx.raw_output_prefix, None,
+                None, kwargs)
         except ChildFailedError as e:
             _, first = first_failure(e)
             if is_recoverable_worker_error(first):
@@ -107,21 +113,44 @@ class ActorElasticTask(CustomLaunchElasticTask):
         return adopt_rank0_result(out[0])  # a single node: rank 0 is here
 
 
+def as_worker(fn, **kwargs) -> Any:
+    """``fn(**kwargs)`` in a worker forked by the forkserver, which dies with it (and so with the run's process,
+    whose end stops the forkserver): no worker outlives the run."""
+    processes.die_with_parent()
+    return fn(**kwargs)
+
+
+def killed_by(failure) -> int:
+    """The signal that killed the failed worker (0: it exited). SIGTERM is torchrun's own, stopping the others."""
+    return -failure.exitcode if failure.exitcode < 0 and -failure.exitcode != signal.SIGTERM else 0
+
+
 def failure_cause(failure) -> str:
+    """The worker's error; for one killed by a signal, who likely sent it and the memory it held."""
+    if killed_by(failure):
+        return processes.death_note(failure.pid, killed_by(failure), "its process")
     return failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
 
 
 def failure_kind(failure) -> str:
-    """The error's type as the worker reported it ("NonFiniteUpdate" of "NonFiniteUpdate: all 4 ...")."""
-    return failure_cause(failure).split(":", 1)[0]
+    """The error's type as the worker reported it ("NonFiniteUpdate" of "NonFiniteUpdate: all 4 ..."), or the
+    signal that killed it."""
+    if killed_by(failure):
+        return processes.signal_name(killed_by(failure))
+    return str(failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+               ).split(":", 1)[0]
 
 
 def first_failure(e):
-    """``(rank, failure)`` of the root cause: the lowest rank that failed with the same error type as the
-    earliest failure. torchrun's own choice (the earliest timestamp, in whole seconds) is a race when
-    several recorded ranks raised the same error (a non-finite update fails on all of them). torchrun
+    """``(rank, failure)`` of the root cause: the lowest rank killed by a signal (the others then fail on the
+    closed connection, maybe before torchrun finds it dead), else the lowest rank that failed with the same
+    error type as the earliest failure. torchrun's own choice (the earliest timestamp, in whole seconds) is a
+    race when several recorded ranks raised the same error (a non-finite update fails on all of them). torchrun
     records only the ranks that exited before it stopped the others, so which ranks are there is a race
     too."""
+    killed = sorted(r for r, f in e.failures.items() if killed_by(f))
+    if killed:
+        return killed[0], e.failures[killed[0]]
     _, earliest = e.get_first_failure()
     rank = min(r for r, f in e.failures.items() if failure_kind(f) == failure_kind(earliest))
     return rank, e.failures[rank]

@@ -1,0 +1,74 @@
+"""The run's keeper (models/run/keeper.py) on small processes: a child over ``run.memory_limit_gib`` is killed and
+named with the memory it reached; a process SIGKILLed (as the kernel's OOM killer does) leaves no child behind,
+and the keeper says how it ended. The whole run is ``test_resume.py``'s (its pyflyte SIGKILLed mid-update), a rank
+killed in an update ``test_elastic_faults.py``'s."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from models import processes
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+PARENT = """
+import os, subprocess, sys, time
+from models import processes
+from models.run.keeper import keeper
+keeper().limit(0.25)
+hog = subprocess.Popen([sys.executable, "-c", "import time; x = b'1' * (400 << 20); time.sleep(60)"])
+code = hog.wait()
+time.sleep(1.0)  # the keeper's report written after its kill
+print(code, processes.death_note(hog.pid, -code, "task rollout's process"), flush=True)
+idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print(idle.pid, flush=True)
+time.sleep(1.5)  # sampled by the keeper
+os.kill(os.getpid(), 9)  # as the kernel's OOM killer would
+"""
+
+
+def test_a_child_over_the_limit_is_killed_named_and_nothing_outlives_a_killed_parent():
+    out = subprocess.run([sys.executable, "-c", PARENT], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == -9, out.stderr
+    lines = out.stdout.splitlines()
+    code, note = lines[0].split(" ", 1)
+    assert code == "-9", out.stdout
+    # the task, the signal, who sent it, the memory it reached and the limit
+    found = re.fullmatch(r"task rollout's process \(pid \d+\) was killed by SIGKILL from the run's memory watchdog: "
+                         r"the run's processes held ([\d.]+) GiB, over run.memory_limit_gib=0.25; its peak memory "
+                         r"was ([\d.]+) GiB \(RSS, sampled every 0.5 s\), the run's processes together [\d.]+ GiB of "
+                         r".* [\d.]+ GiB", note)
+    assert found, note
+    assert float(found.group(1)) >= 0.25 and 0.2 < float(found.group(2)) <= 0.4, note
+    assert "[flyte-rlhf] memory watchdog: the run's processes held" in out.stderr, out.stderr
+    idle = int(lines[1])
+    # subprocess.run returned once the keeper, which shares the parent's stderr, had ended: after its sweep
+    assert not psutil.pid_exists(idle) or psutil.Process(idle).status() == psutil.STATUS_ZOMBIE
+    said = [line for line in out.stderr.splitlines() if "ended without running its exit handlers" in line]
+    assert len(said) == 1, out.stderr
+    assert re.search(r"\[flyte-rlhf\] the process python -c .* \(pid \d+\) ended without running its exit handlers: "
+                     r"killed by SIGKILL \(.*\); its peak memory was [\d.]+ GiB .*; stopped 1 process\(es\) it left "
+                     rf"behind: python -c import time; time.sleep\(120\) \(pid {idle}\)", said[0]), said[0]
+
+
+def test_who_sent_a_signal():
+    """Without a keeper's kill, a SIGKILL is the kernel's OOM killer's when its counter rose or the run's
+    processes were near the limit; another signal is named alone."""
+    limit, _ = processes.memory_limit()
+    report = {"oom_kills_at_start": processes.oom_kills(), "tree_peak": int(0.9 * limit), "processes": {}}
+    assert processes.why_killed(1, 9, report).startswith("was killed by SIGKILL, likely by the kernel's OOM killer "
+                                                        "(the run's processes held ")
+    report["tree_peak"] = int(0.1 * limit)
+    assert processes.why_killed(1, 9, report) == ("was killed by SIGKILL (no sign of the kernel's OOM killer: "
+                                                  "/proc/vmstat oom_kill unchanged)")
+    report["oom_kills_at_start"] -= 1  # one OOM kill since the run started
+    assert "likely by the kernel's OOM killer (/proc/vmstat oom_kill rose by 1" in processes.why_killed(1, 9, report)
+    assert processes.why_killed(1, 11, report) == "was killed by SIGSEGV"
