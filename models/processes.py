@@ -1,6 +1,6 @@
 """The processes of a run: how much memory they held, how one of them ended, and none left behind.
 
-A local run's keeper (:mod:`models.run.keeper`) samples the resident memory (RSS) of the run's process tree
+A local run's keeper (:mod:`models.run.keeper_process`) samples the resident memory (RSS) of the run's process tree
 every :data:`INTERVAL_S` and keeps a report (:func:`read_report`): each process's peak, the tree's peak (the
 sum of RSS, shared pages counted in every process that maps them, so an upper bound), and the processes it
 killed over ``run.memory_limit_gib``. From it and the kernel's own counters :func:`death_note` says how a
@@ -169,7 +169,9 @@ def describe(p) -> str:
     except psutil.Error:
         return f"pid {p.pid}"
     if name.startswith("python") and len(cmd) > 1:
-        name = " ".join(" ".join(["python"] + cmd[1:3]).split())[:70]
+        words = [w for i, w in enumerate(cmd[1:], 1) if not (w.startswith("-") and w not in ("-c", "-m"))
+                 or cmd[i - 1] in ("-c", "-m")]  # without the interpreter's flags (-B, -u, ...)
+        name = " ".join(" ".join(["python"] + words[:2]).split())[:70]
     return f"{name} (pid {p.pid})"
 
 

@@ -22,7 +22,7 @@ import functools
 import multiprocessing
 import os
 import signal
-from typing import Any, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import cloudpickle
 import flytekit
@@ -34,11 +34,13 @@ from models import processes
 from models.environ import environment
 from models.run import end as run_end
 from models.run.keeper import keeper
+from tasks import worker_exits
 from tasks.flyte_internals import CustomLaunchElasticTask, adopt_rank0_result, is_recoverable_worker_error, spawn_helper
 
 FORKSERVER = "forkserver"
 
-PRELOAD = ("flytekitplugins.kfpytorch.task", "tasks.updates", "tasks.score", "transformers.modeling_utils")
+PRELOAD = ("tasks.worker_exits", "flytekitplugins.kfpytorch.task", "tasks.updates", "tasks.score",
+           "transformers.modeling_utils")
 """Imported once by the forkserver, so forked workers start with them loaded."""
 
 
@@ -80,7 +82,8 @@ class ActorElasticTask(CustomLaunchElasticTask):
         # set before the forkserver imports torch; the agent hands it to the workers, and this process's
         # later tasks see the user's setting again
         keeper()  # the workers' memory sampled for the messages, and none left behind if this process dies
-        with environment({"OMP_NUM_THREADS": str(worker_threads(self.task_config.nproc_per_node))}):
+        with environment({"OMP_NUM_THREADS": str(worker_threads(self.task_config.nproc_per_node)),
+                          worker_exits.EXITS_ENV: worker_exits.exits_path()}):
             start_forkserver(PRELOAD)
             return self._launch(kwargs)
 
@@ -96,6 +99,7 @@ class ActorElasticTask(CustomLaunchElasticTask):
                               rdzv_configs=c.rdzv_configs, rdzv_endpoint="localhost:0",
                               max_restarts=c.max_restarts, monitor_interval=c.monitor_interval,
                               start_method=FORKSERVER)
+        since = worker_exits.size()
         try:
             out = elastic_launch(config=config, entrypoint=spawn_helper)(
                 cloudpickle.dumps(functools.partial(as_worker, self.task_function)), ctx.raw_output_prefix, None,
@@ -104,7 +108,8 @@ class ActorElasticTask(CustomLaunchElasticTask):
             _, first = first_failure(e)
             if is_recoverable_worker_error(first):
                 raise FlyteRecoverableException(e.format_msg(), timestamp=first.timestamp)
-            raise FlyteUserRuntimeException(RuntimeError(root_cause_first(e, self.name)), timestamp=first.timestamp)
+            raise FlyteUserRuntimeException(RuntimeError(root_cause_first(e, self.name, worker_exits.killed_ranks(since))),
+                                            timestamp=first.timestamp)
         except SignalException as e:  # Ctrl-C or SIGTERM while the workers ran: the run stops, KILLED
             run_end.note_signal(e.sigval.name)
             raise KeyboardInterrupt(e.sigval.name) from None
@@ -117,6 +122,7 @@ def as_worker(fn, **kwargs) -> Any:
     """``fn(**kwargs)`` in a worker forked by the forkserver, which dies with it (and so with the run's process,
     whose end stops the forkserver): no worker outlives the run."""
     processes.die_with_parent()
+    worker_exits.record_rank()
     return fn(**kwargs)
 
 
@@ -156,11 +162,19 @@ def first_failure(e):
     return rank, e.failures[rank]
 
 
-def root_cause_first(e, task_name: str = "tasks.updates.actor_update") -> str:
+def root_cause_first(e, task_name: str = "tasks.updates.actor_update",
+                     killed: Optional[Dict[int, Tuple[int, int]]] = None) -> str:
     """A ``ChildFailedError``'s report with the first failed rank's own error on its first line (the
     report alone starts with the launcher's banner and buries it among the restarts' tracebacks), naming
     the task (``actor_update``: "the actor update failed on rank 0: ...") and the other ranks that failed
-    with the same error."""
+    with the same error. ``killed``: ``{rank: (pid, signal)}`` of the workers a signal ended, as the forkserver
+    saw them (``tasks/worker_exits.py``): the lowest such rank is the cause, whatever torchrun recorded."""
+    killed = {r: v for r, v in (killed or {}).items() if v[1] != signal.SIGTERM}  # SIGTERM: torchrun stopping them
+    if killed:
+        rank = min(killed)
+        cause = processes.death_note(*killed[rank], "its process")
+        what = task_name.rsplit(".", 1)[-1].replace("_", " ")
+        return f"the {what} failed on rank {rank}: {cause}\n{e.format_msg()}"
     rank, first = first_failure(e)
     cause = failure_cause(first)
     same = sorted(r for r, f in e.failures.items() if r != rank and failure_kind(f) == failure_kind(first))

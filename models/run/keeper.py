@@ -1,192 +1,27 @@
-"""The keeper of a local run: a small process beside the process that runs the tasks (``pyflyte run``, or a
-test that launches elastic ranks), which watches that process and everything it started.
-
-- It samples their memory every :data:`models.processes.INTERVAL_S` and writes its report
-  (:func:`models.processes.read_report`): what the run's messages say a killed process held.
-- With ``run.memory_limit_gib`` set, when the run's processes together hold more, it SIGKILLs the largest
-  and says so in its report: the task that ran in it fails naming it, the limit and the memory it reached.
-- When the process it keeps ends, it stops every process of the run still running (the vLLM engine core,
-  elastic workers and their forkserver, services, reward workers), which would otherwise live on holding
-  memory and the terminal.
-- If that process ended without its exit handlers (SIGKILL: the kernel's OOM killer, ``kill -9``), nothing
-  in it could say so: the keeper prints the line that says what happened (the signal, the memory, the OOM
-  killer's evidence), marks the run's MLflow run FAILED and releases its lock, unless another launch has
-  taken the run over already (:func:`models.run.end.end`). The run resumes from its last commit.
-
-It ignores SIGINT and SIGHUP (Ctrl-C and a closed terminal reach the run, which ends itself and says
-"done" on the keeper's stdin), and imports nothing heavy until the run needs marking.
-
-    python -m models.run.keeper <pid> <report path>     # its commands on stdin: run <json>, limit <bytes> <setting>, done
-"""
+"""A process's keeper (:mod:`models.run.keeper_process`), started once per process that runs a local run's tasks
+(``pyflyte run``: :func:`models.run.end.hold_if_local`) or launches elastic workers (``tasks/elastic.py``), and
+what that process tells it: the run it holds, the memory limit, and ``done`` when it ends on its own. The keeper's
+report is read through :func:`models.processes.read_report`."""
 
 from __future__ import annotations
 
 import atexit
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Dict, Optional, Tuple
-
-import psutil
+from typing import Dict
 
 from models import processes
-from models.processes import INTERVAL_S, describe, gib, sweep
 
 REPO = str(Path(__file__).resolve().parents[2])
 STARTUP_S = 10.0
 """How long a process waits for its keeper's first report (its interpreter's start) before it goes on."""
 _started: Dict[int, "Keeper"] = {}
-
-
-class Watch:
-    """The process tree of ``pid``: each process's peak RSS, the tree's peak, the memory limit's kills."""
-
-    def __init__(self, pid: int, report_path: str):
-        self.root, self.report_path = psutil.Process(pid), report_path
-        self.root_name = describe(self.root).split(" (pid")[0]
-        self.seen: Dict[Tuple[int, float], psutil.Process] = {}
-        self.peaks: Dict[int, Tuple[str, int]] = {}
-        self.tree_peak, self.limit, self.setting = 0, 0, ""
-        self.kills: list = []
-        self.oom_at_start = processes.oom_kills()
-        self._written = 0.0
-
-    def alive(self) -> bool:
-        try:
-            return self.root.is_running() and self.root.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
-
-    def others(self) -> list:
-        """The run's other processes the keeper has seen (orphans included), itself left out."""
-        return [p for p in self.seen.values() if p.pid not in (self.root.pid, os.getpid())]
-
-    def sample(self) -> int:
-        """Every process's RSS now (new ones remembered); the tree's sum, its peak and the report kept."""
-        try:
-            for p in [self.root] + self.root.children(recursive=True):
-                self.seen.setdefault((p.pid, p.create_time()), p)
-        except psutil.Error:
-            pass
-        rss: Dict[int, int] = {}
-        changed = False
-        for p in self.seen.values():
-            try:
-                if p.pid == os.getpid() or not p.is_running():
-                    continue
-                rss[p.pid] = p.memory_info().rss
-            except psutil.Error:
-                continue
-            label, peak = self.peaks.get(p.pid, ("", 0))
-            if rss[p.pid] > peak:
-                self.peaks[p.pid] = (label or describe(p), rss[p.pid])
-                changed = True
-        tree = sum(rss.values())
-        self.tree_peak = max(self.tree_peak, tree)
-        if self.limit and tree > self.limit:
-            self.kill_largest(rss, tree)
-            changed = True
-        if changed or time.monotonic() - self._written > 5:
-            self.write()
-        return tree
-
-    def kill_largest(self, rss: Dict[int, int], tree: int) -> None:
-        """SIGKILL the run's largest process (the process kept is one of them), noted in the report."""
-        pid = max(rss, key=rss.get)
-        label = self.peaks.get(pid, (f"pid {pid}", 0))[0]
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            return
-        self.kills.append({"pid": pid, "label": label, "rss": rss[pid], "tree": tree, "limit": self.limit,
-                           "setting": self.setting})
-        print(f"[flyte-rlhf] memory watchdog: the run's processes held {gib(tree)}, over {self.setting}: killed "
-              f"{label}, which held {gib(rss[pid])}", file=sys.stderr, flush=True)
-
-    def write(self) -> None:
-        report = {"watched": self.root.pid, "tree_peak": self.tree_peak, "oom_kills_at_start": self.oom_at_start,
-                  "limit": {"bytes": self.limit, "setting": self.setting} if self.limit else None,
-                  "kills": self.kills,
-                  "processes": {str(pid): {"label": label, "peak": peak} for pid, (label, peak) in self.peaks.items()}}
-        tmp = f"{self.report_path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(report, f)
-        os.replace(tmp, self.report_path)
-        self._written = time.monotonic()
-
-    def report(self) -> dict:
-        self.write()
-        return processes.read_report(self.report_path)
-
-
-class Commands:
-    """What the kept process says on the keeper's stdin: the run it holds, the memory limit, ``done``."""
-
-    def __init__(self, watch: Watch):
-        self.watch, self.run, self.done = watch, None, threading.Event()
-        threading.Thread(target=self._read, daemon=True, name="keeper-stdin").start()
-
-    def _read(self) -> None:
-        for line in sys.stdin:
-            word, _, rest = line.strip().partition(" ")
-            if word == "done":
-                self.done.set()
-            elif word == "run":
-                self.run = json.loads(rest)
-            elif word == "limit":
-                size, _, setting = rest.partition(" ")
-                self.watch.limit, self.watch.setting = int(size), setting
-
-
-def keep(pid: int, report_path: str) -> None:
-    """The keeper's life: sample until the kept process ends, then stop what is left of the run; if it ended
-    without saying ``done``, say how it ended and end its run (:func:`lost`)."""
-    for sig in (signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
-    watch = Watch(pid, report_path)
-    said = Commands(watch)
-    watch.sample()
-    watch.write()  # the kept process waits for this report: from now on it is watched
-    while watch.alive():
-        time.sleep(INTERVAL_S)
-        watch.sample()
-    left = sweep(watch.others())
-    if said.done.is_set():
-        if left:
-            print(f"[flyte-rlhf] stopped {len(left)} process(es) the run left behind: {', '.join(left)}",
-                  file=sys.stderr, flush=True)
-    else:
-        print(lost(watch, said.run, left), file=sys.stderr, flush=True)
-    try:
-        os.remove(report_path)
-    except OSError:
-        pass
-
-
-def lost(watch: Watch, run: Optional[dict], left: list) -> str:
-    """The line for a kept process that ended without its exit handlers (so by SIGKILL, or a crash); with a
-    ``run`` (:class:`models.run.end.LiveRun`'s fields) still held by it, the run marked FAILED and let go."""
-    report = watch.report()
-    what = f"the run's process {watch.root_name}" if run else f"the process {watch.root_name}"
-    note = processes.death_note(watch.root.pid, signal.SIGKILL, what, report)
-    note = note.replace(" was killed by SIGKILL", " ended without running its exit handlers: killed by SIGKILL", 1)
-    stopped = f"; stopped {len(left)} process(es) it left behind: {', '.join(left)}" if left else ""
-    if run is None:
-        return f"[flyte-rlhf] {note}{stopped}"
-    from models.run import end as run_end, lock as run_lock
-
-    live = run_end.LiveRun(**run)
-    lease = run_lock.lease(live.layout.lock_url)
-    if lease is None or lease.owner != live.owner or lease.released_at:  # a relaunch holds the run now
-        return f"[flyte-rlhf] run {live.name}: {note}{stopped}; another launch has taken the run over since"
-    return run_end.end(live, run_end.FAILED, f"failed: {note}{stopped}")
 
 
 class Keeper:
@@ -196,7 +31,7 @@ class Keeper:
         self.report_path = os.path.join(tempfile.gettempdir(), f"flyte-rlhf-keeper-{os.getpid()}-"
                                                                f"{uuid.uuid4().hex[:8]}.json")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p))
-        self.proc = subprocess.Popen([sys.executable, "-m", "models.run.keeper", str(os.getpid()), self.report_path],
+        self.proc = subprocess.Popen([sys.executable, "-m", "models.run.keeper_process", str(os.getpid()), self.report_path],
                                      stdin=subprocess.PIPE, text=True, env=env)
         processes.use_report(self.report_path)
         atexit.register(self.done)
@@ -234,7 +69,3 @@ def keeper() -> Keeper:
     if os.getpid() not in _started:
         _started[os.getpid()] = Keeper()
     return _started[os.getpid()]
-
-
-if __name__ == "__main__":
-    keep(int(sys.argv[1]), sys.argv[2])

@@ -1,4 +1,4 @@
-"""The run's keeper (models/run/keeper.py) on small processes: a child over ``run.memory_limit_gib`` is killed and
+"""The run's keeper (models/run/keeper_process.py) on small processes: a child over ``run.memory_limit_gib`` is killed and
 named with the memory it reached; a process SIGKILLed (as the kernel's OOM killer does) leaves no child behind,
 and the keeper says how it ended. The whole run is ``test_resume.py``'s (its pyflyte SIGKILLed mid-update), a rank
 killed in an update ``test_elastic_faults.py``'s."""
@@ -12,8 +12,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from models import processes
 
 pytestmark = pytest.mark.integration
 
@@ -58,17 +56,3 @@ def test_a_child_over_the_limit_is_killed_named_and_nothing_outlives_a_killed_pa
                      r"killed by SIGKILL \(.*\); its peak memory was [\d.]+ GiB .*; stopped 1 process\(es\) it left "
                      rf"behind: python -c import time; time.sleep\(120\) \(pid {idle}\)", said[0]), said[0]
 
-
-def test_who_sent_a_signal():
-    """Without a keeper's kill, a SIGKILL is the kernel's OOM killer's when its counter rose or the run's
-    processes were near the limit; another signal is named alone."""
-    limit, _ = processes.memory_limit()
-    report = {"oom_kills_at_start": processes.oom_kills(), "tree_peak": int(0.9 * limit), "processes": {}}
-    assert processes.why_killed(1, 9, report).startswith("was killed by SIGKILL, likely by the kernel's OOM killer "
-                                                        "(the run's processes held ")
-    report["tree_peak"] = int(0.1 * limit)
-    assert processes.why_killed(1, 9, report) == ("was killed by SIGKILL (no sign of the kernel's OOM killer: "
-                                                  "/proc/vmstat oom_kill unchanged)")
-    report["oom_kills_at_start"] -= 1  # one OOM kill since the run started
-    assert "likely by the kernel's OOM killer (/proc/vmstat oom_kill rose by 1" in processes.why_killed(1, 9, report)
-    assert processes.why_killed(1, 11, report) == "was killed by SIGSEGV"

@@ -59,7 +59,7 @@ def test_a_local_run_that_stops_is_marked_and_lets_go(tmp_path, monkeypatch, how
 @pytest.mark.slow
 def test_a_local_run_whose_process_is_sigkilled_is_marked_failed_by_its_keeper(tmp_path, monkeypatch):
     """SIGKILL (the kernel's OOM killer) leaves the process no handler to run: its keeper says how it ended, marks
-    the run FAILED and lets go of the lock (models/run/keeper.py)."""
+    the run FAILED and lets go of the lock (models/run/keeper_process.py)."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     out = subprocess.run([sys.executable, "-c", HOLDER, str(tmp_path / "runs"), "SIGKILL"], capture_output=True,
                          text=True, timeout=300, cwd=ROOT)  # returns once the keeper, sharing stderr, has ended
