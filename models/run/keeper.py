@@ -69,3 +69,10 @@ def keeper() -> Keeper:
     if os.getpid() not in _started:
         _started[os.getpid()] = Keeper()
     return _started[os.getpid()]
+
+
+def note_task(name: str) -> None:
+    """Tell this process's keeper, if it has one, that task ``name`` starts (named if this process is killed)."""
+    started = _started.get(os.getpid())
+    if started is not None:
+        started.say(f"task {name}")

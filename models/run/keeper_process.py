@@ -46,7 +46,7 @@ class Watch:
         self.root_name = describe(self.root).split(" (pid")[0]
         self.seen: Dict[Tuple[int, float], psutil.Process] = {}
         self.peaks: Dict[int, Tuple[str, int]] = {}
-        self.tree_peak, self.limit, self.setting = 0, 0, ""
+        self.tree_peak, self.limit, self.setting, self.task = 0, 0, "", ""
         self.kills: list = []
         self.oom_at_start = processes.oom_kills()
         self._written = 0.0
@@ -94,6 +94,8 @@ class Watch:
         """SIGKILL the run's largest process (the process kept is one of them), noted in the report."""
         pid = max(rss, key=rss.get)
         label = self.peaks.get(pid, (f"pid {pid}", 0))[0]
+        if pid == self.root.pid and self.task:
+            label += f", running task {self.task}"
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
@@ -131,6 +133,8 @@ class Commands:
             word, _, rest = line.strip().partition(" ")
             if word == "done":
                 self.done.set()
+            elif word == "task":
+                self.watch.task = rest
             elif word == "run":
                 self.run = json.loads(rest)
             elif word == "limit":
@@ -170,6 +174,8 @@ def lost(watch: Watch, run: Optional[dict], left: list) -> str:
     what = f"the run's process {watch.root_name}" if run else f"the process {watch.root_name}"
     note = processes.death_note(watch.root.pid, signal.SIGKILL, what, report)
     note = note.replace(" was killed by SIGKILL", " ended without running its exit handlers: killed by SIGKILL", 1)
+    if watch.task:
+        note += f"; the last task it started: {watch.task}"
     stopped = f"; stopped {len(left)} process(es) it left behind: {', '.join(left)}" if left else ""
     if run is None:
         return f"[flyte-rlhf] {note}{stopped}"

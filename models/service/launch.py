@@ -93,7 +93,7 @@ class ChildProcess:
                 code = self.proc.poll()
                 self.stop()
                 what = f"did not get ready in {timeout_s:g} s" if code is None else \
-                    f"exited with code {code} while starting" if code >= 0 else \
+                    f"exited with code {code} while starting{processes.memory_summary()}" if code >= 0 else \
                     "died while starting: " + processes.death_note(self.proc.pid, -code, "its process")
                 raise ServiceGone(f"{self.label} {what}; its log ({self.log_path}) ends:\n{self.log_tail()}")
         return self.url

@@ -56,3 +56,15 @@ def test_a_child_over_the_limit_is_killed_named_and_nothing_outlives_a_killed_pa
                      r"killed by SIGKILL \(.*\); its peak memory was [\d.]+ GiB .*; stopped 1 process\(es\) it left "
                      rf"behind: python -c import time; time.sleep\(120\) \(pid {idle}\)", said[0]), said[0]
 
+
+
+def test_a_service_killed_while_starting_is_named_with_the_signal(tmp_path):
+    from models.service.client import ServiceGone
+    from models.service.launch import ChildProcess
+
+    child = ChildProcess([sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"], tmp_path / "svc.log",
+                         "the engine service", timeout_s=60)
+    with pytest.raises(ServiceGone) as err:
+        child.start()
+    assert re.match(r"the engine service died while starting: its process \(pid \d+\) was killed by SIGKILL",
+                    str(err.value)), str(err.value)

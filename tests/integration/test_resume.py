@@ -205,7 +205,8 @@ def test_a_run_whose_process_is_killed_is_ended_by_its_keeper(runs):
     assert len(said) == 1, killed[-4000:]
     assert re.search(r"the run's process pyflyte \(pid \d+\) ended without running its exit handlers: killed by "
                      r"SIGKILL \(.*\); its peak memory was [\d.]+ GiB \(RSS, sampled every 0.5 s\), the run's "
-                     r"processes together [\d.]+ GiB of .*: MLflow run \w+ marked FAILED, lock released, iterations up to "
+                     r"processes together [\d.]+ GiB of [^;]*; the last task it started: tasks.updates.actor_update.*: "
+                     r"MLflow run \w+ marked FAILED, lock released, iterations up to "
                      r"iter-000000 committed \(state.json\); rerun the same command to resume", said[0]), said[0]
     # the workers die with the forkserver (PR_SET_PDEATHSIG), which ends with pyflyte; what is left, the keeper stops
     assert runs.left_alive == [], "a process of the run outlived it"
