@@ -106,9 +106,12 @@ def _cgroup_limit() -> Optional[int]:
     except OSError:
         return None
     for _, controllers, path in (parts for parts in lines if len(parts) == 3):
-        file = "/sys/fs/cgroup" + path.rstrip("/") + "/memory.max" if controllers == "" else \
-            "/sys/fs/cgroup/memory" + path.rstrip("/") + "/memory.limit_in_bytes" if "memory" in controllers.split(",") \
-            else ""
+        if controllers == "":  # cgroup v2
+            file = f"/sys/fs/cgroup{path.rstrip('/')}/memory.max"
+        elif "memory" in controllers.split(","):  # v1
+            file = f"/sys/fs/cgroup/memory{path.rstrip('/')}/memory.limit_in_bytes"
+        else:
+            continue
         try:
             with open(file) as f:
                 value = f.read().strip()

@@ -108,8 +108,8 @@ class ActorElasticTask(CustomLaunchElasticTask):
             _, first = first_failure(e)
             if is_recoverable_worker_error(first):
                 raise FlyteRecoverableException(e.format_msg(), timestamp=first.timestamp)
-            raise FlyteUserRuntimeException(RuntimeError(root_cause_first(e, self.name, worker_exits.killed_ranks(since))),
-                                            timestamp=first.timestamp)
+            cause = root_cause_first(e, self.name, worker_exits.killed_ranks(since))
+            raise FlyteUserRuntimeException(RuntimeError(cause), timestamp=first.timestamp)
         except SignalException as e:  # Ctrl-C or SIGTERM while the workers ran: the run stops, KILLED
             run_end.note_signal(e.sigval.name)
             raise KeyboardInterrupt(e.sigval.name) from None

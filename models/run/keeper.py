@@ -31,8 +31,8 @@ class Keeper:
         self.report_path = os.path.join(tempfile.gettempdir(), f"flyte-rlhf-keeper-{os.getpid()}-"
                                                                f"{uuid.uuid4().hex[:8]}.json")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p))
-        self.proc = subprocess.Popen([sys.executable, "-m", "models.run.keeper_process", str(os.getpid()), self.report_path],
-                                     stdin=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen([sys.executable, "-m", "models.run.keeper_process", str(os.getpid()),
+                                      self.report_path], stdin=subprocess.PIPE, text=True, env=env)
         processes.use_report(self.report_path)
         atexit.register(self.done)
         deadline = time.monotonic() + STARTUP_S

@@ -16,7 +16,9 @@ test that launches elastic ranks), which watches that process and everything it 
 It ignores SIGINT and SIGHUP (Ctrl-C and a closed terminal reach the run, which ends itself and says
 "done" on the keeper's stdin), and imports nothing heavy until the run needs marking.
 
-    python -m models.run.keeper_process <pid> <report path>   # commands on stdin: run <json>, limit <bytes> <setting>, done
+    python -m models.run.keeper_process <pid> <report path>
+
+Its commands, one a line on stdin: ``run <json>``, ``limit <bytes> <setting>``, ``task <name>``, ``done``.
 
 This module is the keeper's process; :mod:`models.run.keeper` starts it and talks to it.
 """
@@ -35,7 +37,6 @@ import psutil
 
 from models import processes
 from models.processes import INTERVAL_S, describe, gib, sweep
-
 
 
 class Watch:

@@ -1,10 +1,11 @@
-"""The run's keeper (models/run/keeper_process.py) on small processes: a child over ``run.memory_limit_gib`` is killed and
-named with the memory it reached; a process SIGKILLed (as the kernel's OOM killer does) leaves no child behind,
+"""The run's keeper (models/run/keeper_process.py) on small processes: a child over ``run.memory_limit_gib`` is
+killed and named with the memory it reached; a process SIGKILLed (as the kernel's OOM killer does) leaves no child behind,
 and the keeper says how it ended. The whole run is ``test_resume.py``'s (its pyflyte SIGKILLed mid-update), a rank
 killed in an update ``test_elastic_faults.py``'s."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -34,7 +35,7 @@ os.kill(os.getpid(), 9)  # as the kernel's OOM killer would
 
 def test_a_child_over_the_limit_is_killed_named_and_nothing_outlives_a_killed_parent():
     out = subprocess.run([sys.executable, "-c", PARENT], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == -9, out.stderr
     lines = out.stdout.splitlines()
     code, note = lines[0].split(" ", 1)
