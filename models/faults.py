@@ -10,9 +10,10 @@ fail one rank of a service; and a benchmark can make generation the slower side.
   (responses sampled, batch not written), ``actor_update/iter-000001`` (elastic workers
   trained, checkpoint not saved), ``commit/<checkpoint URL>`` (files in place under the
   checkpoint's URL, ``COMMITTED.json`` not written).
-- ``RLHF_FAULT_KILL_RANK="<rank>@step=<k>"`` — :func:`maybe_kill_rank`: that rank of the
-  elastic update ``os._exit(1)``s before optimiser step ``k``, once per ``RLHF_FAULT_DIR``
-  (a marker file is made first, so the restarted worker group runs through).
+- ``RLHF_FAULT_KILL_RANK="<rank>@step=<k>[:<signal>]"`` — :func:`maybe_kill_rank`: that rank of the
+  elastic update ``os._exit(1)``s before optimiser step ``k`` (or sends itself ``<signal>``, e.g.
+  ``SIGKILL`` as the kernel's OOM killer would), once per ``RLHF_FAULT_DIR`` (a marker file is made
+  first, so the restarted worker group runs through).
 - ``RLHF_FAULT_NAN_ADVANTAGES="<iteration>:<rows>[,<iteration>:<rows>...]"`` —
   :func:`nan_advantages`: the actor update of that iteration sees NaN advantages, on the first
   ``<rows>`` rows of rank 0 or, with ``all``, on every row of every rank.
@@ -39,6 +40,7 @@ Nothing here runs in a normal run: every hook returns at once when its variable 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 PAUSE_ENV = "RLHF_FAULT_PAUSE"
@@ -72,14 +74,18 @@ def pause_point(name: str) -> None:
 
 
 def maybe_kill_rank(rank: int, step: int) -> None:
-    """Exit this process abruptly if ``RLHF_FAULT_KILL_RANK`` is ``{rank}@step={step}`` (first time only)."""
-    spec = os.environ.get(KILL_RANK_ENV)
+    """Exit this process abruptly (or by the signal it names) if ``RLHF_FAULT_KILL_RANK`` is
+    ``{rank}@step={step}[:<signal>]`` (first time only)."""
+    spec, _, sig = os.environ.get(KILL_RANK_ENV, "").partition(":")
     if not spec or spec != f"{rank}@step={step}":
         return
     marker = os.path.join(_fault_dir(), f"killed-rank-{rank}-step-{step}")
     if os.path.exists(marker):
         return
     open(marker, "w").close()
+    if sig:
+        os.kill(os.getpid(), getattr(signal, sig))
+        time.sleep(60)  # a signal this process handles: it is not to go on
     os._exit(1)  # no cleanup, no exception: as if the process were killed
 
 

@@ -4,14 +4,17 @@ docs/development.md). Importing any of them quiets the libraries' console chatte
 task (``pyflyte run``, a pod's ``pyflyte-execute``, an elastic worker), before torch, transformers,
 vLLM or flytekit's own settings load. Under ``pyflyte`` it also makes a config error print its one-line
 reason (``tasks/cli_errors.py``), and everywhere flytekit computes each dataclass's Flyte type once per
-process instead of once per task interface (``tasks/flyte_internals.py``)."""
+process instead of once per task interface, and each task's name is told to the run's keeper as it starts
+(``tasks/flyte_internals.py``)."""
 
 from models.console import quiet_libraries
 
 quiet_libraries()
 
 from tasks.cli_errors import short_config_errors  # noqa: E402  (imports flytekit: after the line above)
-from tasks.flyte_internals import cache_dataclass_literal_types  # noqa: E402
+from models.run.keeper import note_task  # noqa: E402
+from tasks.flyte_internals import cache_dataclass_literal_types, note_each_task  # noqa: E402
 
 short_config_errors()
 cache_dataclass_literal_types()  # before any task is defined: ~5 s less per process importing the workflows
+note_each_task(note_task)  # the task running, for the run's keeper (models/run/keeper.py)

@@ -18,9 +18,11 @@ amortise, and the cluster runs exactly the plugin's code.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
-from typing import Any, Sequence
+import signal
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import cloudpickle
 import flytekit
@@ -28,13 +30,17 @@ from flytekit.exceptions.user import FlyteRecoverableException, FlyteUserRuntime
 from flytekit.extend import TaskPlugins
 from flytekitplugins.kfpytorch import Elastic
 
+from models import processes
 from models.environ import environment
 from models.run import end as run_end
+from models.run.keeper import keeper
+from tasks import worker_exits
 from tasks.flyte_internals import CustomLaunchElasticTask, adopt_rank0_result, is_recoverable_worker_error, spawn_helper
 
 FORKSERVER = "forkserver"
 
-PRELOAD = ("flytekitplugins.kfpytorch.task", "tasks.updates", "tasks.score", "transformers.modeling_utils")
+PRELOAD = ("tasks.worker_exits", "flytekitplugins.kfpytorch.task", "tasks.updates", "tasks.score",
+           "transformers.modeling_utils")
 """Imported once by the forkserver, so forked workers start with them loaded."""
 
 
@@ -75,7 +81,9 @@ class ActorElasticTask(CustomLaunchElasticTask):
     def _launch_from_forkserver(self, kwargs) -> Any:
         # set before the forkserver imports torch; the agent hands it to the workers, and this process's
         # later tasks see the user's setting again
-        with environment({"OMP_NUM_THREADS": str(worker_threads(self.task_config.nproc_per_node))}):
+        keeper()  # the workers' memory sampled for the messages, and none left behind if this process dies
+        with environment({"OMP_NUM_THREADS": str(worker_threads(self.task_config.nproc_per_node)),
+                          worker_exits.EXITS_ENV: worker_exits.exits_path()}):
             start_forkserver(PRELOAD)
             return self._launch(kwargs)
 
@@ -91,14 +99,17 @@ class ActorElasticTask(CustomLaunchElasticTask):
                               rdzv_configs=c.rdzv_configs, rdzv_endpoint="localhost:0",
                               max_restarts=c.max_restarts, monitor_interval=c.monitor_interval,
                               start_method=FORKSERVER)
+        since = worker_exits.size()
         try:
             out = elastic_launch(config=config, entrypoint=spawn_helper)(
-                cloudpickle.dumps(self.task_function), ctx.raw_output_prefix, None, None, kwargs)
+                cloudpickle.dumps(functools.partial(as_worker, self.task_function)), ctx.raw_output_prefix, None,
+                None, kwargs)
         except ChildFailedError as e:
             _, first = first_failure(e)
             if is_recoverable_worker_error(first):
                 raise FlyteRecoverableException(e.format_msg(), timestamp=first.timestamp)
-            raise FlyteUserRuntimeException(RuntimeError(root_cause_first(e, self.name)), timestamp=first.timestamp)
+            cause = root_cause_first(e, self.name, worker_exits.killed_ranks(since))
+            raise FlyteUserRuntimeException(RuntimeError(cause), timestamp=first.timestamp)
         except SignalException as e:  # Ctrl-C or SIGTERM while the workers ran: the run stops, KILLED
             run_end.note_signal(e.sigval.name)
             raise KeyboardInterrupt(e.sigval.name) from None
@@ -107,31 +118,63 @@ class ActorElasticTask(CustomLaunchElasticTask):
         return adopt_rank0_result(out[0])  # a single node: rank 0 is here
 
 
+def as_worker(fn, **kwargs) -> Any:
+    """``fn(**kwargs)`` in a worker forked by the forkserver, which dies with it (and so with the run's process,
+    whose end stops the forkserver): no worker outlives the run."""
+    processes.die_with_parent()
+    worker_exits.record_rank()
+    return fn(**kwargs)
+
+
+def killed_by(failure) -> int:
+    """The signal that killed the failed worker (0: it exited). SIGTERM is torchrun's own, stopping the others."""
+    return -failure.exitcode if failure.exitcode < 0 and -failure.exitcode != signal.SIGTERM else 0
+
+
 def failure_cause(failure) -> str:
+    """The worker's error; for one killed by a signal, who likely sent it and the memory it held."""
+    if killed_by(failure):
+        return processes.death_note(failure.pid, killed_by(failure), "its process")
     return failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
 
 
 def failure_kind(failure) -> str:
-    """The error's type as the worker reported it ("NonFiniteUpdate" of "NonFiniteUpdate: all 4 ...")."""
-    return failure_cause(failure).split(":", 1)[0]
+    """The error's type as the worker reported it ("NonFiniteUpdate" of "NonFiniteUpdate: all 4 ..."), or the
+    signal that killed it."""
+    if killed_by(failure):
+        return processes.signal_name(killed_by(failure))
+    return str(failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+               ).split(":", 1)[0]
 
 
 def first_failure(e):
-    """``(rank, failure)`` of the root cause: the lowest rank that failed with the same error type as the
-    earliest failure. torchrun's own choice (the earliest timestamp, in whole seconds) is a race when
-    several recorded ranks raised the same error (a non-finite update fails on all of them). torchrun
+    """``(rank, failure)`` of the root cause: the lowest rank killed by a signal (the others then fail on the
+    closed connection, maybe before torchrun finds it dead), else the lowest rank that failed with the same
+    error type as the earliest failure. torchrun's own choice (the earliest timestamp, in whole seconds) is a
+    race when several recorded ranks raised the same error (a non-finite update fails on all of them). torchrun
     records only the ranks that exited before it stopped the others, so which ranks are there is a race
     too."""
+    killed = sorted(r for r, f in e.failures.items() if killed_by(f))
+    if killed:
+        return killed[0], e.failures[killed[0]]
     _, earliest = e.get_first_failure()
     rank = min(r for r, f in e.failures.items() if failure_kind(f) == failure_kind(earliest))
     return rank, e.failures[rank]
 
 
-def root_cause_first(e, task_name: str = "tasks.updates.actor_update") -> str:
+def root_cause_first(e, task_name: str = "tasks.updates.actor_update",
+                     killed: Optional[Dict[int, Tuple[int, int]]] = None) -> str:
     """A ``ChildFailedError``'s report with the first failed rank's own error on its first line (the
     report alone starts with the launcher's banner and buries it among the restarts' tracebacks), naming
     the task (``actor_update``: "the actor update failed on rank 0: ...") and the other ranks that failed
-    with the same error."""
+    with the same error. ``killed``: ``{rank: (pid, signal)}`` of the workers a signal ended, as the forkserver
+    saw them (``tasks/worker_exits.py``): the lowest such rank is the cause, whatever torchrun recorded."""
+    killed = {r: v for r, v in (killed or {}).items() if v[1] != signal.SIGTERM}  # SIGTERM: torchrun stopping them
+    if killed:
+        rank = min(killed)
+        cause = processes.death_note(*killed[rank], "its process")
+        what = task_name.rsplit(".", 1)[-1].replace("_", " ")
+        return f"the {what} failed on rank {rank}: {cause}\n{e.format_msg()}"
     rank, first = first_failure(e)
     cause = failure_cause(first)
     same = sorted(r for r, f in e.failures.items() if r != rank and failure_kind(f) == failure_kind(first))

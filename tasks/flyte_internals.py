@@ -16,7 +16,9 @@ there, naming it, instead of in a run.
 - ``FlyteContextManager.current_context().output_metadata_tracker`` and ``flytekit.deck.deck.TimeLineDeck``:
   rank 0's decks and output metadata handed to the task's process, as the plugin does; ``tasks/elastic.py``;
 - ``DataclassTransformer.get_literal_type``: computed once per dataclass per process
-  (:func:`cache_dataclass_literal_types`, installed by ``tasks/__init__.py``).
+  (:func:`cache_dataclass_literal_types`, installed by ``tasks/__init__.py``);
+- ``PythonTask.dispatch_execute``: each task's name told to the run's keeper as it starts (:func:`note_each_task`,
+  installed by ``tasks/__init__.py``), so a ``pyflyte`` process killed mid-task is named with its task.
 """
 
 from __future__ import annotations
@@ -90,6 +92,25 @@ def cache_dataclass_literal_types() -> bool:
     get_literal_type._flyte_rlhf = True
     get_literal_type.uncached = original
     DataclassTransformer.get_literal_type = get_literal_type
+    return True
+
+
+def note_each_task(note: Callable[[str], None]) -> bool:
+    """Call ``note(task name)`` as each task starts in this process (``PythonTask.dispatch_execute``, which a local
+    execution calls for every task, and a pod's entrypoint for its own); once per process: False after."""
+    from flytekit.core.base_task import PythonTask
+
+    original = PythonTask.dispatch_execute
+    if getattr(original, "_flyte_rlhf", False):
+        return False
+
+    @functools.wraps(original)
+    def dispatch_execute(self, ctx, input_literal_map):
+        note(self.name)
+        return original(self, ctx, input_literal_map)
+
+    dispatch_execute._flyte_rlhf = True
+    PythonTask.dispatch_execute = dispatch_execute
     return True
 
 

@@ -163,6 +163,12 @@ class RunConfig:
     quarter of this, and its lock is taken over at once once its process is gone; on a cluster the
     update, commit and evaluation tasks renew it, so it must exceed the longest rollout + score with
     pod start-up."""
+    memory_limit_gib: float = 0.0
+    """A local run's processes together (``pyflyte`` and everything it started: the engine, elastic workers,
+    services, reward workers) may hold this much resident memory (RSS, sampled every 0.5 s by the run's keeper);
+    over it the keeper SIGKILLs the largest of them and the run fails naming it, the memory it reached and this
+    limit, resumable from its last commit (docs/reliability.md). Set it below the machine's memory to fail with
+    that message before the kernel's OOM killer acts. 0: no limit (the keeper still watches)."""
 
     def __post_init__(self) -> None:
         check(bool(self.storage_root), "run.storage_root must not be empty")
@@ -198,6 +204,7 @@ class RunConfig:
               f"run.name={self.name!r} must not contain '/' or spaces")
         check(self.checkpoint_artifact_max_mb >= 0, "run.checkpoint_artifact_max_mb must be >= 0")
         check(self.lock_ttl_s > 0, "run.lock_ttl_s must be > 0")
+        check(self.memory_limit_gib >= 0, "run.memory_limit_gib must be >= 0 (0: no limit)")
         check(self.resident_idle_timeout_s > 0, "run.resident_idle_timeout_s must be > 0")
         check(self.resident_start_timeout_s > 0, "run.resident_start_timeout_s must be > 0")
         check(self.resident_answer_timeout_s > 0, "run.resident_answer_timeout_s must be > 0")

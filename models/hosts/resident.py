@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from models import storage
+from models import processes, storage
 from models.config.io import to_dict
 from models.run.types import PolicyState, RunHandle
 from models.service import book
@@ -150,11 +150,13 @@ def _supervise(run: RunHandle, child: ChildProcess, timeout_s: float) -> None:
         held = _RUNNING.get(run.layout.url, [])
         if child not in held:  # stopped by the run (finish, failure, exit)
             return
+        how = f"{child.label} exited (code {code})" if code >= 0 else \
+            processes.death_note(child.proc.pid, -code, child.label)  # the signal, its memory
         if restart > ENGINE_RESTARTS:
-            say(f"{child.label} exited (code {code}) for the {restart}th time: not started again")
+            say(f"{how}; for the {restart}th time: not started again")
             book.unpublish(run.layout.url, ENGINE)
             return
-        say(f"{child.label} exited (code {code}): started again from the run's starting state ({restart} of "
+        say(f"{how}: started again from the run's starting state ({restart} of "
             f"{ENGINE_RESTARTS}); its callers give it the trainer's weights")
         fresh = ChildProcess(child.command, child.log_path.with_name(f"{ENGINE}-{restart}.log"), child.label).spawn()
         held[held.index(child)] = child = fresh

@@ -23,7 +23,8 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from models.run import lock as run_lock
+from models import processes
+from models.run import keeper as run_keeper, lock as run_lock
 
 from models import tracking
 from models.run.errors import root_cause
@@ -58,9 +59,11 @@ _signals: list = []
 _installed = threading.Event()
 
 
-def hold_if_local(root: str, name: str, mlflow_run_id: str, ttl_s: float) -> None:
+def hold_if_local(root: str, name: str, mlflow_run_id: str, ttl_s: float, memory_limit_gib: float = 0.0) -> None:
     """In a local execution, this process holds the run until :func:`finished`: heartbeats, signal
-    handlers, the exit check (``prepare_run`` calls it; a cluster's tasks renew the lock themselves)."""
+    handlers, the exit check, and the run's keeper (:mod:`models.run.keeper`: its memory watched, at most
+    ``memory_limit_gib`` when > 0, and the run ended and its processes stopped if this process is killed)
+    (``prepare_run`` calls it; a cluster's tasks renew the lock themselves)."""
     owner = run_lock.current_owner()
     if not owner.startswith("local:"):
         return
@@ -69,6 +72,9 @@ def hold_if_local(root: str, name: str, mlflow_run_id: str, ttl_s: float) -> Non
     if url not in _beats:
         _beats[url] = run_lock.Heartbeat(run.layout.lock_url, owner, max(ttl_s / 4, 1.0))
     _live[url] = run
+    keeper = run_keeper.keeper()  # before the exit check is registered: it says "done" after that ran
+    keeper.hold(run)
+    keeper.limit(memory_limit_gib)
     if not _installed.is_set():
         _installed.set()
         atexit.register(_at_exit)
@@ -113,6 +119,8 @@ def end(run: LiveRun, status: str, why: str) -> str:
     """Mark ``run`` ``status`` in MLflow (with the reason as a tag), release its lock; the line to show."""
     layout = run.layout
     finished(layout.url)
+    if status == FAILED:
+        why += processes.memory_summary(why)
     try:
         tracking.set_tags(run.mlflow_run_id, {"end_reason": why[:4000]})
         tracking.end_run(run.mlflow_run_id, status)

@@ -294,3 +294,9 @@ def heartbeat(url: str, owner: str = "") -> Iterator[None]:
         beat.stop()
     if beat.lost is not None:
         raise beat.lost
+
+
+def lease(url: str) -> Optional[Lease]:
+    """The lease at ``url`` as it stands (None without one)."""
+    cur = _read(url)
+    return None if cur is None else cur[0]

@@ -55,6 +55,8 @@ RESUMABLE: Dict[str, str] = {
     "run.checkpoint_artifact_max_mb": "which kept checkpoints are copied into MLflow",
     "run.registered_model_name": "where the final policy is registered, which happens at the end",
     "run.lock_ttl_s": "when the run's lock counts as stale",
+    "run.memory_limit_gib": "when the keeper stops a local run that holds too much memory: a guard, no state "
+                            "depends on it",
     "run.resident_layout": "where a resident run generates, not what it samples: every sample is seeded by its "
                            "prompt's index whichever engine draws it, and the checkpoints are the same files",
     "actor.lr": "a learning-rate schedule by hand: AdamW's carried moments stay valid under another rate",

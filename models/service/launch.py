@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
+from models import processes
 from models.service.client import ServiceGone
 from models.service.ops import Host
 from models.service.server import Server, Settings, serve_ranks
@@ -91,8 +92,9 @@ class ChildProcess:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 code = self.proc.poll()
                 self.stop()
-                what = f"exited with code {code} while starting" if code is not None else \
-                    f"did not get ready in {timeout_s:g} s"
+                what = f"did not get ready in {timeout_s:g} s" if code is None else \
+                    f"exited with code {code} while starting{processes.memory_summary()}" if code >= 0 else \
+                    "died while starting: " + processes.death_note(self.proc.pid, -code, "its process")
                 raise ServiceGone(f"{self.label} {what}; its log ({self.log_path}) ends:\n{self.log_tail()}")
         return self.url
 

@@ -40,5 +40,6 @@ def prepare(preset: str, overrides: List[str], run_name: str, workflow: str,
     (:func:`models.run.setup.setup_run`). A local execution holds the run's lock while it lasts."""
     check_before_setup(preset, overrides, run_name, workflow, deployment)
     setup = setup_run(preset, overrides, run_name, workflow)
-    run_end.hold_if_local(setup.run.storage_root, setup.run.run_name, setup.run.mlflow_run_id, setup.cfg.run.lock_ttl_s)
+    run_end.hold_if_local(setup.run.storage_root, setup.run.run_name, setup.run.mlflow_run_id, setup.cfg.run.lock_ttl_s,
+                          setup.cfg.run.memory_limit_gib)
     return setup

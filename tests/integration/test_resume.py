@@ -1,6 +1,7 @@
 """Kill a whole local training run (SIGKILL of the ``pyflyte`` process group) during a rollout,
-during the elastic actor update and during a checkpoint commit (all in iteration 1, so each
-rerun resumes after iteration 0); rerun it with the same run name each time; compare with a
+and during a checkpoint commit, and SIGKILL the ``pyflyte`` process alone (as the kernel's OOM killer does:
+its keeper ends the run, FAILED, and no process of it lives on) during the elastic actor update (all in
+iteration 1, so each rerun resumes after iteration 0); rerun it with the same run name each time; compare with a
 run that was never interrupted (same seeds, other run name). The killed run keeps only what a resume
 needs (``run.keep_checkpoints=0``, ``run.keep_batches=0``): each rerun resumes after retention deleted
 iteration 0's batches, takes iteration 1's finished tasks from Flyte's cache (their batch files are
@@ -24,10 +25,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from models import storage
@@ -74,8 +77,10 @@ class Runs:
         state = self.layout(name).read_state()
         return -1 if state is None else state.iteration
 
-    def kill_at(self, name: str, attempt: int, point: str, check=None, extra=()) -> None:
-        """Start (or resume) ``name`` paused at ``point``; once it is there, SIGKILL the group."""
+    def kill_at(self, name: str, attempt: int, point: str, check=None, extra=(), alone: bool = False):
+        """Start (or resume) ``name`` paused at ``point``; once it is there, SIGKILL the group, or with ``alone`` the
+        ``pyflyte`` process alone, as the kernel's OOM killer does (its keeper then ends the run: the processes of
+        the run, as they were just before, are returned once the keeper has said so)."""
         faults = self.tmp / f"faults-{attempt}"
         run = self.start(name, str(attempt), {"RLHF_FAULT_PAUSE": f"{point}:300", "RLHF_FAULT_DIR": str(faults)},
                          extra)
@@ -83,8 +88,17 @@ class Runs:
         run.wait_until(lambda: paused.exists() and point in paused.read_text(), f"the pause at {point}")
         if check is not None:
             check(run)
-        run.kill()
+        procs = run.descendants()
+        if alone:
+            os.kill(run.proc.pid, signal.SIGKILL)
+            run.proc.wait(timeout=60)
+            keeper = [p for p in procs if "models.run.keeper" in " ".join(p.cmdline())]
+            assert len(keeper) == 1, [p.cmdline() for p in procs]
+            keeper[0].wait(timeout=120)  # it has stopped the rest and marked the run
+        else:
+            run.kill()
         self.logs.append(run.output())
+        return procs
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +130,11 @@ def runs(s3_server, tmp_path_factory):
         workers = [p for p in run.descendants() if "multiprocessing.forkserver" in " ".join(p.parent().cmdline())]
         assert len(workers) >= 2, [p.cmdline() for p in run.descendants()]
 
-    r.kill_at("resumed", 2, "actor_update/iter-000001", workers_alive, RETAIN)
+    # pyflyte alone, as the kernel's OOM killer does: its keeper stops the workers, says so, marks the run FAILED
+    r.killed_alone = r.kill_at("resumed", 2, "actor_update/iter-000001", workers_alive, RETAIN, alone=True)
+    r.left_alive = [p.cmdline() for p in r.killed_alone if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    r.status_after_kill = _client(r).get_run(_run_id(r, "resumed")).info.status
+    r.lease_after_kill = json.loads(storage.read_bytes(layout.lock_url))
     assert r.state_iteration("resumed") == 0
     assert storage.exists(layout.batch_url(1, "advantages")) and not is_committed(layout.actor_url(1))
 
@@ -176,6 +194,24 @@ def test_resumed_run_completes_every_iteration_once(runs):
         assert len(data["data"]) == 8, path
     leftovers = [k for k in storage.list_files(runs.layout("resumed").url) if ".tmp-" in k or "write-check" in k]
     assert not leftovers
+
+
+def test_a_run_whose_process_is_killed_is_ended_by_its_keeper(runs):
+    """The second kill: ``pyflyte`` alone SIGKILLed during the elastic update, as the kernel's OOM killer does.
+    Nothing in it can act: its keeper (models/run/keeper_process.py) stops the workers and the forkserver, says what
+    happened, marks the MLflow run FAILED and releases the lock; the next launch resumes it (the other tests)."""
+    killed = runs.logs[2]
+    said = [line for line in killed.splitlines() if line.startswith("[flyte-rlhf] run resumed failed: ")]
+    assert len(said) == 1, killed[-4000:]
+    assert re.search(r"the run's process pyflyte \(pid \d+\) ended without running its exit handlers: killed by "
+                     r"SIGKILL \(.*\); its peak memory was [\d.]+ GiB \(RSS, sampled every 0.5 s\), the run's "
+                     r"processes together [\d.]+ GiB of [^;]*; the last task it started: tasks.updates.actor_update.*: "
+                     r"MLflow run \w+ marked FAILED, lock released, iterations up to "
+                     r"iter-000000 committed \(state.json\); rerun the same command to resume", said[0]), said[0]
+    # the workers die with the forkserver (PR_SET_PDEATHSIG), which ends with pyflyte; what is left, the keeper stops
+    assert runs.left_alive == [], "a process of the run outlived it"
+    assert len(runs.killed_alone) >= 4  # the forkserver, two workers, the keeper (and the reward workers)
+    assert runs.status_after_kill == "FAILED" and runs.lease_after_kill["released_at"]
 
 
 def test_resumed_run_equals_the_uninterrupted_one(runs):
@@ -348,7 +384,8 @@ def test_a_resident_run_killed_and_resumed_equals_the_stateless_one(runs, reside
         resident["killed"][-4000:]
     assert resident["alive"] == [] and resident["alive_after"] == [], "a service outlived its run"
     resumed = resident["resumed"]  # the engine killed mid-run: started again, given the weights, nothing redone
-    assert "the engine service exited (code -9): started again" in resumed, resumed[-4000:]
+    assert re.search(r"the engine service \(pid \d+\) was killed by SIGKILL[^\n]*; its peak memory was "
+                     r"[\d.]+ GiB[^\n]*: started again", resumed), resumed[-4000:]
     assert resumed.count("[ppo] iter 2/2") == 1 and "[ppo] iter 1/2" not in resumed
     client, run_id = _client(runs), _run_id(runs, "resident")
     transports = client.get_metric_history(run_id, "resident/weights_transport")

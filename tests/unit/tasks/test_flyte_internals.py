@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import pathlib
 import sys
 
@@ -144,6 +145,33 @@ def test_dataclass_types_are_computed_once_and_equal_flytekits_own():
 
     first = TypeEngine.to_literal_type(Fresh)  # a dataclass no task names: cached on first use
     assert TypeEngine.to_literal_type(Fresh) is first and set(first.structure.dataclass_type) == {"x"}
+
+
+def test_each_task_is_noted_as_it_starts(monkeypatch):
+    """A local execution's tasks pass through ``PythonTask.dispatch_execute`` (``tasks/__init__.py`` wraps it once):
+    each one's name reaches the run's keeper, the dynamic's and the task's inside it."""
+    from flytekit import dynamic, task
+
+    from models.run import keeper
+
+    noted = []
+
+    class Keeper:  # this process's keeper, as far as note_task sees it
+        say = noted.append
+
+    monkeypatch.setitem(keeper._started, os.getpid(), Keeper())
+    assert not flyte_internals.note_each_task(keeper.note_task)  # installed once already
+
+    @task
+    def inner(x: int) -> int:
+        return x + 1
+
+    @dynamic
+    def outer(x: int) -> int:
+        return inner(x=x)
+
+    assert outer(x=1) == 2
+    assert [n.rsplit(".", 1)[-1] for n in noted] == ["outer", "inner"] and noted[0].startswith("task "), noted
 
 
 PRIVATE_FLYTE = ("_task_config", "_task_function", "_execute", "pretty_print_exception", "output_metadata_tracker",

@@ -56,6 +56,26 @@ def test_a_local_run_that_stops_is_marked_and_lets_go(tmp_path, monkeypatch, how
     assert lease["released_at"]
 
 
+@pytest.mark.slow
+def test_a_local_run_whose_process_is_sigkilled_is_marked_failed_by_its_keeper(tmp_path, monkeypatch):
+    """SIGKILL (the kernel's OOM killer) leaves the process no handler to run: its keeper says how it ended, marks
+    the run FAILED and lets go of the lock (models/run/keeper_process.py)."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    out = subprocess.run([sys.executable, "-c", HOLDER, str(tmp_path / "runs"), "SIGKILL"], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)  # returns once the keeper, sharing stderr, has ended
+    run_id = out.stdout.strip()
+    assert out.returncode == -9 and run_id, out.stderr
+    line = [x for x in out.stderr.splitlines() if x.startswith("[flyte-rlhf] run r failed: ")]
+    assert len(line) == 1, out.stderr
+    assert "the run's process python -c" in line[0] and "ended without running its exit handlers: killed by " \
+        "SIGKILL" in line[0] and "its peak memory was " in line[0], line[0]
+    assert line[0].endswith(f": MLflow run {run_id} marked FAILED, lock released, no iteration committed yet; rerun "
+                            f"the same command to resume"), line[0]
+    run = tracking.client().get_run(run_id)
+    assert run.info.status == "FAILED" and "killed by SIGKILL" in run.data.tags["end_reason"]
+    assert json.loads((tmp_path / "runs" / "r" / "lock.json").read_text())["released_at"]
+
+
 def test_the_failure_handler_finds_a_cluster_run_by_its_execution(tmp_path, monkeypatch):
     from flytekit.models.core.identifier import WorkflowExecutionIdentifier
 
