@@ -13,6 +13,7 @@ restarted engine). Every check that can refuse a request runs on every rank befo
 from __future__ import annotations
 
 import functools
+import secrets
 import time
 from typing import Any, Dict, Optional
 
@@ -37,7 +38,12 @@ from models.stages.services import ENGINE, LABELS, critic_service, run_service
 from models.stages.updates import load_trainee, saves_at, update_trainee
 from models.training.distributed import DistInfo, from_main, unwrap
 from models.training.probe import reference_logprobs
+from models.training.weight_shadow import Shadow
 from models.training.weight_source import WeightSource
+
+
+def _reason(err: Exception) -> str:
+    return str(err) if isinstance(err, ServiceError) else f"{type(err).__name__}: {err}"
 
 
 class PushFailed(RuntimeError):
@@ -117,6 +123,8 @@ class ActorHost(TrainerHost):
         one_rm = cfg.reward.source == "model" and info.world_size == 1
         self.rewards = reward_source(cfg, run, info.device) if one_rm else None
         self.transport = transport_for(cfg, run.reference_url)  # rank 0's end, kept between pushes
+        delta = cfg.run.weight_push == "delta" and not cfg.actor.lora.enabled
+        self.shadow = Shadow() if delta else None  # each rank's part of the engine's copy of the last push
 
     @property
     def lm(self):
@@ -154,28 +162,54 @@ class ActorHost(TrainerHost):
 
     def send_weights(self, version: int, defer: bool) -> Dict[str, float]:
         """The weights held, as the actor of iteration ``version``, to the engine service in memory, with the probe
-        the engine checks them against; :class:`PushFailed` when the engine did not confirm them."""
+        the engine checks them against (a delta where the engine holds this trainer's last push); :class:`PushFailed`
+        when the engine did not confirm them."""
         t0 = time.perf_counter()
         sequences, logprobs = reference_logprobs(unwrap(self.model), self.vocab)  # every rank: FSDP2
         source = WeightSource(unwrap(self.model), self.info)  # gathered tensor by tensor as the push sends them
-        out, failed = {}, ""
-        if not self.info.is_main:
-            self.transport.follow(source)  # every rank takes part in the gathers
-        else:
-            args = {"version": version, "probe": {"sequences": sequences, "logprobs": logprobs},
-                    "tolerance": self.cfg.probe_tolerance, "defer": defer}
-            engine = None
+        engine, plan, failed, out = None, None, "", {}
+        if self.info.is_main:
             try:
                 engine = run_service(self.cfg, self.run, ENGINE)
-                out = self.transport.send(engine, args, self.lm, source)
+                plan = self.push_plan(engine, version)
+            except Exception as err:  # noqa: BLE001 -- every rank learns it below, before any gather
+                failed = _reason(err)
+        plan, failed = from_main((plan, failed))  # every rank pushes alike: a delta, a full push, or none
+        if not failed and not self.info.is_main:
+            self.transport.follow(source, plan, self.shadow)  # every rank takes part in the gathers
+        elif not failed:
+            args = {"version": version, "probe": {"sequences": sequences, "logprobs": logprobs},
+                    "tolerance": self.cfg.probe_tolerance, "defer": defer}
+            t1 = time.perf_counter()
+            try:
+                out = self.transport.send(engine, args, self.lm, source, plan, self.shadow)
+                out["resident/push_s"] = time.perf_counter() - t1
             except Exception as err:  # noqa: BLE001 -- every rank learns it below, and keeps the weights
-                if engine is None:
-                    self.transport.follow(source)  # no push began: the other ranks' gathers still need this one
-                failed = f"{type(err).__name__}: {err}" if not isinstance(err, ServiceError) else str(err)
+                failed = _reason(err)
         failed = from_main(failed)  # every rank keeps or drops the update alike
+        if self.shadow is not None:  # a delta builds only on a push the engine confirmed
+            self.shadow.base = "" if failed or plan is None else plan["id"]
         if failed:
             raise PushFailed(f"{failed} (the trainer keeps the weights: the same request sends them again)")
         return {**out, "time/weights_to_engine_s": time.perf_counter() - t0} if self.info.is_main else {}
+
+    def push_plan(self, engine, version: int) -> Optional[Dict[str, Any]]:
+        """Rank 0, ``run.weight_push=delta``: this push's id, its samples' seed, and the push it is a delta against
+        ("": a full push, when the engine holds no push this trainer confirmed: a new or restarted engine, one
+        reloaded from a checkpoint, or one that cannot patch in place)."""
+        if self.shadow is None:
+            return None
+        try:
+            reply = engine.call("held_push")
+        except ServiceError:  # an engine without the op, or gone: the push itself says what is wrong
+            reply = {}
+        held = str(reply.get("id", ""))
+        base = self.shadow.base if self.shadow.base and held == self.shadow.base else ""
+        if not base and reply.get("patchable"):
+            print(f"[push] the weights of iteration {version} go to the engine as a full push (the engine holds "
+                  f"{'push ' + held if held else 'no push'} of this trainer's, which last confirmed "
+                  f"{self.shadow.base or 'none'})", flush=True)
+        return {"id": secrets.token_hex(8), "seed": secrets.randbelow(1 << 30), "base": base}
 
     def close(self) -> None:
         self.transport.close()
