@@ -20,7 +20,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from models.engines.weight_delta import INT_OF, FULL, Delta, changed_mask, choose, encode
+from models.engines.weight_delta import FULL, Delta, changed_mask, choose, encode
 from models.engines.weight_stream import SAMPLES, bits
 from models.training.weight_source import WeightSource
 
@@ -138,11 +138,10 @@ def _gather_changed(indices: torch.Tensor, values: torch.Tensor, counts: List[in
                     ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Every rank's changed positions and values, in rank order (ascending), on rank 0 (padded to the largest
     count for the gather); None on the others."""
-    most, device = max(counts), info.device
-    words = INT_OF[values.element_size()]  # as integers: every backend gathers those
+    most, device, size = max(counts), info.device, values.element_size()
     pad_i = torch.zeros(most, dtype=torch.int64, device=device)
-    pad_v = torch.zeros(most, dtype=words, device=device)
-    pad_i[:indices.numel()], pad_v[:values.numel()] = indices.to(device), values.view(words).to(device)
+    pad_v = torch.zeros(most * size, dtype=torch.uint8, device=device)  # as bytes: every backend gathers those
+    pad_i[:indices.numel()], pad_v[:values.numel() * size] = indices.to(device), values.view(torch.uint8).to(device)
     parts_i = [torch.empty_like(pad_i) for _ in counts] if info.is_main else None
     parts_v = [torch.empty_like(pad_v) for _ in counts] if info.is_main else None
     dist.gather(pad_i, parts_i, dst=0)
@@ -150,4 +149,4 @@ def _gather_changed(indices: torch.Tensor, values: torch.Tensor, counts: List[in
     if not info.is_main:
         return None, None
     return (torch.cat([p[:c].cpu() for p, c in zip(parts_i, counts)]),
-            torch.cat([p[:c].cpu() for p, c in zip(parts_v, counts)]).view(values.dtype))
+            torch.cat([p[:c * size].cpu() for p, c in zip(parts_v, counts)]).view(values.dtype))

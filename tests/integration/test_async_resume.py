@@ -54,7 +54,8 @@ def killed(tmp_path_factory):
                         [f"run.storage_root={root}"] + OVERRIDES, "async", dict(env, **(extra_env or {})),
                         tmp / f"{attempt}.log")
 
-    first = start("1")  # 1. the engine service, once iteration 1 is committed; 2. the actor trainer, after iteration 2
+    (tmp / "tmp1").mkdir()  # the services' logs (models/hosts/resident.py) under a folder of this test's
+    first = start("1", {"TMPDIR": str(tmp / "tmp1")})  # 1. the engine service, once iteration 1 is committed; 2. the actor trainer, after iteration 2
     first.wait_until(lambda: _iteration(layout) >= 1 and "engine" in _pids(layout), "iteration 1's commit")
     engine = _pids(layout)["engine"]
     os.kill(engine, signal.SIGKILL)
@@ -72,13 +73,17 @@ def killed(tmp_path_factory):
                       f"the pause at {point}")
     second.kill()
     logs = [first.output(), second.output(), start("3").wait(900)]
-    return dict(layout=layout, logs=logs, db=tmp / "mlflow.db")
+    services = "".join(p.read_text() for p in sorted((tmp / "tmp1").glob("resident-*/actor.log")))
+    return dict(layout=layout, logs=logs, db=tmp / "mlflow.db", actor_log=services)
 
 
 def test_killed_three_times_no_prompt_is_lost_or_trained_twice(killed):
     first, second, last = killed["logs"]
     assert "the engine service exited (code -9): started again" in first, first[-4000:]
     assert "the actor trainer service" in first and "does not answer" in first, first[-4000:]
+    # run.weight_push=delta (the default): the restarted engine got a full push (the trainer had confirmed a push)
+    actor = killed["actor_log"]
+    assert "as a full push (the engine holds no push of this trainer's, which last confirmed " in actor, actor[-4000:]
     for i in range(1, ITERATIONS + 1):  # each iteration committed once over the three launches
         assert sum(log.count(f"[grpo] iter {i}/{ITERATIONS} ") for log in killed["logs"]) == 1, i
     layout, rows = killed["layout"], []
@@ -98,3 +103,5 @@ def test_killed_three_times_no_prompt_is_lost_or_trained_twice(killed):
     history = MlflowClient(tracking_uri=f"sqlite:///{killed['db']}").get_metric_history(run_id, "async/staleness_p100")
     assert sorted(m.step for m in history) == list(range(ITERATIONS))  # logged once per iteration
     assert max(m.value for m in history) <= K
+    density = MlflowClient(tracking_uri=f"sqlite:///{killed['db']}").get_metric_history(run_id, "resident/push_density")
+    assert density and min(m.value for m in density) < 1.0, density  # deltas between the full pushes
