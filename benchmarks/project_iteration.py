@@ -190,10 +190,11 @@ def push_seconds(s: Shape, a: Assumptions) -> Dict[str, float]:
 
 
 def push_share(s: Shape) -> float:
-    """The share of the full push's bytes a push moves: ``min(1, density × (4 + e) / e)`` (a 4-byte position and
-    an ``e``-byte value per changed element, ``models/engines/weight_delta.py``)."""
+    """The share of the full push's bytes a push moves: ``min(1, density × (1 + e) / e + 1 / (256 e))`` (BLOCK8 of
+    ``models/engines/weight_delta.py``: a byte per block of 256 elements, a byte of position and an ``e``-byte value
+    per changed element)."""
     e = s.engine_bytes_per_param
-    return min(1.0, s.push_density * (4 + e) / e)
+    return min(1.0, s.push_density * (1 + e) / e + 1 / (256 * e))
 
 
 def checkpoint_bytes(s: Shape) -> Dict[str, float]:

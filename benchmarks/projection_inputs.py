@@ -164,9 +164,9 @@ class Shape:
     push_density: float = 1.0
     """``run.weight_push=delta``: the elements of the engine's weights an update changes at its dtype (1.0: full
     pushes, what the totals count: a restarted engine's push, and the bound). Each changed element travels as a
-    4-byte position and its value (``models/engines/weight_delta.py``), so a push moves ``min(1, density × (4 + e)
-    / e)`` of the full push's bytes, ``e`` the engine's bytes per parameter. The push's line also prints the
-    delta's seconds at :data:`MEASURED_PUSH_DENSITY`."""
+    byte of position in its block of 256 and its value, each block as a byte of count (``models/engines/
+    weight_delta.py``), so a push moves :func:`~benchmarks.project_iteration.push_share` of the full push's bytes.
+    The push's line also prints the delta's seconds at :data:`MEASURED_PUSH_DENSITY`."""
     push_bucket_bytes: int = 256 << 20
     """Most tensor bytes of one bucket of a push (``models/engines/weight_stream.py``, ``BUCKET_BYTES``): the
     engine loads a bucket before it takes the next, so it holds two at most."""

@@ -10,6 +10,9 @@ each, travels as the smallest of (:func:`choose`)::
     IDX32   int32 flat positions, then the values       4 c + c s        (N < 2**31)
     IDX64   int64 flat positions, then the values       8 c + c s
     BITMAP  one bit per element (LSB first), values     ceil(N / 8) + c s
+    BLOCK8  per block of 256 elements a uint8 count,    ceil(N / 256) + c + c s
+            each position's uint8 offset in its block,  (no block all changed)
+            then the values
 
 (the positions or the bitmap padded to 8 bytes, so the values stay aligned for their dtype).
 
@@ -29,8 +32,10 @@ import torch
 
 from models.engines.weight_stream import (ALIGN, PushError, Samples, _dtype, _numel, _up, checksum)
 
-FULL, IDX32, IDX64, BITMAP = 0, 1, 2, 3
-NAMES = {FULL: "full", IDX32: "idx32", IDX64: "idx64", BITMAP: "bitmap"}
+FULL, IDX32, IDX64, BITMAP, BLOCK8 = 0, 1, 2, 3, 4
+NAMES = {FULL: "full", IDX32: "idx32", IDX64: "idx64", BITMAP: "bitmap", BLOCK8: "block8"}
+BLOCK = 256
+"""Elements of a BLOCK8 block: a position within one is a byte."""
 _FIELDS = 5
 """int64 fields of a tensor's record."""
 INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -63,13 +68,22 @@ def nbytes(code: int, numel: int, count: int, itemsize: int) -> int:
 
 def _head(code: int, numel: int, count: int) -> int:
     """Bytes before the values (padded to 8, so the values stay aligned for any dtype)."""
-    return _up({FULL: 0, IDX32: 4 * count, IDX64: 8 * count, BITMAP: -(-numel // 8)}[code], 8)
+    return _up({FULL: 0, IDX32: 4 * count, IDX64: 8 * count, BITMAP: -(-numel // 8),
+                BLOCK8: -(-numel // BLOCK) + count}[code], 8)
 
 
-def choose(numel: int, count: int, itemsize: int) -> int:
-    """The encoding with the fewest bytes (ties: the first of FULL, IDX32, IDX64, BITMAP)."""
-    codes = [FULL, IDX32, IDX64, BITMAP] if numel < (1 << 31) else [FULL, IDX64, BITMAP]
+def choose(numel: int, count: int, itemsize: int, block8: bool = True, full: bool = True) -> int:
+    """The encoding with the fewest bytes (ties: the first of FULL, IDX32, IDX64, BITMAP, BLOCK8); ``block8``: BLOCK8
+    may carry them (no block of 256 has all its elements changed); ``full``: FULL may."""
+    codes = ([FULL] * full + [IDX32] * (numel < (1 << 31)) + [IDX64, BITMAP] + [BLOCK8] * block8)
     return min(codes, key=lambda c: nbytes(c, numel, count, itemsize))
+
+
+def sparse_code(numel: int, indices: torch.Tensor, itemsize: int, full: bool = True) -> int:
+    """Once the changed positions are known (ascending): the smallest encoding that can carry them (``full``: FULL
+    among them, where the sender has the whole tensor)."""
+    counts = torch.bincount(indices // BLOCK) if indices.numel() else indices
+    return choose(numel, indices.numel(), itemsize, not counts.numel() or int(counts.max()) < BLOCK, full)
 
 
 def _pack_bits(indices: torch.Tensor, numel: int) -> torch.Tensor:
@@ -93,6 +107,10 @@ def encode(code: int, numel: int, indices: Optional[torch.Tensor], values: torch
         return raw
     if code == BITMAP:
         head = _pack_bits(indices.cpu(), numel)
+    elif code == BLOCK8:
+        indices = indices.cpu()
+        counts = torch.bincount(indices // BLOCK, minlength=-(-numel // BLOCK)).to(torch.uint8)  # [blocks]
+        head = torch.cat([counts, (indices % BLOCK).to(torch.uint8)])
     else:
         head = indices.cpu().to(torch.int32 if code == IDX32 else torch.int64).view(torch.uint8)
     pad = torch.zeros(_head(code, numel, indices.numel()) - head.numel(), dtype=torch.uint8)
@@ -108,6 +126,11 @@ def decode(code: int, payload: torch.Tensor, shape, dtype: torch.dtype, count: i
     values = payload[head:].view(dtype)
     if code == BITMAP:
         indices = _unpack_bits(payload[:-(-numel // 8)], numel)
+    elif code == BLOCK8:
+        blocks = -(-numel // BLOCK)
+        counts = payload[:blocks].to(torch.int64)
+        starts = torch.repeat_interleave(torch.arange(blocks, dtype=torch.int64) * BLOCK, counts)  # [c]
+        indices = starts + payload[blocks:blocks + count].to(torch.int64)
     else:
         width = 4 if code == IDX32 else 8
         indices = payload[:width * count].view(torch.int32 if code == IDX32 else torch.int64).to(torch.int64)

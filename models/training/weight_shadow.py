@@ -20,7 +20,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from models.engines.weight_delta import FULL, Delta, changed_mask, choose, encode
+from models.engines.weight_delta import FULL, Delta, changed_mask, choose, encode, sparse_code
 from models.engines.weight_stream import SAMPLES, bits
 from models.training.weight_source import WeightSource
 
@@ -92,7 +92,7 @@ def _sample_table(positions: torch.Tensor, values_bits: torch.Tensor) -> torch.T
 def _whole_delta(new: torch.Tensor, mask: torch.Tensor, gen: torch.Generator) -> Delta:
     flat, numel = new.reshape(-1), new.numel()
     indices = mask.nonzero().reshape(-1)  # [c] ascending
-    code = choose(numel, indices.numel(), new.element_size())
+    code = sparse_code(numel, indices, new.element_size())
     payload = encode(code, numel, indices, flat if code == FULL else flat[indices])
     at = torch.cat([_positions(gen, numel), _among(gen, indices)])
     return Delta(code, indices.numel(), payload, _sample_table(at, bits(flat[at])))
@@ -128,6 +128,7 @@ def _sharded_delta(t, new: torch.Tensor, mask: torch.Tensor, gen: torch.Generato
     indices, values = _gather_changed(local_idx + start, new.reshape(-1)[local_idx], counts_list, info)
     if indices is None:
         return None
+    code = sparse_code(numel, indices, new.element_size(), full=False)  # rank 0's pick among the sparse ones
     at = _among(gen, indices)
     table = torch.cat([torch.stack([anywhere, held.cpu()]),
                        torch.stack([at, bits(values[torch.searchsorted(indices, at)])])], dim=1)

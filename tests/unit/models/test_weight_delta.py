@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.engines.weight_delta import (BITMAP, FULL, IDX32, IDX64, Delta, changed_mask, choose, decode, encode,
-                                         nbytes, open_delta, seal_delta)
+from models.engines.weight_delta import (BITMAP, BLOCK8, FULL, IDX32, IDX64, Delta, changed_mask, choose, decode,
+                                         encode, nbytes, open_delta, seal_delta, sparse_code)
 from models.engines.weight_stream import PushError, bits, plan_push
 
 
@@ -23,13 +23,16 @@ def _changed(shape, dtype, fraction, seed=0):
 
 
 def test_the_smallest_encoding_by_hand_worked_bytes():
-    # 1000 bfloat16 elements: IDX32 = 40 + 2 c, IDX64 = 80 + 2 c, BITMAP = 128 (125 padded to 8) + 2 c, FULL = 2000
-    assert (nbytes(IDX32, 1000, 10, 2), nbytes(IDX64, 1000, 10, 2), nbytes(BITMAP, 1000, 10, 2)) == (60, 100, 148)
-    assert choose(1000, 10, 2) == IDX32
+    # 1000 bfloat16 elements: IDX32 = 40 + 2 c, IDX64 = 80 + 2 c, BITMAP = 128 (125 padded to 8) + 2 c, BLOCK8 = 4
+    # block counts + c offsets padded to 8, + 2 c; FULL = 2000
+    assert (nbytes(IDX32, 1000, 10, 2), nbytes(IDX64, 1000, 10, 2), nbytes(BITMAP, 1000, 10, 2),
+            nbytes(BLOCK8, 1000, 10, 2)) == (60, 100, 148, 36)
+    assert choose(1000, 10, 2) == BLOCK8 and choose(1000, 10, 2, block8=False) == IDX32
     assert choose(1000, 600, 2) == BITMAP  # 1328 against IDX32's 3600 and FULL's 2000
     assert choose(1000, 990, 2) == FULL  # BITMAP 2108
-    assert choose(1 << 31, 10, 2) == IDX64  # positions past int32
-
+    assert choose(1 << 31, 10, 2, block8=False) == IDX64  # positions past int32
+    assert sparse_code(1000, torch.arange(256), 2) == BITMAP  # a block all changed: not BLOCK8 (BITMAP 640 bytes)
+    assert choose(1000, 990, 2, full=False) == BITMAP  # the sender holds the changed elements only
 
 def test_a_zero_of_the_other_sign_is_a_change():
     old, new = torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.0])
@@ -37,7 +40,7 @@ def test_a_zero_of_the_other_sign_is_a_change():
     assert changed_mask(new, None).tolist() == [True, True]
 
 
-@pytest.mark.parametrize("code", [FULL, IDX32, IDX64, BITMAP])
+@pytest.mark.parametrize("code", [FULL, IDX32, IDX64, BITMAP, BLOCK8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_every_encoding_gives_the_new_tensor_back(code, dtype):
     old, new = _changed((37, 11), dtype, 0.05)
