@@ -28,14 +28,15 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
+import numpy as np
 import torch
 
 from models.engines.weight_stream import (ALIGN, PushError, Samples, _dtype, _numel, _up, checksum)
 
 FULL, IDX32, IDX64, BITMAP, BLOCK8 = 0, 1, 2, 3, 4
 NAMES = {FULL: "full", IDX32: "idx32", IDX64: "idx64", BITMAP: "bitmap", BLOCK8: "block8"}
-BLOCK = 256
-"""Elements of a BLOCK8 block: a position within one is a byte."""
+BLOCK, _SHIFT = 256, 8
+"""Elements of a BLOCK8 block (``1 << _SHIFT``): a position within one is a byte."""
 _FIELDS = 5
 """int64 fields of a tensor's record."""
 INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -58,7 +59,17 @@ def changed_mask(new: torch.Tensor, old: Optional[torch.Tensor]) -> torch.Tensor
     if new.dtype == torch.bool:
         return new.reshape(-1) != old.reshape(-1)
     as_int = INT_OF[new.element_size()]
-    return new.reshape(-1).view(as_int) != old.reshape(-1).view(as_int)
+    new, old = new.reshape(-1).view(as_int), old.reshape(-1).view(as_int)
+    if new.device.type == "cpu":  # numpy's compare takes half torch's time on one core
+        return torch.from_numpy(new.numpy() != old.numpy())
+    return new != old
+
+
+def positions_of(mask: torch.Tensor) -> torch.Tensor:
+    """The flat positions (int64, ascending) where ``mask`` is set (numpy's on the CPU: a third of torch's time)."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    return mask.nonzero().reshape(-1)
 
 
 def nbytes(code: int, numel: int, count: int, itemsize: int) -> int:
@@ -82,7 +93,7 @@ def choose(numel: int, count: int, itemsize: int, block8: bool = True, full: boo
 def sparse_code(numel: int, indices: torch.Tensor, itemsize: int, full: bool = True) -> int:
     """Once the changed positions are known (ascending): the smallest encoding that can carry them (``full``: FULL
     among them, where the sender has the whole tensor)."""
-    counts = torch.bincount(indices // BLOCK) if indices.numel() else indices
+    counts = torch.bincount(indices >> _SHIFT) if indices.numel() else indices
     return choose(numel, indices.numel(), itemsize, not counts.numel() or int(counts.max()) < BLOCK, full)
 
 
@@ -109,8 +120,8 @@ def encode(code: int, numel: int, indices: Optional[torch.Tensor], values: torch
         head = _pack_bits(indices.cpu(), numel)
     elif code == BLOCK8:
         indices = indices.cpu()
-        counts = torch.bincount(indices // BLOCK, minlength=-(-numel // BLOCK)).to(torch.uint8)  # [blocks]
-        head = torch.cat([counts, (indices % BLOCK).to(torch.uint8)])
+        counts = torch.bincount(indices >> _SHIFT, minlength=-(-numel // BLOCK)).to(torch.uint8)  # [blocks]
+        head = torch.cat([counts, (indices & (BLOCK - 1)).to(torch.uint8)])
     else:
         head = indices.cpu().to(torch.int32 if code == IDX32 else torch.int64).view(torch.uint8)
     pad = torch.zeros(_head(code, numel, indices.numel()) - head.numel(), dtype=torch.uint8)
@@ -128,9 +139,9 @@ def decode(code: int, payload: torch.Tensor, shape, dtype: torch.dtype, count: i
         indices = _unpack_bits(payload[:-(-numel // 8)], numel)
     elif code == BLOCK8:
         blocks = -(-numel // BLOCK)
-        counts = payload[:blocks].to(torch.int64)
-        starts = torch.repeat_interleave(torch.arange(blocks, dtype=torch.int64) * BLOCK, counts)  # [c]
-        indices = starts + payload[blocks:blocks + count].to(torch.int64)
+        counts = payload[:blocks].cpu().numpy()
+        starts = torch.from_numpy(np.repeat(np.arange(blocks, dtype=np.int64) << _SHIFT, counts))  # [c]
+        indices = starts.to(payload.device) + payload[blocks:blocks + count].to(torch.int64)
     else:
         width = 4 if code == IDX32 else 8
         indices = payload[:width * count].view(torch.int32 if code == IDX32 else torch.int64).to(torch.int64)

@@ -20,7 +20,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from models.engines.weight_delta import FULL, Delta, changed_mask, choose, encode, sparse_code
+from models.engines.weight_delta import FULL, Delta, changed_mask, choose, encode, positions_of, sparse_code
 from models.engines.weight_stream import SAMPLES, bits
 from models.training.weight_source import WeightSource
 
@@ -91,7 +91,7 @@ def _sample_table(positions: torch.Tensor, values_bits: torch.Tensor) -> torch.T
 
 def _whole_delta(new: torch.Tensor, mask: torch.Tensor, gen: torch.Generator) -> Delta:
     flat, numel = new.reshape(-1), new.numel()
-    indices = mask.nonzero().reshape(-1)  # [c] ascending
+    indices = positions_of(mask)  # [c] ascending
     code = sparse_code(numel, indices, new.element_size())
     payload = encode(code, numel, indices, flat if code == FULL else flat[indices])
     at = torch.cat([_positions(gen, numel), _among(gen, indices)])
@@ -108,7 +108,7 @@ def _sharded_delta(t, new: torch.Tensor, mask: torch.Tensor, gen: torch.Generato
     numel, rows = t.numel(), t.shape[0]
     row = numel // rows if rows else 0
     start = min(info.rank * math.ceil(rows / info.world_size), rows) * row  # my first element's flat position
-    local_idx = mask.nonzero().reshape(-1)
+    local_idx = positions_of(mask)
     counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(info.world_size)]
     dist.all_gather(counts, torch.tensor([local_idx.numel()], dtype=torch.int64, device=device))
     counts_list = [int(c.item()) for c in counts]
