@@ -119,8 +119,8 @@ class RunConfig:
     colocated engines load in process): ``delta``, per tensor only the elements whose value at the engine's dtype
     changed since the push the engine holds (positions and values, or a bitmap, or the whole tensor where that is
     smaller; the trainer keeps the engine's copy on its host, each rank its part), checked as a full push is; a
-    restarted or new engine, or one that cannot patch in place (vLLM on the CPU, engine replicas), gets a full push
-    first. ``full``: every push the whole policy (docs/cluster.md#running-the-resident-mode)."""
+    restarted or new engine gets a full push first, and one that cannot patch in place (vLLM on the CPU, engine
+    replicas) full pushes only. ``full``: every push the whole policy (docs/cluster.md#running-the-resident-mode)."""
     resident_layout: str = "separate"
     """Where a resident run generates (docs/cluster.md#choosing-the-layout): ``separate``, an engine service on its
     own GPUs, the new weights sent to it after each update (``run.resident_weight_transport``); or ``colocated``,
