@@ -38,10 +38,11 @@ NEMO_ALIGNER_70B_GPUS = 128
 """GPUs of NeMo-Aligner's 70B step: 8 actor nodes and 8 critic nodes of 8 (arXiv:2405.01481); its generation runs on
 the actor's 64."""
 
-MEASURED_PUSH_DENSITY = 0.03
-"""Elements of a bfloat16 policy an update at lr 1e-6 changes, measured by ``benchmarks/bench_delta_push.py``
-(Qwen3-0.6B's width, random weights, AdamW on a GRPO-shaped loss; ``benchmarks/RESULTS.md``, 2026-11-28), within
-the 1-3 % veRL, slime and NeMo-RL report for real RL steps."""
+MEASURED_PUSH_DENSITY = 0.028
+"""Elements of a bfloat16 policy an update at lr 1e-6 changes: the median of three updates (0.042, 0.028, 0.023)
+measured by ``benchmarks/bench_delta_push.py`` (Qwen3-0.6B's width at 8 layers, random weights, AdamW on a
+GRPO-shaped loss; ``benchmarks/RESULTS.md``, 2026-11-28), within the 1-3 % veRL, slime and NeMo-RL report for
+real RL steps after the first (AdamW's first step moves every weight by the whole learning rate)."""
 MEASURED_SHARD_SHARE = 22848 / 45696
 """Moment bytes one of 2 FSDP2 ranks reads with the cut / without, measured through S3 by
 ``tests/unit/models/test_optimizer_shards.py`` (22848 of 45696 bytes: exactly 1/ranks; each file adds its
