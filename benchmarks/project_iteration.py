@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.projection_inputs import (LLAMA_8B, LLAMA_8B_FULL, LLAMA_70B, LLAMA_70B_FULL,  # noqa: E402,F401
-                                          MEASURED_SHARD_SHARE, NEMO_70B, NEMO_ALIGNER_70B_STEP_S, NEMO_RL_8B_STEP_S,
+                                          MEASURED_PUSH_DENSITY, MEASURED_SHARD_SHARE, NEMO_70B, NEMO_ALIGNER_70B_STEP_S, NEMO_RL_8B_STEP_S,
                                           NEMO_RL_8B_TOKENS, PRESETS, Assumptions, Shape, critic_nodes, critic_sharded,
                                           critic_size, llama_params, tokens)
 from benchmarks.rows import Row, add_bench_args, print_rows, row, write_rows  # noqa: E402
@@ -173,19 +173,28 @@ def resident_scoring_seconds(s: Shape, a: Assumptions) -> Dict[str, float]:
 def push_seconds(s: Shape, a: Assumptions) -> Dict[str, float]:
     """The push after each actor update (``models/hosts/pushes.py``), bucket by bucket, each step after the one
     before (the trainer gathers a bucket once the last is sent, the engine loads one before it takes the next).
-    B = parameters × the engine's bytes: every rank casts its rows to the engine's dtype before they travel.
+    B = parameters × the engine's bytes: every rank casts its rows to the engine's dtype before they travel; a
+    delta push (``push_density`` < 1) moves the changed elements only, :func:`push_share` of B.
 
       gather:    each tensor's rows into the trainer's rank 0: the node's own over NVLink, other nodes' over
                  rank 0's NIC (at the broadcast's rate)
       broadcast: rank 0 → the engine over NCCL
       load:      one engine GPU: in place on that GPU (nothing at these rates); tensor parallel: to host memory
                  (a shared file) and each worker's slice back to its GPU, the workers at once"""
-    b, world = s.params * s.engine_bytes_per_param, s.actor_nodes * s.gpus_per_node
+    b, world = s.params * s.engine_bytes_per_param * push_share(s), s.actor_nodes * s.gpus_per_node
     remote = (world - s.gpus_per_node) / world
     local = (s.gpus_per_node - 1) / world
     load = 0.0 if s.rollout_gpus == 1 else (b + b / s.rollout_gpus) / (a.host_copy_gb_per_s * 1e9)
     return {"gather": b * remote / (a.nccl_gb_per_s * 1e9) + b * local / (a.nvlink_gb_per_s * 1e9),
             "broadcast": b / (a.nccl_gb_per_s * 1e9), "load": load}
+
+
+def push_share(s: Shape) -> float:
+    """The share of the full push's bytes a push moves: ``min(1, density × (1 + e) / e + 1 / (256 e))`` (BLOCK8 of
+    ``models/engines/weight_delta.py``: a byte per block of 256 elements, a byte of position and an ``e``-byte value
+    per changed element)."""
+    e = s.engine_bytes_per_param
+    return min(1.0, s.push_density * (1 + e) / e + 1 / (256 * e))
 
 
 def checkpoint_bytes(s: Shape) -> Dict[str, float]:
@@ -317,7 +326,9 @@ def mode_table(s: Shape, a: Assumptions, modes: Sequence[str]) -> str:
         lines.append(f"  push after each actor update: {sum(push.values()):.1f} s (" +
                      ", ".join(f"{k} {v:.1f}" for k, v in push.items()) +
                      f"), {s.params * s.engine_bytes_per_param / 1e9:.0f} GB at {s.engine_bytes_per_param} B/parameter; "
-                     f"the engine holds {2 * s.push_bucket_bytes / 2**30:.1f} GiB of it at most (2 buckets)")
+                     f"the engine holds {2 * s.push_bucket_bytes / 2**30:.1f} GiB of it at most (2 buckets); "
+                     f"a delta push at the measured density {MEASURED_PUSH_DENSITY:g} (benchmarks/bench_delta_push.py): "
+                     f"{sum(push_seconds(replace(s, push_density=MEASURED_PUSH_DENSITY), a).values()):.1f} s")
     local, whole = actor_load_host_bytes(s)
     lines.append(f"  actor load, host memory per node: {local / 1e9:.0f} GB rank-local ({whole / 1e9:.0f} GB with the "
                  f"whole model on each rank); S3 bytes the same (each node downloads whole checkpoints)")

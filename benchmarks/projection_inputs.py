@@ -38,6 +38,11 @@ NEMO_ALIGNER_70B_GPUS = 128
 """GPUs of NeMo-Aligner's 70B step: 8 actor nodes and 8 critic nodes of 8 (arXiv:2405.01481); its generation runs on
 the actor's 64."""
 
+MEASURED_PUSH_DENSITY = 0.028
+"""Elements of a bfloat16 policy an update at lr 1e-6 changes: the median of three updates (0.042, 0.028, 0.023)
+measured by ``benchmarks/bench_delta_push.py`` (Qwen3-0.6B's width at 8 layers, random weights, AdamW on a
+GRPO-shaped loss; ``benchmarks/RESULTS.md``, 2026-11-28), within the 1-3 % veRL, slime and NeMo-RL report for
+real RL steps after the first (AdamW's first step moves every weight by the whole learning rate)."""
 MEASURED_SHARD_SHARE = 22848 / 45696
 """Moment bytes one of 2 FSDP2 ranks reads with the cut / without, measured through S3 by
 ``tests/unit/models/test_optimizer_shards.py`` (22848 of 45696 bytes: exactly 1/ranks; each file adds its
@@ -185,6 +190,12 @@ class Shape:
     engine_bytes_per_param: int = 2
     """The engine's weights, bfloat16 (``rollout.vllm_dtype``): what the trainer sends it after each update (cast
     on each rank before the gather, ``models/training/weight_source.py``; ``resident/weights_bytes`` logs it)."""
+    push_density: float = 1.0
+    """``run.weight_push=delta``: the elements of the engine's weights an update changes at its dtype (1.0: full
+    pushes, what the totals count: a restarted engine's push, and the bound). Each changed element travels as a
+    byte of position in its block of 256 and its value, each block as a byte of count (``models/engines/
+    weight_delta.py``), so a push moves :func:`~benchmarks.project_iteration.push_share` of the full push's bytes.
+    The push's line also prints the delta's seconds at :data:`MEASURED_PUSH_DENSITY`."""
     push_bucket_bytes: int = 256 << 20
     """Most tensor bytes of one bucket of a push (``models/engines/weight_stream.py``, ``BUCKET_BYTES``): the
     engine loads a bucket before it takes the next, so it holds two at most."""

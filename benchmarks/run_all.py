@@ -44,6 +44,7 @@ BENCHMARKS: Dict[str, str] = {
     "sharded_load": "bench_sharded_load.py",  # rank-local vs whole checkpoint load, full weights and LoRA (#30)
     "projection": "project_iteration.py",  # an iteration at 8B / 70B on paper, both run modes (docs/cluster.md)
     "weight_push": "bench_weight_push.py",  # the engine's peak extra memory per resident push vs the model (#38)
+    "delta_push": "bench_delta_push.py",  # delta vs full pushes at Qwen3-0.6B's width: bytes, seconds, density (#48)
     "pipeline": "bench_pipeline.py",  # on- vs off-policy s/iteration in the pod-level harness (docs/off_policy.md)
     "async": "bench_async.py",  # run.max_staleness k = 0, 1, 2, 4: s/iteration, idle fractions, rewards (#40)
     "async_pods": "bench_async_pods.py",  # k = 0 vs 2 in the pod-level harness, a core per pod (#40)

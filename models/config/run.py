@@ -114,6 +114,13 @@ class RunConfig:
     different GPUs, else gloo; the tensors by broadcast in a few flat buffers per dtype) or ``http`` (one
     binary body of the engine service's ``weights`` op). LoRA sends the adapter alone, over HTTP either way
     (docs/cluster.md#running-the-resident-mode)."""
+    weight_push: str = "delta"
+    """What a resident run's push sends when the engine is a process of its own (``run.resident_layout=separate``;
+    colocated engines load in process): ``delta``, per tensor only the elements whose value at the engine's dtype
+    changed since the push the engine holds (positions and values, or a bitmap, or the whole tensor where that is
+    smaller; the trainer keeps the engine's copy on its host, each rank its part), checked as a full push is; a
+    restarted or new engine gets a full push first, and one that cannot patch in place (vLLM on the CPU, engine
+    replicas) full pushes only. ``full``: every push the whole policy (docs/cluster.md#running-the-resident-mode)."""
     resident_layout: str = "separate"
     """Where a resident run generates (docs/cluster.md#choosing-the-layout): ``separate``, an engine service on its
     own GPUs, the new weights sent to it after each update (``run.resident_weight_transport``); or ``colocated``,
@@ -212,6 +219,7 @@ class RunConfig:
         check(self.resident_rank_grace_s > 0, "run.resident_rank_grace_s must be > 0")
         check_choice("run.resident_weight_transport", self.resident_weight_transport, ["collective", "http"])
         check_choice("run.resident_layout", self.resident_layout, ["separate", "colocated"])
+        check_choice("run.weight_push", self.weight_push, ["full", "delta"])
         if self.resident and self.resident_layout == "colocated":  # (read only by a resident run, as a preset sets it)
             setting = (f"run.off_policy_steps={self.off_policy_steps}" if self.off_policy_steps
                        else f"run.max_staleness={self.max_staleness}")

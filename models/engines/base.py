@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
+from models.engines.patching import EngineLoadError, Patching  # noqa: F401 -- EngineLoadError: imported from here
+
 log = logging.getLogger(__name__)
 
 MIN_ENGINE_TEMPERATURE = 0.01
@@ -169,11 +171,6 @@ class GenerationEngine(Protocol):
         """Free the engine."""
 
 
-class EngineLoadError(RuntimeError):
-    """Weights could not be served: an unreadable checkpoint, an engine that failed to start from it, or
-    tensors that do not fit the served model."""
-
-
 _RUN_ONLY_CONFIG_KEYS = ("_name_or_path", "transformers_version", "dtype", "torch_dtype")
 """config.json entries that do not change the served model (the engine's dtype is its own)."""
 
@@ -243,7 +240,7 @@ class WeightsLayout:
         return fitted
 
 
-class SwappableEngine:
+class SwappableEngine(Patching):
     """New weights in place when the layout matches, else (or when that fails) a restart."""
 
     stats: EngineStats
@@ -264,6 +261,7 @@ class SwappableEngine:
         raise NotImplementedError
 
     def _begin(self, checkpoint_dir: str) -> None:
+        self.pushed = ""
         t0 = time.perf_counter()
         self.stats = EngineStats()
         self._layout = WeightsLayout.read(checkpoint_dir)
@@ -285,6 +283,7 @@ class SwappableEngine:
         """
         layout = WeightsLayout.read(checkpoint_dir)
         reason = self._layout.mismatch(layout)
+        self.pushed = ""
         t0 = time.perf_counter()
         if reason is None:
             try:
@@ -317,11 +316,7 @@ class SwappableEngine:
         the new. A copy that fails half-way (or :meth:`abort_push`) leaves no checkpoint to restart from: the
         engine is closed (it must not serve half-replaced weights) and :class:`EngineLoadError` says why;
         :meth:`restart` from a checkpoint brings it back."""
-        reason = self._layout.shapes_mismatch({k: tuple(v) for k, v in shapes.items()})
-        if reason:
-            raise EngineLoadError(f"these weights do not fit the served model: {reason}")
-        self._pushing, self._push_t0 = True, time.perf_counter()
-        self._pushed("begin", lambda: self._begin_push_in_place(list(shapes)))
+        self._start_push(shapes, lambda: self._begin_push_in_place(list(shapes)))
 
     def push_chunk(self, tensors: Mapping[str, Any]) -> None:
         """Copy ``tensors`` (some of the push's; cast to the engine's dtype if they are not) into the engine."""
@@ -329,27 +324,13 @@ class SwappableEngine:
 
     def end_push(self) -> None:
         """The push is complete: every weight it named copied, or :class:`EngineLoadError` (the engine closed)."""
-        self._pushed("finish", self._end_push_in_place)
-        self._pushing = False
-        self.stats.reload_s += time.perf_counter() - self._push_t0
-        self.stats.reloads += 1
+        self._finish_push(self._end_push_in_place)
 
     def abort_push(self) -> None:
         """Give the push up (the sender failed, a chunk arrived corrupted): the engine is closed."""
         if getattr(self, "_pushing", False):
             self._pushing = False
             self.close()
-
-    def _pushed(self, step: str, fn: Callable[[], None]) -> None:
-        if not getattr(self, "_pushing", False):
-            raise EngineLoadError(f"no push to {step}: begin_push first (the last one failed or ended)")
-        try:
-            fn()
-        except Exception as err:  # the weights may be half-replaced
-            self._pushing = False
-            self.close()
-            raise EngineLoadError(f"copying new weights into the engine failed ({type(err).__name__}: {err}); "
-                                  f"the engine is closed: restart it from a checkpoint") from err
 
     def push_buffer(self, nbytes: int, device: Any) -> Any:
         """A byte buffer to receive a chunk of a push into (an engine whose workers are other processes gives
@@ -381,6 +362,7 @@ class SwappableEngine:
         self._restart(checkpoint_dir, WeightsLayout.read(checkpoint_dir), "restart asked for")
 
     def _restart(self, checkpoint_dir: str, layout: WeightsLayout, reason: str) -> None:
+        self.pushed = ""
         t0 = time.perf_counter()
         self.close()
         try:

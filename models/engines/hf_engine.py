@@ -8,7 +8,7 @@ from __future__ import annotations
 import glob
 import os
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -99,6 +99,24 @@ class HFEngine(SwappableEngine):
             raise RuntimeError(f"the push named weights it did not send: {sorted(self._left)[:5]}")
         if "lm_head.weight" not in self._layout.shapes:  # a tied head follows the embedding
             self.model.tie_weights()
+
+    def _begin_patch_in_place(self) -> None:
+        self.set_adapter(None)  # the state dict is the plain model's
+
+    def _patch_chunk_in_place(self, patches: Dict[str, Any]) -> None:
+        """Each patch into the model's own tensor (a tied head shares the embedding's): ``index_copy_`` of the values
+        at their flat positions, or the whole tensor copied."""
+        state = self._model().state_dict()
+        with torch.no_grad():
+            for name, (indices, values) in drop_pushed(patches).items():
+                if name not in state:
+                    raise RuntimeError(f"the delta names {name!r}, which the engine's model does not hold")
+                target = state[name]
+                if indices is None:
+                    target.copy_(values.view(target.shape))
+                else:
+                    flat = target.view(-1)  # the parameter's own memory (contiguous)
+                    flat.index_copy_(0, indices.to(flat.device), values.to(flat.device, flat.dtype))
 
     def _load_state(self, state: Dict[str, torch.Tensor], what: str) -> None:
         """``load_state_dict`` (copies into the model's own tensors, in its dtype and on its device); a

@@ -159,6 +159,10 @@ class EngineReplicas:
     :func:`models.engines.make_engine`) in its own spawned process, of ``workers`` vLLM tensor-parallel
     workers each (see the module docstring)."""
 
+    patchable = False
+    """A delta push is not dealt to replicas: they take full pushes (``run.weight_push=delta`` falls back)."""
+    pushed = ""
+
     def __init__(self, make: Callable[[], Any], replicas: int, workers: int = 1):
         if replicas < 2:
             raise ValueError(f"EngineReplicas needs 2 or more replicas, got {replicas} (use one engine)")

@@ -147,6 +147,19 @@ class VLLMEngine(SwappableEngine):
         self._shared = {}
         self._copy_in(vllm_push.finish, {})
 
+    @property
+    def patchable(self) -> bool:
+        """A delta patches the weights in place on a GPU; the CPU's GEMM repacks them (full pushes only)."""
+        return torch.cuda.is_available()
+
+    def _patch_chunk_in_place(self, patches: Dict[str, Any]) -> None:
+        shapes = self._layout.shapes
+        self._llm().collective_rpc(vllm_push.patch, kwargs={"patches": {
+            name: (list(shapes[name]), indices, values) for name, (indices, values) in patches.items()}})
+
+    def _end_patch_in_place(self) -> None:
+        self._copy_in(vllm_push.patched, {})
+
     def read_back(self, positions, dtypes):
         metas = {name: (list(shape), dtypes.get(name, self._llm_kwargs["dtype"]))
                  for name, shape in self._layout.shapes.items()}

@@ -159,6 +159,35 @@ def finish(worker: Any) -> List[str]:
     return problems
 
 
+def patch(worker: Any, patches: Dict[str, Tuple[Sequence[int], Optional[torch.Tensor], torch.Tensor]]) -> None:
+    """A delta push's chunk, in place (no layerwise reload): ``{name: (shape, flat positions or None, values)}``
+    through vLLM's own sparse loader (``load_checkpoint_weight_patches``: the model's loaders map each checkpoint
+    tensor onto its fused and tensor-parallel parameters, writing only the positions given). Needs the weights as
+    loaded (a GPU's; the CPU's GEMM repacks and frees them, so a CPU engine takes full pushes only)."""
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import (CheckpointWeightPatch,
+                                                                          load_checkpoint_weight_patches)
+
+    model = worker.model_runner.get_model()
+    device = next(model.parameters()).device
+    chunk = []
+    for name, (shape, indices, values) in drop_pushed(patches).items():
+        n = 1
+        for s in shape:
+            n *= int(s)
+        at = torch.arange(n, device=device) if indices is None else indices.to(device)  # a whole tensor: every place
+        chunk.append(CheckpointWeightPatch(name, tuple(int(s) for s in shape), values.dtype,
+                                           values.reshape(-1).to(device), at))
+    with _config(worker):
+        load_checkpoint_weight_patches(model, chunk)
+
+
+def patched(worker: Any) -> List[str]:
+    """After a delta push's last chunk: the runner's caches that hold results of the old weights reset."""
+    for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+        getattr(worker.model_runner, reset, lambda: None)()
+    return []
+
+
 def drop() -> None:
     """Forget the pushes under way in this process (their engine is closing): their log captures removed."""
     for state in _STATE.values():

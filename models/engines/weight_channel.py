@@ -9,7 +9,7 @@ on two different GPUs (NCCL cannot join two ranks on one device), else ``gloo`` 
 
 A push: the header (:func:`models.engines.weight_stream.plan_push`: the tensors' names, dtypes, shapes and
 places in their buckets) travels by other means (the engine service's HTTP op), the buckets by broadcast, one
-at a time (:meth:`Sender.send_bucket`, :meth:`Receiver.buckets`): the receiver takes a bucket into a buffer its
+at a time (a delta push's, :mod:`models.engines.weight_delta`, each after its length) (:meth:`Sender.send_bucket`, :meth:`Receiver.buckets`): the receiver takes a bucket into a buffer its
 engine gives (:meth:`~models.engines.base.SwappableEngine.push_buffer`) only once the one before is loaded.
 Every wait is bounded by the channel's timeout; a failure raises :class:`ChannelError` and the channel is not
 used again.
@@ -127,7 +127,12 @@ class Receiver:
                                f"({type(err).__name__}: {str(err).strip()[:300]})") from err
         self.store.set(_ready_key(self.key, push), "1")
         for index in range(len(header["buckets"])):
-            buffer = alloc(bucket_nbytes(header, index), self.device)
+            nbytes = bucket_nbytes(header, index)
+            if "delta" in header:  # a delta bucket's length is known once it is made: the sender sends it first
+                size = torch.zeros(1, dtype=torch.int64, device=self.device)
+                _broadcast(group, size, self.backend, self.timeout_s)
+                nbytes = int(size.item())
+            buffer = alloc(nbytes, self.device)
             _broadcast(group, buffer, self.backend, self.timeout_s)
             yield index, buffer
             del buffer
@@ -180,6 +185,11 @@ class Sender:
     def send_bucket(self, buffer: torch.Tensor) -> None:
         """Broadcast one bucket's bytes (on :attr:`device`)."""
         _broadcast(self.group, buffer, self.backend, self.timeout_s)
+
+    def send_size(self, nbytes: int) -> None:
+        """A delta push's next bucket's length, ahead of it."""
+        _broadcast(self.group, torch.tensor([nbytes], dtype=torch.int64, device=self.device), self.backend,
+                   self.timeout_s)
 
     def close(self) -> None:
         atexit.unregister(self.close)

@@ -58,6 +58,9 @@ class EngineHost(Host):
         self.cfg, self.run = cfg, run
         self.transport = transport_for(cfg, run.reference_url)
         self.pending: Dict[int, Callable[[], Any]] = {}
+        self.accepted = ""
+        """The id of the last push taken whole (loaded and verified, or kept to load in order): what a delta may
+        build on (``run.weight_push=delta``)."""
         self.turns, self.producer, self.taken = EngineTurns(), None, None  # run.max_staleness >= 2
         if state.behaviour_url:  # resumed off-policy: the next batch comes from the actor before the state's
             self.engine = engine_for(cfg, state.behaviour_url)
@@ -126,6 +129,7 @@ class EngineHost(Host):
         t0 = time.perf_counter()
         with self.turn():
             self.version = -1
+            self.accepted = ""
             self.pending.pop(state.iteration, None)
             self.engine = engine_for(self.cfg, state.actor_url)  # probed as a task's engine is
             self.version = state.iteration
@@ -142,6 +146,16 @@ class EngineHost(Host):
         return self.transport.connect(host=host, gpu=gpu, timeout_s=timeout_s)
 
     @op
+    def held_push(self) -> Dict[str, Any]:
+        """``id``: the push a delta may build on: the last one taken, if the engine can patch and still holds it (or
+        keeps it to load); "" (a full push first) after a restart, a reload from a checkpoint or a failed push.
+        ``patchable``: whether this engine takes deltas at all."""
+        engine = self.engine
+        patchable = bool(getattr(engine, "patchable", False))
+        holds = self.accepted and (self.pending or getattr(engine, "pushed", "") == self.accepted)
+        return {"id": self.accepted if holds and patchable else "", "patchable": patchable}
+
+    @op
     def weights(self, version: int, probe: Dict[str, Any], tolerance: float, defer: bool = False,
                 meta: Optional[Dict[str, Any]] = None, body: Optional[bytes] = None) -> Dict[str, float]:
         """The actor of iteration ``version`` from the trainer: taken now, loaded now or (``defer``, off-policy)
@@ -149,7 +163,9 @@ class EngineHost(Host):
         keep = defer or self.cfg.run.asynchronous  # kept until served, or until the producer's unit is sampled
         if not keep:
             self.version = -1  # until the new weights are in and verified, the engine serves no iteration
+        self.accepted = ""  # until this push is taken whole
         put = self.transport.receive(meta or {}, body, None if keep else self.engine)  # streamed in, or kept
+        pushed = str((meta or {}).get("header", {}).get("id", ""))
 
         def load() -> Dict[str, float]:
             t0 = time.perf_counter()
@@ -163,9 +179,11 @@ class EngineHost(Host):
 
         if defer:
             self.pending[int(version)] = load
+            self.accepted = pushed
             return {}
         with self.turn():
             out = load()
+        self.accepted = pushed
         self.poke()
         return out
 

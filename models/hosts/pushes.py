@@ -18,8 +18,10 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 
 import torch
 
+from models.engines.weight_delta import open_delta, seal_delta
 from models.engines.weight_stream import (BUCKET_BYTES, BucketWriter, PushError, Samples, check_read_back,
                                           checksum_kind, open_bucket, plan_push, positions, tensor_bytes)
+from models.training.weight_shadow import Shadow
 from models.training.weight_source import WeightSource
 
 
@@ -29,15 +31,28 @@ class Push:
     def __init__(self, dtype: torch.dtype = torch.float32, bucket_bytes: Optional[int] = None):
         self.dtype, self.bucket_bytes = dtype, bucket_bytes or BUCKET_BYTES
 
-    def header(self, source: WeightSource, device) -> Dict[str, Any]:
-        return plan_push(source.tensors(self.dtype), source.aliases, self.bucket_bytes,
-                         checksum_kind(torch.device(device)))
+    def header(self, source: WeightSource, device, plan: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+        """The push's layout; ``plan`` (``run.weight_push=delta``): ``id``, this push's, and ``base``, the push the
+        engine holds that this one is a delta against ("": a full push, the engine's next base)."""
+        header = plan_push(source.tensors(self.dtype), source.aliases, self.bucket_bytes,
+                           checksum_kind(torch.device(device)))
+        if plan:
+            header["id"] = plan["id"]
+            if plan.get("base"):
+                header["delta"] = {"base": plan["base"]}
+        return header
 
     @staticmethod
-    def stats(header: Mapping[str, Any]) -> Dict[str, float]:
-        """``resident/weights_bytes``: the tensors' bytes as sent (the engine's dtype), each tensor once."""
+    def stats(header: Mapping[str, Any], sent: Optional[Mapping[str, float]] = None) -> Dict[str, float]:
+        """``resident/weights_bytes``: the tensors' bytes as sent (the engine's dtype), each tensor once; a delta's:
+        its payloads (``sent``, from :class:`DeltaSealed`). ``resident/push_density``: the elements changed (a full
+        push: all of them) over all."""
         params = sum(_numel(shape) for _, _, shape, *_ in header["tensors"])
-        return {"resident/weights_bytes": float(tensor_bytes(header)), "resident/weights_params": float(params)}
+        if sent is None:
+            return {"resident/weights_bytes": float(tensor_bytes(header)), "resident/weights_params": float(params),
+                    "resident/push_density": 1.0}
+        return {"resident/weights_bytes": float(sent["bytes"]), "resident/weights_params": float(params),
+                "resident/push_density": float(sent["changed"]) / max(params, 1)}
 
 
 def _numel(shape) -> int:
@@ -78,8 +93,41 @@ class Sealed:
 
 
 def sealed(header: Mapping[str, Any], source: WeightSource, device, push: int,
-           dtype: Optional[torch.dtype] = None, everywhere: bool = False) -> Sealed:
+           dtype: Optional[torch.dtype] = None, everywhere: bool = False, shadow: Optional[Shadow] = None):
+    """The push's buckets: a delta's against ``shadow`` (:class:`DeltaSealed`) where ``header`` is a delta's; else
+    the full buckets, each rank's part kept in ``shadow`` (when given) as what the engine will hold."""
+    if "delta" in header:
+        return DeltaSealed(header, source, device, push, dtype, shadow)
+    if shadow is not None:
+        source = source.keeping(shadow.keep)
     return Sealed(header, source, device, push, dtype, everywhere)
+
+
+class DeltaSealed:
+    """The buckets of a delta push (:mod:`models.engines.weight_delta`), each sealed once its tensors' deltas are
+    in (every rank of the trainer comparing its part with ``shadow``, :meth:`Shadow.deltas`); ``sent``: the
+    payloads' bytes and the elements changed so far."""
+
+    def __init__(self, header: Mapping[str, Any], source: WeightSource, device, push: int,
+                 dtype: Optional[torch.dtype], shadow: Shadow):
+        self.header, self.device = header, torch.device(device)
+        self.deltas = shadow.deltas(source, dtype or torch.float32, push)
+        self.sent = {"bytes": 0, "changed": 0}
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        buckets: List[List[str]] = [[] for _ in self.header["buckets"]]
+        for entry in self.header["tensors"]:
+            buckets[entry[3]].append(entry[0])
+        for index, names in enumerate(buckets):
+            got = [next(self.deltas) for _ in names]
+            for _, d in got:
+                self.sent["bytes"] += d.payload.numel()
+                self.sent["changed"] += d.changed
+            yield seal_delta(self.header, index, got).to(self.device)
+
+    def drain(self) -> None:
+        for _ in self.deltas:
+            pass
 
 
 SETTLE_S = 0.5
@@ -151,15 +199,18 @@ def received(header: Mapping[str, Any], buckets: Iterable[Tuple[int, torch.Tenso
     t0 = time.perf_counter()
     into = engine
     if into is not None:
+        check_base(header, into)
         _load(into, header, _opened(header, buckets, held), samples)
     else:
         kept = list(_opened(header, buckets, held, to_host))
-    host_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                      for tensors, _ in kept for t in tensors.values()}.values())
+    host_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for tensors, _ in kept
+                      for item in tensors.values() for t in (item if isinstance(item, tuple) else (item,))
+                      if t is not None}.values())
     receive_s = time.perf_counter() - t0
 
     def put(engine) -> Dict[str, float]:
         if into is None:
+            check_base(header, engine)
             _load(engine, header, kept, samples)
             kept.clear()
         elif engine is not into:
@@ -171,6 +222,7 @@ def received(header: Mapping[str, Any], buckets: Iterable[Tuple[int, torch.Tenso
                                 "after the push, reading the weights back", shard=shard is not None)
         if shard is not None:
             shard.update(sent=positions(samples), holds=holds)
+        engine.pushed = header.get("id", "")  # what a delta push may build on now
         return {"resident/receiver_peak_bytes": float(held.peak), "resident/receiver_host_bytes": float(host_bytes),
                 "time/weights_receive_s": receive_s,
                 "time/weights_read_back_s": time.perf_counter() - t1}
@@ -178,11 +230,21 @@ def received(header: Mapping[str, Any], buckets: Iterable[Tuple[int, torch.Tenso
     return put
 
 
+def check_base(header: Mapping[str, Any], engine) -> None:
+    """A delta applies only onto the push it was made against: :class:`PushError` (nothing loaded) if the engine
+    holds another (restarted, reloaded, or a push between that failed)."""
+    if "delta" in header and getattr(engine, "pushed", "") != header["delta"]["base"]:
+        raise PushError(f"the delta push {header.get('id')} builds on push {header['delta']['base']}, but the engine "
+                        f"holds {getattr(engine, 'pushed', '') or 'no push'}: a full push is needed")
+
+
 def _opened(header, buckets, held: Held, to_host: bool = False) -> Iterator[Tuple[Dict[str, torch.Tensor], Samples]]:
+    opener = (lambda i, b: open_delta(header, i, b)[:2]) if "delta" in header else \
+        (lambda i, b: open_bucket(header, i, b))
     for index, buffer in buckets:
-        tensors, samples = open_bucket(header, index, held.add(buffer))  # checked where it arrived
-        if to_host:  # the channel's buffer goes with this frame: two alive at most
-            tensors = _rehomed(tensors, buffer, host_copy(buffer))
+        tensors, samples = opener(index, held.add(buffer))  # checked where it arrived
+        if to_host and "delta" not in header:  # the channel's buffer goes with this frame: two alive at most (a
+            tensors = _rehomed(tensors, buffer, host_copy(buffer))  # delta's patches are decoded on the host)
         yield tensors, samples
         del buffer, tensors
 
@@ -198,15 +260,19 @@ def _rehomed(tensors: Dict[str, torch.Tensor], buffer: torch.Tensor, host: torch
 
 def _load(engine, header: Mapping[str, Any], chunks: Iterable[Tuple[Dict[str, torch.Tensor], Samples]],
           samples: Dict[str, List[Tuple[int, int]]]) -> None:
-    """``begin_push``, a ``push_chunk`` per bucket, ``end_push``; the engine is closed if a bucket fails (its
-    checksum, or the sender gone mid-push): it would hold part of the old weights and part of the new."""
-    engine.begin_push({name: shape for name, _, shape, *_ in header["tensors"]})
+    """``begin_push``, a ``push_chunk`` per bucket, ``end_push`` (a delta: ``begin_patch``, ``patch_chunk``,
+    ``end_patch``, in place); the engine is closed if a bucket fails (its checksum, or the sender gone mid-push): it
+    would hold part of the old weights and part of the new."""
+    begin, chunk, end = ("begin_patch", "patch_chunk", "end_patch") if "delta" in header else \
+        ("begin_push", "push_chunk", "end_push")
+    engine.pushed = ""  # until this push is read back
+    getattr(engine, begin)({name: shape for name, _, shape, *_ in header["tensors"]})
     try:
         for tensors, got in chunks:
             samples.update(got)
-            engine.push_chunk(tensors)
+            getattr(engine, chunk)(tensors)
             del tensors
     except BaseException:
         engine.abort_push()
         raise
-    engine.end_push()
+    getattr(engine, end)()

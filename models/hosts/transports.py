@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import tempfile
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,6 +42,7 @@ from models.engines.weight_stream import bucket_nbytes, check_header
 from models.hosts.pushes import Held, Push, received, sealed
 from models.service.client import ServiceClient, ServiceError
 from models.training.files import ADAPTER_CONFIG
+from models.training.weight_shadow import Shadow
 from models.training.weight_source import WeightSource
 
 CODES = {"http": 0.0, "gloo": 1.0, "nccl": 2.0}
@@ -55,20 +57,34 @@ class Transport:
     def __init__(self, dtype: str = "float32", bucket_bytes: Optional[int] = None):
         self.push = Push(getattr(torch, dtype), bucket_bytes)
 
-    def ready(self, engine: ServiceClient, args: Dict[str, Any], source: WeightSource,
-              wait_s: Optional[float] = None) -> None:
+    def ready(self, engine: ServiceClient, args: Dict[str, Any], source: WeightSource, wait_s: Optional[float] = None,
+              plan: Optional[Mapping[str, Any]] = None) -> None:
         """Rank 0 of the trainer, before the push's first collective (its other ranks wait outside any meanwhile,
         :func:`models.hosts.trainers.push_weights`): what must hold before the gathers begin, at most ``wait_s``
         (None: as long as the engine shows life). Nothing here; the collective transport: the engine took the push."""
 
-    def send(self, engine: ServiceClient, args: Dict[str, Any], lm, source: WeightSource) -> Dict[str, float]:
+    def send(self, engine: ServiceClient, args: Dict[str, Any], lm, source: WeightSource,
+             plan: Optional[Mapping[str, Any]] = None, shadow: Optional[Shadow] = None) -> Dict[str, float]:
         """Run the engine's ``weights`` op with ``args`` and the weights of ``source`` (rank 0 of the trainer); its
-        reply and what the push moved."""
+        reply and what the push moved. ``plan`` and ``shadow`` (``run.weight_push=delta``): the push's ids
+        (:meth:`models.hosts.pushes.Push.header`) and the engine's copy the trainer keeps."""
         raise NotImplementedError
 
-    def follow(self, source: WeightSource) -> None:
-        """A trainer rank other than 0, while rank 0 sends: its part in the gathers."""
-        source.follow(self.push.dtype)
+    def follow(self, source: WeightSource, plan: Optional[Mapping[str, Any]] = None,
+               shadow: Optional[Shadow] = None) -> None:
+        """A trainer rank other than 0, while rank 0 sends: its part in the gathers (a delta's: in the counts and
+        gathers of the changed elements)."""
+        if plan and plan.get("base"):
+            for _ in shadow.deltas(source, self.push.dtype, int(plan["seed"])):
+                pass
+        else:
+            (source.keeping(shadow.keep) if shadow is not None else source).follow(self.push.dtype)
+
+    def buckets(self, header: Mapping[str, Any], source: WeightSource, device, version: int,
+                plan: Optional[Mapping[str, Any]], shadow: Optional[Shadow]):
+        """The push's buckets as rank 0 seals them (a delta's against ``shadow``; a full push's kept in it)."""
+        seed = int(plan["seed"]) if plan else int(version)
+        return sealed(header, source, torch.device(device), seed, self.push.dtype, shadow=shadow)
 
     def receive(self, meta: Mapping[str, Any], body: Optional[bytes], engine=None) -> Callable[[Any], Dict[str, float]]:
         """The pushed weights, taken now: loaded into ``engine`` as they arrive, or (None: off-policy, the push
@@ -91,16 +107,19 @@ def _in_body(engine: ServiceClient, args: Dict[str, Any], body: bytes) -> Dict[s
 class HTTPTransport(Transport):
     """The buckets one after the other as the op's body (the receiver holds the whole body)."""
 
-    def send(self, engine, args, lm, source):
-        header = self.push.header(source, "cpu")
-        buckets = sealed(header, source, torch.device("cpu"), int(args["version"]), self.push.dtype)
+    def send(self, engine, args, lm, source, plan=None, shadow=None):
+        header = self.push.header(source, "cpu", plan)
+        buckets = self.buckets(header, source, "cpu", int(args["version"]), plan, shadow)
+        sized = "delta" in header  # each bucket after its length (known once it is made)
         try:
-            body = b"".join(bytes(bucket.numpy()) for bucket in buckets)
+            body = b"".join((struct.pack("<q", bucket.numel()) if sized else b"") + bytes(bucket.numpy())
+                            for bucket in buckets)
         except BaseException:
             buckets.drain()  # the other ranks gather the rest: take part
             raise
         out = engine.call("weights", {**args, "meta": {"header": header}}, body=body)
-        return {**out, **self.push.stats(header), "resident/weights_transport": CODES["http"]}
+        return {**out, **self.push.stats(header, getattr(buckets, "sent", None)),
+                "resident/weights_transport": CODES["http"]}
 
     def receive(self, meta, body, engine=None):
         header = meta["header"]
@@ -110,6 +129,9 @@ class HTTPTransport(Transport):
 def _body_buckets(header: Mapping[str, Any], body: bytes):
     """The buckets of an HTTP push: views of the body (read, never written)."""
     check_header(header)
+    if "delta" in header:
+        yield from _framed_buckets(header, body)
+        return
     sizes = [bucket_nbytes(header, i) for i in range(len(header["buckets"]))]
     if sum(sizes) != len(body):
         raise ChannelError(f"the weights' body holds {len(body)} bytes where its header lays out {sum(sizes)}")
@@ -121,6 +143,26 @@ def _body_buckets(header: Mapping[str, Any], body: bytes):
                 torch.empty(0, dtype=torch.uint8)
         yield index, buffer
         offset += size
+
+
+def _framed_buckets(header: Mapping[str, Any], body: bytes):
+    """A delta push's buckets in an HTTP body, each after its length (8 bytes, little-endian)."""
+    offset = 0
+    for index in range(len(header["buckets"])):
+        if offset + 8 > len(body):
+            raise ChannelError(f"the delta weights' body ends ({len(body)} bytes) before bucket {index}")
+        (size,) = struct.unpack_from("<q", body, offset)
+        offset += 8
+        if size < 0 or offset + size > len(body):
+            raise ChannelError(f"the delta weights' body holds {len(body) - offset} bytes after bucket {index}'s "
+                               f"length, which says {size}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # bytes are read-only: the tensors are only read
+            yield index, torch.frombuffer(body, dtype=torch.uint8, count=size, offset=offset) if size else \
+                torch.empty(0, dtype=torch.uint8)
+        offset += size
+    if offset != len(body):
+        raise ChannelError(f"the delta weights' body holds {len(body) - offset} bytes after its last bucket")
 
 
 def adapter_file(lm, state: Mapping[str, torch.Tensor]) -> Tuple[Dict[str, Any], bytes]:
@@ -141,10 +183,10 @@ class AdapterTransport(Transport):
         super().__init__()
         self.merged, self.dtype, self.base_url, self.folder = merged, dtype, base_url, ""
 
-    def follow(self, source):
+    def follow(self, source, plan=None, shadow=None):
         source.full()
 
-    def send(self, engine, args, lm, source):
+    def send(self, engine, args, lm, source, plan=None, shadow=None):
         config, body = adapter_file(lm, source.full())
         return _in_body(engine, {**args, "meta": {"adapter_config": config}}, body)
 
@@ -194,14 +236,14 @@ class CollectiveTransport(Transport):
         self.sender, self.engine_url = Sender(host, offer, **self.timeout), engine.url
         return self.sender
 
-    def ready(self, engine, args, source, wait_s=None):
+    def ready(self, engine, args, source, wait_s=None, plan=None):
         """The channel formed, the ``weights`` op under way and the engine listening on it (after the op it runs: an
         off-policy rollout, an asynchronous unit): no broadcast and no gather waits on the engine meanwhile."""
         self.begun, reply, backend = None, None, "not formed"
         try:
             sender = self._join(engine)
             backend = sender.backend
-            header = self.push.header(source, sender.device)
+            header = self.push.header(source, sender.device, plan)
             self.pushes += 1
             op_args = {**args, "meta": {"header": header, "push": self.pushes}}
             reply = self.pool.submit(engine.call, "weights", op_args)  # the op takes the broadcasts while it runs
@@ -213,27 +255,30 @@ class CollectiveTransport(Transport):
             raise self._failed(err, args, engine, backend, reply) from None
         self.begun = (sender, header, reply)
 
-    def send(self, engine, args, lm, source):
+    def send(self, engine, args, lm, source, plan=None, shadow=None):
         begun, self.begun = self.begun, None
         if begun is None:
             try:
-                self.ready(engine, args, source)
+                self.ready(engine, args, source, plan=plan)
             except BaseException:
-                source.follow(self.push.dtype)  # the other ranks' gathers
+                self.follow(source, plan, shadow)  # the other ranks' gathers
                 raise
             begun, self.begun = self.begun, None
         sender, header, reply = begun
         buckets = None
         try:
-            buckets = sealed(header, source, sender.device, self.pushes, self.push.dtype)
+            buckets = self.buckets(header, source, sender.device, self.pushes, plan, shadow)
             for bucket in buckets:
+                if "delta" in header:
+                    sender.send_size(bucket.numel())
                 sender.send_bucket(bucket)
             out = reply.result()
         except BaseException as err:
-            source.follow(self.push.dtype) if buckets is None else buckets.drain()  # the other ranks' gathers
+            self.follow(source, plan, shadow) if buckets is None else buckets.drain()  # the other ranks' gathers
             self.close()  # the engine drops its end too: the next push forms a new channel
             raise self._failed(err, args, engine, sender.backend, reply) from None
-        return {**out, **self.push.stats(header), "resident/weights_transport": CODES[sender.backend]}
+        return {**out, **self.push.stats(header, getattr(buckets, "sent", None)),
+                "resident/weights_transport": CODES[sender.backend]}
 
     @staticmethod
     def _failed(err: BaseException, args, engine, backend: str, reply: Optional[Future]) -> BaseException:

@@ -11,7 +11,8 @@ whole already.
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Union
+import copy
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -34,6 +35,7 @@ class WeightSource:
 
     def __init__(self, module: Union[nn.Module, Mapping[str, torch.Tensor]], info: DistInfo, prefix: str = "lm."):
         self.info = info
+        self.keep: Optional[Callable[[str, torch.Tensor], None]] = None
         state = dict(module) if isinstance(module, Mapping) else module.state_dict(keep_vars=True)
         if any(k.startswith(prefix) for k in state):
             state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
@@ -57,6 +59,13 @@ class WeightSource:
     def parameters(self) -> int:
         return sum(t.numel() for t in self.state.values())
 
+    def keeping(self, keep: Callable[[str, torch.Tensor], None]) -> "WeightSource":
+        """This source, whose :meth:`gathered` also hands each rank's own part of every tensor, cast as sent, to
+        ``keep(name, part)`` (``run.weight_push=delta``: the engine's copy kept, :mod:`models.training.weight_shadow`)."""
+        out = copy.copy(self)
+        out.keep = keep
+        return out
+
     def gathered(self, device: torch.device, dtype: Optional[torch.dtype] = None, everywhere: bool = False
                  ) -> Iterator[Tuple[str, Optional[torch.Tensor]]]:
         """``(name, the whole tensor on ``device``)`` on rank 0, ``(name, None)`` on the others, one tensor at a
@@ -67,6 +76,9 @@ class WeightSource:
         sharded = self.sharded()
         for name, t in self.state.items():
             cast = dtype if dtype is not None and t.dtype.is_floating_point else None
+            if self.keep is not None and (sharded or self.info.is_main):
+                local = t.detach().to_local() if hasattr(t, "to_local") else t.detach()
+                self.keep(name, local if cast is None else local.to(cast))
             if everywhere:
                 local = t.detach() if cast is None else t.detach().to(cast)  # a DTensor: each rank casts its shard
                 yield name, (local.full_tensor() if hasattr(local, "full_tensor") else local).to(device)

@@ -58,7 +58,8 @@ def killed(tmp_path_factory):
 
     faults = tmp / "faults"  # 2. the whole launch, while the restarted engine service hands out iteration 4's batch
     point = "rollout/iter-000004"
-    first = start("1", {"RLHF_FAULT_PAUSE": f"{point}:300", "RLHF_FAULT_DIR": str(faults)})
+    (tmp / "tmp1").mkdir()  # the services' logs (models/hosts/resident.py) under a folder of this test's
+    first = start("1", {"RLHF_FAULT_PAUSE": f"{point}:300", "RLHF_FAULT_DIR": str(faults), "TMPDIR": str(tmp / "tmp1")})
     first.wait_until(lambda: _iteration(layout) >= 1 and "engine" in _pids(layout), "iteration 1's commit")
     engine = _pids(layout)["engine"]  # 1. the engine service, once iteration 1 is committed
     os.kill(engine, signal.SIGKILL)
@@ -70,7 +71,8 @@ def killed(tmp_path_factory):
     resume = _iteration(layout)  # the last iteration committed
     assert 2 <= resume < ITERATIONS - 1, first.output()[-4000:]
     logs = [first.output(), start("2").wait(900)]
-    return dict(layout=layout, logs=logs, db=tmp / "mlflow.db")
+    services = "".join(p.read_text() for p in sorted((tmp / "tmp1").glob("resident-*/actor.log")))
+    return dict(layout=layout, logs=logs, db=tmp / "mlflow.db", actor_log=services)
 
 
 def test_killed_twice_no_prompt_is_lost_or_trained_twice(killed):
@@ -78,6 +80,9 @@ def test_killed_twice_no_prompt_is_lost_or_trained_twice(killed):
     assert re.search(r"the engine service \(pid \d+\) was killed by SIGKILL[^\n]*; its peak memory was "
                      r"[\d.]+ GiB[^\n]*: started again", first), first[-4000:]
     assert f"Run async finished: {ITERATIONS} iterations of grpo." in last, last[-4000:]
+    # run.weight_push=delta (the default): the restarted engine got a full push (the trainer had confirmed a push)
+    actor = killed["actor_log"]
+    assert "as a full push (the engine holds no push of this trainer's, which last confirmed " in actor, actor[-4000:]
     for i in range(1, ITERATIONS + 1):  # each iteration committed once over the two launches
         assert sum(log.count(f"[grpo] iter {i}/{ITERATIONS} ") for log in killed["logs"]) == 1, i
     layout, rows = killed["layout"], []
@@ -97,3 +102,5 @@ def test_killed_twice_no_prompt_is_lost_or_trained_twice(killed):
     history = MlflowClient(tracking_uri=f"sqlite:///{killed['db']}").get_metric_history(run_id, "async/staleness_p100")
     assert sorted(m.step for m in history) == list(range(ITERATIONS))  # logged once per iteration
     assert max(m.value for m in history) <= K
+    density = MlflowClient(tracking_uri=f"sqlite:///{killed['db']}").get_metric_history(run_id, "resident/push_density")
+    assert density and min(m.value for m in density) < 1.0, density  # deltas between the full pushes

@@ -14,7 +14,7 @@ from benchmarks.project_iteration import (CPU_TASKS, LLAMA_8B, LLAMA_70B, LLAMA_
 from models.config.io import load_config
 
 TINY = Shape("tiny", params=1000, samples=2, prompt_tokens=3, response_tokens=5, actor_nodes=2, gpus_per_node=2,
-             critic_gpus=2)
+             critic_gpus=2, push_density=1.0)  # full pushes (the delta's case by hand below)
 
 
 def test_state_bytes_by_hand():
@@ -126,6 +126,10 @@ def test_the_push_by_hand_and_on_the_critical_path():
     tp2 = replace(TINY, save_interval=3, rollout_gpus=2, critic_gpus=4)
     assert push_seconds(tp2, SLOW) == pytest.approx({"gather": 1.5, "broadcast": 2.0, "load": 3.0})
     assert push_seconds(TINY, SLOW)["load"] == 0  # one engine GPU: in place
+    # a delta push at density 0.1: 0.1 × (1 + 2) / 2 + 1 / 512 of the bytes, every step that share of the full one's
+    share = 0.15 + 1 / 512
+    delta = push_seconds(replace(tp2, push_density=0.1), SLOW)
+    assert delta == pytest.approx({"gather": 1.5 * share, "broadcast": 2.0 * share, "load": 3.0 * share})
     p = breakdown(tp2, SLOW, "resident")
     assert p == pytest.approx({"pod starts": 10.0, "state movement": 2.688, "weight transfer": 6.5,
                                "generation": 1.0, "scoring": 32.0, "updates": 24.0, "checkpoint": 2.0,

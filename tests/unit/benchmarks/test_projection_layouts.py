@@ -17,7 +17,7 @@ from benchmarks.projection_layouts import (LAYOUTS, async_breakdown, balanced_as
 # 1000 parameters, 2 × (3 + 5) tokens, the actor on 2 nodes × 2 GPUs, a tensor-parallel-2 engine, a LoRA critic on 4
 # GPUs, a checkpoint every 3 iterations (test_project_iteration.py's push case).
 TP2 = Shape("tiny", params=1000, samples=2, prompt_tokens=3, response_tokens=5, actor_nodes=2, gpus_per_node=2,
-            critic_gpus=4, rollout_gpus=2, save_interval=3)
+            critic_gpus=4, rollout_gpus=2, save_interval=3, push_density=1.0)  # full pushes
 # Round numbers: every link and HBM 1000 B/s, 1000 FLOP/s per GPU at MFU 1, 5 tokens/s per GPU, thin pods 2 s,
 # sleep 1 s, wake 2 s.
 SLOW = Assumptions(s3_gb_per_s=1e-6, nccl_gb_per_s=1e-6, nvlink_gb_per_s=1e-6, host_copy_gb_per_s=1e-6,

@@ -32,10 +32,10 @@ class Weights:
     def __init__(self):
         self.versions = []
 
-    def ready(self, engine, args, weights, wait_s=None):
+    def ready(self, engine, args, weights, wait_s=None, plan=None):
         pass
 
-    def send(self, engine, args, lm, weights):
+    def send(self, engine, args, lm, weights, plan=None, shadow=None):
         self.versions.append(args["version"])
         if len(self.versions) == 1:
             raise ServiceError("the engine service at http://127.0.0.1:9 does not answer (weights: connection reset)")
@@ -46,7 +46,7 @@ def actor_host(monkeypatch, steps) -> ActorHost:
     host = object.__new__(ActorHost)  # the trainer's state without its models
     host.cfg, host.run = load_config("tiny_grpo"), RunHandle("/tmp/runs", "r", "", "", "", "", launch="local")
     host.info, host.label, host.version = DistInfo(0, 1, 0, torch.device("cpu")), "the actor trainer service", 3
-    host.last = host.trained = host.waiting = None
+    host.last = host.trained = host.waiting = host.shadow = None  # run.weight_push=full: no shadow
     host.model, host.vocab, host.transport, host.trainee = torch.nn.Module(), 16, Weights(), None
     host.model.lm = torch.nn.Linear(2, 2)
     monkeypatch.setattr(trainers, "update_trainee",

@@ -23,6 +23,7 @@ from models.service.client import ServiceClient, ServiceError
 from models.service.ops import Host, op
 from models.service.server import Server, Settings
 from models.training.distributed import DistInfo
+from models.training.weight_shadow import Shadow
 from models.training.weight_source import WeightSource
 
 INFO = DistInfo(0, 1, 0, torch.device("cpu"))
@@ -50,6 +51,22 @@ class DictEngine:
                 self.state[name] = t.to(self.state[name].dtype).clone()
 
     def end_push(self):
+        pass
+
+    def begin_patch(self, shapes):
+        assert set(shapes) == set(self.state), set(shapes) ^ set(self.state)
+
+    def patch_chunk(self, patches):
+        self.chunks.append(list(patches))
+        for name, (indices, values) in patches.items():
+            if name == self.drop or self.stale:
+                continue
+            if indices is None:
+                self.state[name] = values.to(self.state[name].dtype).clone()
+            else:
+                self.state[name].view(-1)[indices] = values.to(self.state[name].dtype)
+
+    def end_patch(self):
         pass
 
     def abort_push(self):
@@ -224,5 +241,39 @@ def test_an_engine_that_did_not_load_what_was_sent_fails_the_push_naming_the_ten
                                            rf"sent in '{which}': element \d+ holds bits 0x[0-9a-f]+ where the "
                                            rf"trainer sent 0x[0-9a-f]+"):
         HTTPTransport(dtype).send(client, {"version": 1, "probe": []}, None, WeightSource(state, INFO))
+    client.call("stop")
+    server.close()
+
+
+@pytest.mark.parametrize("kind", ["collective", "http"])
+def test_a_delta_push_sends_what_changed_and_the_engine_holds_the_new_weights_bit_for_bit(kind):
+    """A full push first (kept as the engine's copy), then two changed elements: 10 bytes each (int32 position padded
+    to 8, one bfloat16), density 2 of 2050; a delta against a push the engine does not hold is refused before
+    anything is loaded; an engine that skipped a tensor's delta fails the read-back naming it (a sample among the
+    changed elements lands on it)."""
+    gen = torch.Generator().manual_seed(0)
+    state = {"a": torch.randn(200, 10, generator=gen), "b": torch.randn(50, generator=gen)}
+    engine = DictEngine({k: torch.zeros_like(v, dtype=torch.bfloat16) for k, v in state.items()})
+    server, host, client = serve(CollectiveTransport() if kind == "collective" else HTTPTransport(), engine)
+    sender = CollectiveTransport("bfloat16", timeout_s=10) if kind == "collective" else HTTPTransport("bfloat16")
+    shadow = Shadow()
+    first = sender.send(client, {"version": 1, "probe": []}, None, WeightSource(state, INFO),
+                        {"id": "p1", "seed": 1, "base": ""}, shadow)
+    assert first["resident/weights_bytes"] == 2050 * 2 and first["resident/push_density"] == 1.0
+    assert engine.pushed == "p1"
+    state["a"][3, 4] += 1.0
+    state["b"][7] = -state["b"][7]
+    out = sender.send(client, {"version": 2, "probe": []}, None, WeightSource(state, INFO),
+                      {"id": "p2", "seed": 2, "base": "p1"}, shadow)
+    assert out["resident/weights_bytes"] == 20 and out["resident/push_density"] == 2 / 2050
+    assert all(torch.equal(bits(engine.state[k]), bits(v.bfloat16())) for k, v in state.items())
+    with pytest.raises(ServiceError, match=r"the delta push p3 builds on push p1, but the engine holds p2"):
+        sender.send(client, {"version": 3, "probe": []}, None, WeightSource(state, INFO),
+                    {"id": "p3", "seed": 3, "base": "p1"}, shadow)
+    engine.pushed, engine.drop = "p2", "a"
+    state["a"][5, 5] += 1.0
+    with pytest.raises(ServiceError, match=r"the engine holds other weights than were sent in 'a'"):
+        sender.send(client, {"version": 3, "probe": []}, None, WeightSource(state, INFO),
+                    {"id": "p4", "seed": 4, "base": "p2"}, shadow)
     client.call("stop")
     server.close()

@@ -1,0 +1,95 @@
+"""The engine's copy kept per rank (models/training/weight_shadow.py) under FSDP2 on two gloo ranks: after a full
+push fills it, a few elements changed on each rank travel as a delta whose positions, applied onto the old whole
+tensor, give the new whole tensor (gathered the plain way) bit for bit, with samples that hold its bits; one rank
+alone (no FSDP2) the same against the tensor itself."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from models.engines.weight_delta import decode
+from models.engines.weight_stream import bits
+from models.training.distributed import DistInfo
+from models.training.weight_shadow import Shadow
+from models.training.weight_source import WeightSource
+from tests.processes import free_port
+from tests.unit.models.test_sharded_update import join_gloo
+
+BF16 = torch.bfloat16
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 7), torch.nn.Linear(7, 3))  # 7 rows: 4 + 3; 3 rows: 2 + 1
+
+
+def _whole(source: WeightSource) -> dict:
+    return {n: t for n, t in source.gathered(torch.device("cpu"), BF16)}
+
+
+def _check(old: dict, new: dict, deltas: list, changed: int) -> None:
+    assert sum(d.changed for _, d in deltas) == changed
+    for name, d in deltas:
+        rebuilt = old[name].clone().reshape(-1)
+        patch = decode(d.code, d.payload, list(new[name].shape), BF16, d.changed)
+        if patch.indices is None:
+            rebuilt = patch.values.reshape(-1)
+        else:
+            rebuilt[patch.indices] = patch.values
+        assert torch.equal(bits(rebuilt), bits(new[name])), name
+        positions, sampled = d.samples
+        assert torch.equal(sampled, bits(new[name].reshape(-1)[positions])), name
+
+
+def _bump(model: torch.nn.Module) -> int:
+    """Add 1 to the first element each rank holds of every parameter; the count changed."""
+    n = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if local.numel():
+                local.view(-1)[0] += 1.0
+                n += 1
+    return n
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    info = join_gloo(rank, world, port)
+    try:
+        model = _model()
+        fully_shard(model)
+        source, shadow = WeightSource(model, info, prefix=""), Shadow()
+        old = _whole(source.keeping(shadow.keep))  # a full push, kept per rank
+        bumped = torch.tensor([_bump(model)])
+        dist.all_reduce(bumped)
+        deltas = list(shadow.deltas(source, BF16, push=5))
+        new = _whole(source)
+        if info.is_main:
+            _check(old, new, deltas, int(bumped))
+            assert all(d is not None for _, d in deltas)
+        else:
+            assert all(d is None for _, d in deltas)
+        open(os.path.join(out, f"ok{rank}"), "w").close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # starts two ranks
+def test_a_delta_from_two_fsdp2_ranks_rebuilds_the_whole_tensor(tmp_path):
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    assert sorted(os.listdir(tmp_path)) == ["ok0", "ok1"]
+
+
+def test_a_delta_from_one_rank_rebuilds_the_tensor():
+    model = _model()
+    source, shadow = WeightSource(model, DistInfo(0, 1, 0, torch.device("cpu")), prefix=""), Shadow()
+    old = _whole(source.keeping(shadow.keep))
+    changed = _bump(model)
+    _check(old, _whole(source), list(shadow.deltas(source, BF16, push=1)), changed)
