@@ -57,7 +57,9 @@ def _rank(rank: int, port: int, url: str, out_dir: str) -> None:
     from models.training.distributed import DistInfo, waiting_group, wrap_for_training
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+    # the store's own timeout for the ranks to meet (a loaded machine may take longer than the collectives' 2 s)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=dt.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
                             timeout=dt.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     info = DistInfo(rank, 2, rank, torch.device("cpu"))
     try:
@@ -66,6 +68,7 @@ def _rank(rank: int, port: int, url: str, out_dir: str) -> None:
         host.model = wrap_for_training(policy(), info, "fsdp2")
         host.cfg = SimpleNamespace(probe_tolerance=1e-3, run=SimpleNamespace(resident_push_wait_s=60.0))
         host.transport, host.waiting = CollectiveTransport(timeout_s=30), waiting_group(90.0)
+        host.shadow = None  # run.weight_push=full: the wait is the point, not the delta
         trainers.run_service = lambda cfg, run, name: ServiceClient(url, "tok-en", "the engine service",
                                                                     heartbeat=True)  # the address book's answer
         try:

@@ -10,6 +10,7 @@ replica takes the chunks after it, from other places of the request than one con
 are engine-agnostic processes; vLLM's side (a chunk's seeds from its first index) is checked on the vLLM engine
 tests/integration/test_engine_reload.py already starts."""
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -182,8 +183,10 @@ def test_a_slowed_engine_sleeps_per_prompt_and_samples_the_same(ckpts, monkeypat
     from models import faults
     from models.engines.rollout import sample
 
-    slept = []
-    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    slept, this, sleep = [], threading.current_thread(), faults.time.sleep
+    # time.sleep is the process's: other threads' sleeps (a left-over worker's poll) go on as they were
+    monkeypatch.setattr(faults.time, "sleep", lambda s: slept.append(s) if threading.current_thread() is this
+                        else sleep(s))
     tokenizer, engine = AutoTokenizer.from_pretrained(ckpts["a"]), HFEngine(ckpts["a"])
     prompts = ["abc", "de", "fgh"]
     plain = sample(engine, tokenizer, prompts, [0, 1, 2], SAMPLED)
