@@ -41,8 +41,8 @@ MODEL_FLOORS: Tuple[Tuple[str, ...], ...] = (
     ("engines",),  # vLLM and HF generation engines
     ("checkpoint",),  # committed checkpoints, their cache
     ("storage",),  # local and fsspec storage, compare-and-swap writes
-    ("console", "environ", "faults", "timing"),  # leaves: console quieting, scoped environment settings, the
-    # test-only fault injection, phase timing
+    ("console", "environ", "faults", "memory", "timing"),  # leaves: console quieting, scoped environment settings,
+    # the test-only fault injection, memory given back to the machine, phase timing
 )
 """The packages (and top-level modules) of ``models/``, top floor first: a module imports only from its
 own floor or below. Derived from the imports (``git grep -n "^from models\\|^    from models" models``);
