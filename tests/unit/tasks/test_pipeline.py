@@ -17,7 +17,7 @@ from models.run.setup import setup_run
 from models.stages.actor import policy_loss_config, train_actor
 from models.stages.critic import train_critic
 from models.stages.updates import update_data
-from tests.stages import tiny_run, to_advantages
+from tests.stages import tiny_run, to_advantages, with_overrides
 
 pytestmark = pytest.mark.slow  # whole tasks on a tiny run, tens of seconds each (make test-unit leaves them to make test)
 
@@ -207,3 +207,19 @@ def test_the_stateless_score_holds_one_model_at_a_time(run, monkeypatch):
     assert [n for _, n in loaded] == [0, 0, 0]
     for name in ("old_logprobs", "ref_logprobs", "values"):
         assert b.column(name).to_pylist() == sc.batch.column(name).to_pylist()
+
+
+def test_a_stateless_rollout_closes_an_engine_over_its_size_limit(run):
+    """``rollout.keep_engine_max_mb``: the tiny policy's engine (well under 256 MiB) stays loaded for the next
+    rollout; with a limit of 0 the rollout closes it, so the launching process of a local run does not hold
+    it through the update."""
+    from models import engines
+    from models.stages.rollout import run_rollout
+
+    setup, ro, _, _ = run
+    kept = run_rollout(setup.cfg, setup.run, setup.state)
+    assert set(engines._CACHE) == {"policy"}
+    closed = run_rollout(with_overrides(setup.cfg, "rollout.keep_engine_max_mb=0"), setup.run, setup.state)
+    assert engines._CACHE == {}
+    for out in (kept, closed):  # the same samples either way
+        assert out.batch.column("response_tokens").to_pylist() == ro.batch.column("response_tokens").to_pylist()
