@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_trl import PROGRESS, mlflow_series  # noqa: E402
-from benchmarks.rows import Row, print_rows, row, write_rows  # noqa: E402
+from benchmarks.rows import Row, add_bench_args, print_rows, row, write_rows  # noqa: E402
 from benchmarks.tree_memory import GIB, TreeSampler  # noqa: E402
 from models.config.io import load_config  # noqa: E402
 from models.data.draws import iteration_indices  # noqa: E402
@@ -211,14 +211,16 @@ def rows_for(results: Dict[str, Measured], layers: int) -> List[Row]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=QWEN3_0_6B.depth, help="decoder layers (28: the real 0.6B)")
-    parser.add_argument("--iterations", type=int, default=3)
+    add_bench_args(parser)  # --json, --quick (2 layers, 2 iterations), --threads (TRL's; ours share the cores)
+    parser.add_argument("--layers", type=int, help=f"decoder layers (default {QWEN3_0_6B.depth}: the real 0.6B)")
+    parser.add_argument("--iterations", type=int, help="iterations per side (default 3)")
     parser.add_argument("--modes", default="stateless,separate,colocated,trl")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="TRL's torch threads")
     parser.add_argument("--override", action="append", default=[], help="one more override of our runs' preset")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (runs, logs)")
     args = parser.parse_args(argv)
+    args.layers = args.layers or (2 if args.quick else QWEN3_0_6B.depth)
+    args.iterations = args.iterations or (2 if args.quick else 3)
+    args.threads = max(args.threads, os.cpu_count() or 1) if "OMP_NUM_THREADS" not in os.environ else args.threads
     modes = [m for m in args.modes.split(",") if m]
     unknown = set(modes) - set(MODES) - {"trl"}
     if unknown:
