@@ -50,13 +50,15 @@ BENCHMARKS: Dict[str, str] = {
     "async_pods": "bench_async_pods.py",  # k = 0 vs 2 in the pod-level harness, a core per pod (#40)
     "resident_pods": "bench_resident_pods.py",  # resident vs stateless in the pod-level harness (docs/cluster.md)
     "long_run": "bench_long_run.py",  # s/iteration against the iteration index over 500 iterations (docs/cluster.md#long-runs)
+    "real_shape": "bench_real_shape.py",  # Qwen3-0.6B's shape in each mode vs TRL: peak memory, s/iteration (#46)
 }
 """Section name -> script in this folder, in table order."""
 NOT_QUICK = {"pipeline": "tens of harness pods per run", "resident_pods": "tens of harness pods per run",
              "async_pods": "tens of harness pods per run",
-             "long_run": "1,000 iterations through pyflyte run"}
+             "long_run": "1,000 iterations through pyflyte run",
+             "real_shape": "a 0.6B model trained in four runs, up to 16 GiB each"}
 """Sections ``--quick`` leaves out unless named in ``--only`` (why: their cost)."""
-MIN_TIMEOUT_S = {"pipeline": 4 * 3600.0, "resident_pods": 3600.0, "long_run": 2 * 3600.0}
+MIN_TIMEOUT_S = {"pipeline": 4 * 3600.0, "resident_pods": 3600.0, "long_run": 2 * 3600.0, "real_shape": 3 * 3600.0}
 """Sections that need more than ``--timeout-s``'s default: the pipeline's four harness runs took 39 min for the
 demo pair and 39 min for the compute-bound pair at 3 iterations on a loaded 2-core machine (benchmarks/RESULTS.md);
 ``make bench`` runs 4 iterations each. A larger ``--timeout-s`` wins."""

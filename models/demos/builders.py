@@ -60,3 +60,19 @@ def math_demo(out_dir: str, warm_start_steps: int = 400, num_train_prompts: int 
     return _paths(build_math_demo(out_dir, os.path.join(cache_dir(), "warm_start"),
                                   cfg=dataclasses.replace(DEMO_WARM_START, steps=warm_start_steps),
                                   num_train_prompts=num_train_prompts, num_eval_prompts=num_eval_prompts))
+
+
+def real_shape_chat(out_dir: str, shape: str = "qwen3-0.6b", num_layers: int = 0, max_position_embeddings: int = 0,
+                    num_train_prompts: int = 64, num_eval_prompts: int = 8) -> Dict[str, str]:
+    """A released model's shape with random weights and its real tokenizer and chat template
+    (:mod:`models.demos.real_shapes`, cached by content; ``num_layers`` 0: the real depth,
+    ``max_position_embeddings`` 0: the released value), and conversational prompts in TRL's format
+    (:mod:`models.demos.chat_prompts`) written under ``out_dir``."""
+    from models.demos.chat_prompts import write_chat_prompts
+    from models.demos.real_shapes import SHAPES, BuildOptions, real_checkpoint
+
+    if shape not in SHAPES:
+        raise ValueError(f"shape={shape!r}: choose from {sorted(SHAPES)}")
+    opts = BuildOptions(num_layers=num_layers or None, max_position_embeddings=max_position_embeddings or None)
+    return {"actor": str(real_checkpoint(SHAPES[shape], opts)),
+            **write_chat_prompts(out_dir, num_train_prompts, num_eval_prompts)}

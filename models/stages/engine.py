@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -13,7 +14,8 @@ from models.checkpoint.local import local_checkpoint
 
 from models.training.load import base_checkpoint_url
 from models.config import TrainConfig
-from models.engines import get_engine
+from models import memory
+from models.engines import close_engines, get_engine
 from models.engines.base import EngineStats, Generation, SamplingSpec
 from models.stages.services import server
 from models.training.lora import base_url, is_adapter
@@ -130,3 +132,23 @@ def started_engine(cfg: TrainConfig, actor_url: str) -> Tuple[Any, Callable[[], 
             engine.set_adapter(served[1])
 
     return engine, restart, served, local
+
+
+def weights_mib(checkpoint_dir: str) -> float:
+    """MiB of the safetensors weights in a local checkpoint folder."""
+    return sum(os.path.getsize(os.path.join(checkpoint_dir, f)) for f in os.listdir(checkpoint_dir)
+               if f.endswith(".safetensors")) / (1 << 20)
+
+
+def done_with_engine(cfg: TrainConfig, actor_url: str) -> bool:
+    """At the end of a stateless stage that sampled with :func:`engine_for`: close this process's engines
+    when the policy's weights are over ``rollout.keep_engine_max_mb`` and give their memory back to the
+    machine (:func:`models.memory.release`); True when closed. The rollout server's engine is not ours."""
+    limit = cfg.rollout.keep_engine_max_mb
+    if cfg.rollout.remote_url or limit < 0:
+        return False
+    if limit and weights_mib(local_checkpoint(base_checkpoint_url(actor_url))) <= limit:
+        return False
+    close_engines()
+    memory.release()
+    return True

@@ -12,7 +12,7 @@ from models.config import TrainConfig
 from models.data.batch import BatchMetadata, RolloutBatch
 from models.run.data import read_run_prompts, sample_columns
 from models.run.types import PolicyState, RunHandle
-from models.stages.engine import engine_for
+from models.stages.engine import done_with_engine, engine_for
 from models.stages.rewards import batch_rewards
 from models.stages.rollout import sample_data, sampling_spec
 
@@ -25,7 +25,10 @@ def eval_rewards(cfg: TrainConfig, run: RunHandle, actor_url: str, engine=None) 
     data = read_run_prompts(run.eval_prompts_url)
     tok = load_tokenizer(run.reference_url)
     spec = sampling_spec(cfg, run, cfg.run.seed, 1, cfg.rollout.eval_temperature)
-    cols, episode_cols, _ = sample_data(cfg, engine if engine is not None else engine_for(cfg, actor_url), tok, data, np.arange(len(data)), spec)
+    cols, episode_cols, _ = sample_data(cfg, engine if engine is not None else engine_for(cfg, actor_url), tok, data,
+                                        np.arange(len(data)), spec)
+    if engine is None:
+        done_with_engine(cfg, actor_url)
     batch = RolloutBatch.from_columns(BatchMetadata(iteration=0, policy_version=0, algorithm=cfg.run.algorithm),
                                       **cols.as_dict(), **episode_cols, **sample_columns(data, 1))
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0

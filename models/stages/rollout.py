@@ -21,7 +21,7 @@ from models.faults import pause_point
 from models.run.data import read_run_prompts, sample_columns
 from models.run.types import PolicyState, RunHandle
 from models.stages.outputs import RolloutOutput
-from models.stages.engine import engine_for
+from models.stages.engine import done_with_engine, engine_for
 from models.timing import timed
 
 SAMPLING_KEY = "sampling"
@@ -106,10 +106,13 @@ def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState, ahead: int
     with timed(stats, "time/rollout_s"):
         draw = draw_for(cfg, run, state.iteration)
         tokenizer = load_tokenizer(run.reference_url)
+        own = engine is None
         with timed(stats, "time/engine_load_s"):
             engine = engine if engine is not None else engine_for(cfg, state.actor_url)
         cols, episode_cols, episode_stats = sample_data(cfg, engine, tokenizer, draw.data, draw.prompt_ids,
                                                         draw.spec)
+        if own:
+            done_with_engine(cfg, state.actor_url)
         stats.update(episode_stats)
         pause_point(f"rollout/iter-{state.iteration:06d}")  # tests only: kill the run mid-rollout
         batch = write_batch(cfg, run, draw, version, {**cols.as_dict(), **episode_cols}, stats)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-from typing import Callable, Dict, NamedTuple, Optional
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 import pyarrow as pa
 import torch
 
+from models import memory
 from models.checkpoint.local import load_tokenizer
 
 from models.training.load import base_checkpoint_url, load_hf
@@ -53,8 +54,8 @@ class Scorers(NamedTuple):
 
     actor: Optional[torch.nn.Module]
     """π_old's forward; None: the sampler's log-probs are π_old (``actor.old_logprobs=sampler``)."""
-    ref: torch.nn.Module
-    """π_ref's forward."""
+    ref: Optional[torch.nn.Module]
+    """π_ref's forward (None only in what :func:`score_in_turn` returns, after the forwards)."""
     critic: Optional[torch.nn.Module] = None
     """The critic's values forward, when this process holds the critic."""
     values: Optional[Callable[[RolloutBatch], np.ndarray]] = None
@@ -97,6 +98,43 @@ def reference_scorer(cfg: TrainConfig, run: RunHandle, actor, actor_lm):
                         cfg.model.pack_sequences)
 
 
+def score_in_turn(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: RolloutBatch, pad: int,
+                  forward: Callable) -> Tuple[Dict[str, np.ndarray], Scorers]:
+    """The stateless score's forwards with one model in memory at a time: π_old, then π_ref, then the
+    critic, each loaded, run over the whole batch and freed (:func:`models.memory.release`) before the
+    next loads. Loaded together (:func:`load_scorers`) they held two or three whole copies at once, 4.8 GB
+    in float32 at Qwen3-0.6B's size. With LoRA π_ref is π_old's own model with the adapter off: one load.
+    The returned :class:`Scorers` holds what :func:`run_score` reads after the forwards, no model."""
+    from transformers import AutoModelForCausalLM
+
+    if cfg.actor.lora.enabled:
+        s = load_scorers(cfg, run, state)
+        return forward(cfg, batch, s.actor, s.ref, s.critic, pad), s._replace(actor=None, ref=None, critic=None)
+    dtype, pack, flat = cfg.model.dtype, cfg.model.pack_sequences, {}
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the score pod's GPU when it has one
+    if cfg.actor.old_logprobs == "recompute":
+        actor = with_packing(PolicyLogprobs(load_hf(state.actor_url, AutoModelForCausalLM, dtype)).eval(), pack)
+        flat.update(forward(cfg, batch, actor.to(device), None, None, pad))
+        del actor
+        memory.release()
+    ref = reference_scorer(cfg, run, None, None)
+    flat.update(forward(cfg, batch, None, ref.to(device), None, pad))
+    del ref
+    memory.release()
+    values = None
+    if cfg.uses_critic and not cfg.critic.remote_url:
+        from transformers import AutoModelForTokenClassification
+
+        critic = with_packing(CriticValues(load_hf(state.critic_url, AutoModelForTokenClassification, dtype)).eval(),
+                              pack)
+        flat.update(forward(cfg, batch, None, None, critic.to(device), pad))
+        del critic
+        memory.release()
+    elif cfg.uses_critic:
+        values = service_values(critic_service(cfg, run), state)
+    return flat, Scorers(None, None, None, values)
+
+
 def micro_batch_size(cfg: TrainConfig) -> int:
     """Rows per scoring forward."""
     return max(cfg.actor.micro_batch_size, 1) * 2
@@ -130,11 +168,15 @@ def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rollo
     with timed(stats, "time/score_s"):
         tok = load_tokenizer(run.reference_url)
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        s = scorers or load_scorers(cfg, run, state)
         lengths = batch.response_lengths()
         with timed(stats, "time/score_forward_s"):
-            flat = forward(cfg, batch, s.actor, s.ref, s.critic, pad)
-            if s.actor is None:  # π_old = the engine's own log-probs (config checks it computes like the trainer)
+            if scorers is None:
+                flat, s = score_in_turn(cfg, run, state, batch, pad, forward)
+            else:
+                s = scorers
+                flat = forward(cfg, batch, s.actor, s.ref, s.critic, pad)
+            recomputed = "old_logprobs" in flat
+            if not recomputed:  # π_old = the engine's own log-probs (config checks it computes like the trainer)
                 flat["old_logprobs"] = ragged.offsets_and_values(batch.column("sampler_logprobs"))[1] \
                     .astype(np.float32)
             if s.values is not None:
@@ -153,6 +195,6 @@ def run_score(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: Rollo
     stats.update(rollout_stats(scores.total, lengths, batch, flat))
     stats.update(policy_lag(cfg, state, batch))
     stats.update(reward_metrics)
-    if s.actor is not None:
+    if recomputed:
         stats.update(logprob_gap(batch, flat["old_logprobs"]))
     return ScoreOutput(scored, stats)

@@ -30,6 +30,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from models import memory
 from models.checkpoint import download_checkpoint
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,10 @@ def _trainer_logprobs(policy_dir: str, fetch: Callable[[str], str], dtype: str =
     seqs = probe_sequences(_vocab_size(tokenizer_dir))
     device = _device_for(tokenizer_dir if is_adapter(policy_dir) else policy_dir, dtype)
     lm = load_pretrained(policy_dir, AutoModelForCausalLM, getattr(torch, dtype), fetch).to(device)
-    return tuple(map(tuple, seqs)), _forward_logprobs(lm, seqs)
+    out = tuple(map(tuple, seqs)), _forward_logprobs(lm, seqs)
+    del lm
+    memory.release()  # a whole copy of the weights, loaded in the rollout's process: back to the machine
+    return out
 
 
 def reference_logprobs(model, vocab_size: int) -> Tuple[Sequences, Logprobs]:

@@ -17,7 +17,7 @@ from models.run.setup import setup_run
 from models.stages.actor import policy_loss_config, train_actor
 from models.stages.critic import train_critic
 from models.stages.updates import update_data
-from tests.stages import tiny_run, to_advantages
+from tests.stages import tiny_run, to_advantages, with_overrides
 
 pytestmark = pytest.mark.slow  # whole tasks on a tiny run, tens of seconds each (make test-unit leaves them to make test)
 
@@ -180,3 +180,46 @@ def test_score_can_take_pi_old_from_the_sampler(run):
         np.testing.assert_allclose(mine, theirs, atol=1e-4)
     assert b.column("ref_logprobs").to_pylist() == sc.batch.column("ref_logprobs").to_pylist()
     np.testing.assert_array_equal(b.column("reward").to_numpy(), sc.batch.column("reward").to_numpy())
+
+
+def test_the_stateless_score_holds_one_model_at_a_time(run, monkeypatch):
+    """π_old, π_ref and the critic are each loaded, run and freed before the next loads (at Qwen3-0.6B's
+    size each is 2.4 GB in float32; loaded together they held 7 GB in the launching process); the columns
+    are those of the run's score (the module fixture's, all three models)."""
+    import gc
+    import weakref
+
+    from models.stages import score
+
+    alive, loaded, real = [], [], score.load_hf
+
+    def recorded(url, *args, **kwargs):
+        gc.collect()
+        loaded.append((url, sum(r() is not None for r in alive)))
+        model = real(url, *args, **kwargs)
+        alive.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(score, "load_hf", recorded)
+    setup, ro, sc, _ = run
+    b = run_score(setup.cfg, setup.run, setup.state, ro.batch).batch
+    assert [url for url, _ in loaded] == [setup.state.actor_url, setup.run.reference_url, setup.state.critic_url]
+    assert [n for _, n in loaded] == [0, 0, 0]
+    for name in ("old_logprobs", "ref_logprobs", "values"):
+        assert b.column(name).to_pylist() == sc.batch.column(name).to_pylist()
+
+
+def test_a_stateless_rollout_closes_an_engine_over_its_size_limit(run):
+    """``rollout.keep_engine_max_mb``: the tiny policy's engine (well under 256 MiB) stays loaded for the next
+    rollout; with a limit of 0 the rollout closes it, so the launching process of a local run does not hold
+    it through the update."""
+    from models import engines
+    from models.stages.rollout import run_rollout
+
+    setup, ro, _, _ = run
+    kept = run_rollout(setup.cfg, setup.run, setup.state)
+    assert set(engines._CACHE) == {"policy"}
+    closed = run_rollout(with_overrides(setup.cfg, "rollout.keep_engine_max_mb=0"), setup.run, setup.state)
+    assert engines._CACHE == {}
+    for out in (kept, closed):  # the same samples either way
+        assert out.batch.column("response_tokens").to_pylist() == ro.batch.column("response_tokens").to_pylist()
