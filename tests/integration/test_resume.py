@@ -132,7 +132,7 @@ def runs(s3_server, tmp_path_factory):
 
     # pyflyte alone, as the kernel's OOM killer does: its keeper stops the workers, says so, marks the run FAILED
     r.killed_alone = r.kill_at("resumed", 2, "actor_update/iter-000001", workers_alive, RETAIN, alone=True)
-    r.left_alive = [p.cmdline() for p in r.killed_alone if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    r.left_alive = [c for c in map(_cmdline_if_alive, r.killed_alone) if c is not None]
     r.status_after_kill = _client(r).get_run(_run_id(r, "resumed")).info.status
     r.lease_after_kill = json.loads(storage.read_bytes(layout.lock_url))
     assert r.state_iteration("resumed") == 0
@@ -151,6 +151,14 @@ def runs(s3_server, tmp_path_factory):
     yield r
     mp.undo()
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+def _cmdline_if_alive(p: psutil.Process):
+    """``p``'s command line if it still runs; None once it has exited (a zombie, or reaped meanwhile)."""
+    try:
+        return None if p.status() == psutil.STATUS_ZOMBIE else p.cmdline()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return None
 
 
 def _client(runs: Runs):
