@@ -68,7 +68,7 @@ LOCAL_TOPOLOGY["colocated"] = LOCAL_TOPOLOGY["grpo"]
 CASES = {"ppo": ("workflows/ppo.py", "ppo_training", "configs/tiny_ppo.yaml"),
          "grpo": ("workflows/reinforce.py", "reinforce_training", "configs/tiny_grpo.yaml")}
 CASES["colocated"] = CASES["grpo"]
-NOT_COMPARED = ("time/", "throughput/", "resident/sleep_s", "resident/wake_s")
+NOT_COMPARED = ("time/", "throughput/", "resident/sleep_s", "resident/wake_s", "resident/push_s")
 """Wall-clock metrics: never equal between two runs."""
 
 

@@ -89,11 +89,12 @@ class Runs:
         if check is not None:
             check(run)
         procs = run.descendants()
+        cmdlines = {p.pid: " ".join(_cmdline_if_alive(p) or []) for p in procs}  # before any of them exits
         if alone:
             os.kill(run.proc.pid, signal.SIGKILL)
             run.proc.wait(timeout=60)
-            keeper = [p for p in procs if "models.run.keeper" in " ".join(p.cmdline())]
-            assert len(keeper) == 1, [p.cmdline() for p in procs]
+            keeper = [p for p in procs if "models.run.keeper" in cmdlines[p.pid]]
+            assert len(keeper) == 1, list(cmdlines.values())
             keeper[0].wait(timeout=120)  # it has stopped the rest and marked the run
         else:
             run.kill()
