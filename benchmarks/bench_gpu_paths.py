@@ -191,10 +191,8 @@ def main(argv=None) -> int:
     args.max_num_seqs = args.max_num_seqs or (256 if cuda else 16)
     args.new_tokens = args.new_tokens or (8 if args.quick else 64)
     args.prompts_per_draw = args.prompts_per_draw or (12 if args.quick else args.max_num_seqs)
-    if cuda:
-        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
-    else:
-        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    if cuda:  # (on CPU the process's own thread count: vLLM's CPU attention checks its metadata was built with the
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # count the producer's thread runs it with)
     with tempfile.TemporaryDirectory(prefix="bench-gpu-paths-") as root:
         rows = run(root, args, cuda)
     print_rows(rows)

@@ -25,9 +25,22 @@ def _libc():
         return None
 
 
-def release() -> bool:
+RELEASE_MIN_BYTES = 64 << 20
+"""What a freed model must have held for :func:`release` to run: a full ``gc.collect()`` costs about 0.3 s in a
+process that imported torch and transformers, for nothing when the model was a few MiB."""
+
+
+def nbytes(module) -> int:
+    """Bytes of ``module``'s parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+
+
+def release(freed_bytes: int = RELEASE_MIN_BYTES) -> bool:
     """Collect garbage, then give the C allocator's free memory back to the machine (glibc's
-    ``malloc_trim``); True when the allocator could trim (False elsewhere: musl, macOS)."""
+    ``malloc_trim``); True when the allocator could trim (False elsewhere: musl, macOS, or ``freed_bytes``, what
+    the caller just let go, under :data:`RELEASE_MIN_BYTES`)."""
+    if freed_bytes < RELEASE_MIN_BYTES:
+        return False
     gc.collect()
     libc = _libc()
     trim = getattr(libc, "malloc_trim", None) if libc is not None else None

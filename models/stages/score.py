@@ -115,12 +115,14 @@ def score_in_turn(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: R
     if cfg.actor.old_logprobs == "recompute":
         actor = with_packing(PolicyLogprobs(load_hf(state.actor_url, AutoModelForCausalLM, dtype)).eval(), pack)
         flat.update(forward(cfg, batch, actor.to(device), None, None, pad))
+        freed = memory.nbytes(actor)
         del actor
-        memory.release()
+        memory.release(freed)
     ref = reference_scorer(cfg, run, None, None)
     flat.update(forward(cfg, batch, None, ref.to(device), None, pad))
+    freed = memory.nbytes(ref)
     del ref
-    memory.release()
+    memory.release(freed)
     values = None
     if cfg.uses_critic and not cfg.critic.remote_url:
         from transformers import AutoModelForTokenClassification
@@ -128,8 +130,9 @@ def score_in_turn(cfg: TrainConfig, run: RunHandle, state: PolicyState, batch: R
         critic = with_packing(CriticValues(load_hf(state.critic_url, AutoModelForTokenClassification, dtype)).eval(),
                               pack)
         flat.update(forward(cfg, batch, None, None, critic.to(device), pad))
+        freed = memory.nbytes(critic)
         del critic
-        memory.release()
+        memory.release(freed)
     elif cfg.uses_critic:
         values = service_values(critic_service(cfg, run), state)
     return flat, Scorers(None, None, None, values)

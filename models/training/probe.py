@@ -123,8 +123,9 @@ def _trainer_logprobs(policy_dir: str, fetch: Callable[[str], str], dtype: str =
     device = _device_for(tokenizer_dir if is_adapter(policy_dir) else policy_dir, dtype)
     lm = load_pretrained(policy_dir, AutoModelForCausalLM, getattr(torch, dtype), fetch).to(device)
     out = tuple(map(tuple, seqs)), _forward_logprobs(lm, seqs)
+    freed = memory.nbytes(lm)
     del lm
-    memory.release()  # a whole copy of the weights, loaded in the rollout's process: back to the machine
+    memory.release(freed)  # a whole copy of the weights, loaded in the rollout's process: back to the machine
     return out
 
 
