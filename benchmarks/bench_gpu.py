@@ -58,17 +58,27 @@ SHAPES: Dict[str, dict] = {
     # TinyLlama-1.1B's shape
     "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                num_key_value_heads=4, vocab_size=32000),
+    # Qwen/Qwen3-0.6B's real shape (models/demos/real_shapes.py): tied 151,936-row embedding, heads of 128
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, vocab_size=151936),
 }
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0}
 """Dense bfloat16 tensor-core peak by GPU name (the share is reported only for these)."""
 
 
 def build_policy(shape: str, seed: int = 0) -> PolicyLogprobs:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(seed)
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=False)
-    return PolicyLogprobs(LlamaForCausalLM(config).float())  # float32 master weights, as the update loads them
+    if shape.startswith("qwen3"):  # the released config, every field (QK-norm, tied head, rope theta)
+        from models.demos.real_shapes import SHAPES as REAL
+
+        fields = dict(REAL[shape].config)
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    else:
+        config = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=False)
+    # float32 master weights, as the update loads them
+    return PolicyLogprobs(AutoModelForCausalLM.from_config(config).float())
 
 
 def make_rows(n: int, prompt_len: int, response_len: int, vocab: int, fixed: bool, seed: int = 0) -> UpdateData:
