@@ -31,6 +31,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 WHOLE_BATCH = ["critic.minibatch_size=32", "critic.micro_batch_size=8", "critic.epochs=2"]
 """2 optimiser steps, each on all 32 samples (8 prompts × 4): 8 per micro-batch, 2 per rank."""
 TWO_RANKS = ["critic.nproc_per_node=2"]
+LR = 1e-3
+"""tiny_ppo's critic.lr."""
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +60,15 @@ def one(inputs):
 def assert_same_update(got, want):
     (weights, moments, out), (want_w, want_m, want_out) = got, want
     assert set(weights) == set(want_w) and set(moments) == set(want_m) == {"optimizer.safetensors"}
+    lr, steps = float(out.stats.get("critic/lr", LR)), 2
     for name, w in want_w.items():
-        torch.testing.assert_close(weights[name], w, rtol=1e-4, atol=1e-5, msg=name)
+        # AdamW divides each element's step by the root of its own second moment, so an element whose
+        # gradient sits at float32's rounding floor steps by an amount the order of the sums decides (up to
+        # lr a step; seen: 1 element in 16,384 off by 1.4e-5 at lr 1e-3). Such elements are rare; a wrong
+        # update (gradients not reduced, a rank's rows lost) moves most elements and the moments below.
+        off = ~torch.isclose(weights[name], w, rtol=1e-4, atol=1e-5)
+        assert int(off.sum()) <= max(1, w.numel() // 1000), (name, int(off.sum()), w.numel())
+        torch.testing.assert_close(weights[name], w, rtol=1e-4, atol=1e-5 + 0.05 * lr * steps, msg=name)
     for name, m in want_m["optimizer.safetensors"].items():
         torch.testing.assert_close(moments["optimizer.safetensors"][name], m, rtol=1e-3,
                                    atol=1e-5 * float(m.abs().max()), msg=name)

@@ -59,7 +59,8 @@ def test_a_masked_row_moves_the_weights_as_if_it_were_not_there(cfg, source):
     start = _policy(source)
     moved = 0.0
     for (name, a), b, s in zip(masked.named_parameters(), subset.parameters(), start.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+        step = float((b - s).detach().abs().max())  # lr 1.0 moves some weights by tens: float32 rounds at 1e-6 of that
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * max(1.0, step), msg=name)
         moved = max(moved, float((a - s).detach().abs().max()))
     assert moved > 1e-4  # the kept rows did move the weights
     everything = _step(data, cfg, source)  # and the masked row would have moved them differently
