@@ -102,7 +102,8 @@ class ActorElasticTask(CustomLaunchElasticTask):
         since = worker_exits.size()
         try:
             out = elastic_launch(config=config, entrypoint=spawn_helper)(
-                cloudpickle.dumps(functools.partial(as_worker, self.task_function)), ctx.raw_output_prefix, None,
+                cloudpickle.dumps(functools.partial(as_worker, self.task_function, dict(os.environ))),
+                ctx.raw_output_prefix, None,
                 None, kwargs)
         except ChildFailedError as e:
             _, first = first_failure(e)
@@ -118,9 +119,28 @@ class ActorElasticTask(CustomLaunchElasticTask):
         return adopt_rank0_result(out[0])  # a single node: rank 0 is here
 
 
-def as_worker(fn, **kwargs) -> Any:
+AGENT_ENV = frozenset({"RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+                       "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                       "TORCH_NCCL_ASYNC_ERROR_HANDLING"})
+"""What torch elastic's agent sets per worker (with every ``TORCHELASTIC_*``): the worker's own, kept."""
+
+
+def launch_environment(environ: Dict[str, str]) -> None:
+    """This worker's environment made the launching process's of this launch, but for the agent's per-worker
+    variables. A forked worker inherits its forkserver's environment, fixed when the forkserver started (the run's
+    first launch); the agent adds only its own variables. Without this, a variable the run's process set or
+    changed after its first launch (a credential, ``NCCL_*``, a test's fault switch) never reached a worker."""
+    own = {k for k in os.environ if k in AGENT_ENV or k.startswith("TORCHELASTIC_")}
+    for key in [k for k in os.environ if k not in environ and k not in own]:
+        del os.environ[key]
+    os.environ.update({k: v for k, v in environ.items() if k not in own})
+
+
+def as_worker(fn, environ: Dict[str, str], **kwargs) -> Any:
     """``fn(**kwargs)`` in a worker forked by the forkserver, which dies with it (and so with the run's process,
-    whose end stops the forkserver): no worker outlives the run."""
+    whose end stops the forkserver), with the launching process's environment (``environ``, taken at the
+    launch): no worker outlives the run."""
+    launch_environment(environ)
     processes.die_with_parent()
     worker_exits.record_rank()
     return fn(**kwargs)

@@ -20,6 +20,7 @@ class Seen(NamedTuple):
     parent_pid: int
     threads: int
     doubled: int
+    marks: str  # RLHF_TEST_LATE|RLHF_TEST_GONE|RANK in the worker ("-": unset)
 
 
 def _seen(x: int) -> Seen:
@@ -35,17 +36,27 @@ def _seen(x: int) -> Seen:
     if x < 0:
         raise ValueError(f"rank {info.rank} refuses x={x}")
     shutdown_distributed()
-    return Seen(info.world_size * 100 + int(t.item()), os.getpid(), os.getppid(), torch.get_num_threads(), 2 * x)
+    return Seen(info.world_size * 100 + int(t.item()), os.getpid(), os.getppid(), torch.get_num_threads(), 2 * x,
+                "|".join(os.environ.get(k, "-") for k in ("RLHF_TEST_LATE", "RLHF_TEST_GONE", "RANK")))
 
 
 who = task(task_config=elastic_for(load_config("tiny_ppo", ["actor.nproc_per_node=2"]), local=True))(_seen)
 
 
-def test_workers_come_from_one_forkserver_that_outlives_the_launch():
+def test_workers_come_from_one_forkserver_that_outlives_the_launch(monkeypatch):
     preset = os.environ.get("OMP_NUM_THREADS")
-    first, second = who(x=3), who(x=4)
+    monkeypatch.delenv("RLHF_TEST_LATE", raising=False)
+    monkeypatch.setenv("RLHF_TEST_GONE", "set at the first launch")
+    first = who(x=3)
+    monkeypatch.setenv("RLHF_TEST_LATE", "set after the forkserver started")
+    monkeypatch.delenv("RLHF_TEST_GONE")
+    second = who(x=4)
     assert (first.world, first.doubled, second.doubled) == (2 * 100 + 3, 6, 8)  # 2 ranks, 1 + 2 all-reduced
     assert first.parent_pid == second.parent_pid != os.getpid()  # the same server forked both launches
+    # each launch's workers see the run's environment of that launch, not the forkserver's of its start,
+    # and keep the agent's own variables (rank 0's result comes back)
+    assert first.marks == "-|set at the first launch|0"
+    assert second.marks == "set after the forkserver started|-|0"
     # torchrun's per-worker share of the cores, unless OMP_NUM_THREADS says otherwise
     assert first.threads == int(preset or max((os.cpu_count() or 1) // 2, 1))
     # and only theirs: a later one-worker task of this process (a local run's critic update after the
