@@ -104,6 +104,13 @@ S3_ENV_TO_UNSET = ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL_S3")
 """Variables that would override :func:`s3_client_env`'s endpoint or credentials."""
 
 
+def mlflow_server_env() -> dict:
+    """The environment of a test's ``mlflow server``: this process's, without MLflow 3's job execution (a job runner
+    and seven huey consumers, each a Python process importing MLflow and polling for as long as the server lives,
+    and outliving it unless its process group is killed; no test runs a server job)."""
+    return {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
 @contextlib.contextmanager
 def mlflow_server(folder, timeout_s: float = 180.0) -> Iterator[str]:
     """Base URL of ``mlflow server`` on 127.0.0.1 with its database in ``folder/mlflow.db`` and artifacts
@@ -117,7 +124,8 @@ def mlflow_server(folder, timeout_s: float = 180.0) -> Iterator[str]:
     proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "mlflow"), "server", "--host", "127.0.0.1",
                              "--port", str(port), "--backend-store-uri", f"sqlite:///{folder}/mlflow.db",
                              "--artifacts-destination", f"{folder}/artifacts", "--workers", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                            env=mlflow_server_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     try:
         wait_http(f"{base}/health", proc, "mlflow server", timeout_s=timeout_s)
         yield base

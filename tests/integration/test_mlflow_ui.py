@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from tests.processes import free_port, stop, wait_http
+from tests.processes import free_port, mlflow_server_env, stop, wait_http
 
 pytestmark = pytest.mark.integration
 
@@ -80,7 +80,8 @@ def server(tmp_path_factory):
     port = free_port()
     proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "mlflow"), "server", "--host", "127.0.0.1",
                              "--port", str(port), "--backend-store-uri", db, "--default-artifact-root", str(artifacts),
-                             "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--workers", "1"], env=mlflow_server_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_http(f"{base}/health", proc, "mlflow server", timeout_s=120)
