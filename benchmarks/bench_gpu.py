@@ -48,6 +48,7 @@ from models.training.distributed import (DistInfo, is_sharded, join_process_grou
                                 wrap_for_training)
 from models.training.policy import PolicyLogprobs, with_packing  # noqa: E402
 from models.training.update import LoopSettings, UpdateData, actor_loss_fn, make_optimizer, run_update  # noqa: E402
+from models.demos.real_shapes import QWEN3_0_6B  # noqa: E402
 
 SHAPES: Dict[str, dict] = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -58,10 +59,10 @@ SHAPES: Dict[str, dict] = {
     # TinyLlama-1.1B's shape
     "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                num_key_value_heads=4, vocab_size=32000),
-    # Qwen/Qwen3-0.6B's real shape (models/demos/real_shapes.py): tied 151,936-row embedding, heads of 128
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, vocab_size=151936),
 }
+# Qwen/Qwen3-0.6B's real shape, read from its released config (models/demos/real_shapes.py): a tied 151,936-row
+# embedding, heads of 128; build_policy builds it from every field of that config
+SHAPES["qwen3-0.6b"] = {k: QWEN3_0_6B.config[k] for k in SHAPES["0.5b"]}
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0}
 """Dense bfloat16 tensor-core peak by GPU name (the share is reported only for these)."""
 
@@ -70,10 +71,8 @@ def build_policy(shape: str, seed: int = 0) -> PolicyLogprobs:
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(seed)
-    if shape.startswith("qwen3"):  # the released config, every field (QK-norm, tied head, rope theta)
-        from models.demos.real_shapes import SHAPES as REAL
-
-        fields = dict(REAL[shape].config)
+    if shape == QWEN3_0_6B.name:  # the released config, every field (QK-norm, tied head, rope theta)
+        fields = dict(QWEN3_0_6B.config)
         config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     else:
         config = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=False)
