@@ -40,7 +40,7 @@ from tasks.flyte_internals import CustomLaunchElasticTask, adopt_rank0_result, i
 FORKSERVER = "forkserver"
 
 PRELOAD = ("tasks.worker_exits", "flytekitplugins.kfpytorch.task", "tasks.updates", "tasks.score",
-           "transformers.modeling_utils")
+           "transformers.modeling_utils", "transformers.models.auto.modeling_auto")
 """Imported once by the forkserver, so forked workers start with them loaded."""
 
 

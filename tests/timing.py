@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import collections
 import os
+import resource
 import time
+
+import pytest
 
 SLOWEST = 25
 FILES = 12
@@ -16,6 +19,17 @@ BUDGET_S = 1800
 TARGET_S = 1620
 """...and what the suite is held to, leaving 3 minutes of margin for new tests and CI's variance."""
 TIMES_ENV, TIMES_DEFAULT = "RLHF_TEST_TIMES", os.path.join(".cache", "test-times.tsv")
+CPU_KEY = "cpu_s"
+"""The ``user_properties`` entry of a phase's report: the CPU seconds (user + system) the test's process and its
+children spent in that phase. Children count once they have been waited for (a ``pyflyte run``, its elastic
+workers and engine processes, a server a fixture stopped); a process the test left running counts where it is
+reaped. On two cores the suite is CPU-bound, so a test's CPU, not its wall time beside another, is what it costs."""
+
+
+def cpu_seconds() -> float:
+    """User + system CPU of this process and of its children waited for so far."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 class SuiteTiming:
@@ -24,9 +38,26 @@ class SuiteTiming:
     def __init__(self) -> None:
         self.started = time.monotonic()
         self.per_test: dict = collections.defaultdict(float)
+        self.cpu: dict = collections.defaultdict(float)
+        self._cpu_mark = 0.0
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        """In the process that runs the test (an xdist worker): each phase's CPU into its report."""
+        outcome = yield
+        now = cpu_seconds()
+        if call.when == "setup":
+            self._cpu_mark = getattr(item, "_rlhf_cpu_start", now)
+        outcome.get_result().user_properties.append((CPU_KEY, round(now - self._cpu_mark, 3)))
+        self._cpu_mark = now
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        item._rlhf_cpu_start = cpu_seconds()
 
     def pytest_runtest_logreport(self, report) -> None:
         self.per_test[report.nodeid] += report.duration
+        self.cpu[report.nodeid] += sum(v for k, v in getattr(report, "user_properties", ()) if k == CPU_KEY)
 
     def lines(self) -> list:
         wall = time.monotonic() - self.started
@@ -34,13 +65,17 @@ class SuiteTiming:
         per_file: dict = collections.defaultdict(float)
         for nodeid, seconds in tests:
             per_file[nodeid.split("::")[0]] += seconds
-        out = [f"{SLOWEST} slowest tests (setup + call + teardown):"]
-        out += [f"  {seconds:7.1f} s  {nodeid}" for nodeid, seconds in tests[:SLOWEST]]
+        cpu_file: dict = collections.defaultdict(float)
+        for nodeid, seconds in self.cpu.items():
+            cpu_file[nodeid.split("::")[0]] += seconds
+        out = [f"{SLOWEST} slowest tests (setup + call + teardown; wall, then CPU of the test and its children):"]
+        out += [f"  {seconds:7.1f} s {self.cpu.get(nodeid, 0.0):7.1f} cpu  {nodeid}"
+                for nodeid, seconds in tests[:SLOWEST]]
         out.append(f"{FILES} slowest files:")
-        out += [f"  {seconds:7.1f} s  {path}" for path, seconds in
+        out += [f"  {seconds:7.1f} s {cpu_file.get(path, 0.0):7.1f} cpu  {path}" for path, seconds in
                 sorted(per_file.items(), key=lambda kv: -kv[1])[:FILES]]
         out.append(f"suite: {len(tests)} tests, {sum(self.per_test.values()):.0f} s in tests, "
-                   f"{wall:.0f} s wall (collection included)")
+                   f"{sum(self.cpu.values()):.0f} s of CPU in tests, {wall:.0f} s wall (collection included)")
         started = os.environ.get("RLHF_TEST_STARTED", "")
         if started.isdigit():  # set by `make test` as it starts
             out.append(f"make test: {time.time() - int(started):.0f} s wall so far, install included "
@@ -48,11 +83,11 @@ class SuiteTiming:
         return out
 
     def write_times(self, path: str) -> None:
-        """Every test's seconds, slowest first, as ``seconds<TAB>nodeid`` lines."""
+        """Every test's seconds, slowest first, as ``seconds<TAB>cpu seconds<TAB>nodeid`` lines."""
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
             for nodeid, seconds in sorted(self.per_test.items(), key=lambda kv: -kv[1]):
-                f.write(f"{seconds:.2f}\t{nodeid}\n")
+                f.write(f"{seconds:.2f}\t{self.cpu.get(nodeid, 0.0):.2f}\t{nodeid}\n")
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if not self.per_test or hasattr(terminalreporter.config, "workerinput"):  # xdist's controller reports

@@ -20,6 +20,7 @@ import sys
 from typing import Any, Callable, List, Optional
 
 from models import console
+from models.library_imports import skip_unused_optional_imports
 
 RESIDENT = ("engine", "actor", "critic")
 
@@ -147,6 +148,7 @@ def resident(args: argparse.Namespace) -> None:
 
 def main(argv: Optional[List[str]] = None) -> None:
     console.quiet_libraries()  # before torch, transformers and vLLM load (RLHF_VERBOSE=1: all their output)
+    skip_unused_optional_imports()  # transformers without scikit-learn (models/library_imports.py)
     args = _parser().parse_args(argv)
     {"serve": serve, "serve-rollout": serve_rollout, **dict.fromkeys(RESIDENT, resident)}[args.command](args)
 

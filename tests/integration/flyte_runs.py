@@ -19,12 +19,15 @@ PYFLYTE = os.path.join(os.path.dirname(sys.executable), "pyflyte")
 
 def isolated_env(home: Path, extra: Optional[Mapping[str, str]] = None) -> dict:
     """This environment with ``HOME`` (hence Flyte's ``~/.flyte/local-cache``) under ``home``;
-    the demo-model cache and matplotlib's font cache stay where they are (they are keyed by content)."""
+    the demo-model cache, matplotlib's font cache and vLLM's cache stay where they are (they are keyed by
+    content, as a user's stay between runs: without its ``modelinfos``, every vLLM engine inspects the model's
+    class in a fresh interpreter that imports vLLM, 5-10 s of CPU)."""
     from models.demos.builders import cache_dir
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", TQDM_DISABLE="1", TRANSFORMERS_VERBOSITY="error",
                VLLM_LOGGING_LEVEL="WARNING", RLHF_CACHE_DIR=cache_dir(),
-               MPLCONFIGDIR=os.environ.get("MPLCONFIGDIR") or os.path.expanduser("~/.cache/matplotlib"))
+               MPLCONFIGDIR=os.environ.get("MPLCONFIGDIR") or os.path.expanduser("~/.cache/matplotlib"),
+               VLLM_CACHE_ROOT=os.environ.get("VLLM_CACHE_ROOT") or os.path.expanduser("~/.cache/vllm"))
     env["HOME"] = str(home)
     home.mkdir(parents=True, exist_ok=True)
     env.update(extra or {})

@@ -41,8 +41,9 @@ MODEL_FLOORS: Tuple[Tuple[str, ...], ...] = (
     ("engines",),  # vLLM and HF generation engines
     ("checkpoint",),  # committed checkpoints, their cache
     ("storage",),  # local and fsspec storage, compare-and-swap writes
-    ("console", "environ", "faults", "memory", "processes", "timing"),  # leaves: console quieting, scoped
-    # environment settings, the test-only fault injection, memory given back to the machine, a run's processes
+    ("console", "environ", "faults", "library_imports", "memory", "processes", "timing"),  # leaves: console
+    # quieting, scoped environment settings, the test-only fault injection, what the libraries need not import,
+    # memory given back to the machine, a run's processes
     # (memory, signals, stopping them), phase timing
 )
 """The packages (and top-level modules) of ``models/``, top floor first: a module imports only from its
