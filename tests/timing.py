@@ -1,7 +1,8 @@
 """What the suite costs, printed at its end (docs/development.md#the-test-budget): the total wall time,
 the 25 slowest tests (setup + call + teardown, so a session fixture's cost shows on the first test that
 asks for it) and the slowest files, each with its CPU; every test's seconds and CPU also go to
-``RLHF_TEST_TIMES`` (default ``.cache/test-times.tsv``, slowest first) for comparing two runs. Measurements only: nothing here fails a test."""
+``RLHF_TEST_TIMES`` (default ``.cache/test-times.tsv``, slowest first) for comparing two runs. Measurements only:
+nothing here fails a test."""
 
 from __future__ import annotations
 
