@@ -5,8 +5,9 @@ transformers imports scikit-learn whenever it is installed (MLflow installs it) 
 4 s of CPU in each process on the 2-core machine, paid by ``pyflyte``, every pod's ``pyflyte-execute``, every
 elastic worker and every service, for a ROC curve of assisted generation's candidate confidence, which no task uses.
 :func:`skip_unused_optional_imports` makes transformers see scikit-learn as absent in this process (and only for
-transformers: ``import sklearn`` elsewhere is untouched; what of transformers needs it, its GLUE metrics and
-assisted generation's confidence model, says scikit-learn is missing). Installed by ``tasks/__init__.py`` and
+transformers: ``import sklearn`` elsewhere is untouched). What of transformers uses it goes without: assisted
+generation skips its confidence-threshold tuning, and ``transformers.data.metrics``' GLUE metrics fail when called
+(a NameError, not transformers' "requires scikit-learn"). Installed by ``tasks/__init__.py`` and
 ``models/hosts/__main__.py`` before any model loads; a process that imported transformers' generation code before
 the call keeps what it has.
 """

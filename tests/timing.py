@@ -33,6 +33,14 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def by_file(seconds: dict) -> dict:
+    """``{nodeid: seconds}`` summed per test file."""
+    out: dict = collections.defaultdict(float)
+    for nodeid, value in seconds.items():
+        out[nodeid.split("::")[0]] += value
+    return out
+
+
 class SuiteTiming:
     """A pytest plugin (registered by ``tests/conftest.py``)."""
 
@@ -42,19 +50,18 @@ class SuiteTiming:
         self.cpu: dict = collections.defaultdict(float)
         self._cpu_mark = 0.0
 
-    @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_makereport(self, item, call):
-        """In the process that runs the test (an xdist worker): each phase's CPU into its report."""
-        outcome = yield
-        now = cpu_seconds()
-        if call.when == "setup":
-            self._cpu_mark = getattr(item, "_rlhf_cpu_start", now)
-        outcome.get_result().user_properties.append((CPU_KEY, round(now - self._cpu_mark, 3)))
-        self._cpu_mark = now
-
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item, nextitem):
-        item._rlhf_cpu_start = cpu_seconds()
+        """In the process that runs the test (an xdist worker): its CPU so far, before its setup."""
+        self._cpu_mark = cpu_seconds()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        """Each phase's CPU, since the phase before (or the test's start), into its report."""
+        outcome = yield
+        now = cpu_seconds()
+        outcome.get_result().user_properties.append((CPU_KEY, round(now - self._cpu_mark, 3)))
+        self._cpu_mark = now
 
     def pytest_runtest_logreport(self, report) -> None:
         self.per_test[report.nodeid] += report.duration
@@ -63,12 +70,7 @@ class SuiteTiming:
     def lines(self) -> list:
         wall = time.monotonic() - self.started
         tests = sorted(self.per_test.items(), key=lambda kv: -kv[1])
-        per_file: dict = collections.defaultdict(float)
-        for nodeid, seconds in tests:
-            per_file[nodeid.split("::")[0]] += seconds
-        cpu_file: dict = collections.defaultdict(float)
-        for nodeid, seconds in self.cpu.items():
-            cpu_file[nodeid.split("::")[0]] += seconds
+        per_file, cpu_file = by_file(self.per_test), by_file(self.cpu)
         out = [f"{SLOWEST} slowest tests (setup + call + teardown; wall, then CPU of the test and its children):"]
         out += [f"  {seconds:7.1f} s {self.cpu.get(nodeid, 0.0):7.1f} cpu  {nodeid}"
                 for nodeid, seconds in tests[:SLOWEST]]
