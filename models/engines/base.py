@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
@@ -138,6 +139,28 @@ def eos_token_ids(checkpoint_dir: str) -> Tuple[int, ...]:
 
         ids += _eos_list(AutoTokenizer.from_pretrained(checkpoint_dir).eos_token_id)
     return tuple(sorted(set(ids)))
+
+
+def engine_thread(target: Callable[[], None], name: str) -> threading.Thread:
+    """A started daemon thread that runs ``target`` at the torch intra-op thread count of the thread that made it.
+
+    vLLM's CPU attention plans a step's work for ``omp_get_max_threads()`` threads when it builds the step's
+    metadata and checks the count again in the kernel (``cpu_attn_impl.hpp``: "Check failed: ...thread_num ==
+    thread_num"). A new thread starts at OpenMP's process default (``OMP_NUM_THREADS``, else every core) and moves
+    to torch's count at its first parallel torch op, which can fall between the two: the thread's first step then
+    fails whenever the process set another count (a host's ``--threads``). Setting the count first (through
+    ``torch._C``: vLLM's CPU worker makes ``torch.set_num_threads`` a no-op) keeps every step on one count."""
+    import torch
+
+    threads = torch.get_num_threads()
+
+    def run() -> None:
+        torch._C.set_num_threads(threads)
+        target()
+
+    thread = threading.Thread(target=run, daemon=True, name=name)
+    thread.start()
+    return thread
 
 
 class GenerationEngine(Protocol):

@@ -32,6 +32,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from models.engines.base import engine_thread
 from models.engines.rollout import RolloutColumns, encode_prompts, rollout_columns, sample
 from models.faults import slow_engine
 
@@ -139,8 +140,7 @@ class Producer:
         self.steps = self.in_flight_sum = 0  # the continuous sampler's engine steps and requests they ran
         self.failed: Optional[BaseException] = None
         self.stopped = False
-        self.thread = threading.Thread(target=self._loop, daemon=True, name="producer")
-        self.thread.start()
+        self.thread = engine_thread(self._loop, "producer")  # at the count of the thread that made it
 
     def _position(self) -> Tuple[int, int]:
         return self.todo[0] if self.todo else self.next

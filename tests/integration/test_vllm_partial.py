@@ -4,6 +4,7 @@ push of other weights after the third step, each token is tagged with the versio
 logits, and its log-prob is what Hugging Face's forward of those weights gives it (before the push actor a's,
 after it actor b's, whose KV is recomputed on resubmission), in float32. One engine for the module."""
 
+import os
 import threading
 import time
 
@@ -173,3 +174,33 @@ def test_the_producer_keeps_max_num_seqs_in_flight_and_samples_what_generate_sam
         assert versions == [[0] * 12] * (per_draw * LONG.n)
         alone = engine.generate([list(t) for t in cols.prompt_tokens[::LONG.n]], LONG)
         assert [list(r) for r in cols.response_tokens] == [g.tokens for p in alone for g in p]
+
+
+def test_the_producer_steps_the_engine_at_the_thread_count_of_the_thread_that_made_it(engine, ckpts):
+    """A host's ``--threads`` sets torch's count in the thread that makes the producer; the producer's thread starts
+    at OpenMP's process default and would move to torch's count only at its first parallel op, after vLLM's CPU
+    attention planned the first step for the default (its kernel then fails the step: "Check failed ...
+    thread_num"). Run at a count other than the default, its steps run at the maker's count and the batch comes."""
+    engine.load_weights(ckpts[0])
+    before = torch.get_num_threads()
+    other = 1 if (os.cpu_count() or 1) > 1 else 2  # not what a new thread starts at
+    tok, counts = build_char_tokenizer(), []
+    prompts = [f"draw 0 prompt {p}" for p in range(8)]
+    the_draw = Draw(0, PromptDataset(prompts, np.arange(8, dtype=np.int64)), np.arange(8, dtype=np.int64), LONG)
+
+    class Counting(Producer):  # asked once the unit's steps ran: asking first would set the count (torch's lazy init)
+        def finished(self, *args) -> None:
+            counts.append(torch.get_num_threads())
+            super().finished(*args)
+
+    torch._C.set_num_threads(other)  # vLLM's CPU worker made torch.set_num_threads a no-op in this process
+    try:
+        producer = Counting(2, 0, 1, lambda: (engine, 0), lambda j: the_draw, tok, EngineTurns())
+        try:
+            units = producer.take(0, timeout_s=120)[0]
+        finally:
+            producer.close()
+    finally:
+        torch._C.set_num_threads(before)
+    assert counts and set(counts) == {other}
+    assert merged(units)[0].prompt_id.tolist() == np.repeat(np.arange(8), LONG.n).tolist()
