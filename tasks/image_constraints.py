@@ -1,5 +1,5 @@
 """The pins the task image installs this project with: ``constraints.txt`` (the lock of the CPU install
-the tests run) less what the base image's vLLM pins exactly, so pip keeps the base's torch, vLLM and
+the tests run) less what the base image's vLLM pins exactly, so the install (uv) keeps the base's torch, vLLM and
 vLLM's own exact pins, and checks every other pin against vLLM's declared ranges.
 
     python3 tasks/image_constraints.py constraints.txt > /tmp/constraints-image.txt   # in the image
