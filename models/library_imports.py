@@ -10,13 +10,24 @@ generation skips its confidence-threshold tuning, and ``transformers.data.metric
 (a NameError, not transformers' "requires scikit-learn"). Installed by ``tasks/__init__.py`` and
 ``models/hosts/__main__.py`` before any model loads; a process that imported transformers' generation code before
 the call keeps what it has.
+
+transformers also maps every importable top-level name to its distributions as it is imported
+(``importlib.metadata.packages_distributions()``, reading the file list of each of the ~350 installed distributions:
+0.8 s of CPU a process here). :func:`cached_packages_distributions` answers it from a file of this machine's cache
+(``RLHF_CACHE_DIR/python``), one per set of installed distributions: the file's name is a digest of every
+``*.dist-info`` and ``*.egg-info`` folder on ``sys.path`` with its modification time, so installing, upgrading or
+removing a distribution is a new digest and a new computation; an unwritable cache only costs the computation.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.abc
+import importlib.metadata
+import json
+import os
 import sys
-from typing import Optional
+from typing import Dict, List, Optional
 
 SKLEARN_USERS = ("transformers.generation.candidate_generator", "transformers.data.metrics")
 """transformers' modules that import scikit-learn at import time when ``is_sklearn_available()``."""
@@ -39,7 +50,57 @@ class _TransformersWithoutSklearn(importlib.abc.MetaPathFinder):
         return None
 
 
+def distributions_digest() -> str:
+    """A digest of the distributions importable now: each ``sys.path`` folder's ``*.dist-info`` and ``*.egg-info``
+    entries with their modification times (the interpreter's version with them)."""
+    digest = hashlib.sha256(sys.version.encode())
+    for entry in sys.path:
+        folder = os.path.abspath(entry or os.getcwd())
+        try:
+            with os.scandir(folder) as entries:
+                found = sorted((e.name, e.stat().st_mtime_ns) for e in entries
+                               if e.name.endswith((".dist-info", ".egg-info")))
+        except OSError:  # not a folder (a zip), or gone
+            continue
+        if found:
+            digest.update(repr((folder, found)).encode())
+    return digest.hexdigest()[:32]
+
+
+def cached_packages_distributions(compute=None) -> Dict[str, List[str]]:
+    """``importlib.metadata.packages_distributions()`` (or ``compute()``), read from this machine's cache when the
+    same distributions were mapped before, else computed and written there."""
+    from models.environ import cache_dir
+
+    compute = compute or _original_packages_distributions
+    path = os.path.join(cache_dir(), "python", f"packages_distributions-{distributions_digest()}.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        pass
+    found = {name: list(dists) for name, dists in compute().items()}
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(found, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return found
+
+
+_original_packages_distributions = importlib.metadata.packages_distributions
+
+
 def skip_unused_optional_imports() -> None:
-    """Install the finder (once per process)."""
+    """Install the finder and the cached ``packages_distributions`` (once per process)."""
     if not any(isinstance(f, _TransformersWithoutSklearn) for f in sys.meta_path):
         sys.meta_path.insert(0, _TransformersWithoutSklearn())
+    if importlib.metadata.packages_distributions is _original_packages_distributions:
+        def packages_distributions() -> Dict[str, List[str]]:
+            return cached_packages_distributions(_original_packages_distributions)
+
+        packages_distributions.__wrapped__ = _original_packages_distributions
+        importlib.metadata.packages_distributions = packages_distributions

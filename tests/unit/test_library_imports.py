@@ -1,9 +1,12 @@
 """A process that runs a task loads transformers' models without scikit-learn (``models/library_imports.py``):
 MLflow installs scikit-learn, and transformers imports it with its generation code unless told it is absent.
-Checked in a fresh interpreter, entered as every task's process enters (``import tasks``)."""
+Checked in a fresh interpreter, entered as every task's process enters (``import tasks``). The map of top-level
+names to distributions transformers builds at import comes from the machine's cache, equal to the one computed,
+and computed again when the installed distributions change."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import subprocess
@@ -11,7 +14,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # a fresh interpreter importing flytekit, torch and transformers
+from models.library_imports import _original_packages_distributions, cached_packages_distributions
 
 PROBE = """
 import json, sys
@@ -21,13 +24,45 @@ from transformers.generation import candidate_generator
 from transformers.utils import is_sklearn_available
 loaded = "sklearn" in sys.modules
 import sklearn.metrics  # anyone else's import of it is untouched
-print(json.dumps({"loaded": loaded, "transformers_sees_it": is_sklearn_available(),
+import importlib.metadata
+from transformers.utils import import_utils
+computed = {k: list(v) for k, v in importlib.metadata.packages_distributions.__wrapped__().items()}
+print(json.dumps({"mapping_as_computed": import_utils.PACKAGE_DISTRIBUTION_MAPPING == computed, "loaded": loaded, "transformers_sees_it": is_sklearn_available(),
                   "roc_curve": hasattr(candidate_generator, "roc_curve"), "imported_later": "sklearn" in sys.modules}))
 """
 
 
+@pytest.mark.slow  # a fresh interpreter importing flytekit, torch and transformers
 def test_a_tasks_process_loads_transformers_models_without_sklearn():
     assert importlib.util.find_spec("sklearn") is not None  # installed (by MLflow): transformers would import it
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"mapping_as_computed": True,
         "loaded": False, "transformers_sees_it": False, "roc_curve": False, "imported_later": True}
+
+
+def _refused():
+    raise AssertionError("computed again: the cache was not read")
+
+
+@pytest.mark.slow  # importlib maps the venv three times (about 1 s of CPU each)
+def test_packages_distributions_is_read_from_the_cache_until_a_distribution_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "cache"))
+    computed = {k: list(v) for k, v in _original_packages_distributions().items()}
+    assert cached_packages_distributions(_original_packages_distributions) == computed  # written
+    assert cached_packages_distributions(_refused) == computed  # read back: not computed
+
+    site = tmp_path / "site"  # a distribution installed: another digest, computed again, and it is there
+    info = site / "flyte_rlhf_probe-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flyte-rlhf-probe\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text("rlhf_probe_module\n")
+    monkeypatch.syspath_prepend(str(site))
+    importlib.metadata.FastPath.__new__.cache_clear()  # importlib's own cache of sys.path folders
+    with pytest.raises(AssertionError, match="computed again"):
+        cached_packages_distributions(_refused)
+    assert cached_packages_distributions(_original_packages_distributions)["rlhf_probe_module"] == ["flyte-rlhf-probe"]
+    assert cached_packages_distributions(_refused)["rlhf_probe_module"] == ["flyte-rlhf-probe"]
+
+    monkeypatch.setenv("RLHF_CACHE_DIR", "/proc/no-cache-here")  # unwritable: computed, nothing fails
+    assert cached_packages_distributions(_original_packages_distributions) == computed | {
+        "rlhf_probe_module": ["flyte-rlhf-probe"]}
