@@ -28,7 +28,8 @@ import importlib.metadata
 from transformers.utils import import_utils
 computed = {k: list(v) for k, v in importlib.metadata.packages_distributions.__wrapped__().items()}
 print(json.dumps({"mapping_as_computed": import_utils.PACKAGE_DISTRIBUTION_MAPPING == computed, "loaded": loaded,
-                  "transformers_sees_it": is_sklearn_available(), "roc_curve": hasattr(candidate_generator, "roc_curve"),
+                  "transformers_sees_it": is_sklearn_available(),
+                  "roc_curve": hasattr(candidate_generator, "roc_curve"),
                   "imported_later": "sklearn" in sys.modules}))
 """
 
