@@ -9,15 +9,17 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import pickle
 import subprocess
 import sys
 
 import pytest
 
-from models.library_imports import _original_packages_distributions, cached_packages_distributions
+from models.library_imports import _cached_import_structure, _original_packages_distributions, \
+    cached_packages_distributions
 
 PROBE = """
-import json, sys
+import json, os, sys
 import tasks
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from transformers.generation import candidate_generator
@@ -27,7 +29,11 @@ import sklearn.metrics  # anyone else's import of it is untouched
 import importlib.metadata
 from transformers.utils import import_utils
 computed = {k: list(v) for k, v in importlib.metadata.packages_distributions.__wrapped__().items()}
-print(json.dumps({"mapping_as_computed": import_utils.PACKAGE_DISTRIBUTION_MAPPING == computed, "loaded": loaded,
+structure = import_utils.create_import_structure_from_path  # read from the cache once it is there
+models = os.path.join(os.path.dirname(import_utils.__file__), "..", "models")
+same = structure(models) == structure.__wrapped__.__wrapped__(models)  # lru_cache's function: computed afresh
+print(json.dumps({"mapping_as_computed": import_utils.PACKAGE_DISTRIBUTION_MAPPING == computed,
+                  "structure_as_computed": same, "loaded": loaded,
                   "transformers_sees_it": is_sklearn_available(),
                   "roc_curve": hasattr(candidate_generator, "roc_curve"),
                   "imported_later": "sklearn" in sys.modules}))
@@ -38,8 +44,9 @@ print(json.dumps({"mapping_as_computed": import_utils.PACKAGE_DISTRIBUTION_MAPPI
 def test_a_tasks_process_loads_transformers_models_without_sklearn():
     assert importlib.util.find_spec("sklearn") is not None  # installed (by MLflow): transformers would import it
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"mapping_as_computed": True,
-        "loaded": False, "transformers_sees_it": False, "roc_curve": False, "imported_later": True}
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+        "mapping_as_computed": True, "structure_as_computed": True, "loaded": False, "transformers_sees_it": False,
+        "roc_curve": False, "imported_later": True}
 
 
 def _refused():
@@ -68,3 +75,24 @@ def test_packages_distributions_is_read_from_the_cache_until_a_distribution_chan
     monkeypatch.setenv("RLHF_CACHE_DIR", "/proc/no-cache-here")  # unwritable: computed, nothing fails
     assert cached_packages_distributions(_original_packages_distributions) == computed | {
         "rlhf_probe_module": ["flyte-rlhf-probe"]}
+
+
+def test_the_import_structure_is_read_from_the_cache_and_holds_plain_data_only(tmp_path, monkeypatch):
+    """transformers' folder scan runs once per folder and set of distributions; its recursion is not cached apart;
+    a cached file that names a class (not plain data) is computed again, not loaded."""
+    monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+
+    def scan(path):
+        calls.append(path)
+        if path == "top":  # transformers' own recursion goes through the module's global: the cached one
+            return {"sub": cached("sub"), frozenset({"torch"}): {"m": {"A", "B"}}}
+        return {frozenset(): {"n": {"C"}}}
+
+    cached = _cached_import_structure(scan)
+    want = {"sub": {frozenset(): {"n": {"C"}}}, frozenset({"torch"}): {"m": {"A", "B"}}}
+    assert cached("top") == want and calls == ["top", "sub"]
+    assert _cached_import_structure(_refused)("top") == want  # another process: read back
+    for f in (tmp_path / "cache" / "python").glob("transformers_import_structure-*"):
+        f.write_bytes(pickle.dumps({"sub": tmp_path}))  # a class to load: refused, computed again
+    assert _cached_import_structure(scan)("top") == want and calls == ["top", "sub"] * 2
