@@ -15,8 +15,8 @@ there, naming it, instead of in a run.
   ``tasks/elastic.py``;
 - ``FlyteContextManager.current_context().output_metadata_tracker`` and ``flytekit.deck.deck.TimeLineDeck``:
   rank 0's decks and output metadata handed to the task's process, as the plugin does; ``tasks/elastic.py``;
-- ``DataclassTransformer.get_literal_type``: computed once per dataclass per process
-  (:func:`cache_dataclass_literal_types`, installed by ``tasks/__init__.py``);
+- ``DataclassTransformer.get_literal_type``: computed once per dataclass per process, and kept in the machine's
+  cache across processes (:func:`cache_dataclass_literal_types`, installed by ``tasks/__init__.py``);
 - ``PythonTask.dispatch_execute``: each task's name told to the run's keeper as it starts (:func:`note_each_task`,
   installed by ``tasks/__init__.py``), so a ``pyflyte`` process killed mid-task is named with its task.
 """
@@ -66,12 +66,16 @@ def replace_cli_error_printer(wrap: Callable[[Callable], Callable]) -> bool:
 
 def cache_dataclass_literal_types() -> bool:
     """Make flytekit's ``DataclassTransformer.get_literal_type`` compute each dataclass's Flyte type once
-    per process. flytekit 1.16 rebuilds it for every task interface that names the dataclass, and for
-    every nested dataclass again inside it, each time building a JSON schema with mashumaro (which
+    per process, and once per machine. flytekit 1.16 rebuilds it for every task interface that names the dataclass,
+    and for every nested dataclass again inside it, each time building a JSON schema with mashumaro (which
     compiles a serialiser class for every field default), ``TrainConfig`` being in every task's interface:
     importing the workflows (``pyflyte run``, a chunk's pod, ``pyflyte package``) took 12.2 s, 7.2 s with
-    this on the 2-core box (benchmarks/RESULTS.md, 2026-11-26). The type depends only on the class, and flytekit never changes a returned one, so the
-    same object is returned. Unhashable arguments are passed through. Installed once: False after."""
+    the per-process memo on the 2-core box (benchmarks/RESULTS.md, 2026-11-26), and the first computation still
+    cost about 1 s of CPU in every process that imports a task module (each pod). The type depends only on the class
+    (its fields, their types and defaults, nested dataclasses the same way) and the installed flytekit and mashumaro,
+    so it is also read from a file of the machine's cache (:func:`dataclass_type_key`), and flytekit never changes a
+    returned one, so the same object is returned in a process. Unhashable arguments, and classes whose fields cannot
+    be read, are passed through. Installed once: False after."""
     from flytekit.core.type_engine import DataclassTransformer
 
     original = DataclassTransformer.get_literal_type
@@ -84,7 +88,7 @@ def cache_dataclass_literal_types() -> bool:
         try:
             return memo[t]
         except KeyError:
-            memo[t] = found = original(self, t)
+            memo[t] = found = _machine_cached_literal_type(t, lambda: original(self, t))
             return found
         except TypeError:  # an unhashable annotation: computed each time, as before
             return original(self, t)
@@ -93,6 +97,68 @@ def cache_dataclass_literal_types() -> bool:
     get_literal_type.uncached = original
     DataclassTransformer.get_literal_type = get_literal_type
     return True
+
+
+def dataclass_type_key(t: Any) -> Optional[str]:
+    """A digest of what a dataclass's Flyte type is made of: each field's name, type, default (a factory's product)
+    and metadata, the class's bases, the same of every dataclass named in a field's type, and the installed
+    distributions (flytekit's and mashumaro's versions among them). None when ``t`` is no dataclass, a field cannot
+    be read, or a part shows only an object's address (no key that another process would find)."""
+    import dataclasses
+    import hashlib
+    import typing
+
+    from models.library_imports import distributions_digest
+
+    parts: list = [distributions_digest()]
+    todo, seen = [t], set()
+    try:
+        while todo:
+            cls = todo.pop()
+            if cls in seen:
+                continue
+            seen.add(cls)
+            if not dataclasses.is_dataclass(cls) or not isinstance(cls, type):
+                return None
+            hints = typing.get_type_hints(cls)
+            parts.append((cls.__module__, cls.__qualname__, [b.__qualname__ for b in cls.__mro__]))
+            for f in dataclasses.fields(cls):
+                default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                kind = hints.get(f.name, f.type)
+                parts.append((f.name, repr(kind), "MISSING" if default is dataclasses.MISSING else repr(default),
+                              repr(dict(f.metadata))))
+                stack = [kind]
+                while stack:
+                    arg = stack.pop()
+                    stack.extend(typing.get_args(arg))
+                    if dataclasses.is_dataclass(arg) and isinstance(arg, type):
+                        todo.append(arg)
+    except Exception:  # noqa: BLE001 -- a type flytekit may still handle: computed, not cached
+        return None
+    text = repr(parts)
+    if " at 0x" in text:  # an object without a repr of its own (a default, a metadata value): no stable key
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _machine_cached_literal_type(t: Any, compute: Callable[[], Any]) -> Any:
+    import io
+    import pickle
+
+    from models.library_imports import disk_cached
+
+    key = dataclass_type_key(t)
+    if key is None:
+        return compute()
+
+    class FlytekitModels(pickle.Unpickler):  # flytekit's model classes and plain data: nothing else loads
+        def find_class(self, module: str, name: str):
+            if module.startswith("flytekit.models.") or (module == "builtins" and name in ("set", "frozenset")):
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"{module}.{name}: not a flytekit model")
+
+    return disk_cached(f"flyte_dataclass_type-{key}.pickle", compute, lambda v, f: pickle.dump(v, f, protocol=4),
+                       lambda f: FlytekitModels(io.BytesIO(f.read())).load())
 
 
 def note_each_task(note: Callable[[str], None]) -> bool:

@@ -147,6 +147,51 @@ def test_dataclass_types_are_computed_once_and_equal_flytekits_own():
     assert TypeEngine.to_literal_type(Fresh) is first and set(first.structure.dataclass_type) == {"x"}
 
 
+def _refused():
+    raise AssertionError("computed again: the machine's cache was not read")
+
+
+def test_dataclass_types_are_kept_per_machine_by_what_they_are_made_of(tmp_path, monkeypatch):
+    """Another process reads a dataclass's Flyte type from the machine's cache (equal to flytekit's own); the key
+    moves with a field's default, with a nested dataclass's field, and not with the object; a cached file that
+    names a class other than flytekit's models is computed again, not loaded."""
+    import dataclasses
+    import pickle
+
+    from flytekit.core.type_engine import DataclassTransformer
+
+    from models.config import TrainConfig
+
+    monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "cache"))
+    uncached = DataclassTransformer.get_literal_type.uncached
+    want = uncached(DataclassTransformer(), TrainConfig)
+    got = flyte_internals._machine_cached_literal_type(TrainConfig,
+                                                       lambda: uncached(DataclassTransformer(), TrainConfig))
+    again = flyte_internals._machine_cached_literal_type(TrainConfig, _refused)  # another process: read back
+    assert got.to_flyte_idl() == want.to_flyte_idl() == again.to_flyte_idl()
+    assert again.metadata == want.metadata  # the JSON schema as flytekit built it (integers stay integers)
+
+    def inner(limit: int):
+        return dataclasses.make_dataclass("Inner", [("limit", int, dataclasses.field(default=limit))])
+
+    def outer(nested, default: float = 0.5):
+        return dataclasses.make_dataclass("Outer", [("rate", float, dataclasses.field(default=default)),
+                                                    ("inner", nested, dataclasses.field(default_factory=nested))])
+
+    key = flyte_internals.dataclass_type_key
+    assert key(outer(inner(1))) == key(outer(inner(1))) and key(TrainConfig) == key(TrainConfig)
+    assert len({key(outer(inner(1))), key(outer(inner(2))), key(outer(inner(1), 0.25))}) == 3
+    assert key(int) is None
+    required = dataclasses.make_dataclass("Required", [("x", int)])  # no default: a key all the same, which
+    assert key(required) is not None  # another process finds (no object's address in it)
+    assert key(dataclasses.make_dataclass("Odd", [("o", object, dataclasses.field(default_factory=object))])) is None
+
+    for f in (tmp_path / "cache" / "python").glob("flyte_dataclass_type-*"):
+        f.write_bytes(pickle.dumps(tmp_path))  # a pathlib class: refused, computed again
+    with pytest.raises(AssertionError, match="computed again"):
+        flyte_internals._machine_cached_literal_type(TrainConfig, _refused)
+
+
 def test_each_task_is_noted_as_it_starts(monkeypatch):
     """A local execution's tasks pass through ``PythonTask.dispatch_execute`` (``tasks/__init__.py`` wraps it once):
     each one's name reaches the run's keeper, the dynamic's and the task's inside it."""
