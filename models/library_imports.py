@@ -82,14 +82,15 @@ def distributions_digest() -> str:
 def disk_cached(name: str, compute: Callable[[], Any], dump: Callable[[Any, Any], None],
                 load: Callable[[Any], Any]) -> Any:
     """``compute()``, kept in this machine's cache as ``RLHF_CACHE_DIR/python/{name}`` (binary ``dump(value, file)``
-    and ``load(file)``): read when there (a damaged file is computed again), else computed and written there."""
+    and ``load(file)``): read when there (a missing, damaged or unloadable file is computed again), else computed and
+    written there."""
     from models.environ import cache_dir
 
     path = os.path.join(cache_dir(), "python", name)
     try:
         with open(path, "rb") as f:
             return load(f)
-    except (OSError, ValueError, EOFError, pickle.UnpicklingError):
+    except Exception:  # noqa: BLE001 -- missing, damaged, or naming what is not there: computed again
         pass
     found = compute()
     try:
