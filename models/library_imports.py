@@ -64,19 +64,32 @@ class _TransformersWithoutSklearn(importlib.abc.MetaPathFinder):
 
 def distributions_digest() -> str:
     """A digest of the distributions importable now: each ``sys.path`` folder's ``*.dist-info`` and ``*.egg-info``
-    entries with their modification times (the interpreter's version with them)."""
-    digest = hashlib.sha256(sys.version.encode())
+    entries with their modification times (the interpreter's version with them). Kept in the process while no
+    ``sys.path`` folder changes (an install adds or removes an entry, which moves its folder's time)."""
+    folders = []
     for entry in sys.path:
         folder = os.path.abspath(entry or os.getcwd())
         try:
-            with os.scandir(folder) as entries:
-                found = sorted((e.name, e.stat().st_mtime_ns) for e in entries
-                               if e.name.endswith((".dist-info", ".egg-info")))
-        except OSError:  # not a folder (a zip), or gone
+            folders.append((folder, os.stat(folder).st_mtime_ns))
+        except OSError:  # gone
             continue
-        if found:
-            digest.update(repr((folder, found)).encode())
-    return digest.hexdigest()[:32]
+    key = tuple(folders)
+    if key not in _DIGESTS:
+        digest = hashlib.sha256(sys.version.encode())
+        for folder, _ in folders:
+            try:
+                with os.scandir(folder) as entries:
+                    found = sorted((e.name, e.stat().st_mtime_ns) for e in entries
+                                   if e.name.endswith((".dist-info", ".egg-info")))
+            except OSError:  # not a folder (a zip), or gone
+                continue
+            if found:
+                digest.update(repr((folder, found)).encode())
+        _DIGESTS[key] = digest.hexdigest()[:32]
+    return _DIGESTS[key]
+
+
+_DIGESTS: Dict[tuple, str] = {}
 
 
 def disk_cached(name: str, compute: Callable[[], Any], dump: Callable[[Any, Any], None],
