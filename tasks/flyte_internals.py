@@ -101,9 +101,9 @@ def cache_dataclass_literal_types() -> bool:
 
 def dataclass_type_key(t: Any) -> Optional[str]:
     """A digest of what a dataclass's Flyte type is made of: each field's name, type, default (a factory's product)
-    and metadata, the class's bases, the same of every dataclass named in a field's type, and the installed
-    distributions (flytekit's and mashumaro's versions among them). None when ``t`` is no dataclass, a field cannot
-    be read, or a part shows only an object's address (no key that another process would find)."""
+    and metadata, the class's bases and mashumaro ``Config``, the same of every dataclass named in a field's type,
+    and the installed distributions (flytekit's and mashumaro's versions among them). None when ``t`` is no
+    dataclass, a field cannot be read, or a part shows only an object's address (no key another process finds)."""
     import dataclasses
     import hashlib
     import typing
@@ -121,7 +121,9 @@ def dataclass_type_key(t: Any) -> Optional[str]:
             if not dataclasses.is_dataclass(cls) or not isinstance(cls, type):
                 return None
             hints = typing.get_type_hints(cls)
-            parts.append((cls.__module__, cls.__qualname__, [b.__qualname__ for b in cls.__mro__]))
+            config = getattr(cls, "Config", None)  # mashumaro's per-class options (aliases, strategies), if any
+            parts.append((cls.__module__, cls.__qualname__, [b.__qualname__ for b in cls.__mro__],
+                          repr({k: v for k, v in vars(config).items() if not k.startswith("__")}) if config else ""))
             for f in dataclasses.fields(cls):
                 default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
                 kind = hints.get(f.name, f.type)
