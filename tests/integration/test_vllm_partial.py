@@ -183,7 +183,8 @@ def test_the_producer_steps_the_engine_at_the_thread_count_of_the_thread_that_ma
     thread_num"). Run at a count other than the default, its steps run at the maker's count and the batch comes."""
     engine.load_weights(ckpts[0])
     before = torch.get_num_threads()
-    other = 1 if (os.cpu_count() or 1) > 1 else 2  # not what a new thread starts at
+    default = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)  # what a new thread starts at
+    other = 1 if default > 1 else 2
     tok, counts = build_char_tokenizer(), []
     prompts = [f"draw 0 prompt {p}" for p in range(8)]
     the_draw = Draw(0, PromptDataset(prompts, np.arange(8, dtype=np.int64)), np.arange(8, dtype=np.int64), LONG)
