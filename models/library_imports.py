@@ -23,6 +23,7 @@ it is imported (``create_import_structure_from_path``: about 1.4 s of CPU a proc
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.abc
 import importlib.metadata
@@ -32,7 +33,7 @@ import os
 import pickle
 import sys
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 SKLEARN_USERS = ("transformers.generation.candidate_generator", "transformers.data.metrics")
 """transformers' modules that import scikit-learn at import time when ``is_sklearn_available()``."""
@@ -92,29 +93,50 @@ def distributions_digest() -> str:
 _DIGESTS: Dict[tuple, str] = {}
 
 
-def disk_cached(name: str, compute: Callable[[], Any], dump: Callable[[Any, Any], None],
-                load: Callable[[Any], Any]) -> Any:
-    """``compute()``, kept in this machine's cache as ``RLHF_CACHE_DIR/python/{name}`` (binary ``dump(value, file)``
-    and ``load(file)``): read when there (a missing, damaged or unloadable file is computed again), else computed and
-    written there."""
+def disk_cached(name: str, compute: Callable[[], Any], encode: Callable[[Any], bytes],
+                decode: Callable[[bytes], Any]) -> Any:
+    """``compute()``, kept in this machine's cache as ``RLHF_CACHE_DIR/python/{name}`` (``encode(value)`` written,
+    ``decode(bytes)`` read): read when there (a missing, damaged or unloadable file is computed again), else
+    computed and written there, whole or not at all (a temporary file renamed; removed if the write fails)."""
     from models.environ import cache_dir
 
     path = os.path.join(cache_dir(), "python", name)
     try:
         with open(path, "rb") as f:
-            return load(f)
+            return decode(f.read())
     except Exception:  # noqa: BLE001 -- missing, damaged, or naming what is not there: computed again
         pass
     found = compute()
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(tmp, "wb") as f:
-            dump(found, f)
+            f.write(encode(found))
         os.replace(tmp, path)
     except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
     return found
+
+
+class _Restricted(pickle.Unpickler):
+    """Loads plain data (dicts, lists, sets, frozensets, strings, numbers) and the classes of ``modules`` (prefixes of
+    module names) only: a cached file naming any other class is refused."""
+
+    def __init__(self, data: bytes, modules: Tuple[str, ...]):
+        super().__init__(io.BytesIO(data))
+        self.modules = modules
+
+    def find_class(self, module: str, name: str):
+        if self.modules and module.startswith(self.modules):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}: not a class a cached file may name")
+
+
+def pickle_cached(name: str, compute: Callable[[], Any], modules: Tuple[str, ...] = ()) -> Any:
+    """:func:`disk_cached` as a pickle that may name the classes of ``modules`` only (none: plain data)."""
+    return disk_cached(name, compute, lambda value: pickle.dumps(value, protocol=4),
+                       lambda data: _Restricted(data, modules).load())
 
 
 def cached_packages_distributions(compute=None) -> Dict[str, List[str]]:
@@ -123,14 +145,7 @@ def cached_packages_distributions(compute=None) -> Dict[str, List[str]]:
     compute = compute or _original_packages_distributions
     return disk_cached(f"packages_distributions-{distributions_digest()}.json",
                        lambda: {name: list(dists) for name, dists in compute().items()},
-                       lambda value, f: f.write(json.dumps(value).encode()), json.load)
-
-
-class _DataOnly(pickle.Unpickler):
-    """Dicts, sets, frozensets and strings only: a cached file names no class to load."""
-
-    def find_class(self, module: str, name: str):
-        raise pickle.UnpicklingError(f"{module}.{name}: not plain data")
+                       lambda value: json.dumps(value).encode(), json.loads)
 
 
 def _cached_import_structure(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -150,9 +165,7 @@ def _cached_import_structure(original: Callable[[Any], Any]) -> Callable[[Any], 
                 computing.on = False
 
         key = hashlib.sha256(f"{distributions_digest()} {os.path.abspath(str(module_path))}".encode()).hexdigest()
-        return disk_cached(f"transformers_import_structure-{key[:32]}.pickle", compute,
-                           lambda value, f: pickle.dump(value, f, protocol=4),
-                           lambda f: _DataOnly(io.BytesIO(f.read())).load())
+        return pickle_cached(f"transformers_import_structure-{key[:32]}.pickle", compute)
 
     create_import_structure_from_path._flyte_rlhf = True
     create_import_structure_from_path.__wrapped__ = original

@@ -144,23 +144,13 @@ def dataclass_type_key(t: Any) -> Optional[str]:
 
 
 def _machine_cached_literal_type(t: Any, compute: Callable[[], Any]) -> Any:
-    import io
-    import pickle
-
-    from models.library_imports import disk_cached
+    """``compute()`` of ``t``'s Flyte type, from the machine's cache when ``t`` has a key (a pickle that may name
+    flytekit's model classes only)."""
+    from models.library_imports import pickle_cached
 
     key = dataclass_type_key(t)
-    if key is None:
-        return compute()
-
-    class FlytekitModels(pickle.Unpickler):  # flytekit's model classes and plain data: nothing else loads
-        def find_class(self, module: str, name: str):
-            if module.startswith("flytekit.models.") or (module == "builtins" and name in ("set", "frozenset")):
-                return super().find_class(module, name)
-            raise pickle.UnpicklingError(f"{module}.{name}: not a flytekit model")
-
-    return disk_cached(f"flyte_dataclass_type-{key}.pickle", compute, lambda v, f: pickle.dump(v, f, protocol=4),
-                       lambda f: FlytekitModels(io.BytesIO(f.read())).load())
+    return compute() if key is None else pickle_cached(f"flyte_dataclass_type-{key}.pickle", compute,
+                                                       ("flytekit.models.",))
 
 
 def note_each_task(note: Callable[[str], None]) -> bool:

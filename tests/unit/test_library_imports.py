@@ -31,7 +31,10 @@ from transformers.utils import import_utils
 computed = {k: list(v) for k, v in importlib.metadata.packages_distributions.__wrapped__().items()}
 structure = import_utils.create_import_structure_from_path  # read from the cache once it is there
 models = os.path.join(os.path.dirname(import_utils.__file__), "..", "models")
-same = structure(models) == structure.__wrapped__.__wrapped__(models)  # lru_cache's function: computed afresh
+cached = structure(models)
+import_utils.create_import_structure_from_path = structure.__wrapped__  # transformers' own, its recursion too
+same = cached == structure.__wrapped__.__wrapped__(models)  # lru_cache's function: computed afresh, no cache
+import_utils.create_import_structure_from_path = structure
 print(json.dumps({"mapping_as_computed": import_utils.PACKAGE_DISTRIBUTION_MAPPING == computed,
                   "structure_as_computed": same, "loaded": loaded,
                   "transformers_sees_it": is_sklearn_available(),
