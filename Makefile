@@ -28,6 +28,10 @@ PYTEST_ARGS ?=
 # pytest-xdist workers of `make test`: whole files per worker, tests/cluster on one (tests/conftest.py);
 # 0 runs every test in pytest's own process.
 TEST_WORKERS ?= 2
+# Torch threads (OMP_NUM_THREADS) of every process the tests start, the workers' own included: one, so the two
+# workers' processes share the 2 cores without OpenMP threads contending for them (17% less CPU and wall than each
+# process taking every core, measured 2026-11-29: docs/development.md#the-test-budget).
+TEST_THREADS ?= 1
 ALGO ?= ppo
 # ppo and ppo_* presets (e.g. ppo_lora) train a critic: the ppo workflow; the rest are critic-free.
 ALGO_WORKFLOW := $(if $(filter ppo ppo_%,$(ALGO)),ppo,reinforce)
@@ -90,7 +94,7 @@ test:
 	@RLHF_TEST_STARTED=$$(date +%s) $(MAKE) --no-print-directory test-run
 
 test-run: $(BENCH_STAMP) $(ENVS_STAMP) browser sandbox
-	$(PY) -m pytest tests -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest tests -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # Debian's Chromium and its WebDriver for tests/integration/test_mlflow_ui.py (as root, or via sudo).
 browser:
