@@ -122,6 +122,13 @@ class RolloutConfig:
     tool_parser: str = "hermes"
     """With ``environment``: the tool-call format of the model's chat template (``models.environments.tools.PARSERS``:
     ``hermes`` = ``<tool_call>{json}</tool_call>``, ChatML/Qwen/Hermes)."""
+    episode_pace: str = "auto"
+    """With ``environment``: ``episode`` runs each episode as its own stream of requests to vLLM's continuously
+    batching engine (a finished turn leaves the engine at once; its tool calls and environment step overlap the other
+    episodes' generation); ``lockstep`` advances every episode with one batched call per turn (a turn waits for the
+    batch's slowest episode); ``auto``: per episode where the engine is vLLM in the task's or service's own process,
+    else lockstep (the HF engine, ``rollout.remote_url``, ``rollout.data_parallel_size`` > 1, the colocated layout's
+    ranks). docs/multi_turn.md"""
 
     def __post_init__(self) -> None:
         check_choice("rollout.engine", self.engine, ["vllm", "hf"])
@@ -164,6 +171,14 @@ class RolloutConfig:
         check(self.max_episode_tokens >= 1, "rollout.max_episode_tokens must be >= 1")
         check(self.tool_timeout_s > 0, "rollout.tool_timeout_s must be > 0")
         check_choice("rollout.tool_parser", self.tool_parser, ["hermes"])
+        check_choice("rollout.episode_pace", self.episode_pace, ["auto", "episode", "lockstep"])
+        if self.episode_pace == "episode":
+            for ok, why in ((self.engine == "vllm", f"rollout.engine={self.engine}: the HF engine runs lockstep"),
+                            (not self.remote_url, "rollout.remote_url: the rollout server takes one batch per call"),
+                            (self.data_parallel_size == 1,
+                             f"rollout.data_parallel_size={self.data_parallel_size}: replicas take one batch per call")):
+                check(ok, f"rollout.episode_pace=episode needs vLLM in the task's or service's process, not {why}; "
+                          f"use rollout.episode_pace=auto or lockstep")
 
     @property
     def samples_per_iteration(self) -> int:

@@ -81,6 +81,9 @@ class TrainConfig:
             check(r.data_parallel_size == 1,
                   f"run.resident_layout=colocated: the actor's ranks are the engine replicas; "
                   f"rollout.data_parallel_size={r.data_parallel_size} must be 1")
+            check(r.episode_pace != "episode",
+                  "rollout.episode_pace=episode with run.resident_layout=colocated: the actor's ranks sample their "
+                  "shares of each turn together (lockstep); use rollout.episode_pace=auto or lockstep")
 
     def _check_engine(self) -> None:
         """The rollout engine against the actor's adapters and where π_old comes from."""

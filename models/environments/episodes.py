@@ -1,11 +1,24 @@
-"""Multi-turn episodes: the environment protocol and the loop that advances every episode of a batch
-turn by turn with ONE batched generate call per turn (any engine: vLLM, HF, the rollout service).
+"""Multi-turn episodes: the environment protocol and the two loops that run a batch's episodes.
+
+- **Per episode** (``rollout.episode_pace=episode``; ``auto`` where the engine streams: vLLM in the task's or
+  the service's process): each episode is its own stream of requests to vLLM's continuously batching engine
+  (:meth:`models.engines.VLLMEngine.stream`). A turn that ends leaves the engine at once; its tool calls and
+  its environment's step run in a thread of their own while the other episodes' turns go on generating, and
+  the episode's next turn joins the engine as soon as the step has answered. A batch takes as long as its
+  longest episode, not the sum of each turn's slowest one.
+- **Lockstep** (``lockstep``; ``auto`` on engines that do not stream: the HF engine, the rollout server,
+  replicas, the colocated ranks): ONE batched generate call per turn for every active episode; the turn's
+  tool calls run concurrently, then each environment steps.
+
+Both seed the turn ``t`` of episode ``k`` with ``sample_seed(stream_seed(seed, t), k, 0)`` as long as every
+episode is still active (lockstep seeds by position among the active episodes), so with equal turn counts the
+two give the same tokens (:func:`stream_seed`, :func:`models.engines.base.sample_seed`).
 
 An environment (``rollout.environment=module:Class``) is built from one dataset row (its columns as
 a dict, plus ``prompt``), gives the first messages (:meth:`Environment.start`) and its tools
 (:attr:`Environment.tools`), and answers each assistant turn (:meth:`Environment.step`, given the
 parsed message and the results of its tool calls) with more messages, a reward and whether the
-episode is done. Per turn:
+episode is done. Per turn (lockstep; per episode the same, one episode at a time):
 
 1. every active episode's ids (first prompt + everything since) go to the engine in one call;
    generation stops at the template's end-of-turn (every eos id) or at the end of a tool call
@@ -24,12 +37,12 @@ and 0 on template, tool and user tokens, sampler log-probs on sampled tokens (0 
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Mapping, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from models.environments.chat_tokens import ChatTokens
-from models.engines.base import SamplingSpec, stream_seed
+from models.engines.base import Generation, SamplingSpec, stream_seed
 from models.environments.tools import Tool, ToolCallParser, run_tool_calls, tools_by_name
 
 
@@ -85,6 +98,9 @@ class EpisodeLimits:
     max_prompt_tokens: int = 0
     """The first prompt's budget (``data.max_prompt_tokens``; 0: none): the engine's context is this plus
     ``max_episode_tokens``, so a longer first prompt is refused as its episode starts, never truncated."""
+    pace: str = "auto"
+    """``rollout.episode_pace``: ``episode`` (each episode its own stream of requests; the engine must stream),
+    ``lockstep`` (one batched call per turn), ``auto`` (per episode where the engine streams)."""
 
 
 @dataclass
@@ -139,9 +155,24 @@ def _assistant_message(tokenizer, parser: ToolCallParser, tokens: Sequence[int])
     return message, calls
 
 
+PACES = ("auto", "episode", "lockstep")
+
+
+def streams(engine) -> bool:
+    """Whether ``engine`` runs each episode as its own stream of requests (an in-process vLLM engine)."""
+    return all(callable(getattr(engine, m, None)) for m in ("stream", "stream_samples", "stream_step", "close_stream"))
+
+
 def run_episodes(engine, tokenizer, envs: Sequence[Any], spec: SamplingSpec, limits: EpisodeLimits,
                  parser: ToolCallParser, pool: ThreadPoolExecutor) -> List[Episode]:
-    """Run one episode per environment; ``spec.seed`` seeds turn t's call with ``stream_seed(seed, t)``."""
+    """Run one episode per environment, per episode or in lockstep (``limits.pace``, the module's docstring); turn
+    ``t`` of episode ``k`` is seeded from ``stream_seed(spec.seed, t)``."""
+    if limits.pace not in PACES:
+        raise ValueError(f"rollout.episode_pace={limits.pace!r}: one of {', '.join(PACES)}")
+    per_episode = limits.pace == "episode" or (limits.pace == "auto" and streams(engine))
+    if per_episode and not streams(engine):
+        raise ValueError(f"rollout.episode_pace=episode needs an engine that streams requests (vLLM in this process), "
+                         f"not {type(engine).__name__}: set rollout.episode_pace=lockstep or auto")
     episodes, chats = [], []
     for env in envs:
         messages = list(env.start())  # before the tools: an adapter may learn them as it starts
@@ -154,39 +185,113 @@ def run_episodes(engine, tokenizer, envs: Sequence[Any], spec: SamplingSpec, lim
     env_tools = [() if getattr(env, "runs_tools", False) else tuple(getattr(env, "tools", ())) for env in envs]
     tools = [tools_by_name(t) for t in env_tools]
     turn_spec = turn_stops(tokenizer, parser, spec)
-    for turn in range(limits.max_turns):
-        active = [k for k, ep in enumerate(episodes) if ep.active]
-        if not active:
-            break
-        gens = engine.generate([episodes[k].prompt_ids + episodes[k].response_ids for k in active],
-                               replace(turn_spec, seed=stream_seed(spec.seed, turn)))
-        calls, assistants = [], {}
-        for k, per_prompt in zip(active, gens):
-            ep, g = episodes[k], per_prompt[0]
-            room = limits.max_episode_tokens - len(ep.response_ids)
-            ep.append(g.tokens[:room], True, g.logprobs[:room])
-            ep.turns += 1
-            message, parsed = _assistant_message(tokenizer, parser, g.tokens[:room])
-            ep.tool_calls += len(parsed)
-            if not g.is_end or len(g.tokens) > room:
-                ep.truncated = True
-                ep.messages.append(message)
-                continue
-            assistants[k] = message
-            calls += [] if getattr(ep.env, "runs_tools", False) else [(k, c) for c in parsed]
-        results = run_tool_calls(calls, tools, limits.tool_timeout_s, pool)
-        for k, message in assistants.items():
-            _answer(episodes[k], chats[k], message, results.get(k, []), limits)
+    run = _per_episode if per_episode else _lockstep
+    run(engine, tokenizer, episodes, chats, tools, turn_spec, spec.seed, limits, parser, pool)
     for ep in episodes:
         ep.truncated = ep.truncated or not ep.done
     return episodes
 
 
-def _answer(ep: Episode, chat: ChatTokens, message: Dict[str, Any], results, limits: EpisodeLimits) -> None:
-    """The environment's answer to ``ep``'s turn ``message``, appended as template tokens."""
-    tool_messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+def _lockstep(engine, tokenizer, episodes: List[Episode], chats: List[ChatTokens], tools, turn_spec: SamplingSpec,
+              seed: int, limits: EpisodeLimits, parser: ToolCallParser, pool: ThreadPoolExecutor) -> None:
+    for turn in range(limits.max_turns):
+        active = [k for k, ep in enumerate(episodes) if ep.active]
+        if not active:
+            break
+        gens = engine.generate([episodes[k].prompt_ids + episodes[k].response_ids for k in active],
+                               replace(turn_spec, seed=stream_seed(seed, turn)))
+        calls, assistants = [], {}
+        for k, per_prompt in zip(active, gens):
+            message, parsed = _take_turn(episodes[k], per_prompt[0], tokenizer, parser, limits)
+            if message is not None:
+                assistants[k] = message
+                calls += [] if getattr(episodes[k].env, "runs_tools", False) else [(k, c) for c in parsed]
+        results = run_tool_calls(calls, tools, limits.tool_timeout_s, pool)
+        for k, message in assistants.items():
+            tool_messages = _tool_messages(episodes[k], results.get(k, []))
+            _record(episodes[k], chats[k], message, tool_messages, episodes[k].env.step(message, tool_messages),
+                    limits)
+
+
+def _per_episode(engine, tokenizer, episodes: List[Episode], chats: List[ChatTokens], tools, turn_spec: SamplingSpec,
+                 seed: int, limits: EpisodeLimits, parser: ToolCallParser, pool: ThreadPoolExecutor) -> None:
+    """Each episode its own stream of requests in ``engine``'s step loop; a finished turn's tool calls and
+    environment step in a thread of their own (``steps``) while the loop goes on stepping the others."""
+    from models.engines.vllm_steps import generations
+
+    loop = engine.stream()
+    in_engine: Dict[int, Tuple[int, Any]] = {}  # id(sample) -> (episode, sample)
+    stepping: Dict[Future, Tuple[int, Dict[str, Any]]] = {}  # an environment's step -> (episode, assistant message)
+
+    def next_turn(k: int) -> None:
+        ep = episodes[k]
+        sample = engine.stream_samples([ep.prompt_ids + ep.response_ids],
+                                       replace(turn_spec, seed=stream_seed(seed, ep.turns)), k)[0]
+        in_engine[id(sample)] = (k, sample)
+        loop.add([sample])
+
+    def env_step(k: int, message: Dict[str, Any], calls) -> Tuple[List[Dict[str, Any]], Step]:
+        results = run_tool_calls([(k, c) for c in calls], tools, limits.tool_timeout_s, pool).get(k, [])
+        tool_messages = _tool_messages(episodes[k], results)
+        return tool_messages, episodes[k].env.step(message, tool_messages)
+
+    # the steps' own threads (a step may wait on its tools, which run in ``pool``: never the same threads)
+    with ThreadPoolExecutor(max_workers=min(max(len(episodes), 1), 64), thread_name_prefix="episode") as steps:
+        try:
+            for k in range(len(episodes)):
+                next_turn(k)
+            while in_engine or stepping:
+                if in_engine:
+                    if not engine.stream_open(loop):  # restarted or closed: these requests went with it
+                        raise RuntimeError("the engine was restarted or closed while the episodes ran")
+                    loop.resume()  # another use of the engine took its turn meanwhile: the turns under way again
+                    for sample in engine.stream_step(loop, 0):
+                        k, _ = in_engine.pop(id(sample))
+                        ep = episodes[k]
+                        message, parsed = _take_turn(ep, generations([sample], tokenizer, turn_spec)[0], tokenizer,
+                                                     parser, limits)
+                        if message is not None:
+                            calls = [] if getattr(ep.env, "runs_tools", False) else parsed
+                            stepping[steps.submit(env_step, k, message, calls)] = (k, message)
+                    loop.forget([s for s in loop.samples if s.done])
+                finished = [f for f in stepping if f.done()] if in_engine else \
+                    list(wait(list(stepping), return_when=FIRST_COMPLETED).done)
+                for future in finished:
+                    k, message = stepping.pop(future)
+                    tool_messages, answer = future.result()
+                    _record(episodes[k], chats[k], message, tool_messages, answer, limits)
+                    if episodes[k].active and episodes[k].turns < limits.max_turns:
+                        next_turn(k)
+        finally:
+            engine.close_stream(loop)
+
+
+def _take_turn(ep: Episode, g: Generation, tokenizer, parser: ToolCallParser, limits: EpisodeLimits
+               ) -> Tuple[Optional[Dict[str, Any]], list]:
+    """``ep``'s sampled turn ``g`` appended (cut at the episode's room); its assistant message and parsed calls for
+    the environment, or None for the message when the turn ended the episode truncated."""
+    room = limits.max_episode_tokens - len(ep.response_ids)
+    ep.append(g.tokens[:room], True, g.logprobs[:room])
+    ep.turns += 1
+    message, parsed = _assistant_message(tokenizer, parser, g.tokens[:room])
+    ep.tool_calls += len(parsed)
+    if not g.is_end or len(g.tokens) > room:
+        ep.truncated = True
+        ep.messages.append(message)
+        return None, parsed
+    return message, parsed
+
+
+def _tool_messages(ep: Episode, results) -> List[Dict[str, Any]]:
+    """``results`` (:class:`models.environments.tools.ToolResult`) as ``tool`` messages, the failed ones counted."""
     ep.tool_errors += sum(r.error for r in results)
-    step = ep.env.step(message, tool_messages)
+    return [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+
+
+def _record(ep: Episode, chat: ChatTokens, message: Dict[str, Any], tool_messages: List[Dict[str, Any]], step: Step,
+            limits: EpisodeLimits) -> None:
+    """The environment's answer ``step`` to ``ep``'s turn ``message`` (whose calls gave ``tool_messages``), appended
+    as template tokens."""
     ep.reward += float(step.reward)
     history, ep.messages = ep.messages, ep.messages + [message]
     new = tool_messages + list(step.messages)

@@ -58,7 +58,8 @@ def sample_data(cfg: TrainConfig, engine, tokenizer, data, prompt_ids: Sequence[
     if not r.environment:
         return sample(engine, tokenizer, data.prompts, prompt_ids, spec, data.chat), {}, {}
     rows = [{"prompt": p, **cols} for p, cols in zip(data.prompts, data.row_columns())]
-    limits = EpisodeLimits(r.max_turns, r.max_episode_tokens, r.tool_timeout_s, cfg.data.max_prompt_tokens)
+    limits = EpisodeLimits(r.max_turns, r.max_episode_tokens, r.tool_timeout_s, cfg.data.max_prompt_tokens,
+                           r.episode_pace)
     return sample_episodes(engine, tokenizer, load_environment(r.environment), rows, prompt_ids,
                            replace(spec, max_new_tokens=min(spec.max_new_tokens, r.max_episode_tokens)), limits,
                            get_parser(r.tool_parser))

@@ -1,6 +1,7 @@
 """Engine parity on multi-turn episodes with vLLM's CPU engine on the Qwen2-shaped chat checkpoint:
 the sampled tokens of every turn (each turn's stop token included) carry the log-probs the trainer's
-forward of the whole episode gives them, within the probe's 1e-3 nats."""
+forward of the whole episode gives them, within the probe's 1e-3 nats; each episode as its own stream of requests
+(``rollout.episode_pace=auto`` on vLLM) samples the episodes one batched call per turn samples."""
 
 from __future__ import annotations
 
@@ -28,12 +29,21 @@ def test_vllm_episodes_are_scored_as_sampled(qwen2_chat_dir):
     stops = set(turn_stops(tok, HermesParser(), spec).stop_token_ids) | {tok.convert_tokens_to_ids("<|im_end|>")}
     assert tok.convert_tokens_to_ids("</tool_call>") in stops  # the end of a call stops a turn (a token here)
     engine = VLLMEngine(str(qwen2_chat_dir), max_model_len=512)
+    prompts = ("Hi.", "Count.", "Go.")
     try:
         with ThreadPoolExecutor(2) as pool:
-            episodes = run_episodes(engine, tok, [TalkEnv({"prompt": w}) for w in ("Hi.", "Count.", "Go.")], spec,
+            episodes = run_episodes(engine, tok, [TalkEnv({"prompt": w}) for w in prompts], spec,
                                     EpisodeLimits(max_turns=4, max_episode_tokens=200), HermesParser(), pool)
+            lockstep = run_episodes(engine, tok, [TalkEnv({"prompt": w}) for w in prompts], spec,
+                                    EpisodeLimits(max_turns=4, max_episode_tokens=200, pace="lockstep"),
+                                    HermesParser(), pool)
     finally:
         engine.close()
+    # per episode (auto on vLLM: each episode its own requests in the step loop) and lockstep: the same seeds (every
+    # episode lasts 3 turns), the same tokens; the log-probs as one forward gives them whatever the batch
+    assert [ep.response_ids for ep in episodes] == [ep.response_ids for ep in lockstep]
+    assert [ep.loss_mask for ep in episodes] == [ep.loss_mask for ep in lockstep]
+    assert max(abs(a - b) for x, y in zip(episodes, lockstep) for a, b in zip(x.logprobs, y.logprobs)) < 1e-5
     model = load(qwen2_chat_dir)
     for ep in episodes:
         assert ep.turns == 3 and ep.done
