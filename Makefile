@@ -29,7 +29,7 @@ PYTEST_ARGS ?=
 # 0 runs every test in pytest's own process.
 TEST_WORKERS ?= 2
 # Torch threads (OMP_NUM_THREADS) of every process the tests start, the workers' own included: one, so the two
-# workers' processes share the 2 cores without OpenMP threads contending for them (17% less CPU and wall than each
+# workers' processes share the 2 cores without OpenMP threads contending for them (8-17% less CPU and wall than each
 # process taking every core, measured 2026-11-29: docs/development.md#the-test-budget).
 TEST_THREADS ?= 1
 ALGO ?= ppo
