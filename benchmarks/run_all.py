@@ -51,6 +51,7 @@ BENCHMARKS: Dict[str, str] = {
     "resident_pods": "bench_resident_pods.py",  # resident vs stateless in the pod-level harness (docs/cluster.md)
     "long_run": "bench_long_run.py",  # s/iteration against the iteration index over 500 iterations (docs/cluster.md#long-runs)
     "real_shape": "bench_real_shape.py",  # Qwen3-0.6B's shape in each mode vs TRL: peak memory, s/iteration (#46)
+    "episodes": "bench_episodes.py",  # multi-turn episodes in lockstep vs each at its own pace, slow environments (#49)
 }
 """Section name -> script in this folder, in table order."""
 NOT_QUICK = {"pipeline": "tens of harness pods per run", "resident_pods": "tens of harness pods per run",
