@@ -160,7 +160,8 @@ PACES = ("auto", "episode", "lockstep")
 
 def streams(engine) -> bool:
     """Whether ``engine`` runs each episode as its own stream of requests (an in-process vLLM engine)."""
-    return all(callable(getattr(engine, m, None)) for m in ("stream", "stream_samples", "stream_step", "close_stream"))
+    return all(callable(getattr(engine, m, None)) for m in ("stream", "stream_samples", "stream_step", "stream_open",
+                                                                 "close_stream"))
 
 
 def run_episodes(engine, tokenizer, envs: Sequence[Any], spec: SamplingSpec, limits: EpisodeLimits,
