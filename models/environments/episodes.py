@@ -203,10 +203,10 @@ def _lockstep(engine, tokenizer, episodes: List[Episode], chats: List[ChatTokens
                                replace(turn_spec, seed=stream_seed(seed, turn)))
         calls, assistants = [], {}
         for k, per_prompt in zip(active, gens):
-            message, parsed = _take_turn(episodes[k], per_prompt[0], tokenizer, parser, limits)
+            message, own = _take_turn(episodes[k], per_prompt[0], tokenizer, parser, limits)
             if message is not None:
                 assistants[k] = message
-                calls += [] if getattr(episodes[k].env, "runs_tools", False) else [(k, c) for c in parsed]
+                calls += [(k, c) for c in own]
         results = run_tool_calls(calls, tools, limits.tool_timeout_s, pool)
         for k, message in assistants.items():
             tool_messages = _tool_messages(episodes[k], results.get(k, []))
@@ -221,14 +221,14 @@ def _per_episode(engine, tokenizer, episodes: List[Episode], chats: List[ChatTok
     from models.engines.vllm_steps import generations
 
     loop = engine.stream()
-    in_engine: Dict[int, Tuple[int, Any]] = {}  # id(sample) -> (episode, sample)
+    in_engine: Dict[int, int] = {}  # id(sample) -> its episode
     stepping: Dict[Future, Tuple[int, Dict[str, Any]]] = {}  # an environment's step -> (episode, assistant message)
 
     def next_turn(k: int) -> None:
         ep = episodes[k]
         sample = engine.stream_samples([ep.prompt_ids + ep.response_ids],
                                        replace(turn_spec, seed=stream_seed(seed, ep.turns)), k)[0]
-        in_engine[id(sample)] = (k, sample)
+        in_engine[id(sample)] = k
         loop.add([sample])
 
     def env_step(k: int, message: Dict[str, Any], calls) -> Tuple[List[Dict[str, Any]], Step]:
@@ -247,13 +247,11 @@ def _per_episode(engine, tokenizer, episodes: List[Episode], chats: List[ChatTok
                         raise RuntimeError("the engine was restarted or closed while the episodes ran")
                     loop.resume()  # another use of the engine took its turn meanwhile: the turns under way again
                     for sample in engine.stream_step(loop, 0):
-                        k, _ = in_engine.pop(id(sample))
-                        ep = episodes[k]
-                        message, parsed = _take_turn(ep, generations([sample], tokenizer, turn_spec)[0], tokenizer,
-                                                     parser, limits)
+                        k = in_engine.pop(id(sample))
+                        message, own = _take_turn(episodes[k], generations([sample], tokenizer, turn_spec)[0],
+                                                  tokenizer, parser, limits)
                         if message is not None:
-                            calls = [] if getattr(ep.env, "runs_tools", False) else parsed
-                            stepping[steps.submit(env_step, k, message, calls)] = (k, message)
+                            stepping[steps.submit(env_step, k, message, own)] = (k, message)
                     loop.forget([s for s in loop.samples if s.done])
                 finished = [f for f in stepping if f.done()] if in_engine else \
                     list(wait(list(stepping), return_when=FIRST_COMPLETED).done)
@@ -269,8 +267,9 @@ def _per_episode(engine, tokenizer, episodes: List[Episode], chats: List[ChatTok
 
 def _take_turn(ep: Episode, g: Generation, tokenizer, parser: ToolCallParser, limits: EpisodeLimits
                ) -> Tuple[Optional[Dict[str, Any]], list]:
-    """``ep``'s sampled turn ``g`` appended (cut at the episode's room); its assistant message and parsed calls for
-    the environment, or None for the message when the turn ended the episode truncated."""
+    """``ep``'s sampled turn ``g`` appended (cut at the episode's room); its assistant message and the calls the loop
+    runs (none for an environment that runs its own), or None for the message when the turn ended the episode
+    truncated."""
     room = limits.max_episode_tokens - len(ep.response_ids)
     ep.append(g.tokens[:room], True, g.logprobs[:room])
     ep.turns += 1
@@ -279,8 +278,8 @@ def _take_turn(ep: Episode, g: Generation, tokenizer, parser: ToolCallParser, li
     if not g.is_end or len(g.tokens) > room:
         ep.truncated = True
         ep.messages.append(message)
-        return None, parsed
-    return message, parsed
+        return None, []
+    return message, [] if getattr(ep.env, "runs_tools", False) else parsed
 
 
 def _tool_messages(ep: Episode, results) -> List[Dict[str, Any]]:
