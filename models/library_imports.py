@@ -19,6 +19,13 @@ transformers also maps every importable top-level name to its distributions as i
 removing a distribution is a new digest and a new computation; an unwritable cache only costs the computation.
 The same holds for the import structure transformers reads from the ``__all__`` of each of its ~3,000 model files as
 it is imported (``create_import_structure_from_path``: about 1.4 s of CPU a process here), kept per folder.
+
+torch's inductor keys its compile caches by a digest of triton's sources and its 500 MB ``libtriton.so`` and one of
+torch's own sources (``torch._inductor.codecache.triton_key`` and ``torch_key``), computed in each process at its first
+compile: about 2 s of CPU here (more under load) in every process that compiles anything, which each vLLM engine does
+when it first returns log-probabilities (its sampler's ``batched_count_greater_than`` is compiled). The two digests are
+kept in the same cache, per set of installed distributions (:func:`seed_inductor_source_keys`): a reinstalled triton or
+torch is a new digest; a source edited in place without a reinstall is not seen (as with the other two caches).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.abc
+import importlib.machinery
 import importlib.metadata
 import io
 import json
@@ -43,13 +51,38 @@ def _sklearn_absent() -> bool:
     return False
 
 
+INDUCTOR_CODECACHE = "torch._inductor.codecache"
+INDUCTOR_SOURCE_KEYS = ("triton_key", "torch_key")
+"""The functions of :data:`INDUCTOR_CODECACHE` whose values (digests of installed sources) the machine's cache keeps."""
+
+
+class _SeedAfterExec(importlib.abc.Loader):
+    """``loader``, then :func:`seed_inductor_source_keys` on the module it executed."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        seed_inductor_source_keys(module)
+
+
 class _TransformersWithoutSklearn(importlib.abc.MetaPathFinder):
     """Just before one of :data:`SKLEARN_USERS` executes, transformers' ``is_sklearn_available`` answers False; as
     soon as transformers' ``import_utils`` is loaded (before ``transformers/__init__`` maps its models), its
-    ``create_import_structure_from_path`` is read from the machine's cache. Finds nothing itself: the import goes on
-    through the other finders."""
+    ``create_import_structure_from_path`` is read from the machine's cache; once torch's inductor code cache is loaded,
+    its source keys are seeded from the machine's cache. Finds nothing itself but the code cache's spec (the path
+    finder's, with its loader wrapped): the import goes on through the other finders."""
 
     def find_spec(self, fullname: str, path=None, target=None) -> Optional[importlib.machinery.ModuleSpec]:
+        if fullname == INDUCTOR_CODECACHE:
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _SeedAfterExec(spec.loader)
+            return spec
         if fullname in SKLEARN_USERS and "sklearn" not in sys.modules:
             for name in ("transformers.utils", "transformers.utils.import_utils"):
                 module = sys.modules.get(name)
@@ -172,6 +205,26 @@ def _cached_import_structure(original: Callable[[Any], Any]) -> Callable[[Any], 
     return create_import_structure_from_path
 
 
+def seed_inductor_source_keys(codecache) -> None:
+    """Set ``codecache``'s :data:`INDUCTOR_SOURCE_KEYS` (torch's prefetchable caches of one value) from the machine's
+    cache, one file each per set of installed distributions; a key not yet there is computed now (once per machine
+    and install) and written. A key this process already computed is left as it is."""
+    for name in INDUCTOR_SOURCE_KEYS:
+        key = getattr(codecache, name, None)
+        if key is None or not hasattr(key, "set"):  # another torch: nothing to seed
+            continue
+        computed = []
+
+        def compute(key=key):
+            computed.append(True)
+            return key()  # kept in the process by torch's own cache too
+
+        value = pickle_cached(f"inductor_{name}-{distributions_digest()}.pickle", compute)
+        if not computed:
+            with contextlib.suppress(RuntimeError):  # already set in this process
+                key.set(value)
+
+
 _original_packages_distributions = importlib.metadata.packages_distributions
 
 
@@ -179,6 +232,8 @@ def skip_unused_optional_imports() -> None:
     """Install the finder and the cached ``packages_distributions`` (once per process)."""
     if not any(isinstance(f, _TransformersWithoutSklearn) for f in sys.meta_path):
         sys.meta_path.insert(0, _TransformersWithoutSklearn())
+        if INDUCTOR_CODECACHE in sys.modules:  # loaded before: its keys now, unless computed already
+            seed_inductor_source_keys(sys.modules[INDUCTOR_CODECACHE])
     if importlib.metadata.packages_distributions is _original_packages_distributions:
         def packages_distributions() -> Dict[str, List[str]]:
             return cached_packages_distributions(_original_packages_distributions)

@@ -2,13 +2,15 @@
 MLflow installs scikit-learn, and transformers imports it with its generation code unless told it is absent.
 Checked in a fresh interpreter, entered as every task's process enters (``import tasks``). The map of top-level
 names to distributions transformers builds at import comes from the machine's cache, equal to the one computed,
-and computed again when the installed distributions change."""
+and computed again when the installed distributions change; so do torch inductor's digests of triton's and torch's
+sources, seeded as soon as its code cache loads."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -16,7 +18,7 @@ import sys
 import pytest
 
 from models.library_imports import _cached_import_structure, _original_packages_distributions, \
-    cached_packages_distributions
+    cached_packages_distributions, distributions_digest, seed_inductor_source_keys
 
 PROBE = """
 import json, os, sys
@@ -35,7 +37,17 @@ cached = structure(models)
 import_utils.create_import_structure_from_path = structure.__wrapped__  # transformers' own, its recursion too
 same = cached == structure.__wrapped__.__wrapped__(models)  # lru_cache's function: computed afresh, no cache
 import_utils.create_import_structure_from_path = structure
-print(json.dumps({"mapping_as_computed": import_utils.PACKAGE_DISTRIBUTION_MAPPING == computed,
+import pickle
+from models.library_imports import distributions_digest
+fresh = "torch._inductor.codecache" not in sys.modules
+folder = os.path.join(os.environ["RLHF_CACHE_DIR"], "python")
+for name, value in (("triton_key", "seeded triton"), ("torch_key", b"seeded torch")):
+    with open(os.path.join(folder, f"inductor_{name}-{distributions_digest()}.pickle"), "wb") as f:
+        pickle.dump(value, f)
+from torch._inductor import codecache
+print(json.dumps({"inductor_keys_seeded": fresh and (codecache.triton_key(), codecache.torch_key()) == (
+                      "seeded triton", b"seeded torch"),
+                  "mapping_as_computed": import_utils.PACKAGE_DISTRIBUTION_MAPPING == computed,
                   "structure_as_computed": same, "loaded": loaded,
                   "transformers_sees_it": is_sklearn_available(),
                   "roc_curve": hasattr(candidate_generator, "roc_curve"),
@@ -44,11 +56,12 @@ print(json.dumps({"mapping_as_computed": import_utils.PACKAGE_DISTRIBUTION_MAPPI
 
 
 @pytest.mark.slow  # a fresh interpreter importing flytekit, torch and transformers
-def test_a_tasks_process_loads_transformers_models_without_sklearn():
+def test_a_tasks_process_loads_transformers_models_without_sklearn(tmp_path):
     assert importlib.util.find_spec("sklearn") is not None  # installed (by MLflow): transformers would import it
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True,
+                         env={**os.environ, "RLHF_CACHE_DIR": str(tmp_path)})
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {
-        "mapping_as_computed": True, "structure_as_computed": True, "loaded": False, "transformers_sees_it": False,
+        "inductor_keys_seeded": True, "mapping_as_computed": True, "structure_as_computed": True, "loaded": False, "transformers_sees_it": False,
         "roc_curve": False, "imported_later": True}
 
 
@@ -99,3 +112,36 @@ def test_the_import_structure_is_read_from_the_cache_and_holds_plain_data_only(t
     for f in (tmp_path / "cache" / "python").glob("transformers_import_structure-*"):
         f.write_bytes(pickle.dumps({"sub": tmp_path}))  # a class to load: refused, computed again
     assert _cached_import_structure(scan)("top") == want and calls == ["top", "sub"] * 2
+
+
+def test_inductors_source_keys_are_computed_once_per_install_then_read(tmp_path, monkeypatch):
+    """torch's own one-value caches (``prefetchable_cache``, as ``triton_key`` and ``torch_key`` are): on a miss the key
+    is computed (once) and written; in a later process it is read and set without computing; one the process already
+    computed is left alone; a module without the keys (another torch) is left alone."""
+    import types
+
+    from torch.utils._functools import prefetchable_cache
+
+    monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def codecache():
+        module = types.ModuleType("codecache")
+        module.triton_key = prefetchable_cache(lambda: calls.append("triton") or "digest of triton")
+        module.torch_key = prefetchable_cache(lambda: calls.append("torch") or b"digest of torch")
+        return module
+
+    first = codecache()
+    seed_inductor_source_keys(first)  # computed and written
+    assert calls == ["triton", "torch"] and (first.triton_key(), first.torch_key()) == ("digest of triton",
+                                                                                         b"digest of torch")
+    assert sorted(p.name for p in (tmp_path / "python").iterdir()) == [
+        f"inductor_torch_key-{distributions_digest()}.pickle", f"inductor_triton_key-{distributions_digest()}.pickle"]
+    later = codecache()
+    seed_inductor_source_keys(later)  # read: nothing computed
+    assert (later.triton_key(), later.torch_key()) == ("digest of triton", b"digest of torch") and len(calls) == 2
+    own = codecache()
+    assert own.torch_key() == b"digest of torch" and len(calls) == 3  # this process computed it before
+    seed_inductor_source_keys(own)  # the other is set, this one kept
+    assert own.triton_key() == "digest of triton" and len(calls) == 3
+    seed_inductor_source_keys(types.ModuleType("codecache"))
