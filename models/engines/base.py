@@ -79,6 +79,10 @@ class EngineStats:
     restarts: int = 0
     reloads: int = 0
     generated_tokens: int = 0
+    prompt_tokens: int = 0
+    """Prompt tokens of the requests the engine finished, where it reports its prefix cache (vLLM in this process)."""
+    cached_prompt_tokens: int = 0
+    """Of :attr:`prompt_tokens`, those its prefix cache served (vLLM's ``num_cached_tokens``)."""
     extra: Dict[str, float] = field(default_factory=dict)
 
 

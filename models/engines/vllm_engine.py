@@ -32,7 +32,7 @@ from models.engines import vllm_push
 from models.engines.context import check_kv_cache
 from models.engines.vllm_setup import (cpu_workers_bound, cuda_graphs, llm_kwargs, read_json, read_settings_afresh,
                                        unsupported_lora_targets)
-from models.engines.vllm_steps import Sample, StepLoop, reset_prefix_cache
+from models.engines.vllm_steps import Sample, StepLoop, count_prompt, reset_prefix_cache
 from models.engines.weight_stream import merge_held
 from models.engines.base import (EngineLoadError, Generation, SamplingSpec, SwappableEngine, request_indices,
                                 sample_seed)
@@ -257,6 +257,7 @@ class VLLMEngine(SwappableEngine):
             lps = [float(step[t].logprob) for step, t in zip(c.logprobs or [], toks)]
             results[k // spec.n].append(Generation(toks, lps, c.finish_reason == "stop"))
             self.stats.generated_tokens += len(toks)
+            count_prompt(self.stats, len(requests[k]["prompt_token_ids"]), out.num_cached_tokens)
         self.stats.generate_s += time.perf_counter() - t0
         return results
 
@@ -271,7 +272,7 @@ class VLLMEngine(SwappableEngine):
         llm = self._llm()
         samples = [Sample(list(p), sample_seed(spec.seed, at[i], j)) for i, p in enumerate(prompts)
                    for j in range(spec.n)]
-        loop = StepLoop(llm, samples, lambda s: self._params(spec, s.seed, len(s.tokens)), self._lora)
+        loop = StepLoop(llm, samples, lambda s: self._params(spec, s.seed, len(s.tokens)), self._lora, self.stats)
 
         def guarded() -> int:
             served = between_steps()
@@ -299,7 +300,7 @@ class VLLMEngine(SwappableEngine):
         """A step loop open to samples added while it runs (:meth:`StepLoop.add`: continuous batching, the
         asynchronous producer's, :mod:`models.hosts.stream`); any other use of the engine suspends it, as it
         suspends :meth:`generate_versions`' loop."""
-        loop = StepLoop(self._llm(), [], lambda s: s.params(s), self._lora)
+        loop = StepLoop(self._llm(), [], lambda s: s.params(s), self._lora, self.stats)
         self._steps = loop
         return loop
 

@@ -60,13 +60,21 @@ def cut_at_stop_string(tokenizer, tokens: List[int], stop_strings: Sequence[str]
     return len(tokens)
 
 
+def count_prompt(stats, prompt_tokens: int, cached_tokens: Optional[int]) -> None:
+    """A finished request's prompt tokens and those vLLM's prefix cache served, added to ``stats`` (if any)."""
+    if stats is not None:
+        stats.prompt_tokens += prompt_tokens
+        stats.cached_prompt_tokens += int(cached_tokens or 0)
+
+
 class StepLoop:
     """The samples of one ``generate_versions`` call in the ``llm``'s engine; ``params(sample)`` gives a
     sample's ``SamplingParams`` for what it still has to draw."""
 
-    def __init__(self, llm, samples: List[Sample], params: Callable[[Sample], Any], lora=None):
-        self.llm, self.samples, self.params, self.lora = llm, samples, params, lora
+    def __init__(self, llm, samples: List[Sample], params: Callable[[Sample], Any], lora=None, stats=None):
+        self.llm, self.samples, self.params, self.lora, self.stats = llm, samples, params, lora, stats
         self.running: Dict[str, Sample] = {}  # vLLM request id -> sample
+        self._prompt_len: Dict[str, int] = {}  # vLLM request id -> its prompt's tokens (for ``stats``)
         self.suspended = False
         self._ids = itertools.count()
         self._tag = f"steps-{next(_LOOPS)}"
@@ -82,6 +90,7 @@ class StepLoop:
             self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=s.prompt + s.tokens), params,
                                             lora_request=self.lora)
             self.running[rid] = s
+            self._prompt_len[rid] = len(s.prompt) + len(s.tokens)
 
     def add(self, samples: List[Sample]) -> None:
         """More samples while the loop runs (continuous batching: the asynchronous producer's), submitted now."""
@@ -98,6 +107,7 @@ class StepLoop:
             self.llm.llm_engine.abort_request(gone)
             for rid in gone:
                 del self.running[rid]
+                self._prompt_len.pop(rid, None)
         self.samples = [s for s in self.samples if id(s) not in ids]
 
     @property
@@ -109,7 +119,7 @@ class StepLoop:
         """Abort the requests under way (their tokens kept): something else is about to use the engine."""
         if self.running and not self.suspended:
             self.llm.llm_engine.abort_request(list(self.running))
-            self.running = {}
+            self.running, self._prompt_len = {}, {}
         self.suspended = True
 
     def resume(self) -> None:
@@ -138,6 +148,7 @@ class StepLoop:
             if out.finished:
                 s.done, s.ended = True, c.finish_reason == "stop"
                 del self.running[out.request_id]
+                count_prompt(self.stats, self._prompt_len.pop(out.request_id, 0), out.num_cached_tokens)
                 finished.append(s)
         return finished
 

@@ -110,8 +110,10 @@ def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState, ahead: int
         own = engine is None
         with timed(stats, "time/engine_load_s"):
             engine = engine if engine is not None else engine_for(cfg, state.actor_url)
+        before = prompt_counts(engine)
         cols, episode_cols, episode_stats = sample_data(cfg, engine, tokenizer, draw.data, draw.prompt_ids,
                                                         draw.spec)
+        stats.update(prefix_cache_stats(before, prompt_counts(engine)))
         if own:
             done_with_engine(cfg, state.actor_url)
         stats.update(episode_stats)
@@ -119,6 +121,21 @@ def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState, ahead: int
         batch = write_batch(cfg, run, draw, version, {**cols.as_dict(), **episode_cols}, stats)
     stats.update(throughput_stats(cols, episode_cols, engine))
     return RolloutOutput(batch, stats)
+
+
+def prompt_counts(engine) -> Tuple[Any, int, int]:
+    """``(the engine's stats, prompt tokens, of them served from the prefix cache)`` counted so far ((None, 0, 0) where
+    the engine counts none: the HF engine, replicas, a rollout server)."""
+    stats = getattr(engine, "stats", None)
+    return stats, int(getattr(stats, "prompt_tokens", 0)), int(getattr(stats, "cached_prompt_tokens", 0))
+
+
+def prefix_cache_stats(before: Tuple[Any, int, int], after: Tuple[Any, int, int]) -> Dict[str, float]:
+    """``rollout/prefix_cache_hit_rate``: the share of the prompt tokens of the requests between the two counts
+    that vLLM's prefix cache served (a group's samples share their prompt; a multi-turn episode's next turn, its
+    context so far); nothing where the engine counted no prompt, or restarted between the two (new counts)."""
+    prompts, cached = after[1] - before[1], after[2] - before[2]
+    return {"rollout/prefix_cache_hit_rate": cached / prompts} if prompts > 0 and after[0] is before[0] else {}
 
 
 def throughput_stats(cols: RolloutColumns, episode_cols: Dict[str, Any], engine) -> Dict[str, float]:

@@ -130,6 +130,8 @@ def test_learns_the_tiny_task(algo, workflow, tmp_path):
     print(f"{algo}: held-out reward {before:.3f} -> {after:.3f} ({after - before:+.3f}); rollout reward "
           f"{[round(r, 3) for r in rollout]}")
     assert len(rollout) == 15 and after - before >= 0.1
+    hits = _metrics(tmp_path / "mlflow.db", run_id, "rollout/prefix_cache_hit_rate")  # vLLM in the engine service
+    assert len(hits) == 15 and all(0 <= h < 1 for h in hits), hits
 
 
 def test_reinforce_workflow_refuses_ppo(tmp_path):
@@ -171,6 +173,7 @@ def test_remote_critic_matches_in_task_critic(ppo_run, tmp_path):
     from models.stages.critic import train_critic
 
     root, _, setup, ro = ppo_run
+    assert "rollout/prefix_cache_hit_rate" not in ro.stats and "time/generate_s" in ro.stats  # HF: no cache
     local = run_score(setup.cfg, setup.run, setup.state, ro.batch)
     token = "s3cret-token"
     with server_process(["--critic", setup.state.critic_url, "--storage-root", str(root), "--threads", "1",

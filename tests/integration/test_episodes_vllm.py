@@ -29,16 +29,28 @@ def test_vllm_episodes_are_scored_as_sampled(qwen2_chat_dir):
     stops = set(turn_stops(tok, HermesParser(), spec).stop_token_ids) | {tok.convert_tokens_to_ids("<|im_end|>")}
     assert tok.convert_tokens_to_ids("</tool_call>") in stops  # the end of a call stops a turn (a token here)
     engine = VLLMEngine(str(qwen2_chat_dir), max_model_len=512)
-    prompts = ("Hi.", "Count.", "Go.")
+    prompts = ("Hi. " * 40, "Count.", "Go.")  # the first over one of vLLM's KV blocks (128 tokens on CPU)
     try:
+        block = engine.llm.llm_engine.vllm_config.cache_config.block_size
         with ThreadPoolExecutor(2) as pool:
             episodes = run_episodes(engine, tok, [TalkEnv({"prompt": w}) for w in prompts], spec,
                                     EpisodeLimits(max_turns=4, max_episode_tokens=200), HermesParser(), pool)
+            counted = (engine.stats.prompt_tokens, engine.stats.cached_prompt_tokens)
             lockstep = run_episodes(engine, tok, [TalkEnv({"prompt": w}) for w in prompts], spec,
                                     EpisodeLimits(max_turns=4, max_episode_tokens=200, pace="lockstep"),
                                     HermesParser(), pool)
     finally:
         engine.close()
+    # each turn's request resent the episode's context so far: the prompt and the response up to the turn's first
+    # sampled token; vLLM's prefix cache served whole blocks of them (each turn's context holds the previous turn's)
+    sent = [[len(ep.prompt_ids) + t for t, (m, before) in enumerate(zip(ep.loss_mask, [False] + ep.loss_mask))
+             if m and not before] for ep in episodes]
+    assert counted[0] == sum(map(sum, sent)) and [len(s) for s in sent] == [3, 3, 3]
+    # a fresh engine: a first turn finds nothing (the episodes share no whole block); a later turn, every whole block
+    # of its context but the last token's (vLLM computes at least one), all there from the turn before
+    assert counted[1] == sum((n - 1) // block * block for s in sent for n in s[1:]) > 0, (counted, block, sent)
+    assert engine.stats.prompt_tokens == 2 * counted[0]  # lockstep sent the same contexts
+    print("prefix cache: sent", sent, "cached", counted[1], "block", block)
     # per episode (auto on vLLM: each episode its own requests in the step loop) and lockstep: the same seeds (every
     # episode lasts 3 turns), the same tokens; the log-probs as one forward gives them whatever the batch
     assert [ep.response_ids for ep in episodes] == [ep.response_ids for ep in lockstep]

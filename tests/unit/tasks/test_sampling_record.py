@@ -77,3 +77,19 @@ def test_asynchronous_training_shows_its_lag_drops_and_idle_time():
                                             "async/reweighted_samples": 8.0})  # run.stale_samples=reweight
     assert "lag p50 1 max 3  dropped 0  reweighted 8  partial 0.00  idle" in kept and "reweighted" not in line
     assert "lag" not in progress_line(TrainConfig(), 0, BASE)
+
+
+def test_the_prefix_cache_hit_rate_is_the_rollouts_share_of_cached_prompt_tokens():
+    """Between two counts of the engine: 100 of 200 prompt tokens served from the cache is 0.5; an engine that counts
+    nothing (the HF engine), counted no prompt, or restarted in between (new counts) gives no metric."""
+    from models.engines.base import EngineStats
+    from models.stages.rollout import prefix_cache_stats, prompt_counts
+
+    engine = type("Engine", (), {"stats": EngineStats(prompt_tokens=100, cached_prompt_tokens=20)})()
+    before = prompt_counts(engine)
+    engine.stats.prompt_tokens, engine.stats.cached_prompt_tokens = 300, 120
+    assert prefix_cache_stats(before, prompt_counts(engine)) == {"rollout/prefix_cache_hit_rate": 0.5}
+    assert prefix_cache_stats(before, before) == {}
+    restarted = type("Engine", (), {"stats": EngineStats(prompt_tokens=400, cached_prompt_tokens=0)})()
+    assert prefix_cache_stats(before, prompt_counts(restarted)) == {}
+    assert prompt_counts(object())[1:] == (0, 0)
