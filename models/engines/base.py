@@ -1,14 +1,12 @@
-"""What every generation engine shares: the sampling spec, per-sample seeds, stop tokens, the
-weights layout an in-place reload needs, and the reload-or-restart logic.
+"""What every generation engine shares: the sampling spec, per-sample seeds, stop tokens, the weights layout an
+in-place reload needs, and the reload-or-restart logic.
 
-One rule for every engine (:mod:`kernels.sampling`): a rollout samples from the processed
-distribution the spec names — temperature, then top-k/top-p if asked, nothing else (no
-repetition penalty or other defaults from the checkpoint's ``generation_config.json``) — and
-reports the log-probs of that distribution; it stops on every eos id of the checkpoint
-(:func:`eos_token_ids`) and on the spec's stop tokens and strings; sample ``j`` of prompt ``i``
-draws its noise from its own stream, seeded by :func:`sample_seed`, so it depends on the
-request's seed and its position only, not on the batch or on how long the engine has run.
-"""
+One rule for every engine (:mod:`kernels.sampling`): a rollout samples from the processed distribution the spec
+names — temperature, then top-k/top-p if asked, nothing else (no repetition penalty or other defaults from the
+checkpoint's ``generation_config.json``) — and reports the log-probs of that distribution; it stops on every eos id
+of the checkpoint (:func:`eos_token_ids`) and on the spec's stop tokens and strings; sample ``j`` of prompt ``i``
+draws its noise from its own stream, seeded by :func:`sample_seed`, so it depends on the request's seed and its
+position only, not on the batch or on how long the engine has run."""
 
 from __future__ import annotations
 
@@ -79,10 +77,8 @@ class EngineStats:
     restarts: int = 0
     reloads: int = 0
     generated_tokens: int = 0
-    prompt_tokens: int = 0
-    """Prompt tokens of the requests the engine finished, where it reports its prefix cache (vLLM in this process)."""
-    cached_prompt_tokens: int = 0
-    """Of :attr:`prompt_tokens`, those its prefix cache served (vLLM's ``num_cached_tokens``)."""
+    prompt_tokens: int = 0  # of the requests it finished, where it reports its prefix cache (vLLM in this process)
+    cached_prompt_tokens: int = 0  # of those, served from its prefix cache (vLLM's num_cached_tokens)
     extra: Dict[str, float] = field(default_factory=dict)
 
 

@@ -2,7 +2,8 @@
 [...]`` (the reward/critic server), ``serve-rollout --checkpoint URL --storage-root URL --engine vllm|hf [...]``
 (the rollout server), and a resident run's ``{engine,actor,critic} --launch FILE`` (``FILE``: written by
 :mod:`models.hosts.resident`, mode 0600: the run's config, handle and state; the token is derived from the secret in
-``RLHF_SERVICE_SECRET``, :mod:`models.service.token`; a trainer may run as every rank of a ``torchrun`` launch). A
+``RLHF_SERVICE_SECRET``, :mod:`models.service.token`; a trainer may run as every rank of a launch, ``ranks --nproc N
+{actor,critic} --launch FILE``, its ranks forked from one process, :mod:`models.hosts.ranks`). A
 server's bearer token comes from the environment variable ``--token-env`` names (never the command line, which ``ps``
 shows); ``--port 0`` picks a free port. Each prints one line once it listens::
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 from typing import Any, Callable, List, Optional
@@ -62,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     for name in RESIDENT:
         sub.add_parser(name, help=f"a resident run's {name} service").add_argument(
             "--launch", required=True, help="the launch file written by models.hosts.resident")
+    sub.add_parser("ranks", add_help=False, help="--nproc N {actor,critic} --launch FILE: a trainer service's ranks "
+                   "forked from one process that imported what they need (models/hosts/ranks.py)")
     return parser
 
 
@@ -136,19 +138,18 @@ def serve_rollout(args: argparse.Namespace) -> None:
 
 
 def resident(args: argparse.Namespace) -> None:
-    from models.config.io import config_from_json_dict
-    from models.hosts.resident import serve_service
-    from models.run.types import PolicyState, RunHandle
+    from models.hosts.resident import serve_launch
 
-    with open(args.launch) as f:
-        launch = json.load(f)
-    serve_service(args.command, config_from_json_dict(launch["cfg"]), RunHandle(**launch["run"]),
-                  PolicyState(**launch["state"]), parent_pid=int(launch.get("parent_pid", 0)))
+    serve_launch(args.command, args.launch)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     console.quiet_libraries()  # before torch, transformers and vLLM load (RLHF_VERBOSE=1: all their output)
     skip_unused_optional_imports()  # transformers without scikit-learn (models/library_imports.py)
+    if argv and argv[0] == "ranks":
+        from models.hosts.ranks import main as ranks
+
+        return ranks(argv[1:])
     args = _parser().parse_args(argv)
     {"serve": serve, "serve-rollout": serve_rollout, **dict.fromkeys(RESIDENT, resident)}[args.command](args)
 

@@ -1,15 +1,16 @@
-"""A resident run's services (``run.resident``), torch-free until one starts: which a run keeps, one service's life
-in its process (:func:`serve_service`: a local child process, or a cluster's service node, ``tasks/services.py``),
-and locally their start and stop. Locally they are child processes of ``pyflyte run`` (a trainer as the ranks of a
-``torchrun`` launch when its ``nproc_per_node`` is above 1), listening on 127.0.0.1: started by ``prepare_run``
-from the state the run starts or resumes at, stopped by ``finish_run``, the failure handler and at the process's
-exit, or by themselves when it is gone or after ``run.resident_idle_timeout_s`` idle. A local engine service
-that dies (killed, crashed) while the run holds it is started again (:data:`ENGINE_RESTARTS` times); its callers
-then give it the trainer's weights (:func:`models.stages.services.call_stage`). In a cluster pod a service
-listens on the pod's address only and publishes it (``RLHF_SERVICE_HOST`` names another). A trainer launch is
-never restarted by torch elastic (``--max-restarts=0``): it would come back at the run's start, not where the run
-is. Every service accepts only its token, derived from the run's secret (:mod:`models.service.token`): the
-launch file holds none, the children get the secret in their environment.
+"""A resident run's services (``run.resident``), torch-free until one starts: which a run keeps, one service's life in
+its process (:func:`serve_service`: a local child process, or a cluster's service node, ``tasks/services.py``), and
+locally their start and stop. Locally they are child processes of ``pyflyte run`` (a trainer as the ranks of a
+launch when its ``nproc_per_node`` is above 1: torchrun's, its ranks forked, :mod:`models.hosts.ranks`), listening
+on 127.0.0.1: started by ``prepare_run`` from the state the run starts or resumes at, stopped by ``finish_run``, the
+failure handler and at the process's exit, or by themselves when it is gone or after ``run.resident_idle_timeout_s``
+idle. A local engine service that dies (killed, crashed) while the run holds it is started again
+(:data:`ENGINE_RESTARTS` times); its callers then give it the trainer's weights
+(:func:`models.stages.services.call_stage`). In a cluster pod a service listens on the pod's address only and
+publishes it (``RLHF_SERVICE_HOST`` names another). A trainer launch is never restarted by torch elastic
+(``max_restarts=0``): it would come back at the run's start, not where the run is. Every service accepts only its
+token, derived from the run's secret (:mod:`models.service.token`): the launch file holds none, the children get the
+secret in their environment.
 """
 
 from __future__ import annotations
@@ -97,6 +98,16 @@ def serve_service(name: str, cfg, run: RunHandle, state: PolicyState, listen: st
     return ServiceSummary(name, requests, round(time.monotonic() - t0, 3), reason)
 
 
+def serve_launch(name: str, launch_file: str) -> ServiceSummary:
+    """:func:`serve_service` of service ``name`` as the launch file :func:`start_services` wrote describes it."""
+    from models.config.io import config_from_json_dict
+
+    with open(launch_file) as f:
+        launch = json.load(f)
+    return serve_service(name, config_from_json_dict(launch["cfg"]), RunHandle(**launch["run"]),
+                         PolicyState(**launch["state"]), parent_pid=int(launch.get("parent_pid", 0)))
+
+
 def cluster_addresses(environ=os.environ) -> Tuple[str, str]:
     """``(listen, advertise)`` of a service in a cluster pod: the pod's address (its host name's), or the one
     ``RLHF_SERVICE_HOST`` names; never every interface."""
@@ -107,9 +118,9 @@ def cluster_addresses(environ=os.environ) -> Tuple[str, str]:
 def _command(cfg, name: str, launch_file: str) -> List[str]:
     nproc = {ACTOR: cfg.actor.nproc_per_node, CRITIC: cfg.critic.nproc_per_node}.get(name, 1)
     module = ["-m", "models.hosts", name, "--launch", launch_file]
-    if nproc > 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                "--max-restarts=0", *module]
+    if nproc > 1:  # torchrun's standalone launch, its ranks forked from one preloaded process
+        colocated = ["--colocated"] if name == ACTOR and cfg.run.resident_layout == "colocated" else []
+        return [sys.executable, "-m", "models.hosts", "ranks", f"--nproc={nproc}", *colocated, *module[2:]]
     return [sys.executable, *module]
 
 
