@@ -14,10 +14,13 @@ of a dense model need nothing from each other, so each here is a plain engine
   prompt's ``n`` samples always in one, so a GRPO group stays on one replica), each handed to the first
   replica free (:mod:`models.engines.dispatch`: few large chunks first, small ones last), and the answers
   are put back in prompt order. A slow replica takes fewer prompts instead of setting the call's time with a
-  fixed share. A chunk ``prompts[a:b]`` is told its first index, so sample ``j`` of prompt ``i`` is seeded
+  fixed share. A chunk is told its prompts' indices in the request, so sample ``j`` of prompt ``i`` is seeded
   ``sample_seed(seed, i, j)`` (:func:`~models.engines.base.sample_seed`), the seed one engine gives it: a
   batch is the same for any number of replicas and any order the chunks finish in (same tokens, log-probs
   within the engine's float noise). :attr:`EngineReplicas.last_dispatch` says who did what in the last call.
+  ``generate(..., sessions=)`` (a multi-turn episode's key per prompt) keeps a session on the replica that served
+  it first, whose prefix cache holds its context (sticky routing; :attr:`EngineReplicas.homes`, cleared by new
+  weights); the seeds are the same.
 - ``load_weights`` / ``load_tensors`` / ``set_adapter`` / ``restart`` and a push's chunks go to every replica at
   once; each reloads in place (or restarts, as :meth:`SwappableEngine.load_weights` decides); a failure in any
   raises :class:`EngineLoadError` naming the replica. Tensors go through shared memory, as host tensors
@@ -38,7 +41,7 @@ import time
 import weakref
 from collections import deque
 from multiprocessing.connection import wait
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 from models.engines.base import EngineLoadError, EngineStats, Generation, SamplingSpec
 from models.engines.dispatch import Dispatch, request_chunks
@@ -159,6 +162,8 @@ class EngineReplicas:
     :func:`models.engines.make_engine`) in its own spawned process, of ``workers`` vLLM tensor-parallel
     workers each (see the module docstring)."""
 
+    sticky_sessions = True
+    """``generate`` takes ``sessions``: a session's prompts stay on one replica (its prefix cache)."""
     patchable = False
     """A delta push is not dealt to replicas: they take full pushes (``run.weight_push=delta`` falls back)."""
     pushed = ""
@@ -174,6 +179,8 @@ class EngineReplicas:
         self._counts: List[Tuple[int, int]] = []  # per replica: its engine's (reloads, restarts)
         self.last_dispatch = Dispatch.empty(replicas)
         """The last ``generate``/``prompt_logprobs`` call's dispatch: who did how many prompts, in how long."""
+        self.homes: Dict[Hashable, int] = {}
+        """Session -> the replica that served its last request (sticky routing: its prefix is cached there)."""
         ctx = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads or CUDA
         for env, cores in _placements(replicas, workers):
             ours, theirs = ctx.Pipe()
@@ -219,38 +226,58 @@ class EngineReplicas:
             self._conns[r].send((op, args, options))
         return self._answers(list(per_rank))
 
-    def _dispatched(self, op: str, items: List[Any], *args: Any) -> List[Any]:
+    def _dispatched(self, op: str, items: List[Any], *args: Any, sessions: Optional[Sequence[Hashable]] = None
+                    ) -> List[Any]:
         """``op`` on chunks of ``items`` (:func:`request_chunks`), each sent to the first replica free, its
-        per-item results put back in ``items``' order; ``generate`` is told where its chunk starts (the seeds of
-        :func:`sample_seed`). After a failure no new chunk is sent; the ones out are waited for (no answer is
-        left in a pipe), then the first failure raises, naming its replica."""
+        per-item results put back in ``items``' order; ``generate`` is told each item's index in ``items`` (the
+        seeds of :func:`sample_seed`). ``sessions`` (one key per item): an item whose session a replica served
+        before goes to that replica (its prefix is in that replica's cache), the others are dealt as above and their
+        sessions remember where they went. After a failure no new chunk is sent; the ones out are waited for (no
+        answer is left in a pipe), then the first failure raises, naming its replica."""
         if not self._conns:
             raise EngineLoadError("EngineReplicas is closed (closed by its owner, or a load failed on some replicas)")
         t0 = time.perf_counter()
-        todo, free = deque(request_chunks(len(items), self.replicas)), deque(range(self.replicas))
-        out: Dict[int, Tuple[int, int, float]] = {}  # replica -> the chunk it is doing, since when
+        pinned: Dict[int, List[int]] = {}  # replica -> the items whose sessions live there
+        loose = list(range(len(items)))
+        if sessions is not None:
+            if len(sessions) != len(items):
+                raise ValueError(f"{len(sessions)} sessions for {len(items)} items")
+            for i, key in enumerate(sessions):
+                if key in self.homes:
+                    pinned.setdefault(self.homes[key], []).append(i)
+            loose = [i for i in loose if sessions[i] not in self.homes]
+        todo = deque(loose[a:b] for a, b in request_chunks(len(loose), self.replicas))
+        free = deque(range(self.replicas))
+        out: Dict[int, Tuple[List[int], float]] = {}  # replica -> the items it is doing, since when
         results: List[Any] = [None] * len(items)
         failed: List[Tuple[int, Tuple[str, str]]] = []
         dispatch = self.last_dispatch = Dispatch.empty(self.replicas)
-        while out or (todo and not failed):
-            while todo and free and not failed:
-                r, (a, b) = free.popleft(), todo.popleft()
+        while out or ((todo or pinned) and not failed):
+            for r in list(free) if not failed else []:
+                chunk = pinned.pop(r, None) or (todo.popleft() if todo else None)
+                if chunk is None:
+                    continue
+                free.remove(r)
                 try:
-                    self._conns[r].send((op, (items[a:b], *args), {"first_index": a} if op == "generate" else {}))
-                    out[r] = (a, b, time.perf_counter())
+                    self._conns[r].send((op, ([items[i] for i in chunk], *args),
+                                         {"indices": chunk} if op == "generate" else {}))
+                    out[r] = (chunk, time.perf_counter())
                 except (BrokenPipeError, OSError) as err:
                     failed.append((r, ("EOFError", f"the replica's process ended ({type(err).__name__})")))
             if not out:  # every send failed
                 break
             ready = wait([self._conns[r] for r in out])
             for r in [r for r in sorted(out) if self._conns[r] in ready]:
-                a, b, sent = out.pop(r)
+                chunk, sent = out.pop(r)
                 [(error, result)] = self._answers([r])
                 if error is not None:
                     failed.append((r, error))
                     continue
-                dispatch.add(r, a, b, time.perf_counter() - sent)
-                results[a:b] = result
+                dispatch.add(r, 0, len(chunk), time.perf_counter() - sent)
+                for i, answer in zip(chunk, result):
+                    results[i] = answer
+                    if sessions is not None:
+                        self.homes[sessions[i]] = r
                 free.append(r)
         dispatch.wall_s = time.perf_counter() - t0
         if failed:
@@ -258,9 +285,12 @@ class EngineReplicas:
             self._raise_first(op, ranks, [(error, None) for error in errors])
         return results
 
-    def generate(self, prompts: List[List[int]], spec: SamplingSpec) -> List[List[Generation]]:
+    def generate(self, prompts: List[List[int]], spec: SamplingSpec,
+                 sessions: Optional[Sequence[Hashable]] = None) -> List[List[Generation]]:
+        """``sessions``: a key per prompt (a multi-turn episode's); a session's later prompts go to the replica that
+        served its earlier ones, whose prefix cache holds their common prefix (sticky routing)."""
         t0 = time.perf_counter()
-        results = self._dispatched("generate", prompts, spec)
+        results = self._dispatched("generate", prompts, spec, sessions=sessions)
         self.stats.generated_tokens += sum(len(g.tokens) for per_prompt in results for g in per_prompt)
         self.stats.generate_s += time.perf_counter() - t0
         return results
@@ -273,6 +303,7 @@ class EngineReplicas:
         different weights: all are closed (a restart from a checkpoint is the way back)."""
         t0 = time.perf_counter()
         before = list(self._counts)
+        self.homes.clear()  # new weights: no replica's cache holds a session's prefix any longer
         ranks = list(range(self.replicas))
         answers = self._call(op, {r: (args, {}) for r in ranks})
         failed = sum(error is not None for error, _ in answers)

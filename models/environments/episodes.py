@@ -37,6 +37,7 @@ and 0 on template, tool and user tokens, sampler log-probs on sampled tokens (0 
 
 from __future__ import annotations
 
+import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -195,12 +196,15 @@ def run_episodes(engine, tokenizer, envs: Sequence[Any], spec: SamplingSpec, lim
 
 def _lockstep(engine, tokenizer, episodes: List[Episode], chats: List[ChatTokens], tools, turn_spec: SamplingSpec,
               seed: int, limits: EpisodeLimits, parser: ToolCallParser, pool: ThreadPoolExecutor) -> None:
+    tag = uuid.uuid4().hex  # the episodes' sessions: each one's turns on one replica (engine replicas)
     for turn in range(limits.max_turns):
         active = [k for k, ep in enumerate(episodes) if ep.active]
         if not active:
             break
-        gens = engine.generate([episodes[k].prompt_ids + episodes[k].response_ids for k in active],
-                               replace(turn_spec, seed=stream_seed(seed, turn)))
+        contexts = [episodes[k].prompt_ids + episodes[k].response_ids for k in active]
+        spec = replace(turn_spec, seed=stream_seed(seed, turn))
+        gens = engine.generate(contexts, spec, sessions=[(tag, k) for k in active]) \
+            if getattr(engine, "sticky_sessions", False) else engine.generate(contexts, spec)
         calls, assistants = [], {}
         for k, per_prompt in zip(active, gens):
             message, own = _take_turn(episodes[k], per_prompt[0], tokenizer, parser, limits)

@@ -61,10 +61,13 @@ def _worst_logp_error(engine, ckpt) -> float:
 def test_same_layout_goes_in_place_and_serves_the_new_weights(engine, ckpts):
     assert engine.stats.extra["cuda_graphs"] == 0.0  # the CPU runs eager (rollout.enforce_eager aside)
     assert _worst_logp_error(engine, ckpts["a"]) < 1e-3
-    # a chunk an engine replica is given (rollout.data_parallel_size): prompts[1:3] from index 1 sample what
-    # one engine samples for them in the whole request (each sample's own seed)
+    # a chunk an engine replica is given (rollout.data_parallel_size): prompts[1:3] from index 1, or prompts 0 and 2
+    # by their indices (a sticky session's), sample what one engine samples for them in the whole request (each
+    # sample's own seed)
     whole, chunk = engine.generate(PROMPTS, SAMPLE), engine.generate(PROMPTS[1:3], SAMPLE, first_index=1)
     assert [[g.tokens for g in p] for p in chunk] == [[g.tokens for g in p] for p in whole[1:3]]
+    picked = engine.generate([PROMPTS[0], PROMPTS[2]], SAMPLE, indices=[0, 2])
+    assert [[g.tokens for g in p] for p in picked] == [[g.tokens for g in p] for p in (whole[0], whole[2])]
     assert _worst_logp_error(engine, ckpts["b"]) > 0.5  # the checkpoints are told apart
     engine.load_weights(ckpts["b"])  # the same prompts are in the prefix cache: it must be reset
     assert (engine.stats.reloads, engine.stats.restarts) == (1, 0)

@@ -7,7 +7,7 @@ seed (:func:`models.engines.base.sample_seed` of its index in the whole request)
 chunk, and when, must not change a sample. The pair's second replica is a straggler throughout (it sleeps
 ``SLOW_S`` per prompt: ``models/faults.py``), so every batch here is checked under uneven dispatch: the first
 replica takes the chunks after it, from other places of the request than one contiguous share. The replicas
-are engine-agnostic processes; vLLM's side (a chunk's seeds from its first index) is checked on the vLLM engine
+are engine-agnostic processes; vLLM's side (a chunk's seeds from its prompts' indices) is checked on the vLLM engine
 tests/integration/test_engine_reload.py already starts."""
 
 import threading
@@ -80,8 +80,9 @@ def test_a_slow_replica_takes_fewer_prompts_than_its_share(hf_pair, ckpts):
     assert done.chunks[0] > done.chunks[1] >= 1
 
 
-def test_multi_turn_episodes_through_the_replicas_are_one_engines(hf_pair, ckpts):
-    """The episode loop calls ``generate`` once per turn on the active episodes (fewer each turn)."""
+def test_multi_turn_episodes_through_the_replicas_are_one_engines(hf_pair, ckpts, monkeypatch):
+    """The episode loop calls ``generate`` once per turn on the active episodes (fewer each turn), each episode's
+    turns on the replica that took its first (sticky: its context's prefix is cached there)."""
     tok = AutoTokenizer.from_pretrained(ckpts["a"])
     tok.chat_template = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }};{% endfor %}"
                          "{% if add_generation_prompt %}a:{% endif %}")
@@ -93,7 +94,23 @@ def test_multi_turn_episodes_through_the_replicas_are_one_engines(hf_pair, ckpts
             return run_episodes(engine, tok, envs, spec, EpisodeLimits(max_turns=3, max_episode_tokens=60),
                                 HermesParser(), pool)
 
+    calls, generate = [], hf_pair.generate
+
+    def recorded(prompts, spec, sessions=None):
+        before = dict(hf_pair.homes)
+        out = generate(prompts, spec, sessions=sessions)
+        calls.append((list(sessions), before, list(hf_pair.last_dispatch.prompts), dict(hf_pair.homes)))
+        return out
+
+    monkeypatch.setattr(hf_pair, "generate", recorded)
     ours, ref = episodes(hf_pair), episodes(HFEngine(ckpts["a"]))
+    # turn 1 dealt as any request (the straggler took one chunk, [2, 4)), each later turn where its episode began
+    (first, before, dealt, homes), *later = calls
+    assert len(later) == 2 and not set(first) & set(before) and dealt == [4, 2]
+    assert [homes[s] for s in first] == [0, 0, 1, 1, 0, 0]
+    for sessions, before, dealt, after in later:
+        assert set(sessions) <= set(before) and [after[s] for s in sessions] == [before[s] for s in sessions]
+        assert dealt == [sum(before[s] == r for s in sessions) for r in range(2)], (sessions, before, dealt)
     assert [(e.response_ids, e.turns, e.done) for e in ours] == [(e.response_ids, e.turns, e.done) for e in ref]
     assert max(e.turns for e in ours) == 3 and min(e.turns for e in ours) == 1
     torch.testing.assert_close(torch.tensor(sum((e.logprobs for e in ours), [])),
@@ -217,6 +234,7 @@ def test_pushed_tensors_cross_the_pipe_to_the_replicas_on_the_host():
 
     replicas = object.__new__(EngineReplicas)
     replicas.replicas, replicas.stats, replicas._counts, replicas._conns = 2, EngineStats(), [(0, 0)] * 2, []
+    replicas.homes = {}
     crossed = []
     for _ in range(2):
         ours, theirs = multiprocessing.Pipe()
