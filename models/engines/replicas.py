@@ -120,13 +120,15 @@ def on_host(tensors: Mapping[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def _counts(engine: Any) -> Tuple[int, int]:
-    return engine.stats.reloads, engine.stats.restarts
+def _counts(engine: Any) -> Tuple[int, ...]:
+    """The engine's ``(reloads, restarts, prompt tokens, of them from its prefix cache)`` so far."""
+    s = engine.stats
+    return s.reloads, s.restarts, s.prompt_tokens, s.cached_prompt_tokens
 
 
 def _serve(conn: Any, make: Callable[[], Any], env: Dict[str, str], cores: List[int], replica: int) -> None:
     """Replica ``replica``'s process: ``make()`` the engine, then do what the pipe asks until ``close`` or the
-    pipe ends. Every answer is ``(error or None, result, (reloads, restarts))``. A test can make it a straggler
+    pipe ends. Every answer is ``(error or None, result, _counts(engine))``. A test can make it a straggler
     (:func:`models.faults.slow_replica`)."""
     os.environ.update(env)
     if cores:
@@ -177,6 +179,7 @@ class EngineReplicas:
         self._procs: List[Any] = []
         self._conns: List[Any] = []
         self._counts: List[Tuple[int, int]] = []  # per replica: its engine's (reloads, restarts)
+        self._prompts: Dict[int, Tuple[int, int]] = {}  # per replica: its engine's prompt and cached tokens so far
         self.last_dispatch = Dispatch.empty(replicas)
         """The last ``generate``/``prompt_logprobs`` call's dispatch: who did how many prompts, in how long."""
         self.homes: Dict[Hashable, int] = {}
@@ -202,13 +205,21 @@ class EngineReplicas:
 
     def _answers(self, ranks: Sequence[int]) -> List[Tuple[Optional[Tuple[str, str]], Any]]:
         """Every replica in ``ranks``' answer to the operation sent as ``(error or None, result)`` (all read, so no pipe
-        is left behind); each replica's ``(reloads, restarts)`` kept in ``self._counts``."""
+        is left behind); each replica's ``(reloads, restarts)`` kept in ``self._counts``, the prompt tokens its engine
+        counted (and those its prefix cache served) added to :attr:`stats` (a restarted engine counts from 0)."""
         answers = []
         for r in ranks:
             try:
-                error, result, self._counts[r] = self._conns[r].recv()
+                error, result, counts = self._conns[r].recv()
             except (EOFError, OSError) as err:
-                error, result = ("EOFError", f"the replica's process ended ({type(err).__name__})"), None
+                error, result, counts = ("EOFError", f"the replica's process ended ({type(err).__name__})"), None, ()
+            if counts:
+                self._counts[r], tokens = tuple(counts[:2]), tuple(counts[2:4]) or (0, 0)
+                last = self._prompts.get(r, (0, 0))
+                new = tokens if tokens[0] < last[0] else (tokens[0] - last[0], tokens[1] - last[1])
+                self.stats.prompt_tokens += new[0]
+                self.stats.cached_prompt_tokens += new[1]
+                self._prompts[r] = tokens
             answers.append((error, result))
         return answers
 

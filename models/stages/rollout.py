@@ -124,8 +124,8 @@ def run_rollout(cfg: TrainConfig, run: RunHandle, state: PolicyState, ahead: int
 
 
 def prompt_counts(engine) -> Tuple[Any, int, int]:
-    """``(the engine's stats, prompt tokens, of them served from the prefix cache)`` counted so far ((None, 0, 0) where
-    the engine counts none: the HF engine, replicas, a rollout server)."""
+    """``(the engine's stats, prompt tokens, of them served from the prefix cache)`` counted so far (no tokens where
+    the engine counts none: the HF engine, a rollout server; replicas add up their vLLM engines')."""
     stats = getattr(engine, "stats", None)
     return stats, int(getattr(stats, "prompt_tokens", 0)), int(getattr(stats, "cached_prompt_tokens", 0))
 

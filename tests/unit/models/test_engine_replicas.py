@@ -234,7 +234,7 @@ def test_pushed_tensors_cross_the_pipe_to_the_replicas_on_the_host():
 
     replicas = object.__new__(EngineReplicas)
     replicas.replicas, replicas.stats, replicas._counts, replicas._conns = 2, EngineStats(), [(0, 0)] * 2, []
-    replicas.homes = {}
+    replicas.homes, replicas._prompts = {}, {}
     crossed = []
     for _ in range(2):
         ours, theirs = multiprocessing.Pipe()
@@ -252,3 +252,25 @@ def test_pushed_tensors_cross_the_pipe_to_the_replicas_on_the_host():
     for _, tensors in crossed:
         assert {name: t.device.type for name, t in tensors.items()} == {"w": "cpu", "b": "cpu"}
         assert tensors["w"].tolist() == [0.0, 1.0, 2.0, 3.0] and tensors["b"].tolist() == [4.0, 5.0]
+
+
+def test_the_replicas_prompt_tokens_add_up_a_restarted_engine_counting_from_zero():
+    """What each replica's engine counted of prompt tokens (and of those its prefix cache served) adds up in the
+    replicas' stats (``rollout/prefix_cache_hit_rate``), by the increase since its last answer; an engine that
+    restarted (its counts lower than before) counts from 0."""
+    import multiprocessing
+
+    replicas = object.__new__(EngineReplicas)
+    replicas.replicas, replicas.stats, replicas._counts, replicas._conns = 2, EngineStats(), [(0, 0)] * 2, []
+    replicas.homes, replicas._prompts = {}, {}
+    theirs = []
+    for _ in range(2):
+        ours, other = multiprocessing.Pipe()
+        replicas._conns.append(ours)
+        theirs.append(other)
+    for counts in ([(0, 0, 100, 20), (0, 0, 50, 0)], [(0, 0, 130, 40), (1, 1, 30, 10)]):  # replica 1 restarted
+        for conn, c in zip(theirs, counts):
+            conn.send((None, None, c))
+        replicas._answers([0, 1])
+    assert (replicas.stats.prompt_tokens, replicas.stats.cached_prompt_tokens) == (100 + 50 + 30 + 30, 20 + 20 + 10)
+    assert replicas._counts == [(0, 0), (1, 1)]
