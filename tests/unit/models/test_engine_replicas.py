@@ -225,21 +225,31 @@ class _OnGPU(torch.Tensor):
         return self.as_subclass(torch.Tensor).clone()
 
 
+def _by_hand(count: int = 2):
+    """``EngineReplicas`` of ``count`` replicas with no process behind them: it, and the other ends of its pipes (a
+    test answers there as a replica's process would)."""
+    import multiprocessing
+
+    replicas = object.__new__(EngineReplicas)
+    replicas.replicas, replicas.stats, replicas._counts, replicas._conns = count, EngineStats(), [(0, 0)] * count, []
+    replicas.homes, replicas._prompts = {}, {}
+    theirs = []
+    for _ in range(count):
+        ours, other = multiprocessing.Pipe()
+        replicas._conns.append(ours)
+        theirs.append(other)
+    return replicas, theirs
+
+
 def test_pushed_tensors_cross_the_pipe_to_the_replicas_on_the_host():
     """An NCCL push's chunks are CUDA views of a bucket; pickled over the Pipe torch would hand them over by CUDA IPC,
     which a replica whose ``CUDA_VISIBLE_DEVICES`` hides that GPU cannot open. What crosses is on the host (read
     from the Pipe's other end, as a replica's process reads it), with the chunk's values."""
-    import multiprocessing
     import threading
 
-    replicas = object.__new__(EngineReplicas)
-    replicas.replicas, replicas.stats, replicas._counts, replicas._conns = 2, EngineStats(), [(0, 0)] * 2, []
-    replicas.homes, replicas._prompts = {}, {}
+    replicas, ends = _by_hand()
     crossed = []
-    for _ in range(2):
-        ours, theirs = multiprocessing.Pipe()
-        replicas._conns.append(ours)
-
+    for theirs in ends:
         def serve(conn=theirs):
             op, args, _ = conn.recv()
             crossed.append((op, args[0]))
@@ -258,16 +268,7 @@ def test_the_replicas_prompt_tokens_add_up_a_restarted_engine_counting_from_zero
     """What each replica's engine counted of prompt tokens (and of those its prefix cache served) adds up in the
     replicas' stats (``rollout/prefix_cache_hit_rate``), by the increase since its last answer; an engine that
     restarted (its counts lower than before) counts from 0."""
-    import multiprocessing
-
-    replicas = object.__new__(EngineReplicas)
-    replicas.replicas, replicas.stats, replicas._counts, replicas._conns = 2, EngineStats(), [(0, 0)] * 2, []
-    replicas.homes, replicas._prompts = {}, {}
-    theirs = []
-    for _ in range(2):
-        ours, other = multiprocessing.Pipe()
-        replicas._conns.append(ours)
-        theirs.append(other)
+    replicas, theirs = _by_hand()
     for counts in ([(0, 0, 100, 20), (0, 0, 50, 0)], [(0, 0, 130, 40), (1, 1, 30, 10)]):  # replica 1 restarted
         for conn, c in zip(theirs, counts):
             conn.send((None, None, c))
