@@ -2,7 +2,8 @@
 
 The tests kill a run at a chosen point and check it resumes as if nothing happened, or spoil an
 update and check the run stops, or slow an engine replica down, or make an engine's loader skip a weight, or
-fail one rank of a service; and a benchmark can make generation the slower side. Seven hooks:
+fail one rank of a service, or start a run's keeper late; and a benchmark can make generation the slower side.
+Eight hooks:
 
 - ``RLHF_FAULT_PAUSE="<point>:<seconds>"`` — :func:`pause_point` with a name containing
   ``<point>`` announces itself (``{RLHF_FAULT_DIR}/paused``, holding the point's name) and
@@ -33,6 +34,9 @@ fail one rank of a service; and a benchmark can make generation the slower side.
   service raises in its next ``<op>`` (``score``, ``update``, ``values``) before the op's first
   collective, while the other ranks go on into it, once the test armed it (the file
   ``{RLHF_FAULT_DIR}/fail-<op>``, removed as it fires).
+- ``RLHF_FAULT_SLOW_KEEPER="<seconds>"`` — :func:`slow_keeper`: a run's keeper (``models/run/keeper_process.py``)
+  reads what its process says that much later, as on a loaded machine where its interpreter starts after the
+  process said which run it holds and was killed.
 
 Nothing here runs in a normal run: every hook returns at once when its variable is unset.
 """
@@ -50,6 +54,7 @@ SLOW_REPLICA_ENV = "RLHF_FAULT_SLOW_REPLICA"
 SLOW_ENGINE_ENV = "RLHF_FAULT_SLOW_ENGINE"
 DROP_PUSHED_ENV = "RLHF_FAULT_DROP_PUSHED"
 FAIL_RANK_ENV = "RLHF_FAULT_FAIL_RANK"
+SLOW_KEEPER_ENV = "RLHF_FAULT_SLOW_KEEPER"
 DIR_ENV = "RLHF_FAULT_DIR"
 
 
@@ -108,6 +113,13 @@ def slow_replica(replica: int, prompts: int) -> None:
     which, _, seconds = spec.partition(":")
     if int(which) == replica:
         time.sleep(prompts * float(seconds))
+
+
+def slow_keeper() -> None:
+    """Sleep the seconds ``RLHF_FAULT_SLOW_KEEPER`` gives."""
+    seconds = os.environ.get(SLOW_KEEPER_ENV)
+    if seconds:
+        time.sleep(float(seconds))
 
 
 def slow_engine(prompts: int) -> None:

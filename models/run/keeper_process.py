@@ -36,7 +36,11 @@ from typing import Dict, Optional, Tuple
 import psutil
 
 from models import processes
+from models.faults import slow_keeper
 from models.processes import INTERVAL_S, describe, gib, sweep
+
+DRAIN_S = 10.0
+"""How long the keeper waits, once the kept process ended, for the lines it wrote before (the pipe to close)."""
 
 
 class Watch:
@@ -126,21 +130,30 @@ class Commands:
     """What the kept process says on the keeper's stdin: the run it holds, the memory limit, ``done``."""
 
     def __init__(self, watch: Watch):
-        self.watch, self.run, self.done = watch, None, threading.Event()
+        self.watch, self.run, self.done, self.read = watch, None, threading.Event(), threading.Event()
         threading.Thread(target=self._read, daemon=True, name="keeper-stdin").start()
 
     def _read(self) -> None:
-        for line in sys.stdin:
-            word, _, rest = line.strip().partition(" ")
-            if word == "done":
-                self.done.set()
-            elif word == "task":
-                self.watch.task = rest
-            elif word == "run":
-                self.run = json.loads(rest)
-            elif word == "limit":
-                size, _, setting = rest.partition(" ")
-                self.watch.limit, self.watch.setting = int(size), setting
+        try:
+            slow_keeper()  # tests only: the lines arrive as on a loaded machine
+            for line in sys.stdin:
+                word, _, rest = line.strip().partition(" ")
+                if word == "done":
+                    self.done.set()
+                elif word == "task":
+                    self.watch.task = rest
+                elif word == "run":
+                    self.run = json.loads(rest)
+                elif word == "limit":
+                    size, _, setting = rest.partition(" ")
+                    self.watch.limit, self.watch.setting = int(size), setting
+        finally:
+            self.read.set()  # the kept process and everything that held its end of the pipe are gone
+
+    def settled(self, timeout_s: float = DRAIN_S) -> None:
+        """Wait until every line the kept process wrote before it ended is read (its end of the pipe closed: a
+        loaded machine may start this keeper after the process said ``run`` and died, the line still in the pipe)."""
+        self.read.wait(timeout_s)
 
 
 def keep(pid: int, report_path: str) -> None:
@@ -156,6 +169,7 @@ def keep(pid: int, report_path: str) -> None:
         time.sleep(INTERVAL_S)
         watch.sample()
     left = sweep(watch.others())
+    said.settled()
     if said.done.is_set():
         if left:
             print(f"[flyte-rlhf] stopped {len(left)} process(es) the run left behind: {', '.join(left)}",

@@ -14,6 +14,7 @@ import pytest
 from flytekit import dynamic, task, workflow
 from flytekit.types.error import FlyteError
 
+from models.faults import SLOW_KEEPER_ENV
 from models.rewards import RewardError
 from models.run import end as run_end, lock as run_lock
 
@@ -59,8 +60,10 @@ def test_a_local_run_that_stops_is_marked_and_lets_go(tmp_path, monkeypatch, how
 @pytest.mark.slow
 def test_a_local_run_whose_process_is_sigkilled_is_marked_failed_by_its_keeper(tmp_path, monkeypatch):
     """SIGKILL (the kernel's OOM killer) leaves the process no handler to run: its keeper says how it ended, marks
-    the run FAILED and lets go of the lock (models/run/keeper_process.py)."""
+    the run FAILED and lets go of the lock (models/run/keeper_process.py), even when it reads what the process told
+    it only after the process died (a loaded machine: ``RLHF_FAULT_SLOW_KEEPER``)."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setenv(SLOW_KEEPER_ENV, "2")
     out = subprocess.run([sys.executable, "-c", HOLDER, str(tmp_path / "runs"), "SIGKILL"], capture_output=True,
                          text=True, timeout=300, cwd=ROOT)  # returns once the keeper, sharing stderr, has ended
     run_id = out.stdout.strip()
