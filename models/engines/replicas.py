@@ -264,7 +264,9 @@ class EngineReplicas:
         failed: List[Tuple[int, Tuple[str, str]]] = []
         dispatch = self.last_dispatch = Dispatch.empty(self.replicas)
         while out or ((todo or pinned) and not failed):
-            for r in list(free) if not failed else []:
+            for r in list(free):
+                if failed:  # no new chunk after a failure
+                    break
                 chunk = pinned.pop(r, None) or (todo.popleft() if todo else None)
                 if chunk is None:
                     continue
