@@ -21,7 +21,7 @@ import ctypes
 import json
 import os
 import signal
-from typing import Iterable, List, Optional, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 GIB = float(1 << 30)
 INTERVAL_S = 0.5
@@ -43,6 +43,21 @@ def signal_name(signum: int) -> str:
         return signal.Signals(abs(signum)).name
     except ValueError:
         return f"signal {abs(signum)}"
+
+
+FORKSERVER = "forkserver"
+"""The start method of workers forked from one process that imported what they need (local elastic tasks, a local
+resident run's trainer ranks)."""
+
+
+def start_forkserver(preload: Sequence[str]) -> None:
+    """Start this process's forkserver (once) with ``preload`` imported in it: call it while this process has no
+    thread of its own yet, or before a launcher starts its threads."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context(FORKSERVER).set_forkserver_preload(list(preload))
+    forkserver.ensure_running()
 
 
 def die_with_parent(signum: int = signal.SIGKILL) -> bool:

@@ -19,10 +19,9 @@ amortise, and the cluster runs exactly the plugin's code.
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import os
 import signal
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import cloudpickle
 import flytekit
@@ -31,13 +30,12 @@ from flytekit.extend import TaskPlugins
 from flytekitplugins.kfpytorch import Elastic
 
 from models import processes
+from models.processes import FORKSERVER, start_forkserver
 from models.environ import environment
 from models.run import end as run_end
 from models.run.keeper import keeper
 from tasks import worker_exits
 from tasks.flyte_internals import CustomLaunchElasticTask, adopt_rank0_result, is_recoverable_worker_error, spawn_helper
-
-FORKSERVER = "forkserver"
 
 PRELOAD = ("tasks.worker_exits", "flytekitplugins.kfpytorch.task", "tasks.updates", "tasks.score",
            "transformers.modeling_utils", "transformers.models.auto.modeling_auto")
@@ -207,15 +205,6 @@ def worker_threads(nproc_per_node: int) -> int:
     """Torch threads of each local worker: ``OMP_NUM_THREADS`` when set, else the cores shared out
     (as torchrun does)."""
     return int(os.environ.get("OMP_NUM_THREADS") or max((os.cpu_count() or 1) // nproc_per_node, 1))
-
-
-def start_forkserver(preload: Sequence[str]) -> None:
-    """Start this process's forkserver (once) with ``preload`` imported in it."""
-    ctx = multiprocessing.get_context(FORKSERVER)
-    ctx.set_forkserver_preload(list(preload))
-    from multiprocessing import forkserver
-
-    forkserver.ensure_running()
 
 
 TaskPlugins.register_pythontask_plugin(ActorElastic, ActorElasticTask)

@@ -12,7 +12,8 @@ each op a stage function of ``models/stages/`` called whole with the host's mode
 | `resident`      | a resident run's services: one's life in its process, their local start and stop (torch-free) |
 | `reward_critic` | `RewardCriticHost`: the reward/critic server someone starts (``critic.remote_url``)         |
 | `rollout`       | `RolloutHost`: the rollout server someone starts (``rollout.remote_url``)                    |
-| `__main__`      | ``python -m models.hosts serve | serve-rollout | engine | actor | critic``                 |
+| `ranks`         | a local resident trainer service's ranks, forked from one process that imported them       |
+| `__main__`      | ``python -m models.hosts serve | serve-rollout | engine | actor | critic | ranks``         |
 
 The package import is light (no torch): import the module you need.
 """

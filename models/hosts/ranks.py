@@ -16,7 +16,6 @@ The forkserver is started here, single-threaded, before the agent starts any thr
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import sys
 import uuid
@@ -24,11 +23,11 @@ from typing import Callable, List, Sequence
 
 from models import console
 from models.library_imports import skip_unused_optional_imports
+from models.processes import FORKSERVER, start_forkserver
 
 console.quiet_libraries()  # here too: this module is the first the forkserver imports (a fresh interpreter)
 skip_unused_optional_imports()
 
-FORKSERVER = "forkserver"
 TRAINER_PRELOAD = ("models.hosts.ranks", "models.hosts.resident", "models.hosts.trainers", "transformers.modeling_utils",
                    "transformers.models.auto.modeling_auto")
 """What a trainer service's ranks import before they do anything: imported once, by the forkserver."""
@@ -47,11 +46,7 @@ def launch_ranks(nproc: int, preload: Sequence[str], entry: Callable[[List[str]]
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several ranks; set before the fork server
-    ctx = multiprocessing.get_context(FORKSERVER)
-    ctx.set_forkserver_preload(list(preload))
-    from multiprocessing import forkserver
-
-    forkserver.ensure_running()  # now, while this process has no thread: the agent starts some
+    start_forkserver(preload)  # now, while this process has no thread: the agent starts some
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"ranks-{uuid.uuid4().hex[:12]}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method=FORKSERVER)
     elastic_launch(config, entrypoint=as_rank)(entry, list(argv))
