@@ -137,7 +137,8 @@ def join(device: torch.device) -> DistInfo:
 def bench_update(args, info: DistInfo, rows: List[Row]) -> None:
     model = build_policy(args.model)
     n_params = sum(p.numel() for p in model.parameters())
-    model = wrap_for_training(with_packing(model, not args.no_packing), info, args.sharding, getattr(torch, args.dtype))
+    model = wrap_for_training(with_packing(model, not args.no_packing), info, args.sharding, getattr(torch, args.dtype),
+                              args.activation_checkpointing)
     optimizer = make_optimizer(model, 1e-6)
     loss_fn = actor_loss_fn(PolicyLossConfig(), 1.0)
     global_rows = args.samples * (args.steps + 1)
@@ -247,6 +248,8 @@ def main() -> None:
     parser.add_argument("--model", default="0.5b", choices=sorted(SHAPES))
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype")
     parser.add_argument("--sharding", default="fsdp2", choices=["fsdp2", "ddp", "auto"])
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="checkpoint each decoder layer's activations (actor.activation_checkpointing)")
     parser.add_argument("--samples", type=int, default=64, help="sequences per optimizer step, all ranks")
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per forward on one rank")
     parser.add_argument("--steps", type=int, default=4, help="timed optimizer steps")

@@ -2,8 +2,9 @@
 with bfloat16 compute on float32 master weights.
 
 FSDP2 is what ``actor.sharding=auto`` picks on GPUs; it runs on CPU too, so the sharded path
-(wrapping, accumulation without gradient sync, clipping DTensor gradients, the gathered weights that
-are saved, the optimizer state carried to the next iteration) is checked here, where CI runs. The FSDP2 ranks
+(wrapping, gradients reduce-scattered after every micro-batch and accumulated as shards, clipping DTensor
+gradients, the gathered weights that are saved, the optimizer state carried to the next iteration) is checked
+here, where CI runs. The FSDP2 ranks
 train with activation checkpointing (``actor.activation_checkpointing``, as the GPU presets do) and still end at
 the plain one process's weights.
 """
@@ -51,9 +52,28 @@ def rows(shard=None) -> UpdateData:
 
 def train(model, info: DistInfo, lr: float, optimizer=None) -> dict:
     optimizer = optimizer or make_optimizer(model, lr)
+    loss_fn, grads = gradients_seen(model, actor_loss_fn(PolicyLossConfig(), 1.0))
     stats = run_update(model, optimizer, rows((info.rank, info.world_size) if info.world_size > 1 else None),
-                       actor_loss_fn(PolicyLossConfig(), 1.0), SETTINGS, info)
-    return {"stats": stats, "optimizer": optimizer}
+                       loss_fn, SETTINGS, info)
+    return {"stats": stats, "optimizer": optimizer, "grads": grads}
+
+
+def gradients_seen(model, loss_fn):
+    """``loss_fn`` noting, at each micro-batch's forward, the trained weights' gradients so far: ``none`` (the
+    minibatch's first micro-batch), ``sharded`` (each a shard of this rank's size: FSDP2 reduce-scattered the
+    micro-batches before) or ``whole`` (as large as the weight: DDP, one process)."""
+    seen = []
+
+    def noting(*args, **kw):
+        trained = [p for p in model.parameters() if p.requires_grad]
+        local = [(p.grad, p) if not hasattr(p, "to_local") else (None if p.grad is None else p.grad.to_local(), p.to_local())
+                 for p in trained]
+        kinds = {"none" if g is None else "sharded" if g.shape == w.shape and w.numel() < p.numel() else "whole"
+                 for (g, w), p in zip(local, trained)}
+        seen.append(kinds.pop() if len(kinds) == 1 else "mixed")
+        return loss_fn(*args, **kw)
+
+    return noting, seen
 
 
 def join_gloo(rank: int, world: int, port: int) -> DistInfo:
@@ -88,7 +108,8 @@ def _worker(rank: int, world: int, port: int, sharding: str, out_dir: str, compu
         if rank == 0:
             torch.save({"weights": {k: v.detach().cpu() for k, v in weights.items()}, "sharded": is_sharded(model),
                         "checkpointed": [layer.gradient_checkpointing for layer in decoder_layers(unwrap(model))],
-                        "stats": [first["stats"], second["stats"]], "state": state},
+                        "stats": [first["stats"], second["stats"]], "state": state,
+                        "grads": first["grads"] + second["grads"]},
                        os.path.join(out_dir, "rank0.pt"))
     finally:
         dist.destroy_process_group()
@@ -120,6 +141,9 @@ def test_two_ranks_train_as_one_process(sharding, reference, tmp_path):
     got = two_ranks(sharding, tmp_path)
     assert got["sharded"] == (sharding == "fsdp2")
     assert got["checkpointed"] == [sharding == "fsdp2"] * 2
+    # 2 micro-batches a minibatch per rank: the second finds the first's gradients, under FSDP2 already
+    # reduce-scattered to this rank's shard (never a whole float32 gradient of the model held until the last)
+    assert got["grads"] == ["none", "sharded" if sharding == "fsdp2" else "whole"] * 4, got["grads"]
     start = policy().state_dict()
     moved = 0.0
     assert set(got["weights"]) == set(reference["weights"])
