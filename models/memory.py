@@ -14,6 +14,7 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+import os
 
 
 @functools.lru_cache(maxsize=1)
@@ -48,3 +49,28 @@ def release(freed_bytes: int = RELEASE_MIN_BYTES) -> bool:
         return False
     trim(0)
     return True
+
+
+M_MMAP_THRESHOLD = -3
+"""glibc's ``mallopt`` parameter of the mmap threshold (malloc.h)."""
+TRAINER_MMAP_THRESHOLD = 4 << 20
+"""What a trainer rank allocates by mmap (:func:`bound_heap`): at least 4 MiB."""
+
+
+def bound_heap(threshold: int = TRAINER_MMAP_THRESHOLD) -> bool:
+    """Serve allocations of at least ``threshold`` bytes with their own mappings, each given back to the machine
+    when freed, and keep glibc from raising that threshold by itself (``mallopt(M_MMAP_THRESHOLD)`` fixes it).
+
+    A trainer rank frees a model's worth of activations and gathered layers every micro-batch while its gradients
+    and optimizer moments, allocated in between, stay: under glibc's dynamic threshold (up to 32 MiB) those
+    allocations share heap arenas, and the long-lived ones keep the freed pages between them resident. Measured
+    on a Qwen3-0.6B-shaped update on 2 FSDP2 ranks (benchmarks/RESULTS.md, 2026-11-29): 9.06 GiB peak per rank
+    dynamic, 7.9 GiB at a fixed 4 MiB at the same speed, 7.4 GiB at 1 MiB but 17% slower (every mapping's pages
+    are faulted in afresh). False where the
+    allocator is not glibc's, or where the user set the threshold (``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES``):
+    theirs stands."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None) if libc is not None else None
+    return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, int(threshold)))

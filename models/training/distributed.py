@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from models import memory
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -38,8 +40,10 @@ _JOINED = False
 
 
 def join_process_group(**kwargs) -> None:
-    """``dist.init_process_group(**kwargs)``, remembered: :func:`shutdown_distributed` leaves only this group."""
+    """``dist.init_process_group(**kwargs)``, remembered: :func:`shutdown_distributed` leaves only this group. A
+    trainer's rank, it first gives glibc's heap a fixed mmap threshold (:func:`models.memory.bound_heap`)."""
     global _JOINED
+    memory.bound_heap()
     dist.init_process_group(**kwargs)
     _JOINED = True
 

@@ -4,10 +4,18 @@ process that imported torch and transformers)."""
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from models import memory
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_release_runs_after_a_large_model_only(monkeypatch):
@@ -18,3 +26,35 @@ def test_release_runs_after_a_large_model_only(monkeypatch):
     assert memory.release(memory.nbytes(small)) is False and collected == []
     assert memory.release(memory.RELEASE_MIN_BYTES) is True and collected == [1]  # glibc here: trimmed
     assert memory.release() is True and collected == [1, 1]  # no size given: what a caller closing an engine frees
+
+
+PROBE = r"""
+import ctypes, ctypes.util, json, sys
+from models import memory
+
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                                "uordblks", "fordblks", "keepcost")]
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+bounded = memory.bound_heap(1 << 20) if sys.argv[1] == "bound" else None
+libc.free(libc.malloc(16 << 20))  # a freed 16 MiB mapping: glibc's dynamic threshold rises past it
+before = libc.mallinfo2().hblkhd
+block = libc.malloc(8 << 20)
+print(json.dumps({"bounded": bounded, "mapped": libc.mallinfo2().hblkhd - before}))
+"""
+
+
+@pytest.mark.parametrize("how, env, bounded, mapped", [
+    ("dynamic", {}, None, False),  # glibc's own: 8 MiB from the heap once a 16 MiB block was freed
+    ("bound", {}, True, True),  # bound_heap: its own mapping, given back when freed
+    ("bound", {"MALLOC_MMAP_THRESHOLD_": str(32 << 20)}, False, False),  # the user's threshold stands
+])
+def test_bound_heap_maps_what_glibc_would_keep_in_its_heap(how, env, bounded, mapped):
+    proc = subprocess.run([sys.executable, "-c", PROBE, how], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**{k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}, **env,
+                               "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["bounded"] == bounded and (got["mapped"] >= 8 << 20) == mapped, got
