@@ -5,7 +5,8 @@ allocations under its (dynamic, up to 32 MiB) mmap threshold from heap arenas, a
 stays in the process's resident set until trimmed. A decoder layer's weights are a few MiB each, so
 a 0.6B model loaded and dropped can leave gigabytes resident in a process that goes on to other
 work (the launching ``pyflyte`` of a local run executes every stateless task). :func:`release` drops
-unreachable objects and trims the arenas.
+unreachable objects and trims the arenas; :func:`bound_heap` keeps a trainer rank's large allocations out of
+the arenas in the first place.
 """
 
 from __future__ import annotations
@@ -66,9 +67,8 @@ def bound_heap(threshold: int = TRAINER_MMAP_THRESHOLD) -> bool:
     allocations share heap arenas, and the long-lived ones keep the freed pages between them resident. Measured
     on a Qwen3-0.6B-shaped update on 2 FSDP2 ranks (benchmarks/RESULTS.md, 2026-11-29): 9.06 GiB peak per rank
     dynamic, 7.9 GiB at a fixed 4 MiB at the same speed, 7.4 GiB at 1 MiB but 17% slower (every mapping's pages
-    are faulted in afresh). False where the
-    allocator is not glibc's, or where the user set the threshold (``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES``):
-    theirs stands."""
+    are faulted in afresh). False where the allocator is not glibc's, or where the user set the threshold
+    (``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES``): theirs stands."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     libc = _libc()

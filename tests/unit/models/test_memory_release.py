@@ -1,5 +1,5 @@
 """models/memory.py: memory handed back only after a model worth a full garbage collection (about 0.3 s in a
-process that imported torch and transformers)."""
+process that imported torch and transformers), and a trainer rank's large allocations mapped apart from the heap."""
 
 from __future__ import annotations
 

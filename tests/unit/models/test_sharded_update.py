@@ -4,9 +4,8 @@ with bfloat16 compute on float32 master weights.
 FSDP2 is what ``actor.sharding=auto`` picks on GPUs; it runs on CPU too, so the sharded path
 (wrapping, gradients reduce-scattered after every micro-batch and accumulated as shards, clipping DTensor
 gradients, the gathered weights that are saved, the optimizer state carried to the next iteration) is checked
-here, where CI runs. The FSDP2 ranks
-train with activation checkpointing (``actor.activation_checkpointing``, as the GPU presets do) and still end at
-the plain one process's weights.
+here, where CI runs. The FSDP2 ranks train with activation checkpointing (``actor.activation_checkpointing``, as
+the GPU presets do) and still end at the plain one process's weights.
 """
 
 from __future__ import annotations
@@ -66,8 +65,8 @@ def gradients_seen(model, loss_fn):
 
     def noting(*args, **kw):
         trained = [p for p in model.parameters() if p.requires_grad]
-        local = [(p.grad, p) if not hasattr(p, "to_local") else (None if p.grad is None else p.grad.to_local(), p.to_local())
-                 for p in trained]
+        local = [(p.grad, p) if not hasattr(p, "to_local")
+                 else (None if p.grad is None else p.grad.to_local(), p.to_local()) for p in trained]
         kinds = {"none" if g is None else "sharded" if g.shape == w.shape and w.numel() < p.numel() else "whole"
                  for (g, w), p in zip(local, trained)}
         seen.append(kinds.pop() if len(kinds) == 1 else "mixed")
