@@ -67,8 +67,11 @@ def assert_same_update(got, want):
     for name, m in want_m.items():  # summation order differs (reduce-scatter, all-reduce): rounding of the largest
         torch.testing.assert_close(moments[name], m, rtol=1e-3, atol=1e-5 * float(m.abs().max()), msg=name)
     assert stats["actor/steps"] == want_stats["actor/steps"] == 4  # 32 samples / minibatch 16 × 2 epochs
-    for key in ("actor/loss", "actor/grad_norm", "actor/clip_frac", "actor/approx_kl"):
+    for key in ("actor/loss", "actor/grad_norm", "actor/approx_kl"):
         assert stats[key] == pytest.approx(want_stats[key], rel=1e-3, abs=1e-6), key
+    # a share of tokens: one at the clip boundary flips with the order of the sums (as the critic's value clip did,
+    # test_sharded_critic_update.py); a wrong update moves it by far more, and the loss and gradient norm above
+    assert stats["actor/clip_frac"] == pytest.approx(want_stats["actor/clip_frac"], abs=0.01)
 
 
 def test_fsdp2_update_commits_what_ddp_commits(inputs, ddp):

@@ -74,8 +74,12 @@ def assert_same_update(got, want):
                                    atol=1e-5 * float(m.abs().max()), msg=name)
     stats, want_stats = out.stats, want_out.stats
     assert stats["critic/steps"] == want_stats["critic/steps"] == 2
-    for key in ("critic/loss", "critic/grad_norm", "critic/value_clip_frac"):
+    for key in ("critic/loss", "critic/grad_norm"):
         assert stats[key] == pytest.approx(want_stats[key], rel=1e-4, abs=1e-7), key
+    # a share of tokens: one whose value sits at the clip boundary flips with the order of the sums (seen with
+    # FSDP2's reduce-scatter per micro-batch: 0.2527 against 0.2500, one token of ~370); a lost rank's tokens move it
+    # by far more, and the loss and gradient norm above
+    assert stats["critic/value_clip_frac"] == pytest.approx(want_stats["critic/value_clip_frac"], abs=0.01)
 
 
 @pytest.mark.parametrize("sharding", ["fsdp2", "ddp"])
