@@ -7,7 +7,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-from tests.timing import CPU_KEY, SLOWEST, SuiteTiming
+from tests.timing import CPU_KEY, SLOWEST, SuiteTiming, machine_probe
 
 
 def _timing() -> SuiteTiming:
@@ -66,3 +66,14 @@ def test_a_tests_cpu_counts_the_children_it_waited_for():
     call = _phase(t, item, "call")
     assert float(child.stdout) <= call < float(child.stdout) + 0.5  # the child's CPU and the interpreter's start
     assert _phase(t, item, "teardown") < 0.2
+
+
+def test_the_machine_probe_is_printed_beside_the_figures(monkeypatch):
+    """The probe's seconds grow with its work (the same loop, twice as long) and reach the report."""
+    monkeypatch.delenv("RLHF_TEST_STARTED", raising=False)
+    short, long = machine_probe(1_000_000), machine_probe(4_000_000)
+    assert 0 < short < long
+    t = _timing()
+    t.probes = [0.7, 0.75]
+    assert t.lines()[-1].startswith("machine: 10M Python additions in 0.70 and 0.75 s of CPU (start, end;")
+    assert not [line for line in _timing().lines() if line.startswith("machine:")]  # no probe, no line
