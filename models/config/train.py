@@ -189,9 +189,10 @@ class TrainConfig:
               f"{name} with rollout.remote_url={self.rollout.remote_url}: the rollout of iteration "
               f"k+1 and the evaluation of iteration k run at once from different actors, and a rollout server "
               f"holds one policy at a time; use the in-pod engine (no rollout.remote_url)")
-        if k >= 2:  # the engine service's producer (models/hosts/producer.py) samples single-turn groups
-            check(not self.rollout.environment, f"{name} with rollout.environment: asynchronous training samples "
-                  f"single-turn responses; multi-turn episodes need run.max_staleness 0 or 1")
+        if k >= 2:  # the engine service's producer (models/hosts/producer.py)
+            check(not (self.rollout.environment and self.run.partial_rollouts),
+                  f"{name} with rollout.environment and run.partial_rollouts: an episode is sampled whole by one "
+                  f"policy version (a push waits for the episodes under way); turn run.partial_rollouts off")
             check(not self.actor.lora.rank, f"{name} with actor.lora.rank: asynchronous training pushes full "
                   f"weights only; use run.max_staleness 0 or 1 with LoRA")
             check(self.rollout.data_parallel_size == 1, f"{name} with rollout.data_parallel_size="

@@ -21,14 +21,15 @@ EPISODE_COLUMNS = ("loss_mask", "episode_reward", "episode")
 
 
 def sample_episodes(engine, tokenizer, env_cls, rows: Sequence[Mapping[str, Any]], prompt_ids: Sequence[int],
-                    spec, limits: EpisodeLimits, parser: ToolCallParser,
-                    max_workers: int = 16) -> Tuple[RolloutColumns, Dict[str, Any], Dict[str, float]]:
+                    spec, limits: EpisodeLimits, parser: ToolCallParser, max_workers: int = 16,
+                    first_index: int = 0) -> Tuple[RolloutColumns, Dict[str, Any], Dict[str, float]]:
     """``spec.n`` episodes per row (each its own environment), prompt-major like :func:`models.engines.rollout.sample`.
-    Returns the rollout columns, the :data:`EPISODE_COLUMNS` and the ``episode/*`` metrics."""
+    Returns the rollout columns, the :data:`EPISODE_COLUMNS` and the ``episode/*`` metrics. ``first_index``: the
+    position of ``rows[0]`` in the whole batch (its episodes seeded as that batch's, :func:`run_episodes`)."""
     t0 = time.perf_counter()
     envs = [env_cls(dict(row)) for row in rows for _ in range(spec.n)]
     with ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tool") as pool:
-        episodes = run_episodes(engine, tokenizer, envs, spec, limits, parser, pool)
+        episodes = run_episodes(engine, tokenizer, envs, spec, limits, parser, pool, first_index * spec.n)
     prompts = tokenizer.batch_decode([ep.prompt_ids for ep in episodes], skip_special_tokens=False)
     responses = [ep.response_ids for ep in episodes]
     cols = RolloutColumns(
@@ -54,6 +55,17 @@ def episode_stats(episodes: List[Episode]) -> Dict[str, float]:
             "episode/truncated_frac": sum(ep.truncated for ep in episodes) / n,
             "episode/reward_mean": sum(ep.reward for ep in episodes) / n,
             "episode/policy_token_frac": sum(sum(ep.loss_mask) for ep in episodes) / max(tokens, 1)}
+
+
+def merged_episode_stats(parts: Sequence[Tuple[Dict[str, float], int]], loss_masks) -> Dict[str, float]:
+    """The ``episode/*`` metrics of a batch sampled in parts (an asynchronous run's units), from each part's metrics
+    and episode count: means over all episodes, ``policy_token_frac`` over all tokens of ``loss_masks``."""
+    total = max(sum(n for _, n in parts), 1)
+    out = {key: sum(stats[key] * n for stats, n in parts) / total for key in parts[0][0]} if parts else {}
+    tokens = sum(len(m) for m in loss_masks)
+    if parts:
+        out["episode/policy_token_frac"] = sum(sum(m) for m in loss_masks) / max(tokens, 1)
+    return out
 
 
 def environment_reward(prompts, responses, episode_reward=None) -> List[float]:

@@ -166,9 +166,11 @@ def streams(engine) -> bool:
 
 
 def run_episodes(engine, tokenizer, envs: Sequence[Any], spec: SamplingSpec, limits: EpisodeLimits,
-                 parser: ToolCallParser, pool: ThreadPoolExecutor) -> List[Episode]:
+                 parser: ToolCallParser, pool: ThreadPoolExecutor, first_index: int = 0) -> List[Episode]:
     """Run one episode per environment, per episode or in lockstep (``limits.pace``, the module's docstring); turn
-    ``t`` of episode ``k`` is seeded from ``stream_seed(spec.seed, t)``."""
+    ``t`` of episode ``k`` is seeded from ``stream_seed(spec.seed, t)``. ``first_index``: the position of ``envs[0]``
+    in the whole batch (an asynchronous run samples a batch a few prompts at a time), added to every episode's
+    (per episode) or active position's (lockstep) index in its seeds, so the episodes are those of the whole batch."""
     if limits.pace not in PACES:
         raise ValueError(f"rollout.episode_pace={limits.pace!r}: one of {', '.join(PACES)}")
     per_episode = limits.pace == "episode" or (limits.pace == "auto" and streams(engine))
@@ -188,14 +190,15 @@ def run_episodes(engine, tokenizer, envs: Sequence[Any], spec: SamplingSpec, lim
     tools = [tools_by_name(t) for t in env_tools]
     turn_spec = turn_stops(tokenizer, parser, spec)
     run = _per_episode if per_episode else _lockstep
-    run(engine, tokenizer, episodes, chats, tools, turn_spec, spec.seed, limits, parser, pool)
+    run(engine, tokenizer, episodes, chats, tools, turn_spec, spec.seed, limits, parser, pool, first_index)
     for ep in episodes:
         ep.truncated = ep.truncated or not ep.done
     return episodes
 
 
 def _lockstep(engine, tokenizer, episodes: List[Episode], chats: List[ChatTokens], tools, turn_spec: SamplingSpec,
-              seed: int, limits: EpisodeLimits, parser: ToolCallParser, pool: ThreadPoolExecutor) -> None:
+              seed: int, limits: EpisodeLimits, parser: ToolCallParser, pool: ThreadPoolExecutor,
+              first_index: int = 0) -> None:
     tag = uuid.uuid4().hex  # the episodes' sessions: each one's turns on one replica (engine replicas)
     for turn in range(limits.max_turns):
         active = [k for k, ep in enumerate(episodes) if ep.active]
@@ -203,8 +206,9 @@ def _lockstep(engine, tokenizer, episodes: List[Episode], chats: List[ChatTokens
             break
         contexts = [episodes[k].prompt_ids + episodes[k].response_ids for k in active]
         spec = replace(turn_spec, seed=stream_seed(seed, turn))
-        gens = engine.generate(contexts, spec, sessions=[(tag, k) for k in active]) \
-            if getattr(engine, "sticky_sessions", False) else engine.generate(contexts, spec)
+        at = {"first_index": first_index} if first_index else {}  # the engines' own default where there is none
+        gens = engine.generate(contexts, spec, sessions=[(tag, k) for k in active], **at) \
+            if getattr(engine, "sticky_sessions", False) else engine.generate(contexts, spec, **at)
         calls, assistants = [], {}
         for k, per_prompt in zip(active, gens):
             message, own = _take_turn(episodes[k], per_prompt[0], tokenizer, parser, limits)
@@ -219,7 +223,8 @@ def _lockstep(engine, tokenizer, episodes: List[Episode], chats: List[ChatTokens
 
 
 def _per_episode(engine, tokenizer, episodes: List[Episode], chats: List[ChatTokens], tools, turn_spec: SamplingSpec,
-                 seed: int, limits: EpisodeLimits, parser: ToolCallParser, pool: ThreadPoolExecutor) -> None:
+                 seed: int, limits: EpisodeLimits, parser: ToolCallParser, pool: ThreadPoolExecutor,
+                 first_index: int = 0) -> None:
     """Each episode its own stream of requests in ``engine``'s step loop; a finished turn's tool calls and
     environment step in a thread of their own (``steps``) while the loop goes on stepping the others."""
     from models.engines.vllm_steps import generations
@@ -231,7 +236,7 @@ def _per_episode(engine, tokenizer, episodes: List[Episode], chats: List[ChatTok
     def next_turn(k: int) -> None:
         ep = episodes[k]
         sample = engine.stream_samples([ep.prompt_ids + ep.response_ids],
-                                       replace(turn_spec, seed=stream_seed(seed, ep.turns)), k)[0]
+                                       replace(turn_spec, seed=stream_seed(seed, ep.turns)), first_index + k)[0]
         in_engine[id(sample)] = k
         loop.add([sample])
 

@@ -6,12 +6,13 @@ writes its batch, with the ``async/*`` metrics (:mod:`models.stages.async_metric
 from __future__ import annotations
 
 import json
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
 from models.config import TrainConfig
 from models.engines.rollout import RolloutColumns
+from models.environments.episode_rollout import merged_episode_stats
 from models.faults import pause_point
 from models.hosts.producer import Producer, Unit
 from models.run.types import RunHandle
@@ -32,6 +33,18 @@ def merged(units: List[Unit]) -> Tuple[RolloutColumns, List[List[int]]]:
     return out, [v for u in units for v in u.token_versions()]
 
 
+def merged_episodes(units: List[Unit]) -> Tuple[Dict[str, Any], Dict[str, float]]:
+    """Multi-turn units: their episode columns one after the other and the batch's ``episode/*`` metrics; single-turn
+    ones: nothing."""
+    parts = [u.episodes for u in units if u.episodes is not None]
+    if not parts:
+        return {}, {}
+    columns = {name: np.concatenate([c[name] for c, _ in parts]) if isinstance(parts[0][0][name], np.ndarray)
+               else [x for c, _ in parts for x in c[name]] for name in parts[0][0]}
+    counts = [len(u.columns.response_tokens) for u in units if u.episodes is not None]
+    return columns, merged_episode_stats([(stats, n) for (_, stats), n in zip(parts, counts)], columns["loss_mask"])
+
+
 BUFFER_KEY = "async_buffer"
 """Batch metadata ``extras`` key: the producer's buffer when the batch was taken (JSON, :meth:`Producer.snapshot`)."""
 
@@ -43,12 +56,14 @@ def take_rollout(cfg: TrainConfig, run: RunHandle, producer: Producer, iteration
     with timed(stats, "time/rollout_s"):
         units, window = producer.take(iteration, cfg.run.resident_start_timeout_s)
         cols, versions = merged(units)
+        episode_cols, episode_stats = merged_episodes(units)
         pause_point(f"rollout/iter-{iteration:06d}")  # tests only: kill the run mid-rollout
         batch = write_batch(cfg, run, producer.draw(iteration), min(u.oldest() for u in units),
-                            {**cols.as_dict(), "token_versions": versions}, stats,
+                            {**cols.as_dict(), **episode_cols, "token_versions": versions}, stats,
                             {BUFFER_KEY: json.dumps(producer.snapshot(), sort_keys=True)})
+    stats.update(episode_stats)
     stats.update(staleness_stats(iteration, versions, cfg.run.staleness, cfg.run.stale_samples == "reweight"))
     stats.update(idle_stats(**window))
     stats.update(producer.flight_stats())
-    stats.update(throughput_stats(cols, {}, engine))
+    stats.update(throughput_stats(cols, episode_cols, engine))
     return RolloutOutput(batch, stats)

@@ -30,7 +30,7 @@ from models.service.ops import Host, op
 from models.stages.engine import engine_for
 from models.stages.evaluate import run_evaluate
 from models.run.data import read_run_prompts
-from models.stages.rollout import draw_for, run_rollout
+from models.stages.rollout import draw_for, run_rollout, sample_data
 from models.stages.services import LABELS
 from models.training.distributed import DistInfo
 from models.training.probe import verify_reference
@@ -105,10 +105,16 @@ class EngineHost(Host):
             def draw(j: int):
                 return draws[j] if j in draws else draws.setdefault(j, draw_for(self.cfg, self.run, j, data))
 
+            tokenizer, episodes = load_tokenizer(self.run.reference_url), None
+            if self.cfg.rollout.environment:  # multi-turn: a unit's prompts as episodes, seeded as the whole draw's
+
+                def episodes(engine, d, start: int, end: int):
+                    return sample_data(self.cfg, engine, tokenizer, d.data.take(range(start, end)),
+                                       d.prompt_ids[start:end], d.spec, first_index=start)
+
             self.producer = Producer(self.cfg.run.staleness, state.iteration, self.cfg.run.num_iterations,
-                                     lambda: (self.engine, self.version), draw,
-                                     load_tokenizer(self.run.reference_url), self.turns, self.cfg.run.partial_rollouts,
-                                     self.cfg.run.stale_samples)
+                                     lambda: (self.engine, self.version), draw, tokenizer, self.turns,
+                                     self.cfg.run.partial_rollouts, self.cfg.run.stale_samples, episodes)
         out = take_rollout(self.cfg, self.run, self.producer, state.iteration, self.engine)
         self.taken = (state.iteration, {"batch": out.batch.uri, "stats": out.stats})
         return self.taken[1]

@@ -102,9 +102,10 @@ class Unit:
     """Prompts ``start`` … ``end − 1`` of draw ``draw``, sampled by the actor of version ``version``."""
 
     def __init__(self, draw: int, start: int, end: int, version: int, columns: RolloutColumns,
-                 versions: Optional[List[List[int]]] = None):
+                 versions: Optional[List[List[int]]] = None, episodes: Optional[Tuple[Dict[str, Any], Dict]] = None):
         self.draw, self.start, self.end, self.version, self.columns = draw, start, end, version, columns
         self.versions = versions  # per sample, per token (partial rollouts); None: all ``version``
+        self.episodes = episodes  # multi-turn: the episode columns and ``episode/*`` metrics of its samples
         self.reweighted = False  # counted as staler than k and kept (run.stale_samples=reweight)
 
     def token_versions(self) -> List[List[int]]:
@@ -121,10 +122,14 @@ class Producer:
     """The background sampler of one engine service. ``current()`` gives the engine and the version it serves
     (-1: none, while weights load); ``draw(j)`` the :class:`~models.stages.rollout.Draw` of iteration j;
     ``tokenizer`` encodes its prompts; sampling stops after iteration ``stop − 1``; ``stale``: what becomes of a
-    unit staler than k when taken (``run.stale_samples``: ``drop`` or ``reweight``)."""
+    unit staler than k when taken (``run.stale_samples``: ``drop`` or ``reweight``). ``episodes``
+    (``rollout.environment``): ``(engine, draw, start, end) -> (columns, episode columns, episode/* metrics)``, a
+    unit's prompts as multi-turn episodes (:func:`models.stages.rollout.sample_data`), sampled whole under one
+    version: a push waits for the unit's episodes, none of which sees two policies."""
 
     def __init__(self, k: int, start: int, stop: int, current: Callable[[], Tuple[object, int]], draw, tokenizer,
-                 turns: EngineTurns, partial: bool = False, stale: str = "drop"):
+                 turns: EngineTurns, partial: bool = False, stale: str = "drop",
+                 episodes: Optional[Callable[..., Tuple[RolloutColumns, Dict[str, Any], Dict[str, float]]]] = None):
         self.k, self.stop, self.current, self.draw, self.turns = k, stop, current, draw, turns
         self.tokenizer = tokenizer
         self.partial = partial  # new weights between two tokens (the engine's generate_versions)
@@ -134,6 +139,7 @@ class Producer:
         self.next = (start, 0)
         self.expect = start  # the iteration whose batch the next take is for
         self.stale = stale
+        self.episodes = episodes
         self.dropped = self.reweighted = 0
         self.idle_s, self.window_t0 = 0.0, time.monotonic()
         self.epoch = 0  # moves when the run restarts sampling at another draw: units admitted before are not its
@@ -196,7 +202,7 @@ class Producer:
         try:
             while True:
                 engine = self.current()[0]
-                if hasattr(engine, "stream"):  # vLLM: continuous batching (models/hosts/stream.py)
+                if hasattr(engine, "stream") and self.episodes is None:  # vLLM: continuous batching (stream.py)
                     from models.hosts.stream import Streamer
 
                     Streamer(self, engine).run()
@@ -222,13 +228,15 @@ class Producer:
     def _sample(self, draw: int, start: int) -> None:
         d = self.draw(draw)
         end = min(start + UNIT_PROMPTS, len(d.prompt_ids))
-        versions = None
+        versions = episodes = None
         with self.turns.unit():
             engine, version = self.current()
             if version < 0 or draw - version > self.k:
                 return  # the weights moved while it waited: decide again
             prompts, ids = d.data.prompts[start:end], d.prompt_ids[start:end]
-            if not self.partial:
+            if self.episodes is not None:  # each episode at its own pace within the unit (vLLM), all at ``version``
+                cols, *episodes = self.episodes(engine, d, start, end)
+            elif not self.partial:
                 cols = sample(engine, self.tokenizer, prompts, ids, d.spec, d.data.chat, first_index=start)
             else:
                 try:
@@ -242,7 +250,7 @@ class Producer:
                 self.next = (draw, end) if end < len(d.prompt_ids) else (draw + 1, 0)
             else:
                 return  # restarted at another draw meanwhile: not this unit's
-            self.units.setdefault(draw, []).append(Unit(draw, start, end, version, cols, versions))
+            self.units.setdefault(draw, []).append(Unit(draw, start, end, version, cols, versions, episodes))
             self.cond.notify_all()
 
     def _sample_partial(self, engine, version: int, prompts, ids, d, start: int):

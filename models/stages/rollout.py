@@ -49,20 +49,21 @@ def sampling_record(cfg: TrainConfig, spec: SamplingSpec) -> str:
 
 
 def sample_data(cfg: TrainConfig, engine, tokenizer, data, prompt_ids: Sequence[int],
-                spec: SamplingSpec) -> Tuple[RolloutColumns, Dict[str, Any], Dict[str, float]]:
+                spec: SamplingSpec, first_index: int = 0) -> Tuple[RolloutColumns, Dict[str, Any], Dict[str, float]]:
     """``spec.n`` samples of every prompt of ``data`` (a ``PromptDataset``): one response each, or with
     ``rollout.environment`` one multi-turn episode each (its environment built from the row's columns
     and ``prompt``; :mod:`models.environments.episodes`). Returns the rollout columns, the episode columns (none
-    single-turn) and the ``episode/*`` metrics."""
+    single-turn) and the ``episode/*`` metrics. ``first_index``: the position of ``data``'s first row in the
+    iteration's draw (an asynchronous run samples it a few prompts at a time), whose seeds its samples take."""
     r = cfg.rollout
     if not r.environment:
-        return sample(engine, tokenizer, data.prompts, prompt_ids, spec, data.chat), {}, {}
+        return sample(engine, tokenizer, data.prompts, prompt_ids, spec, data.chat, first_index), {}, {}
     rows = [{"prompt": p, **cols} for p, cols in zip(data.prompts, data.row_columns())]
     limits = EpisodeLimits(r.max_turns, r.max_episode_tokens, r.tool_timeout_s, cfg.data.max_prompt_tokens,
                            r.episode_pace)
     return sample_episodes(engine, tokenizer, load_environment(r.environment), rows, prompt_ids,
                            replace(spec, max_new_tokens=min(spec.max_new_tokens, r.max_episode_tokens)), limits,
-                           get_parser(r.tool_parser))
+                           get_parser(r.tool_parser), first_index=first_index)
 
 
 class Draw(NamedTuple):

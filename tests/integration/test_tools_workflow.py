@@ -1,5 +1,6 @@
 """Multi-turn episodes through ``pyflyte run``: 2 iterations of GRPO (``configs/tiny_tools.yaml``, resident and
-colocated: two actor ranks sampling the episodes) and
+colocated: two actor ranks sampling the episodes; and asynchronous, ``run.max_staleness=2``: the engine service
+sampling episodes ahead of the trainer, each token tagged with its policy version) and
 of PPO (``configs/tiny_ppo.yaml`` with an environment) on the Qwen2-shaped chat checkpoint, with
 the calculator task: this project's environment for GRPO, the same task written as a ``verifiers``
 ToolEnv (``verifiers:models.demos.verifiers_calculator``, used unchanged through its adapter) for PPO.
@@ -73,24 +74,32 @@ def _check(root: Path, run_name: str) -> None:
     np.testing.assert_allclose([m.value for m in logged], means, atol=1e-6)
     # the preset evaluates the starting policy too (GRPO: run.eval_before_training in tiny_tools.yaml)
     steps = [m.step for m in client.get_metric_history(run_id, "eval/reward_mean")]
-    assert sorted(steps) == ([-1, 1] if run_name == "tools-grpo" else [1])
+    assert sorted(steps) == ([1] if run_name == "tools-ppo" else [-1, 1])
     table = json.loads(Path(client.download_artifacts(run_id, "samples/iter-000001.json", str(root))).read_text())
     assert "conversation" in table["columns"]
 
 
-@pytest.mark.parametrize("workflow, preset, extra", [
+@pytest.mark.parametrize("name, workflow, preset, extra", [
     # the GRPO run keeps its models in a resident run's services (run.resident), colocated: episodes sampled by
     # the actor service's two ranks' engines (each turn's prompts dealt over them), scored and trained by the
     # same service; the checks are the same in both modes
-    ("workflows/reinforce.py reinforce_training", "configs/tiny_tools.yaml",
+    ("grpo", "workflows/reinforce.py reinforce_training", "configs/tiny_tools.yaml",
      ["run.resident=true", "run.resident_layout=colocated", "actor.nproc_per_node=2", "actor.micro_batch_size=4"]),
-    ("workflows/ppo.py ppo_training", "configs/tiny_ppo.yaml", ENV + ["critic.minibatch_size=8",
-                                                                      "critic.micro_batch_size=8"]),
-], ids=["grpo", "ppo"])
-def test_two_multi_turn_iterations(root, workflow, preset, extra):
-    name = "grpo" if "reinforce" in workflow else "ppo"
+    ("ppo", "workflows/ppo.py ppo_training", "configs/tiny_ppo.yaml", ENV + ["critic.minibatch_size=8",
+                                                                             "critic.micro_batch_size=8"]),
+    # asynchronous (run.max_staleness=2): the engine service samples the episodes of iterations ahead of the
+    # trainer, a unit of prompts at a time, each token tagged with the version that drew it
+    ("async", "workflows/reinforce.py reinforce_training", "configs/tiny_tools.yaml",
+     ["run.resident=true", "run.max_staleness=2", "actor.tis_cap=2"]),
+], ids=["grpo", "ppo", "async"])
+def test_two_multi_turn_iterations(root, name, workflow, preset, extra):
     overrides = [o.format(root=root) for o in SMALL] + extra
     env = isolated_env(root / "home", {"MLFLOW_TRACKING_URI": f"sqlite:///{root}/mlflow.db"})
     run = FlyteRun(*workflow.split(), preset, overrides, f"tools-{name}", env, root / f"{name}.log")
     run.wait(timeout_s=1200)
     _check(root, f"tools-{name}")
+    if name == "async":  # every trained token at most k = 2 versions old; iteration 1's drawn by version 0
+        layout = RunLayout(str(root / "runs"), "tools-async")
+        lags = [[i - v for vs in RolloutBatch.read(layout.batch_url(i, "advantages")).column("token_versions")
+                 .to_pylist() for v in vs] for i in range(2)]
+        assert [max(lag) for lag in lags] == [0, 1] and min(min(lag) for lag in lags) == 0, lags

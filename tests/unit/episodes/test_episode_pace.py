@@ -34,11 +34,11 @@ class LockstepEngine:
     def __init__(self, tok):
         self.tok, self.calls = tok, []
 
-    def generate(self, prompts, spec):
+    def generate(self, prompts, spec, first_index=0):
         self.calls.append(len(prompts))
         out = []
         for i, _ in enumerate(prompts):
-            toks = turn_tokens(self.tok, sample_seed(spec.seed, i, 0))
+            toks = turn_tokens(self.tok, sample_seed(spec.seed, first_index + i, 0))
             out.append([Generation(toks, [-0.25] * len(toks), True)])
         return out
 

@@ -25,7 +25,7 @@ from models.hosts.producer import UNIT_PROMPTS, EngineTurns, Producer
 from models.stages.async_metrics import idle_stats, staleness_stats
 from models.run.types import RunHandle
 from models.stages.rollout import Draw
-from tests.unit.hosts.pushes import push_later, take_once
+from tests.unit.hosts.pushes import push_later, take_ahead, take_once
 from tests.unit.models.actor_checkpoints import actor_dir
 
 K, PER_DRAW = 2, 6  # 6 prompts: units of 4 and 2
@@ -54,24 +54,8 @@ def test_batches_are_drawn_by_the_versions_they_name_and_at_most_k_behind(actors
     run = RunHandle(str(tmp_path), "async", "", "", "", "")
     engine, turns, served = HFEngine(actors[0]), EngineTurns(), {"version": 0}
     producer = Producer(k, 0, iterations, lambda: (engine, served["version"]), draw, tok, turns)
-    take, taken = producer.take, []
-    producer.take = lambda i, timeout_s: taken.append(take(i, timeout_s)) or taken[-1]  # the units, for the checks
-    try:
-        for i in range(iterations):
-            take_rollout(cfg, run, producer, i, engine)
-            # the engine runs ahead until draw version + k is sampled, then waits for the next version
-            ahead = min(served["version"] + k + 1, iterations)
-            deadline = time.monotonic() + 60
-            while producer.next[0] < ahead and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert producer.next == (ahead, 0) and not producer.todo
-            with turns.op():  # the trainer's push of version i + 1
-                engine.load_weights(actors[(i + 1) % 2])
-                served["version"] = i + 1
-            producer.poke()
-    finally:
-        producer.close()
-    assert not producer.thread.is_alive()
+    taken, _ = take_ahead(producer, lambda i: take_rollout(cfg, run, producer, i, engine), turns, served, iterations,
+                          k, lambda version: engine.load_weights(actors[version % 2]))
 
     lags = []
     for i, (units, window) in enumerate(taken):
