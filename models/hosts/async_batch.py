@@ -18,7 +18,7 @@ from models.hosts.producer import Producer, Unit
 from models.run.types import RunHandle
 from models.stages.async_metrics import idle_stats, staleness_stats
 from models.stages.outputs import RolloutOutput
-from models.stages.rollout import throughput_stats, write_batch
+from models.stages.rollout import prefix_cache_stats, prompt_counts, throughput_stats, write_batch
 from models.timing import timed
 
 
@@ -66,4 +66,9 @@ def take_rollout(cfg: TrainConfig, run: RunHandle, producer: Producer, iteration
     stats.update(idle_stats(**window))
     stats.update(producer.flight_stats())
     stats.update(throughput_stats(cols, episode_cols, engine))
+    # rollout/prefix_cache_hit_rate: of the requests the engine ran since the last take (the producer runs ahead, so
+    # not this batch's own; none where it ran none)
+    counts, producer.counts = producer.counts, prompt_counts(engine)
+    if counts is not None:
+        stats.update(prefix_cache_stats(counts, producer.counts))
     return RolloutOutput(batch, stats)

@@ -30,7 +30,7 @@ from models.service.ops import Host, op
 from models.stages.engine import engine_for
 from models.stages.evaluate import run_evaluate
 from models.run.data import read_run_prompts
-from models.stages.rollout import draw_for, run_rollout, sample_data
+from models.stages.rollout import draw_for, prompt_counts, run_rollout, sample_data
 from models.stages.services import LABELS
 from models.training.distributed import DistInfo
 from models.training.probe import verify_reference
@@ -114,7 +114,8 @@ class EngineHost(Host):
 
             self.producer = Producer(self.cfg.run.staleness, state.iteration, self.cfg.run.num_iterations,
                                      lambda: (self.engine, self.version), draw, tokenizer, self.turns,
-                                     self.cfg.run.partial_rollouts, self.cfg.run.stale_samples, episodes)
+                                     self.cfg.run.partial_rollouts, self.cfg.run.stale_samples, episodes,
+                                     prompt_counts(self.engine))
         out = take_rollout(self.cfg, self.run, self.producer, state.iteration, self.engine)
         self.taken = (state.iteration, {"batch": out.batch.uri, "stats": out.stats})
         return self.taken[1]

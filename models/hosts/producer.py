@@ -125,11 +125,14 @@ class Producer:
     unit staler than k when taken (``run.stale_samples``: ``drop`` or ``reweight``). ``episodes``
     (``rollout.environment``): ``(engine, draw, start, end) -> (columns, episode columns, episode/* metrics)``, a
     unit's prompts as multi-turn episodes (:func:`models.stages.rollout.sample_data`), sampled whole under one
-    version: a push waits for the unit's episodes, none of which sees two policies."""
+    version: a push waits for the unit's episodes, none of which sees two policies. ``counts``: the engine's
+    prompt counts before the first unit (:func:`models.stages.rollout.prompt_counts`), whence the first batch's
+    ``rollout/prefix_cache_hit_rate``."""
 
     def __init__(self, k: int, start: int, stop: int, current: Callable[[], Tuple[object, int]], draw, tokenizer,
                  turns: EngineTurns, partial: bool = False, stale: str = "drop",
-                 episodes: Optional[Callable[..., Tuple[RolloutColumns, Dict[str, Any], Dict[str, float]]]] = None):
+                 episodes: Optional[Callable[..., Tuple[RolloutColumns, Dict[str, Any], Dict[str, float]]]] = None,
+                 counts: Optional[Tuple[Any, int, int]] = None):
         self.k, self.stop, self.current, self.draw, self.turns = k, stop, current, draw, turns
         self.tokenizer = tokenizer
         self.partial = partial  # new weights between two tokens (the engine's generate_versions)
@@ -140,6 +143,7 @@ class Producer:
         self.expect = start  # the iteration whose batch the next take is for
         self.stale = stale
         self.episodes = episodes
+        self.counts = counts  # the engine's prompt counts at the last take, or at the start (prefix cache hits)
         self.dropped = self.reweighted = 0
         self.idle_s, self.window_t0 = 0.0, time.monotonic()
         self.epoch = 0  # moves when the run restarts sampling at another draw: units admitted before are not its

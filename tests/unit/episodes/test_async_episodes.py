@@ -23,7 +23,7 @@ from models.environments.tools import HermesParser
 from models.hosts.async_batch import take_rollout
 from models.hosts.producer import UNIT_PROMPTS, EngineTurns, Producer
 from models.run.types import RunHandle
-from models.stages.rollout import Draw
+from models.stages.rollout import Draw, prompt_counts
 from tests.unit.hosts.pushes import take_ahead
 from tests.unit.episodes.test_episode_pace import StreamingEngine, TalkEnv, tok  # noqa: F401 (tok: a fixture)
 
@@ -32,11 +32,17 @@ LIMITS = EpisodeLimits(max_turns=4, max_episode_tokens=200, pace="auto")  # auto
 
 
 class ServiceEngine(StreamingEngine):
-    """The streaming engine with the counters an engine service's engine keeps (what ``take_rollout`` reads)."""
+    """The streaming engine with the counters an engine service's engine keeps (what ``take_rollout`` reads): each
+    request counts 4 prompt tokens, 1 of them from its prefix cache."""
 
     def __init__(self, tok):
         super().__init__(tok)
         self.stats = EngineStats()
+
+    def stream_samples(self, prompts, spec, first_index):
+        self.stats.prompt_tokens += 4 * len(prompts)
+        self.stats.cached_prompt_tokens += len(prompts)
+        return super().stream_samples(prompts, spec, first_index)
 
 
 def draw(j: int) -> Draw:
@@ -63,7 +69,8 @@ def test_episodes_sampled_ahead_are_the_synchronous_batch_at_the_versions_they_n
     run = RunHandle(str(tmp_path), "async", "", "", "", "")
     engine, turns, served = ServiceEngine(tok), EngineTurns(), {"version": 0}
     producer = Producer(K, 0, iterations, lambda: (engine, served["version"]), draw, tok, turns,
-                        episodes=lambda e, d, start, end: episodes_of(tok, d, start, end, e))
+                        episodes=lambda e, d, start, end: episodes_of(tok, d, start, end, e),
+                        counts=prompt_counts(engine))  # as the engine service starts it
     taken, outs = take_ahead(producer, lambda i: take_rollout(cfg, run, producer, i, engine), turns, served,
                              iterations, K)
 
@@ -80,6 +87,8 @@ def test_episodes_sampled_ahead_are_the_synchronous_batch_at_the_versions_they_n
         assert table.column("episode").to_pylist() == columns["episode"]
         assert sorted(set(columns["episode_reward"].tolist())) == [1.0, 2.0, 3.0]  # 1-3 turns, a reward each
         assert {k: out.stats[k] for k in stats} == pytest.approx(stats)
+        # the requests the engine ran since the batch before was taken (none after the last draw's)
+        assert out.stats.get("rollout/prefix_cache_hit_rate") == (0.25 if i < iterations - 1 else None)
         versions = table.column("token_versions").to_pylist()
         assert versions == [[u.version] * len(r) for u in units for r in u.columns.response_tokens]
         lags.append(max(i - v for vs in versions for v in vs))
