@@ -2,12 +2,13 @@
 colocated: two actor ranks sampling the episodes; and asynchronous, ``run.max_staleness=2``: the engine service
 sampling episodes ahead of the trainer, each token tagged with its policy version) and
 of PPO (``configs/tiny_ppo.yaml`` with an environment) on the Qwen2-shaped chat checkpoint, with
-the calculator task: this project's environment for GRPO, the same task written as a ``verifiers``
-ToolEnv (``verifiers:models.demos.verifiers_calculator``, used unchanged through its adapter) for PPO.
-The batches hold one row per episode with its ``loss_mask``, the rewards are the environment's (for
-``verifiers``, its rubric's), the advantages are 0 off the policy's tokens, and MLflow has the
-``episode/*`` metrics, ``rollout/reward_mean`` and the conversations in its sample table. The other
-libraries' adapters run in-process in ``test_env_adapters.py``."""
+the calculator task: this project's environment for the colocated GRPO run, the same task written as a
+``verifiers`` ToolEnv (``verifiers:models.demos.verifiers_calculator``) for PPO and as an OpenEnv MCP environment
+(``openenv:models.demos.openenv_calculator:CalculatorEnvironment``) for the asynchronous run, each used unchanged
+through its adapter. The batches hold one row per episode with its ``loss_mask``, the rewards are the
+environment's (for ``verifiers``, its rubric's; for OpenEnv, its observation's), the advantages are 0 off the
+policy's tokens, and MLflow has the ``episode/*`` metrics, ``rollout/reward_mean`` and the conversations in its
+sample table. The other libraries' adapters run in-process in ``test_env_adapters.py``."""
 
 from __future__ import annotations
 
@@ -54,12 +55,15 @@ def _check(root: Path, run_name: str) -> None:
         for m, adv, lp in zip(mask, b.column("advantages").to_pylist(), b.column("sampler_logprobs").to_pylist()):
             assert all(a == 0 for a, k in zip(adv, m) if not k) and all(x == 0 for x, k in zip(lp, m) if not k)
         np.testing.assert_array_equal(b.column("reward_raw").to_numpy(), b.column("episode_reward").to_numpy())
-        assert all(json.loads(e)[0]["role"] == "system" for e in b.column("episode").to_pylist())
-        if run_name == "tools-ppo":  # verifiers' rubric: the exact answer of a finished episode, 0 for a cut one
-            for e, r, end in zip(b.column("episode").to_pylist(), b.column("episode_reward").to_pylist(),
+        # OpenEnv's reset gives the question as an observation (a user turn); ours and verifiers' a system prompt
+        first = "user" if run_name == "tools-async" else "system"
+        assert all(json.loads(e)[0]["role"] == first for e in b.column("episode").to_pylist())
+        if run_name != "tools-grpo":  # verifiers' rubric, OpenEnv's observation: the exact answer of a finished
+            for e, r, end in zip(b.column("episode").to_pylist(), b.column("episode_reward").to_pylist(),  # episode
                                  b.column("is_end").to_pylist()):
                 messages = json.loads(e)
-                a, c = map(int, re.findall(r"\d+", messages[1]["content"]))  # "What is A*B?"
+                question = [m for m in messages if m["role"] == "user"][0]["content"]
+                a, c = map(int, re.findall(r"\d+", question)[-2:])  # "... What is A*B?"
                 last = [m for m in messages if m["role"] == "assistant"][-1]
                 assert r == (float(final_number(last["content"]) == str(a * c)) if end else 0.0)
     client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
@@ -88,9 +92,12 @@ def _check(root: Path, run_name: str) -> None:
     ("ppo", "workflows/ppo.py ppo_training", "configs/tiny_ppo.yaml", ENV + ["critic.minibatch_size=8",
                                                                              "critic.micro_batch_size=8"]),
     # asynchronous (run.max_staleness=2): the engine service samples the episodes of iterations ahead of the
-    # trainer, a unit of prompts at a time, each token tagged with the version that drew it
+    # trainer, a unit of prompts at a time, each token tagged with the version that drew it; the environment is
+    # the calculator task written for OpenEnv (an MCPEnvironment in process), through its adapter unchanged
     ("async", "workflows/reinforce.py reinforce_training", "configs/tiny_tools.yaml",
-     ["run.resident=true", "run.max_staleness=2", "actor.tis_cap=2"]),
+     ["run.resident=true", "run.max_staleness=2", "actor.tis_cap=2",
+      "rollout.environment=openenv:models.demos.openenv_calculator:CalculatorEnvironment",
+      'reward.functions=["models.environments.episode_rollout:environment_reward"]', "reward.weights=[1.0]"]),
 ], ids=["grpo", "ppo", "async"])
 def test_two_multi_turn_iterations(root, name, workflow, preset, extra):
     overrides = [o.format(root=root) for o in SMALL] + extra
