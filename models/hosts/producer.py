@@ -239,7 +239,8 @@ class Producer:
                 return  # the weights moved while it waited: decide again
             prompts, ids = d.data.prompts[start:end], d.prompt_ids[start:end]
             if self.episodes is not None:  # each episode at its own pace within the unit (vLLM), all at ``version``
-                cols, *episodes = self.episodes(engine, d, start, end)
+                cols, extra, stats = self.episodes(engine, d, start, end)
+                episodes = (extra, stats)
             elif not self.partial:
                 cols = sample(engine, self.tokenizer, prompts, ids, d.spec, d.data.chat, first_index=start)
             else:
