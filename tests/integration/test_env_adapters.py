@@ -2,8 +2,10 @@
 the actor's update, the commit) through the stage functions in this process, on the tool demo's preset
 (``configs/tiny_tools.yaml``) and the Qwen2-shaped chat checkpoint: a real environment of each library
 that runs offline (TextArena's and GEM's GuessTheNumber, the same GEM class through ``gym:``, SkyRL-Gym's
-multi-turn GSM8K, an OpenEnv MCP environment in process). ``verifiers`` runs through ``pyflyte run`` in
-``test_tools_workflow.py`` (the PPO case).
+multi-turn GSM8K, an OpenEnv MCP environment in process), and TextArena's, GEM's and SkyRL-Gym's again through
+``pyflyte run``.
+``verifiers`` and OpenEnv run through ``pyflyte run`` in ``test_tools_workflow.py`` (the PPO and asynchronous
+cases).
 
 Per library: each episode's reward is what the library itself gives when the episode's turns are
 replayed into a fresh environment of it (not through the adapter), and it is what reaches the batch's
@@ -155,9 +157,14 @@ def test_two_iterations_on_the_library_environment(library, qwen2_chat_dir, tmp_
         client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
         logged = [m.value for m in sorted(client.get_metric_history(run.mlflow_run_id, "rollout/reward_mean"),
                                           key=lambda m: m.step)]
-    layout = RunLayout(str(tmp_path), library)
+    batches = _check_batches(RunLayout(str(tmp_path), library), logged, make_rows(4), replay)
+    _check_tokens(batches, log)
+
+
+def _check_batches(layout: RunLayout, logged, rows, replay) -> list:
+    """Each episode's reward in the batch is what the library gives when its turns are replayed into a fresh
+    environment of it, and ``rollout/reward_mean`` (``logged``) their mean; the two iterations' batches."""
     batches = [RolloutBatch.read(layout.batch_url(i, "advantages")) for i in range(2)]
-    rows = make_rows(4)
     for b, mean in zip(batches, logged):
         rewards = b.column("episode_reward").to_numpy()
         np.testing.assert_allclose(b.column("reward_raw").to_numpy(), rewards, atol=1e-6)
@@ -171,4 +178,27 @@ def test_two_iterations_on_the_library_environment(library, qwen2_chat_dir, tmp_
                 assert float(reward) in [pytest.approx(replay(rows[pid], a)[0], abs=1e-6)
                                          for a in (actions, actions[:-1])]
     assert len(logged) == 2
-    _check_tokens(batches, log)
+    return batches
+
+
+@pytest.mark.parametrize("library", ["textarena", "gem", "skyrl"])
+def test_the_library_environment_through_pyflyte_run(library, qwen2_chat_dir, tmp_path):
+    """The same cases as a user runs them: ``pyflyte run`` with ``rollout.environment=<library>:...`` (the engine in
+    a task of the workflow, not this process): the library's rewards replayed, in the batch and in MLflow, and the
+    trainer scoring the stored tokens as the engine sampled them (a retokenized turn would move the gap)."""
+    from tests.integration.flyte_runs import FlyteRun, isolated_env
+
+    spec, make_rows, replay = CASES[library]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in make_rows(4)))
+    db = f"sqlite:///{tmp_path}/mlflow.db"
+    overrides = SMALL + [f"rollout.environment={spec}", f"model.actor_path={qwen2_chat_dir}",
+                         f"data.train_prompts={tmp_path / 'train.jsonl'}", f"data.eval_prompts={tmp_path / 'train.jsonl'}",
+                         f"run.storage_root={tmp_path}/runs"]
+    FlyteRun("workflows/reinforce.py", "reinforce_training", "configs/tiny_tools.yaml", overrides, library,
+             isolated_env(tmp_path / "home", {"MLFLOW_TRACKING_URI": db}), tmp_path / "run.log").wait(600)
+    layout = RunLayout(str(tmp_path / "runs"), library)
+    client = mlflow.tracking.MlflowClient(tracking_uri=db)
+    run_id = layout.read_run_info().mlflow_run_id
+    logged = [m.value for m in sorted(client.get_metric_history(run_id, "rollout/reward_mean"), key=lambda m: m.step)]
+    _check_batches(layout, logged, make_rows(4), replay)
+    assert client.get_run(run_id).data.metrics["rollout/logprob_gap_max"] < 1e-3
