@@ -13,6 +13,7 @@ released shape. About 100 s and 60 s of CPU here (2026-11-29): the suite's one r
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,15 @@ EOS_IDS = {151645, 151643}
 """``<|im_end|>`` and ``<|endoftext|>``: Qwen3's ``generation_config.json``."""
 
 
-def test_a_qwen3_shaped_checkpoint_trains_resident_through_the_cli(tmp_path):
+@pytest.fixture
+def runs(tmp_path):
+    """The run's folder, removed afterwards: 2.5 GB (the reference, the final actor and AdamW's state) that no later
+    test reads."""
+    yield tmp_path / "runs"
+    shutil.rmtree(tmp_path / "runs", ignore_errors=True)
+
+
+def test_a_qwen3_shaped_checkpoint_trains_resident_through_the_cli(tmp_path, runs):
     from mlflow.tracking import MlflowClient
 
     db = f"sqlite:///{tmp_path}/mlflow.db"
@@ -40,10 +49,10 @@ def test_a_qwen3_shaped_checkpoint_trains_resident_through_the_cli(tmp_path):
     env = isolated_env(tmp_path / "home", {"MLFLOW_TRACKING_URI": db, "TMPDIR": str(tmp_path), "RLHF_VERBOSE": "1",
                                            "VLLM_LOGGING_LEVEL": "INFO"})
     out = FlyteRun("workflows/reinforce.py", "reinforce_training", "configs/qwen3_grpo.yaml",
-                   [f"run.storage_root={tmp_path}/runs"] + OVERRIDES, "qwen3", env, tmp_path / "run.log").wait(900)
+                   [f"run.storage_root={runs}"] + OVERRIDES, "qwen3", env, tmp_path / "run.log").wait(900)
     assert "Run qwen3 finished: 2 iterations of grpo." in out, out[-3000:]
 
-    layout = RunLayout(str(tmp_path / "runs"), "qwen3")
+    layout = RunLayout(str(runs), "qwen3")
     run = MlflowClient(db).get_run(layout.read_run_info().mlflow_run_id)
     metrics = run.data.metrics
     assert run.info.status == "FINISHED"
