@@ -27,10 +27,10 @@ workers and engine processes, a server a fixture stopped); a process the test le
 reaped. On two cores the suite is CPU-bound, so a test's CPU, not its wall time beside another, is what it costs."""
 PROBE_ADDS = 10_000_000
 """The machine's own speed, beside the suite's: CPU seconds of this many Python additions in a function. On
-2026-11-29 at 13:45 UTC the probe took 0.32-0.37 s, and a fresh clone's `make test` of the tree of the day before had
-just taken 1389 s; the same tests had taken 2875 s two hours before, and on days when 30M additions at a script's top
-level (about 2.1x the probe's time per addition) took 3.8-6.4 s, against 2.15 s at 13:45. A figure of the report is the code's cost only
-beside this one."""
+2026-11-29 at 13:45 UTC the probe took 0.32-0.37 s; `make test` from a fresh clone of f26c01d had just taken 1389 s,
+and the same tests 2875 s two hours before, when 30M additions at a script's top level (about 2.1x the probe's
+time per addition) took 3.8-6.4 s on such slow spells, against 2.15 s at 13:45. A figure of the report is the
+code's cost only beside this one."""
 
 
 def cpu_seconds() -> float:

@@ -191,9 +191,9 @@ def test_the_library_environment_through_pyflyte_run(library, qwen2_chat_dir, tm
     spec, make_rows, replay = CASES[library]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in make_rows(4)))
     db = f"sqlite:///{tmp_path}/mlflow.db"
+    data = tmp_path / "train.jsonl"
     overrides = SMALL + [f"rollout.environment={spec}", f"model.actor_path={qwen2_chat_dir}",
-                         f"data.train_prompts={tmp_path / 'train.jsonl'}", f"data.eval_prompts={tmp_path / 'train.jsonl'}",
-                         f"run.storage_root={tmp_path}/runs"]
+                         f"data.train_prompts={data}", f"data.eval_prompts={data}", f"run.storage_root={tmp_path}/runs"]
     FlyteRun("workflows/reinforce.py", "reinforce_training", "configs/tiny_tools.yaml", overrides, library,
              isolated_env(tmp_path / "home", {"MLFLOW_TRACKING_URI": db}), tmp_path / "run.log").wait(600)
     layout = RunLayout(str(tmp_path / "runs"), library)
