@@ -58,13 +58,12 @@ def episode_stats(episodes: List[Episode]) -> Dict[str, float]:
 
 
 def merged_episode_stats(parts: Sequence[Tuple[Dict[str, float], int]], loss_masks) -> Dict[str, float]:
-    """The ``episode/*`` metrics of a batch sampled in parts (an asynchronous run's units), from each part's metrics
-    and episode count: means over all episodes, ``policy_token_frac`` over all tokens of ``loss_masks``."""
+    """The ``episode/*`` metrics of a batch sampled in parts (an asynchronous run's units; at least one), from each
+    part's metrics and episode count: means over all episodes, ``policy_token_frac`` over all tokens of
+    ``loss_masks``."""
     total = max(sum(n for _, n in parts), 1)
-    out = {key: sum(stats[key] * n for stats, n in parts) / total for key in parts[0][0]} if parts else {}
-    tokens = sum(len(m) for m in loss_masks)
-    if parts:
-        out["episode/policy_token_frac"] = sum(sum(m) for m in loss_masks) / max(tokens, 1)
+    out = {key: sum(stats[key] * n for stats, n in parts) / total for key in parts[0][0]}
+    out["episode/policy_token_frac"] = sum(sum(m) for m in loss_masks) / max(sum(len(m) for m in loss_masks), 1)
     return out
 
 

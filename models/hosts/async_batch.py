@@ -36,13 +36,13 @@ def merged(units: List[Unit]) -> Tuple[RolloutColumns, List[List[int]]]:
 def merged_episodes(units: List[Unit]) -> Tuple[Dict[str, Any], Dict[str, float]]:
     """Multi-turn units: their episode columns one after the other and the batch's ``episode/*`` metrics; single-turn
     ones: nothing."""
-    parts = [u.episodes for u in units if u.episodes is not None]
+    parts = [(u.episodes, len(u.columns.response_tokens)) for u in units if u.episodes is not None]
     if not parts:
         return {}, {}
-    columns = {name: np.concatenate([c[name] for c, _ in parts]) if isinstance(parts[0][0][name], np.ndarray)
-               else [x for c, _ in parts for x in c[name]] for name in parts[0][0]}
-    counts = [len(u.columns.response_tokens) for u in units if u.episodes is not None]
-    return columns, merged_episode_stats([(stats, n) for (_, stats), n in zip(parts, counts)], columns["loss_mask"])
+    first = parts[0][0][0]
+    columns = {name: np.concatenate([c[name] for (c, _), _ in parts]) if isinstance(first[name], np.ndarray)
+               else [x for (c, _), _ in parts for x in c[name]] for name in first}
+    return columns, merged_episode_stats([(stats, n) for (_, stats), n in parts], columns["loss_mask"])
 
 
 BUFFER_KEY = "async_buffer"
