@@ -13,6 +13,7 @@ import pytest
 
 from models.run.layout import RunLayout
 from tests.integration.flyte_runs import FlyteRun, isolated_env
+from tests.integration.test_algorithms import _metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -24,25 +25,17 @@ OVERRIDES = [f"run.num_iterations={ITERATIONS}", "run.eval_interval=0", "run.sav
              "rollout.engine=hf", "model.dtype=bfloat16", "actor.lr=1e-5"]
 
 
-def _history(client, run_id: str, key: str) -> list:
-    return [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
-
-
 def test_delta_pushes_give_the_full_pushes_run_bit_for_bit(tmp_path):
-    from mlflow.tracking import MlflowClient
-
-    db = f"sqlite:///{tmp_path}/mlflow.db"
-    env = isolated_env(tmp_path / "home", {"MLFLOW_TRACKING_URI": db})
+    env = isolated_env(tmp_path / "home", {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"})
     got = {}
     for push in ("full", "delta"):
         FlyteRun("workflows/reinforce.py", "reinforce_training", "configs/tiny_grpo.yaml",
                  [f"run.storage_root={tmp_path}/runs", f"run.weight_push={push}"] + OVERRIDES, push, env,
                  tmp_path / f"{push}.log").wait(600)
         layout = RunLayout(str(tmp_path / "runs"), push)
-        client = MlflowClient(db)
         run_id = layout.read_run_info().mlflow_run_id
         weights = Path(layout.read_state().actor_url.replace("file://", "")) / "model.safetensors"
-        got[push] = {key: _history(client, run_id, key) for key in
+        got[push] = {key: _metrics(tmp_path / "mlflow.db", run_id, key) for key in
                      ("rollout/reward_mean", "actor/loss", "resident/weights_bytes", "resident/push_density")}
         got[push]["weights"] = hashlib.sha256(weights.read_bytes()).hexdigest()
     full, delta = got["full"], got["delta"]

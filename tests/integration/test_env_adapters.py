@@ -187,6 +187,7 @@ def test_the_library_environment_through_pyflyte_run(library, qwen2_chat_dir, tm
     a task of the workflow, not this process): the library's rewards replayed, in the batch and in MLflow, and the
     trainer scoring the stored tokens as the engine sampled them (a retokenized turn would move the gap)."""
     from tests.integration.flyte_runs import FlyteRun, isolated_env
+    from tests.integration.test_algorithms import _metrics
 
     spec, make_rows, replay = CASES[library]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in make_rows(4)))
@@ -197,8 +198,6 @@ def test_the_library_environment_through_pyflyte_run(library, qwen2_chat_dir, tm
     FlyteRun("workflows/reinforce.py", "reinforce_training", "configs/tiny_tools.yaml", overrides, library,
              isolated_env(tmp_path / "home", {"MLFLOW_TRACKING_URI": db}), tmp_path / "run.log").wait(600)
     layout = RunLayout(str(tmp_path / "runs"), library)
-    client = mlflow.tracking.MlflowClient(tracking_uri=db)
     run_id = layout.read_run_info().mlflow_run_id
-    logged = [m.value for m in sorted(client.get_metric_history(run_id, "rollout/reward_mean"), key=lambda m: m.step)]
-    _check_batches(layout, logged, make_rows(4), replay)
-    assert client.get_run(run_id).data.metrics["rollout/logprob_gap_max"] < 1e-3
+    _check_batches(layout, _metrics(tmp_path / "mlflow.db", run_id, "rollout/reward_mean"), make_rows(4), replay)
+    assert mlflow.tracking.MlflowClient(db).get_run(run_id).data.metrics["rollout/logprob_gap_max"] < 1e-3
