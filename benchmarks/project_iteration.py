@@ -179,14 +179,14 @@ def push_seconds(s: Shape, a: Assumptions) -> Dict[str, float]:
       gather:    each tensor's rows into the trainer's rank 0: the node's own over NVLink, other nodes' over
                  rank 0's NIC (at the broadcast's rate)
       broadcast: rank 0 → the engine over NCCL
-      load:      one engine GPU: in place on that GPU (nothing at these rates); tensor parallel: to host memory
-                 (a shared file) and each worker's slice back to its GPU, the workers at once"""
+      load:      in place on each engine GPU (nothing at these rates): a tensor-parallel engine's workers each
+                 receive their own share of every bucket (``models/engines/worker_channel.py``; the shares add up
+                 to B, a delta is broadcast once), so nothing goes through host memory"""
     b, world = s.params * s.engine_bytes_per_param * push_share(s), s.actor_nodes * s.gpus_per_node
     remote = (world - s.gpus_per_node) / world
     local = (s.gpus_per_node - 1) / world
-    load = 0.0 if s.rollout_gpus == 1 else (b + b / s.rollout_gpus) / (a.host_copy_gb_per_s * 1e9)
     return {"gather": b * remote / (a.nccl_gb_per_s * 1e9) + b * local / (a.nvlink_gb_per_s * 1e9),
-            "broadcast": b / (a.nccl_gb_per_s * 1e9), "load": load}
+            "broadcast": b / (a.nccl_gb_per_s * 1e9), "load": 0.0}
 
 
 def push_share(s: Shape) -> float:
@@ -341,7 +341,7 @@ def assumptions_text(a: Assumptions) -> str:
             f"GPU pod start {a.pod_start_s:g} s, vLLM start {a.engine_start_s:g} s, CPU pod {a.cpu_pod_start_s:g} s, "
             f"thin pod {a.thin_pod_start_s:g} s, "
             f"S3 {a.s3_gb_per_s:g} GB/s per node, NCCL trainer → engine {a.nccl_gb_per_s:g} GB/s, "
-            f"NVLink into a GPU {a.nvlink_gb_per_s:g} GB/s, GPU ↔ host {a.host_copy_gb_per_s:g} GB/s, "
+            f"NVLink into a GPU {a.nvlink_gb_per_s:g} GB/s, "
             f"{a.peak_tflops:g} TFLOP/s bf16 peak, MFU {a.train_mfu:g} updates / {a.forward_mfu:g} scoring, "
             f"vLLM {a.gen_tokens_per_s_per_gpu:g} tokens/s per GPU at 8B")
 

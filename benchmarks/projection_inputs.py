@@ -88,11 +88,6 @@ class Assumptions:
     nvlink_gb_per_s: float = 450.0
     """Into one H100 from the other GPUs of its node, GB/s: NVLink 4's 900 GB/s per GPU counts both directions
     (NVIDIA's H100 datasheet), so 450 into rank 0 during the push's gather of the node's rows."""
-    host_copy_gb_per_s: float = 25.0
-    """A tensor-parallel engine's load, GB/s each way between a GPU and host memory: PCIe Gen5 x16 carries 64 GB/s
-    each way (128 GB/s both, NVIDIA's H100 datasheet); the push's shared-memory file is pageable, not pinned, for
-    which a copy is staged through a pinned buffer by the driver: taken at 25 GB/s, unmeasured (the GPU check
-    ``benchmarks/bench_resident_gpu.py`` prints the push's seconds)."""
     hbm_gb_per_s: float = 3350.0
     """H100 SXM HBM3 bandwidth, GB/s (NVIDIA's H100 datasheet: 3.35 TB/s): a colocated engine's in-process load
     copies its slice of each gathered layer into its own buffers at this rate (read and write)."""

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from models.engines import vllm_push
+from models.engines import vllm_push, worker_channel
 from models.engines.context import check_kv_cache
 from models.engines.vllm_setup import (cpu_workers_bound, cuda_graphs, llm_kwargs, read_json, read_settings_afresh,
                                        unsupported_lora_targets)
@@ -159,6 +159,51 @@ class VLLMEngine(SwappableEngine):
 
     def _end_patch_in_place(self) -> None:
         self._copy_in(vllm_push.patched, {})
+
+    def channel_workers(self) -> Optional[List[str]]:
+        """The GPUs ("" for none) of this engine's tensor-parallel workers when they are other processes, each to
+        take its share of a push straight from the trainer (:mod:`models.engines.worker_channel`); None: the
+        pushes arrive in this process."""
+        if self._workers() == 1:
+            return None
+        return list(self._llm().collective_rpc(worker_channel.worker_gpu))
+
+    def join_channel(self, host: str, offer: Dict[str, Any], timeout_s: float) -> List[Dict[str, list]]:
+        """The workers members of the weight channel ``offer`` (each forms it in a thread); each worker's share of
+        every tensor it loads (:mod:`models.engines.weight_shares`), the sender to cut each bucket by."""
+        dtype = self._llm_kwargs["dtype"]
+        metas = {name: (list(shape), dtype) for name, shape in self._layout.shapes.items()}
+        llm = self._llm()
+        shares = list(llm.collective_rpc(worker_channel.shares, args=(metas,)))
+        llm.collective_rpc(worker_channel.join, args=(host, {**offer, "shares": shares}, float(timeout_s)))
+        self.channel = llm
+        return shares
+
+    def check_channel(self) -> None:
+        """:class:`EngineLoadError` unless this engine's workers are the ones that joined the weight channel."""
+        if self.llm is None or getattr(self, "channel", None) is not self.llm:
+            raise EngineLoadError("the engine was restarted since its workers joined the weight channel: the next "
+                                  "push forms a new one")
+
+    def push_from_channel(self, header: Dict[str, Any], n: int) -> List[Dict[str, Any]]:
+        """Push ``n`` of the channel into every worker (:func:`worker_channel.load`), as a push's steps go
+        (:meth:`begin_push`'s checks, the engine closed if a worker fails mid-push); per worker, its samples and
+        the bytes it received."""
+        self.check_channel()
+        shapes = {name: shape for name, _, shape, *_ in header["tensors"]}
+        self._start_push(shapes, lambda: None, patch="delta" in header)
+        parts: List[Dict[str, Any]] = []
+        self._pushed("copy", lambda: parts.extend(self._llm().collective_rpc(worker_channel.load, args=(n,))))
+        problems = [p for part in parts for p in part["problems"]]
+
+        def end() -> None:
+            reset_prefix_cache(self.llm)
+            self._lora = None
+            if problems:
+                raise RuntimeError(f"vLLM's loader reported: {'; '.join(problems)[:500]}")
+
+        self._finish_push(end)
+        return parts
 
     def read_back(self, positions, dtypes):
         metas = {name: (list(shape), dtypes.get(name, self._llm_kwargs["dtype"]))

@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Dict, Iterator, Mapping, Tuple
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -52,67 +52,86 @@ def choose_backend(sender_gpu: str, receiver_gpu: str) -> str:
     return "nccl" if sender_gpu and receiver_gpu and sender_gpu != receiver_gpu else "gloo"
 
 
-def _gloo(store, rank: int, host: str, timeout: dt.timedelta):
+def _gloo(store, rank: int, size: int, host: str, timeout: dt.timedelta):
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    return dist.ProcessGroupGloo(store, rank, 2, opts)
+    return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
-def _nccl(store, rank: int, host: str, timeout: dt.timedelta):
+def _nccl(store, rank: int, size: int, host: str, timeout: dt.timedelta):
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, 2, opts)
+    return dist.ProcessGroupNCCL(store, rank, size, opts)
 
 
-def _group(backend: str, store, key: str, rank: int, host: str, timeout_s: float):
+def group(backend: str, store, key: str, rank: int, host: str, timeout_s: float, size: int = 2):
+    """The channel's process group (``size`` members: the sender and the receivers), as member ``rank``."""
     make = {"gloo": _gloo, "nccl": _nccl}[backend]
-    return make(dist.PrefixStore(f"weights/{key}/", store), rank, host, dt.timedelta(seconds=timeout_s))
+    return make(dist.PrefixStore(f"weights/{key}/", store), rank, size, host, dt.timedelta(seconds=timeout_s))
 
 
 def _broadcast(group, buffer: torch.Tensor, backend: str, timeout_s: float) -> None:
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = SENDER, 0
+    _wait(lambda: group.broadcast([buffer], opts), "a broadcast", backend, timeout_s)
+
+
+def _wait(start: Callable[[], Any], what: str, backend: str, timeout_s: float) -> None:
     try:
-        group.broadcast([buffer], opts).wait(dt.timedelta(seconds=timeout_s))
+        start().wait(dt.timedelta(seconds=timeout_s))
     except Exception as err:  # noqa: BLE001 -- gloo and NCCL raise RuntimeError or DistBackendError
-        raise ChannelError(f"a broadcast over the {backend} weight channel failed "
+        raise ChannelError(f"{what} over the {backend} weight channel failed "
                            f"({type(err).__name__}: {str(err).strip()[:300]})") from err
 
 
-def _device(backend: str) -> torch.device:
+def send_to(group, buffer: torch.Tensor, rank: int, backend: str, timeout_s: float) -> None:
+    """``buffer`` to member ``rank`` alone (a worker's share of a push, :mod:`models.engines.worker_channel`)."""
+    _wait(lambda: group.send([buffer], rank, 0), f"a send to member {rank}", backend, timeout_s)
+
+
+def receive_from(group, buffer: torch.Tensor, rank: int, backend: str, timeout_s: float) -> None:
+    _wait(lambda: group.recv([buffer], rank, 0), f"a receive from member {rank}", backend, timeout_s)
+
+
+def device_for(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 class Receiver:
     """The engine's end: opens the store on ``host`` (the address the engine serves on) and forms the
-    group in the background, as rank 1, once the sender joins."""
+    group in the background, as rank 1, once the sender joins. ``workers`` (a list of their GPUs, "" for none): the
+    engine's tensor-parallel workers join instead, as ranks 1, 2, ... (:mod:`models.engines.worker_channel`),
+    each receiving its share of every push straight from the sender; this process only holds the store."""
 
-    def __init__(self, host: str, sender_gpu: str, timeout_s: float = TIMEOUT_S):
-        self.host, self.timeout_s = host, timeout_s
-        self.backend = choose_backend(sender_gpu, gpu_id())
+    def __init__(self, host: str, sender_gpu: str, timeout_s: float = TIMEOUT_S, workers: Optional[list] = None):
+        self.host, self.timeout_s, self.workers = host, timeout_s, list(workers or [])
+        gpus = self.workers or [gpu_id()]
+        self.backend = "nccl" if all(choose_backend(sender_gpu, g) == "nccl" for g in gpus) else "gloo"
         self.key = secrets.token_hex(8)
         listening = socket.create_server((host, 0))  # the store listens on ``host`` only, on a free port
         port = listening.getsockname()[1]
         self.store = dist.TCPStore(host, port, None, True, dt.timedelta(seconds=timeout_s), wait_for_workers=False,
                                    master_listen_fd=listening.detach())  # the store owns the socket from here
         self._group: Future = Future()
-        threading.Thread(target=self._form, daemon=True, name="weight-channel").start()
+        if not self.workers:
+            threading.Thread(target=self._form, daemon=True, name="weight-channel").start()
         atexit.register(self.close)  # a process group left at the interpreter's exit aborts the process
 
     def _form(self) -> None:
         try:
-            self._group.set_result(_group(self.backend, self.store, self.key, RECEIVER, self.host, self.timeout_s))
+            self._group.set_result(group(self.backend, self.store, self.key, RECEIVER, self.host, self.timeout_s))
         except Exception as err:  # noqa: BLE001 -- handed to receive()
             self._group.set_exception(err)
 
     def offer(self) -> Dict[str, Any]:
         """What the sender joins with (JSON)."""
-        return {"port": self.store.port, "backend": self.backend, "key": self.key}
+        return {"port": self.store.port, "backend": self.backend, "key": self.key,
+                "size": 1 + max(len(self.workers), 1)}
 
     @property
     def device(self) -> torch.device:
-        return _device(self.backend)
+        return device_for(self.backend)
 
     def buckets(self, header: Mapping[str, Any], push: int, alloc: Callable[[int, torch.device], torch.Tensor]
                 ) -> Iterator[Tuple[int, torch.Tensor]]:
@@ -151,11 +170,12 @@ class Sender:
 
     def __init__(self, host: str, offer: Mapping[str, Any], timeout_s: float = TIMEOUT_S):
         self.backend, self.timeout_s, self.key = str(offer["backend"]), timeout_s, str(offer["key"])
+        self.size, self.shares = int(offer.get("size", 2)), offer.get("shares")
         where = f"{host}:{offer['port']}"
         try:
             self.store = dist.TCPStore(host, int(offer["port"]), None, False, dt.timedelta(seconds=timeout_s))
-            self.group = _group(self.backend, self.store, str(offer["key"]), SENDER, _local_address(host),
-                                timeout_s)
+            self.group = group(self.backend, self.store, str(offer["key"]), SENDER, _local_address(host),
+                               timeout_s, self.size)
         except Exception as err:  # noqa: BLE001 -- the store or the peer cannot be reached
             raise ChannelError(f"joining the {self.backend} weight channel at {where} failed "
                                f"({type(err).__name__}: {str(err).strip()[:300]})") from err
@@ -180,11 +200,26 @@ class Sender:
 
     @property
     def device(self) -> torch.device:
-        return _device(self.backend)
+        return device_for(self.backend)
 
     def send_bucket(self, buffer: torch.Tensor) -> None:
         """Broadcast one bucket's bytes (on :attr:`device`)."""
         _broadcast(self.group, buffer, self.backend, self.timeout_s)
+
+    def send_shares(self, header: Mapping[str, Any], index: int, bucket: torch.Tensor) -> None:
+        """Bucket ``index`` to the engine's workers, each its share after its length; a delta's bucket (a few % of
+        the weights) broadcast whole, each worker patching its own slices of it."""
+        from models.engines.weight_shares import pack
+
+        if "delta" in header:
+            self.send_size(bucket.numel())
+            self.send_bucket(bucket)
+            return
+        for w in range(self.size - 1):
+            payload = pack(header, index, bucket, self.shares[w] if self.shares else None)
+            size = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
+            send_to(self.group, size, 1 + w, self.backend, self.timeout_s)
+            send_to(self.group, payload, 1 + w, self.backend, self.timeout_s)
 
     def send_size(self, nbytes: int) -> None:
         """A delta push's next bucket's length, ahead of it."""

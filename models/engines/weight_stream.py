@@ -238,14 +238,18 @@ def open_bucket(header: Mapping[str, Any], index: int, buffer: torch.Tensor) -> 
     for name, dtype, shape, _, offset, _ in entries:
         nbytes = _numel(shape) * _dtype(dtype).itemsize
         tensors[name] = buffer[offset:offset + nbytes].view(_dtype(dtype)).view(shape)
-    data = int(header["buckets"][index][0])
-    pairs = buffer[data:-8].view(_WORD).view(-1, 2).cpu().tolist()  # [(position, bits)]
+    return tensors, read_samples(header, index, buffer[int(header["buckets"][index][0]):-8])
+
+
+def read_samples(header: Mapping[str, Any], index: int, tail: torch.Tensor) -> Samples:
+    """Bucket ``index``'s samples from ``tail``, the bytes of its ``(position, bits)`` pairs."""
+    pairs = tail.view(_WORD).view(-1, 2).cpu().tolist()  # [(position, bits)]
     samples: Samples = {}
     k = 0
-    for name, *_, n in entries:
+    for name, *_, n in (t for t in header["tensors"] if t[3] == index):
         samples[name] = [(int(p), int(b)) for p, b in pairs[k:k + n]]
         k += n
-    return tensors, samples
+    return samples
 
 
 def check_read_back(header: Mapping[str, Any], sent: Samples, held: Mapping[str, Sequence[Sequence[int]]],

@@ -150,7 +150,8 @@ class EngineHost(Host):
     @op
     def connect(self, host: str, gpu: str = "", timeout_s: Optional[float] = None) -> Dict[str, Any]:
         """The engine's end of the transport's channel (the collective's), for the actor trainer to join."""
-        return self.transport.connect(host=host, gpu=gpu, timeout_s=timeout_s)
+        with self.turn():  # the workers of a tensor-parallel engine join it: between two units
+            return self.transport.connect(host=host, gpu=gpu, timeout_s=timeout_s, engine=self.engine)
 
     @op
     def held_push(self) -> Dict[str, Any]:

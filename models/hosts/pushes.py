@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 import torch
 
 from models.engines.weight_delta import open_delta, seal_delta
-from models.engines.weight_stream import (BUCKET_BYTES, BucketWriter, PushError, Samples, check_read_back,
+from models.engines.weight_stream import (BUCKET_BYTES, BucketWriter, PushError, Samples, check_header, check_read_back,
                                           checksum_kind, open_bucket, plan_push, positions, tensor_bytes)
 from models.training.weight_shadow import Shadow
 from models.training.weight_source import WeightSource
@@ -276,3 +276,44 @@ def _load(engine, header: Mapping[str, Any], chunks: Iterable[Tuple[Dict[str, to
         engine.abort_push()
         raise
     getattr(engine, end)()
+
+
+def received_by_workers(receiver, header: Mapping[str, Any], push: int, engine=None
+                        ) -> Callable[[Any], Dict[str, float]]:
+    """:func:`received` for an engine whose tensor-parallel workers are the channel's receivers
+    (:mod:`models.engines.worker_channel`): the push announced to them, each receiving its share; loaded by them now,
+    or (without ``engine``) kept in their host memory, this waiting until every worker has its share whole. The
+    function returned loads a kept push, reads the samples back from every worker and compares them as
+    :func:`received`'s does; this process holds none of the push's bytes."""
+    from models.engines.worker_channel import announce, wait_received
+
+    check_header(header)
+    if engine is not None:  # before the workers are told: a push that cannot be loaded is refused untaken
+        engine.check_channel()
+        check_base(header, engine)
+    receiver.announced = n = getattr(receiver, "announced", 0) + 1
+    offer = receiver.offer()
+    t0 = time.perf_counter()
+    announce(receiver.store, offer, n, header, push, keep=engine is None)
+    if engine is None:
+        wait_received(receiver.store, offer, n, len(receiver.workers), receiver.timeout_s)
+    parts = engine.push_from_channel(header, n) if engine is not None else []
+    receive_s = time.perf_counter() - t0
+
+    def put(into) -> Dict[str, float]:
+        if engine is None:
+            check_base(header, into)
+            parts.extend(into.push_from_channel(header, n))
+        elif into is not engine:
+            raise PushError("the push was loaded into another engine than the one it is put into")
+        t1 = time.perf_counter()
+        samples = parts[0]["samples"]
+        dtypes = {name: dtype for name, dtype, *_ in header["tensors"]}
+        check_read_back(header, samples, into.read_back(positions(samples), dtypes),
+                        "after the push, reading the weights back from every worker")
+        into.pushed = header.get("id", "")
+        return {"resident/receiver_peak_bytes": 0.0, "resident/receiver_host_bytes": 0.0,
+                "resident/worker_bytes_max": float(max(p["bytes"] for p in parts)),
+                "time/weights_receive_s": receive_s, "time/weights_read_back_s": time.perf_counter() - t1}
+
+    return put

@@ -4,7 +4,9 @@ runs in the engine's ``weights`` op; both ends take the same one from :func:`tra
 
 - ``collective`` (``run.resident_weight_transport``'s default): a process group of two, the trainer's rank 0 and
   the engine (:mod:`models.engines.weight_channel`; NCCL between two GPUs, else gloo), formed at the first push
-  (the engine's ``connect`` op answers where its store listens) and kept; each push sends a header with the
+  (the engine's ``connect`` op answers where its store listens) and kept (a tensor-parallel vLLM engine's workers
+  join it instead of the engine's process, each receiving its share of every bucket:
+  :mod:`models.engines.worker_channel`); each push sends a header with the
   ``weights`` op and the buckets by broadcast while that op runs;
 - ``http``: the same buckets, one after the other, as the ``weights`` op's body;
 - with ``actor.lora``, the adapter alone, its file as the body (a few MB).
@@ -39,7 +41,7 @@ import torch
 
 from models.engines.weight_channel import ChannelError, Receiver, Sender, gpu_id
 from models.engines.weight_stream import bucket_nbytes, check_header
-from models.hosts.pushes import Held, Push, received, sealed
+from models.hosts.pushes import Held, Push, received, received_by_workers, sealed
 from models.service.client import ServiceClient, ServiceError
 from models.training.files import ADAPTER_CONFIG
 from models.training.weight_shadow import Shadow
@@ -268,7 +270,10 @@ class CollectiveTransport(Transport):
         buckets = None
         try:
             buckets = self.buckets(header, source, sender.device, self.pushes, plan, shadow)
-            for bucket in buckets:
+            for index, bucket in enumerate(buckets):
+                if sender.size > 2:  # the engine's workers, each its share
+                    sender.send_shares(header, index, bucket)
+                    continue
                 if "delta" in header:
                     sender.send_size(bucket.numel())
                 sender.send_bucket(bucket)
@@ -290,16 +295,30 @@ class CollectiveTransport(Transport):
                     f"not serve them: the trainer keeps them for the same request to send again (or set "
                     f"run.resident_weight_transport=http)")
 
-    def connect(self, host: str, gpu: str = "", timeout_s: Optional[float] = None) -> Dict[str, Any]:
+    def connect(self, host: str, gpu: str = "", timeout_s: Optional[float] = None, engine=None) -> Dict[str, Any]:
+        """The channel's offer; an engine whose tensor-parallel workers are other processes has them join it, each
+        to receive its share of every push (:mod:`models.engines.worker_channel`)."""
         self.close()
-        self.receiver = Receiver(host, gpu, **({} if timeout_s is None else {"timeout_s": float(timeout_s)}))
-        return self.receiver.offer()
+        workers = engine.channel_workers() if hasattr(engine, "channel_workers") else None
+        self.receiver = Receiver(host, gpu, workers=workers,
+                                 **({} if timeout_s is None else {"timeout_s": float(timeout_s)}))
+        offer = self.receiver.offer()
+        if workers:
+            offer["shares"] = engine.join_channel(host, offer, self.receiver.timeout_s)
+        return offer
 
     def receive(self, meta, body, engine=None):
         if self.receiver is None:
             raise ChannelError("the weights came over the collective transport, but no weight channel is open "
                                "(the actor trainer opens one with the connect op at its first push)")
         receiver, backend = self.receiver, self.receiver.backend
+        if receiver.workers:
+            try:
+                return received_by_workers(receiver, meta["header"], int(meta["push"]), engine)
+            except Exception as err:
+                self.close()
+                raise ChannelError(f"the engine's workers receiving the weights from the actor trainer over the "
+                                   f"collective transport ({backend}) failed: {err}") from err
         held = Held()  # kept (engine None): each bucket copied to host memory as it arrives, two at most on the device
         alloc = held.alloc(engine.push_buffer if engine is not None else _in_memory)
         try:

@@ -67,6 +67,75 @@ def _assert_each_worker_holds_its_slices(engine, ckpt: str) -> None:
     assert copies["model.layers.0.self_attn.o_proj.weight"] == [1, 1]
 
 
+BUCKET = 1 << 16
+"""Bytes per bucket of the pushes below: the model's float32 weights in several."""
+
+
+def _push_straight_into_each_worker(engine, start: str, other: str, monkeypatch) -> None:
+    """The separate layout's push over the collective transport (gloo here): each worker a member of the channel,
+    receiving its share of every bucket (its rows of q, its columns of o_proj, the whole of a replicated norm);
+    nothing through this process or shared memory; the weights read back from both workers; streamed, and kept
+    to load later (asynchronous)."""
+    from models.engines import weight_shares
+    from models.engines.vllm_engine import VLLMEngine
+    from models.engines.weight_shares import share_nbytes, tensor_share_bytes
+    from models.engines.weight_stream import tensor_bytes
+    from models.hosts.pushes import Push
+    from models.hosts.transports import CollectiveTransport
+    from models.service.client import ServiceError
+    from models.training.weight_source import WeightSource
+    from tests.unit.hosts.test_transports import INFO, serve
+
+    def through_this_process(*args, **kwargs):
+        raise AssertionError("a push into the workers went through the engine's process")
+
+    monkeypatch.setattr(VLLMEngine, "push_buffer", through_this_process)
+    monkeypatch.setattr(VLLMEngine, "_push_chunk_in_place", through_this_process)
+    server, host, client = serve(CollectiveTransport(), engine)
+    sender = CollectiveTransport(bucket_bytes=BUCKET, timeout_s=120)
+    try:
+        for version, (ckpt, keep) in enumerate([(other, False), (start, True)], start=1):
+            host.keep = keep
+            state = sent_state(ckpt)[0]
+            out = sender.send(client, {"version": version, "probe": []}, None, WeightSource(state, INFO))
+            assert _gap(engine, ckpt) < 1e-4, keep
+            header = Push(bucket_bytes=BUCKET).header(WeightSource(state, INFO), "cpu")
+            assert len(header["buckets"]) >= 4  # several: each loaded before the next is received
+            shares = sender.sender.shares
+            wire = [sum(share_nbytes(header, i, s) for i in range(len(header["buckets"]))) for s in shares]
+            assert out["resident/worker_bytes_max"] == max(wire) and out["resident/receiver_peak_bytes"] == 0.0
+        q, o, norm = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+                      "model.norm.weight")
+        shape = {name: s for name, _, s, *_ in header["tensors"]}
+        assert [s[q] for s in shares] == [[[0, [shape[q][0] // 2, shape[q][1]], [shape[q][1], 1]]],
+                                          [[shape[q][0] // 2 * shape[q][1], [shape[q][0] // 2, shape[q][1]],
+                                            [shape[q][1], 1]]]]  # rows
+        assert [s[o][0][1] for s in shares] == [[shape[o][0], shape[o][1] // 2]] * 2  # columns
+        assert [s[norm] for s in shares] == [[[0, shape[norm], [1]]]] * 2  # replicated: whole
+        full = tensor_bytes(header)
+        assert all(tensor_share_bytes(header, s) < 0.75 * full for s in shares)  # a shard each, not the whole
+        assert sum(tensor_share_bytes(header, s) for s in shares) >= full
+        # a share that arrives other than it was sent fails the push, named, before it is loaded; the engine, part
+        # of whose weights may be new, closes (its service restarts it from a checkpoint)
+        real_pack = weight_shares.pack
+
+        def flipped(header, index, bucket, share):
+            payload = real_pack(header, index, bucket, share)
+            if share is shares[1] and index == 0:
+                payload[0] ^= 1
+            return payload
+
+        monkeypatch.setattr(weight_shares, "pack", flipped)
+        host.keep = False
+        with pytest.raises(ServiceError, match=r"bucket 0's share of the push arrived other than it was sent"):
+            sender.send(client, {"version": 3, "probe": []}, None, WeightSource(state, INFO))
+        assert engine.llm is None
+    finally:
+        sender.close()
+        client.call("stop")
+        server.close()
+
+
 def test_two_workers_serve_what_the_trainer_scores_and_reload_in_place(qwen2_sharp_dir, tmp_path, monkeypatch):
     pytest.importorskip("vllm")
     from vllm import envs
@@ -93,5 +162,6 @@ def test_two_workers_serve_what_the_trainer_scores_and_reload_in_place(qwen2_sha
         assert (engine.stats.reloads, engine.stats.restarts) == (2, 0)
         assert _gap(engine, start) < 1e-4
         _assert_each_worker_holds_its_slices(engine, start)
+        _push_straight_into_each_worker(engine, start, other, monkeypatch)
     finally:
         engine.close()

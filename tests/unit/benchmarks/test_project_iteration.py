@@ -99,7 +99,7 @@ def test_state_bytes_by_hand_on_several_scoring_nodes_and_a_sharded_full_critic(
 
 # Round numbers for the hand-worked cases: storage, NCCL, NVLink and host copies 1000 B/s, 1000 FLOP/s per GPU at
 # MFU 1, 5 tokens/s.
-SLOW = Assumptions(s3_gb_per_s=1e-6, nccl_gb_per_s=1e-6, nvlink_gb_per_s=1e-6, host_copy_gb_per_s=1e-6,
+SLOW = Assumptions(s3_gb_per_s=1e-6, nccl_gb_per_s=1e-6, nvlink_gb_per_s=1e-6,
                    peak_tflops=1e-9, train_mfu=1.0, forward_mfu=1.0, gen_tokens_per_s_per_gpu=5.0,
                    thin_pod_start_s=2.0)
 
@@ -119,21 +119,20 @@ def test_resident_iteration_by_hand():
 
 def test_the_push_by_hand_and_on_the_critical_path():
     """B = 1000 parameters × 2 B = 2000 B. Gather into rank 0 of 2 × 2 ranks: a quarter is its own, a quarter over
-    NVLink (500 B: 0.5 s), half from the other node over its NIC (1000 B: 1 s); the broadcast 2000 B (2 s); a
-    2-GPU tensor-parallel engine loads through host memory (2000 B down, its 1000-B slices up at once: 3 s). With
-    the critic on 4 GPUs (its update 16 s, its values 8 s) the actor's update (24 s) and push (6.5 s) are the
-    longer branch: the push adds 6.5 s."""
+    NVLink (500 B: 0.5 s), half from the other node over its NIC (1000 B: 1 s); the sends 2000 B (2 s: each worker
+    of a 2-GPU tensor-parallel engine its 1000-B share, loaded in place). With the critic on 4 GPUs (its update
+    16 s, its values 8 s) the actor's update (24 s) and push (3.5 s) are the longer branch: the push adds 3.5 s."""
     tp2 = replace(TINY, save_interval=3, rollout_gpus=2, critic_gpus=4)
-    assert push_seconds(tp2, SLOW) == pytest.approx({"gather": 1.5, "broadcast": 2.0, "load": 3.0})
+    assert push_seconds(tp2, SLOW) == pytest.approx({"gather": 1.5, "broadcast": 2.0, "load": 0.0})
     assert push_seconds(TINY, SLOW)["load"] == 0  # one engine GPU: in place
     # a delta push at density 0.1: 0.1 × (1 + 2) / 2 + 1 / 512 of the bytes, every step that share of the full one's
     share = 0.15 + 1 / 512
     delta = push_seconds(replace(tp2, push_density=0.1), SLOW)
-    assert delta == pytest.approx({"gather": 1.5 * share, "broadcast": 2.0 * share, "load": 3.0 * share})
+    assert delta == pytest.approx({"gather": 1.5 * share, "broadcast": 2.0 * share, "load": 0.0})
     p = breakdown(tp2, SLOW, "resident")
-    assert p == pytest.approx({"pod starts": 10.0, "state movement": 2.688, "weight transfer": 6.5,
+    assert p == pytest.approx({"pod starts": 10.0, "state movement": 2.688, "weight transfer": 3.5,
                                "generation": 1.0, "scoring": 32.0, "updates": 24.0, "checkpoint": 2.0,
-                               "total": 78.188})
+                               "total": 75.188})
     assert gpus_held(tp2, SLOW, "resident") == (2 + 4 + 4) * p["total"]  # engine, actor (reward model too), critic
 
 

@@ -20,11 +20,11 @@ TP2 = Shape("tiny", params=1000, samples=2, prompt_tokens=3, response_tokens=5, 
             critic_gpus=4, rollout_gpus=2, save_interval=3, push_density=1.0)  # full pushes
 # Round numbers: every link and HBM 1000 B/s, 1000 FLOP/s per GPU at MFU 1, 5 tokens/s per GPU, thin pods 2 s,
 # sleep 1 s, wake 2 s.
-SLOW = Assumptions(s3_gb_per_s=1e-6, nccl_gb_per_s=1e-6, nvlink_gb_per_s=1e-6, host_copy_gb_per_s=1e-6,
+SLOW = Assumptions(s3_gb_per_s=1e-6, nccl_gb_per_s=1e-6, nvlink_gb_per_s=1e-6,
                    hbm_gb_per_s=1e-6, peak_tflops=1e-9, train_mfu=1.0, forward_mfu=1.0, gen_tokens_per_s_per_gpu=5.0,
                    thin_pod_start_s=2.0, engine_sleep_s=1.0, engine_wake_s=2.0)
 # The separate resident iteration of TP2 under SLOW, by hand in test_project_iteration.py: 5 pods × 2 s, batches
-# 2.688 s, push 6.5 s (gather 1.5, broadcast 2, load 3), generation 1 s, scoring 32 s, updates 24 s (the actor's;
+# 2.688 s, push 3.5 s (gather 1.5, sends 2, loaded in place), generation 1 s, scoring 32 s, updates 24 s (the actor's;
 # the critic's 16 s), checkpoint 2 s.
 TRAINER_SIDE = 10 + 2.688 + 32 + 24 + 2
 
@@ -59,22 +59,22 @@ def test_colocated_memory_by_hand():
 
 
 def test_async_iteration_is_the_longer_side_plus_the_push():
-    """k >= 1: max(generation 1 s, trainer side 70.688 s) + the push 6.5 s; generation-bound at 0.01 tokens/s per
-    GPU: 10 / (0.01 × 2) = 500 s + 6.5 s."""
+    """k >= 1: max(generation 1 s, trainer side 70.688 s) + the push 3.5 s; generation-bound at 0.01 tokens/s per
+    GPU: 10 / (0.01 × 2) = 500 s + 3.5 s."""
     p = async_breakdown(TP2, SLOW)
-    assert p["total"] == pytest.approx(TRAINER_SIDE + 6.5) and p["overlap"] == pytest.approx(-1.0)
-    assert p["weight transfer"] == pytest.approx(6.5) and p["sleep and wake"] == 0
+    assert p["total"] == pytest.approx(TRAINER_SIDE + 3.5) and p["overlap"] == pytest.approx(-1.0)
+    assert p["weight transfer"] == pytest.approx(3.5) and p["sleep and wake"] == 0
     slow_gen = replace(SLOW, gen_tokens_per_s_per_gpu=0.01)
-    assert async_breakdown(TP2, slow_gen)["total"] == pytest.approx(500 + 6.5)
+    assert async_breakdown(TP2, slow_gen)["total"] == pytest.approx(500 + 3.5)
     # sized to the trainer's side: 4 engine GPUs (the actor's count, the most it may take) still generate 250 s, and
-    # their push loads 2000 B down and 500-B slices up (2.5 s): 1.5 + 2 + 2.5 = 6 s
-    assert balanced_async(TP2, slow_gen) == (4, pytest.approx(250 + 6.0))
-    assert balanced_async(TP2, SLOW) == (2, pytest.approx(TRAINER_SIDE + 6.5))
+    # their push is the same 3.5 s (the four shares add up to the 2000 B)
+    assert balanced_async(TP2, slow_gen) == (4, pytest.approx(250 + 3.5))
+    assert balanced_async(TP2, SLOW) == (2, pytest.approx(TRAINER_SIDE + 3.5))
 
 
 def test_recommendation_is_the_fewest_gpu_hours_on_policy():
-    """Colocated 77.688 s × 8 GPUs against separate 78.188 s × 10; a 1000-s sleep makes separate the default."""
-    assert layout_breakdown(TP2, SLOW, "separate")["total"] == pytest.approx(78.188)
+    """Colocated 77.688 s × 8 GPUs against separate 75.188 s × 10; a 1000-s sleep makes separate the default."""
+    assert layout_breakdown(TP2, SLOW, "separate")["total"] == pytest.approx(75.188)
     assert recommend(TP2, SLOW) == "colocated"
     assert recommend(TP2, replace(SLOW, engine_sleep_s=1000.0)) == "separate"
     assert tokens_per_s_per_gpu(TP2, 77.688, 8) == pytest.approx(16 / (77.688 * 8))

@@ -87,7 +87,7 @@ class Engine(Host):
 
     @op
     def connect(self, host: str, gpu: str = "", timeout_s=None):
-        return self.transport.connect(host=host, gpu=gpu, timeout_s=timeout_s)
+        return self.transport.connect(host=host, gpu=gpu, timeout_s=timeout_s, engine=self.engine)
 
     @op
     def weights(self, version: int, probe, meta=None, body=None):
