@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from models.engines import vllm_push
-from models.engines.weight_channel import (SENDER, ChannelError, _broadcast, _local_address, _shutdown, device_for,
-                                           gpu_id, group, receive_from)
+from models.engines.weight_channel import (SENDER, ChannelError, _broadcast, _local_address, _shutdown, gpu_id, group,
+                                           receive_from)
 from models.engines.weight_shares import distinct_regions, unpack
 
 _MEMBERS: Dict[int, "Member"] = {}
@@ -43,8 +43,9 @@ def _key(offer: Mapping[str, Any], what: str, n: int, rank: Optional[int] = None
 class Member:
     """One worker's end: the channel's group (formed by :meth:`_run`'s thread), each push's share received by it."""
 
-    def __init__(self, host: str, offer: Mapping[str, Any], rank: int, timeout_s: float):
+    def __init__(self, host: str, offer: Mapping[str, Any], rank: int, device: torch.device, timeout_s: float):
         self.host, self.offer, self.rank, self.timeout_s = host, dict(offer), rank, timeout_s
+        self.device = device if offer["backend"] == "nccl" else torch.device("cpu")  # where the shares land
         self.share = offer["shares"][rank - 1] if offer.get("shares") else None
         self.streamed: "queue.Queue" = queue.Queue(maxsize=1)  # (n, item or error); each loaded before the next
         self.kept: Dict[int, Any] = {}  # n -> [payloads in host memory] or the error
@@ -56,6 +57,8 @@ class Member:
         threading.Thread(target=self._run, daemon=True, name=f"weight-member-{rank}").start()
 
     def _run(self) -> None:
+        if self.device.type == "cuda":  # a thread starts on CUDA's device 0: the worker's own, as its main thread's
+            torch.cuda.set_device(self.device)
         try:
             self.store = dist.TCPStore(self.host, int(self.offer["port"]), None, False,
                                        dt.timedelta(seconds=self.timeout_s))
@@ -82,7 +85,7 @@ class Member:
             self._receive(n, push)
 
     def _receive(self, n: int, push: Mapping[str, Any]) -> None:
-        header, keep, device = push["header"], push["keep"], device_for(self.offer["backend"])
+        header, keep, device = push["header"], push["keep"], self.device
         kept, self.bytes[n] = [], 0
         try:
             for index in range(len(header["buckets"])):
@@ -94,7 +97,8 @@ class Member:
                 take(self.group, payload, self.offer["backend"], self.timeout_s)
                 self.bytes[n] += payload.numel()
                 if keep:  # served later: in host memory (pinned where CUDA), the device's buffer let go
-                    kept.append(payload.to("cpu", non_blocking=False).pin_memory() if payload.is_cuda else payload)
+                    kept.append(torch.empty(payload.numel(), dtype=torch.uint8, pin_memory=True).copy_(payload)
+                                if payload.is_cuda else payload)
                 elif self.dropped != n:
                     done = threading.Event()
                     self.streamed.put((n, (index, payload, done)))
@@ -161,7 +165,7 @@ def join(worker: Any, host: str, offer: Dict[str, Any], timeout_s: float) -> Non
     old = _MEMBERS.pop(id(worker), None)
     if old is not None:
         old.close()
-    _MEMBERS[id(worker)] = Member(host, offer, 1 + int(worker.rank), timeout_s)
+    _MEMBERS[id(worker)] = Member(host, offer, 1 + int(worker.rank), torch.device(worker.device), timeout_s)
 
 
 def load(worker: Any, n: int) -> Dict[str, Any]:
@@ -188,7 +192,7 @@ def load(worker: Any, n: int) -> Dict[str, Any]:
                 vllm_push.patch(worker, {name: (shapes[name], indices, values)
                                          for name, (indices, values) in patches.items()})
             else:
-                tensors, got = unpack(header, index, payload.to(device_for(member.offer["backend"])), member.share)
+                tensors, got = unpack(header, index, payload.to(member.device), member.share)
                 vllm_push.chunk(worker, tensors)
                 del tensors
             samples.update(got)
