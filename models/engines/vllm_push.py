@@ -9,8 +9,8 @@ layer, e.g. repack it for the CPU's GEMM, as soon as it is complete), and :func:
 With ``tensor_parallel_size`` > 1 a trainer's push reaches each worker straight over the weight channel
 (:mod:`models.engines.worker_channel`, which loads through :func:`begin`, :func:`chunk` and :func:`finish` in the
 worker); a chunk loaded from this process (``load_tensors``, the HTTP transport) reaches them as a file in shared
-memory they map (:func:`chunk`'s ``shared``): each worker's loaders read only the slices it keeps, where ``collective_rpc``'s
-arguments would pickle the whole chunk to every worker.
+memory they map (:func:`chunk`'s ``shared``): each worker's loaders read only the slices it keeps, where
+``collective_rpc``'s arguments would pickle the whole chunk to every worker.
 
 :func:`read_back` reads sampled elements of the pushed tensors back from the worker's weights. A tensor's
 elements sit in vLLM's weights under other names (q, k and v in one ``qkv_proj``), sliced per worker: where, is
