@@ -2,8 +2,8 @@
 the actor's update, the commit) through the stage functions in this process, on the tool demo's preset
 (``configs/tiny_tools.yaml``) and the Qwen2-shaped chat checkpoint: a real environment of each library
 that runs offline (TextArena's and GEM's GuessTheNumber, the same GEM class through ``gym:``, SkyRL-Gym's
-multi-turn GSM8K, an OpenEnv MCP environment in process), and TextArena's, GEM's and SkyRL-Gym's again through
-``pyflyte run``.
+multi-turn GSM8K, an OpenEnv MCP environment in process), and TextArena's, GEM's (by its ``make`` and as a
+Gymnasium-style class through ``gym:``) and SkyRL-Gym's again through ``pyflyte run``.
 ``verifiers`` and OpenEnv run through ``pyflyte run`` in ``test_tools_workflow.py`` (the PPO and asynchronous
 cases).
 
@@ -181,7 +181,7 @@ def _check_batches(layout: RunLayout, logged, rows, replay) -> list:
     return batches
 
 
-@pytest.mark.parametrize("library", ["textarena", "gem", "skyrl"])
+@pytest.mark.parametrize("library", ["textarena", "gem", "gym", "skyrl"])
 def test_the_library_environment_through_pyflyte_run(library, qwen2_chat_dir, tmp_path):
     """The same cases as a user runs them: ``pyflyte run`` with ``rollout.environment=<library>:...`` (the engine in
     a task of the workflow, not this process): the library's rewards replayed, in the batch and in MLflow, and the
