@@ -160,11 +160,16 @@ class VLLMEngine(SwappableEngine):
     def _end_patch_in_place(self) -> None:
         self._copy_in(vllm_push.patched, {})
 
+    @property
+    def worker_processes(self) -> int:
+        """vLLM's workers of this engine in processes of their own (0: the model runs in this process)."""
+        return self._workers() if self._workers() > 1 else 0
+
     def channel_workers(self) -> Optional[List[str]]:
         """The GPUs ("" for none) of this engine's tensor-parallel workers when they are other processes, each to
         take its share of a push straight from the trainer (:mod:`models.engines.worker_channel`); None: the
         pushes arrive in this process."""
-        if self._workers() == 1:
+        if not self.worker_processes:
             return None
         return list(self._llm().collective_rpc(worker_channel.worker_gpu))
 

@@ -150,7 +150,8 @@ class EngineHost(Host):
     @op
     def connect(self, host: str, gpu: str = "", timeout_s: Optional[float] = None) -> Dict[str, Any]:
         """The engine's end of the transport's channel (the collective's), for the actor trainer to join."""
-        with self.turn():  # the workers of a tensor-parallel engine join it: between two units
+        joins = getattr(self.engine, "worker_processes", 0)  # a tensor-parallel engine's workers join it: between
+        with self.turn() if joins else contextlib.nullcontext():  # two of the producer's units
             return self.transport.connect(host=host, gpu=gpu, timeout_s=timeout_s, engine=self.engine)
 
     @op
