@@ -52,6 +52,7 @@ class Member:
         self.meta: Dict[int, Dict[str, Any]] = {}  # n -> the push as announced
         self.bytes: Dict[int, int] = {}  # n -> the bytes received
         self.stop, self.group, self.store = threading.Event(), None, None
+        self.failed: Optional[Exception] = None  # the channel itself: it did not form
         self.dropped = 0  # a push whose load failed here: the rest of it is received and dropped (the sender and
         # the other workers finish it; this worker's failure is the push's)
         threading.Thread(target=self._run, daemon=True, name=f"weight-member-{rank}").start()
@@ -65,7 +66,7 @@ class Member:
             self.group = group(self.offer["backend"], self.store, self.offer["key"], self.rank,
                                _local_address(self.host), self.timeout_s, int(self.offer["size"]))
         except Exception as err:  # noqa: BLE001 -- told at the first push
-            self.streamed.put((0, ChannelError(f"worker {self.rank - 1} did not join the weight channel: {err}")))
+            self.failed = ChannelError(f"worker {self.rank - 1} did not join the weight channel: {err}")
             return
         n = 0
         while not self.stop.is_set():
@@ -111,14 +112,24 @@ class Member:
             self.store.set(_key(self.offer, "got", n, self.rank), "ok")
         except Exception as err:  # noqa: BLE001 -- reported to the loader and the engine's process
             self.kept[n] = err
-            self.streamed.put((n, err))
+            try:
+                self.streamed.put_nowait((n, err))
+            except queue.Full:  # the loader gave up before taking the last item: it is stale, the error is news
+                self.streamed.get_nowait()
+                self.streamed.put_nowait((n, err))
             self.store.set(_key(self.offer, "got", n, self.rank), f"{type(err).__name__}: {err}"[:500])
 
     def payloads(self, n: int):
         """Push ``n``'s payloads in order, each ``(index, payload, done)``: the kept ones, or as they arrive."""
+        if self.failed is not None:
+            raise self.failed
         if self.meta.get(n, {}).get("keep"):
             deadline = time.monotonic() + self.timeout_s
             while n not in self.kept:
+                if self.failed is not None:
+                    raise self.failed
+                if self.group is None:  # still forming: its own timeout bounds that
+                    deadline = time.monotonic() + self.timeout_s
                 if time.monotonic() > deadline:
                     raise ChannelError(f"worker {self.rank - 1} did not receive push {n} in {self.timeout_s:g} s")
                 time.sleep(0.01)
@@ -128,11 +139,19 @@ class Member:
             for index, payload in enumerate(kept):
                 yield index, payload, None
             return
+        deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                at, item = self.streamed.get(timeout=self.timeout_s)
+                at, item = self.streamed.get(timeout=POLL_S)
             except queue.Empty:
-                raise ChannelError(f"worker {self.rank - 1} received nothing of push {n} in {self.timeout_s:g} s")
+                if self.failed is not None:
+                    raise self.failed from None
+                if self.group is None:  # still forming: its own timeout bounds that
+                    deadline = time.monotonic() + self.timeout_s
+                if time.monotonic() > deadline:
+                    raise ChannelError(f"worker {self.rank - 1} received nothing of push {n} in {self.timeout_s:g} s")
+                continue
+            deadline = time.monotonic() + self.timeout_s
             if isinstance(item, Exception):
                 raise item
             if at != n:
