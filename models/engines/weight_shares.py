@@ -44,9 +44,11 @@ def _whole(shape: Sequence[int]) -> Region:
     return 0, tuple(int(s) for s in shape), tuple(reversed(stride))
 
 
-def layout(header: Mapping[str, Any], index: int, share: Optional[Share]) -> Tuple[List[Tuple[str, torch.dtype,
-                                                                                               List[int], Region,
-                                                                                               int]], int]:
+Place = Tuple[str, torch.dtype, List[int], Region, int]
+"""A region on the wire: ``(tensor name, dtype, tensor shape, region, byte offset in the share)``."""
+
+
+def layout(header: Mapping[str, Any], index: int, share: Optional[Share]) -> Tuple[List[Place], int]:
     """Bucket ``index``'s share on the wire: ``[(name, dtype, tensor shape, region, byte offset)]`` and the bytes
     of the regions (padded to 8)."""
     out, end = [], 0
