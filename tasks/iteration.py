@@ -55,7 +55,7 @@ def finish_run(cfg: TrainConfig, run: RunHandle, state: PolicyState, launch: str
     run = run.for_launch(launch)
     # A resident run's services (this process's children locally, the service nodes on a cluster): the
     # run's checkpoints are all committed by now.
-    stop_services(run)
+    stop_services(run, finished=True)
     with run_lock.heartbeat(run.layout.lock_url, run.launch):
         return run_finish(cfg, run, state)
 

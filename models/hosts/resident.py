@@ -20,6 +20,7 @@ import dataclasses
 import datetime as dt
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -179,10 +180,11 @@ def _supervise(run: RunHandle, child: ChildProcess, timeout_s: float) -> None:
             return
 
 
-def stop_services(run: RunHandle, timeout_s: float = 30.0) -> List[str]:
+def stop_services(run: RunHandle, timeout_s: float = 30.0, finished: bool = False) -> List[str]:
     """Stop the services of the launch ``run`` names (the ``stop`` op, then SIGTERM, then SIGKILL for the child
     processes this process started) and remove their addresses; on a cluster the service nodes each end once
-    stopped. Returns the names stopped."""
+    stopped. ``finished``: the run ended well, so their folder goes too (:func:`_tidy`). Returns the names
+    stopped."""
     children = _RUNNING.pop(run.layout.url, [])
     stopped = book.stop_published(run.layout.url, run.launch_name, SERVICES, "the run finished") if run.launch else []
     deadline = time.monotonic() + timeout_s
@@ -193,7 +195,23 @@ def stop_services(run: RunHandle, timeout_s: float = 30.0) -> List[str]:
             child.stop(5.0)
     if children:
         storage.remove(book.services_url(run.layout.url), recursive=True)
+        if finished:
+            _tidy(children)
     return stopped
+
+
+def _tidy(children: List[ChildProcess]) -> None:
+    """The services' folder (their launch file and logs, under ``$TMPDIR``) removed after a run that finished, unless
+    one of them ended other than asked (a non-zero exit), the engine service was started again meanwhile (its
+    logs say why) or ``RLHF_VERBOSE`` asks to keep everything; a run that fails keeps it, and its errors name the
+    log to read."""
+    from models.console import verbose
+
+    folder = children[0].log_path.parent
+    restarted = any(folder.glob(f"{ENGINE}-*.log"))
+    if verbose() or restarted or any(child.proc.returncode != 0 for child in children):
+        return
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @atexit.register

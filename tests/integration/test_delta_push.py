@@ -28,7 +28,9 @@ OVERRIDES = [f"run.num_iterations={ITERATIONS}", "run.eval_interval=0", "run.sav
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_delta_pushes_give_the_full_pushes_run_bit_for_bit(dtype, tmp_path):
-    env = isolated_env(tmp_path / "home", {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"})
+    (tmp_path / "tmp").mkdir()  # where the services' folders go (their launch file and logs)
+    env = isolated_env(tmp_path / "home", {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db",
+                                           "TMPDIR": str(tmp_path / "tmp")})
     got = {}
     for push in ("full", "delta"):
         FlyteRun("workflows/reinforce.py", "reinforce_training", "configs/tiny_grpo.yaml",
@@ -41,6 +43,7 @@ def test_delta_pushes_give_the_full_pushes_run_bit_for_bit(dtype, tmp_path):
         got[push] = {key: _metrics(tmp_path / "mlflow.db", run_id, key) for key in
                      ("rollout/reward_mean", "actor/loss", "resident/weights_bytes", "resident/push_density")}
         got[push]["weights"] = hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert not list((tmp_path / "tmp").glob("resident-*")), "a finished run left its services' folder behind"
     full, delta = got["full"], got["delta"]
     print("pushes, full / delta: bytes", full["resident/weights_bytes"], delta["resident/weights_bytes"],
           "density", delta["resident/push_density"])

@@ -106,7 +106,9 @@ def _check(root: Path, run_name: str) -> None:
 ], ids=["grpo", "ppo", "async"])
 def test_two_multi_turn_iterations(root, name, workflow, preset, extra):
     overrides = [o.format(root=root) for o in SMALL] + extra
-    env = isolated_env(root / "home", {"MLFLOW_TRACKING_URI": f"sqlite:///{root}/mlflow.db"})
+    (root / f"tmp-{name}").mkdir()  # where the services' folders go
+    env = isolated_env(root / "home", {"MLFLOW_TRACKING_URI": f"sqlite:///{root}/mlflow.db",
+                                       "TMPDIR": str(root / f"tmp-{name}")})
     run = FlyteRun(*workflow.split(), preset, overrides, f"tools-{name}", env, root / f"{name}.log")
     layout = RunLayout(str(root / "runs"), f"tools-{name}")
     if name == "async":  # the engine service SIGKILLed once iteration 0 is committed, its episodes of iteration 1
@@ -117,6 +119,9 @@ def test_two_multi_turn_iterations(root, name, workflow, preset, extra):
     if name == "async":
         killed = r"the engine service \(pid \d+\) was killed by SIGKILL[^\n]*: started again"
         assert re.search(killed, log), log[-3000:]
+        # a finished run removes its services' folder, but not one whose engine was started again: its logs say why
+        assert sorted(p.name for p in (root / "tmp-async").glob("resident-*/engine*.log")) == ["engine-1.log",
+                                                                                               "engine.log"]
         rows = []
         for i in range(2):  # no episode lost or trained twice: each iteration's prompts, once each, N episodes each
             table = RolloutBatch.read(layout.batch_url(i, "advantages")).table
@@ -128,3 +133,5 @@ def test_two_multi_turn_iterations(root, name, workflow, preset, extra):
         lags = [[i - v for vs in RolloutBatch.read(layout.batch_url(i, "advantages")).column("token_versions")
                  .to_pylist() for v in vs] for i in range(2)]
         assert max(lags[0]) == 0 and max(lags[1]) <= 2 and min(min(lag) for lag in lags) == 0, lags
+    if name == "grpo":  # resident (colocated) and finished: its services' folder removed
+        assert not list((root / "tmp-grpo").glob("resident-*"))
