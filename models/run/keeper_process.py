@@ -31,7 +31,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import psutil
 
@@ -156,6 +156,20 @@ class Commands:
         self.read.wait(timeout_s)
 
 
+SETTLE_S = 2.0
+"""How long the run's other processes get to end by themselves once it ended (multiprocessing's forkserver and
+resource tracker end when their parent's pipe closes, a moment after it) before the rest are stopped as left
+behind."""
+
+
+def settled(procs: List, timeout_s: float = SETTLE_S) -> List:
+    """Those of ``procs`` still running after up to ``timeout_s`` (each that ends meanwhile is let go)."""
+    try:
+        return psutil.wait_procs(list(procs), timeout=timeout_s)[1]
+    except psutil.Error:
+        return list(procs)
+
+
 def keep(pid: int, report_path: str) -> None:
     """The keeper's life: sample until the kept process ends, then stop what is left of the run; if it ended
     without saying ``done``, say how it ended and end its run (:func:`lost`)."""
@@ -168,7 +182,7 @@ def keep(pid: int, report_path: str) -> None:
     while watch.alive():
         time.sleep(INTERVAL_S)
         watch.sample()
-    left = sweep(watch.others())
+    left = sweep(settled(watch.others()))
     said.settled()
     if said.done.is_set():
         if left:

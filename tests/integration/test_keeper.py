@@ -1,6 +1,7 @@
 """The run's keeper (models/run/keeper_process.py) on small processes: a child over ``run.memory_limit_gib`` is
 killed and named with the memory it reached; a process SIGKILLed (as the kernel's OOM killer does) leaves no child behind,
-and the keeper says how it ended. The whole run is ``test_resume.py``'s (its pyflyte SIGKILLed mid-update), a rank
+and the keeper says how it ended, naming what it stopped (not a child that ended by itself a moment after, as
+multiprocessing's forkserver does after a run that finished). The whole run is ``test_resume.py``'s (its pyflyte SIGKILLed mid-update), a rank
 killed in an update ``test_elastic_faults.py``'s."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ code = hog.wait()
 time.sleep(1.0)  # the keeper's report written after its kill
 print(code, processes.death_note(hog.pid, -code, "task rollout's process"), flush=True)
 idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+brief = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2.5)"])  # ends 1 s after the parent
 print(idle.pid, flush=True)
 time.sleep(1.5)  # sampled by the keeper
 os.kill(os.getpid(), 9)  # as the kernel's OOM killer would
