@@ -106,6 +106,7 @@ class Receiver:
 
     def __init__(self, host: str, sender_gpu: str, timeout_s: float = TIMEOUT_S, workers: Optional[list] = None):
         self.host, self.timeout_s, self.workers = host, timeout_s, list(workers or [])
+        self.announced = 0  # the pushes announced to the workers (models.engines.worker_channel.announce)
         gpus = self.workers or [gpu_id()]
         self.backend = "nccl" if all(choose_backend(sender_gpu, g) == "nccl" for g in gpus) else "gloo"
         self.key = secrets.token_hex(8)

@@ -19,8 +19,9 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 import torch
 
 from models.engines.weight_delta import open_delta, seal_delta
-from models.engines.weight_stream import (BUCKET_BYTES, BucketWriter, PushError, Samples, check_header, check_read_back,
-                                          checksum_kind, open_bucket, plan_push, positions, tensor_bytes)
+from models.engines.weight_stream import (BUCKET_BYTES, BucketWriter, PushError, Samples, check_header,
+                                          check_read_back, checksum_kind, open_bucket, plan_push, positions,
+                                          tensor_bytes)
 from models.training.weight_shadow import Shadow
 from models.training.weight_source import WeightSource
 
@@ -291,7 +292,7 @@ def received_by_workers(receiver, header: Mapping[str, Any], push: int, engine=N
     if engine is not None:  # before the workers are told: a push that cannot be loaded is refused untaken
         engine.check_channel()
         check_base(header, engine)
-    receiver.announced = n = getattr(receiver, "announced", 0) + 1
+    receiver.announced = n = receiver.announced + 1
     offer = receiver.offer()
     t0 = time.perf_counter()
     announce(receiver.store, offer, n, header, push, keep=engine is None)

@@ -1,8 +1,8 @@
 """The run's keeper (models/run/keeper_process.py) on small processes: a child over ``run.memory_limit_gib`` is
 killed and named with the memory it reached; a process SIGKILLed (as the kernel's OOM killer does) leaves no child behind,
 and the keeper says how it ended, naming what it stopped (not a child that ended by itself a moment after, as
-multiprocessing's forkserver does after a run that finished). The whole run is ``test_resume.py``'s (its pyflyte SIGKILLed mid-update), a rank
-killed in an update ``test_elastic_faults.py``'s."""
+multiprocessing's forkserver does after a run that finished). The whole run is ``test_resume.py``'s (its pyflyte
+SIGKILLed mid-update), a rank killed in an update ``test_elastic_faults.py``'s."""
 
 from __future__ import annotations
 
