@@ -55,7 +55,8 @@ class Member:
         self.failed: Optional[Exception] = None  # the channel itself: it did not form
         self.dropped = 0  # a push whose load failed here: the rest of it is received and dropped (the sender and
         # the other workers finish it; this worker's failure is the push's)
-        threading.Thread(target=self._run, daemon=True, name=f"weight-member-{rank}").start()
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"weight-member-{rank}")
+        self.thread.start()
 
     def _run(self) -> None:
         if self.device.type == "cuda":  # a thread starts on CUDA's device 0: the worker's own, as its main thread's
@@ -161,7 +162,10 @@ class Member:
                 return
 
     def close(self) -> None:
+        """Stop taking pushes (the thread ends within a poll of the store) and drop the group."""
         self.stop.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(2 * POLL_S)
         if self.group is not None:
             _shutdown(self.group)
 

@@ -54,10 +54,10 @@ def channel(monkeypatch):
         worker_channel.join(w, "127.0.0.1", offer, 20)
     sender = Sender("127.0.0.1", offer, timeout_s=20)
     yield SimpleNamespace(receiver=receiver, offer=offer, workers=workers, sender=sender, loaded=loaded, fail=fail)
+    for w in workers:  # the members first: their threads wait on the receiver's store
+        worker_channel._MEMBERS.pop(id(w)).close()
     sender.close()
     receiver.close()
-    for w in workers:
-        worker_channel._MEMBERS.pop(id(w)).close()
 
 
 def _push(ch, n: int, keep: bool):
