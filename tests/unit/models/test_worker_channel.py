@@ -44,6 +44,7 @@ def channel(monkeypatch):
             raise RuntimeError("the loader failed")
         loaded[worker.rank].update({k: v.clone() for k, v in tensors.items()})
 
+    monkeypatch.setattr(worker_channel, "POLL_S", 0.1)  # the members' polls of the store: closed sooner
     monkeypatch.setattr(vllm_push, "begin", lambda worker: None)
     monkeypatch.setattr(vllm_push, "chunk", chunk)
     monkeypatch.setattr(vllm_push, "finish", lambda worker: [])
