@@ -225,6 +225,8 @@ def load(worker: Any, n: int) -> Dict[str, Any]:
         member.dropped = n  # the rest of the push is received and dropped: the sender and the other workers finish
         vllm_push.drop()
         raise
+    finally:
+        member.meta.pop(n, None)  # a long run's pushes are not kept
     problems = vllm_push.patched(worker) if header is not None and "delta" in header else vllm_push.finish(worker)
     return {"problems": problems, "samples": samples, "bytes": member.bytes.pop(n, 0)}
 
@@ -235,6 +237,13 @@ def announce(store, offer: Mapping[str, Any], n: int, header: Mapping[str, Any],
     """Push ``n`` to the workers (its header; ``keep``: served later), then to the sender: it may send."""
     store.set(_key(offer, "header", n), json.dumps({"header": header, "keep": keep}))
     store.set(f"weights/{offer['key']}/ready/{push}", "1")
+
+
+def forget(store, offer: Mapping[str, Any], n: int, push: int, workers: int) -> None:
+    """Push ``n``'s keys out of the store, once it is loaded (a long run's pushes are not kept)."""
+    for key in [_key(offer, "header", n), f"weights/{offer['key']}/ready/{push}",
+                *(_key(offer, "got", n, 1 + r) for r in range(workers))]:
+        store.delete_key(key)
 
 
 def wait_received(store, offer: Mapping[str, Any], n: int, workers: int, timeout_s: float) -> None:

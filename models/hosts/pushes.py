@@ -286,7 +286,7 @@ def received_by_workers(receiver, header: Mapping[str, Any], push: int, engine=N
     or (without ``engine``) kept in their host memory, this waiting until every worker has its share whole. The
     function returned loads a kept push, reads the samples back from every worker and compares them as
     :func:`received`'s does; this process holds none of the push's bytes."""
-    from models.engines.worker_channel import announce, wait_received
+    from models.engines.worker_channel import announce, forget, wait_received
 
     check_header(header)
     if engine is not None:  # before the workers are told: a push that cannot be loaded is refused untaken
@@ -307,6 +307,7 @@ def received_by_workers(receiver, header: Mapping[str, Any], push: int, engine=N
             parts.extend(into.push_from_channel(header, n))
         elif into is not engine:
             raise PushError("the push was loaded into another engine than the one it is put into")
+        forget(receiver.store, offer, n, push, len(receiver.workers))
         t1 = time.perf_counter()
         samples = parts[0]["samples"]
         dtypes = {name: dtype for name, dtype, *_ in header["tensors"]}
