@@ -46,12 +46,17 @@ class Patching:
     def _end_patch_in_place(self) -> None:
         pass
 
-    def _start_push(self, shapes: Mapping[str, Sequence[int]], begin: Callable[[], None], patch: bool = False) -> None:
+    def check_fits(self, shapes: Mapping[str, Sequence[int]], patch: bool = False) -> None:
+        """:class:`EngineLoadError` unless tensors of ``shapes`` fit the served model (and, ``patch``, it can be
+        patched in place): what a push checks before it takes anything."""
         reason = self._layout.shapes_mismatch({k: tuple(v) for k, v in shapes.items()})
         if reason:
             raise EngineLoadError(f"these weights do not fit the served model: {reason}")
         if patch and not self.patchable:
             raise EngineLoadError(f"{type(self).__name__} cannot patch its weights in place: it takes full pushes only")
+
+    def _start_push(self, shapes: Mapping[str, Sequence[int]], begin: Callable[[], None], patch: bool = False) -> None:
+        self.check_fits(shapes, patch)
         self.pushed = ""
         self._pushing, self._push_t0 = True, time.perf_counter()
         self._pushed("begin", begin)

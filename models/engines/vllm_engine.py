@@ -184,11 +184,14 @@ class VLLMEngine(SwappableEngine):
         self.channel = llm
         return shares
 
-    def check_channel(self) -> None:
-        """:class:`EngineLoadError` unless this engine's workers are the ones that joined the weight channel."""
+    def check_channel(self, header: Optional[Dict[str, Any]] = None) -> None:
+        """:class:`EngineLoadError` unless this engine's workers are the ones that joined the weight channel and
+        ``header``'s push fits it (the checks :meth:`begin_push` makes, before the workers take any of it)."""
         if self.llm is None or getattr(self, "channel", None) is not self.llm:
             raise EngineLoadError("the engine was restarted since its workers joined the weight channel: the next "
                                   "push forms a new one")
+        if header is not None:
+            self.check_fits({name: shape for name, _, shape, *_ in header["tensors"]}, "delta" in header)
 
     def push_from_channel(self, header: Dict[str, Any], n: int) -> List[Dict[str, Any]]:
         """Push ``n`` of the channel into every worker (:func:`worker_channel.load`), as a push's steps go

@@ -290,7 +290,7 @@ def received_by_workers(receiver, header: Mapping[str, Any], push: int, engine=N
 
     check_header(header)
     if engine is not None:  # before the workers are told: a push that cannot be loaded is refused untaken
-        engine.check_channel()
+        engine.check_channel(header)
         check_base(header, engine)
     receiver.announced = n = receiver.announced + 1
     offer = receiver.offer()

@@ -203,8 +203,7 @@ def stop_services(run: RunHandle, timeout_s: float = 30.0, finished: bool = Fals
 def _tidy(children: List[ChildProcess]) -> None:
     """The services' folder (their launch file and logs, under ``$TMPDIR``) removed after a run that finished, unless
     one of them ended other than asked (a non-zero exit), the engine service was started again meanwhile (its
-    logs say why) or ``RLHF_VERBOSE`` asks to keep everything; a run that fails keeps it, and its errors name the
-    log to read."""
+    logs say why) or ``RLHF_VERBOSE`` asks to keep everything; a run that fails keeps it."""
     from models.console import verbose
 
     folder = children[0].log_path.parent
