@@ -35,8 +35,7 @@ def test_delta_pushes_give_the_full_pushes_run_bit_for_bit(dtype, tmp_path):
     for push in ("full", "delta"):
         FlyteRun("workflows/reinforce.py", "reinforce_training", "configs/tiny_grpo.yaml",
                  [f"run.storage_root={tmp_path}/runs", f"run.weight_push={push}", f"model.dtype={dtype}"] + OVERRIDES,
-                 push, env,
-                 tmp_path / f"{push}.log").wait(600)
+                 push, env, tmp_path / f"{push}.log").wait(600)
         layout = RunLayout(str(tmp_path / "runs"), push)
         run_id = layout.read_run_info().mlflow_run_id
         weights = Path(layout.read_state().actor_url.replace("file://", "")) / "model.safetensors"

@@ -6,7 +6,8 @@ distribution the trainer scores, and an in-place reload reaches every worker.
 sequences): a worker left on the old weights would give log-probs several nats off, since the two
 checkpoints are told apart by more than a nat. Weights from memory (``load_tensors``) reach every
 worker through a file in shared memory each maps, reading only its slices; read back, each element comes from the
-workers that hold it."""
+workers that hold it. A trainer's push over the collective transport goes to each worker straight, its share only
+(``_push_straight_into_each_worker``)."""
 
 import os
 import shutil
