@@ -202,15 +202,7 @@ class VLLMEngine(SwappableEngine):
         self._start_push(shapes, lambda: None, patch="delta" in header)
         parts: List[Dict[str, Any]] = []
         self._pushed("copy", lambda: parts.extend(self._llm().collective_rpc(worker_channel.load, args=(n,))))
-        problems = [p for part in parts for p in part["problems"]]
-
-        def end() -> None:
-            reset_prefix_cache(self.llm)
-            self._lora = None
-            if problems:
-                raise RuntimeError(f"vLLM's loader reported: {'; '.join(problems)[:500]}")
-
-        self._finish_push(end)
+        self._finish_push(lambda: self._copied([p for part in parts for p in part["problems"]]))
         return parts
 
     def read_back(self, positions, dtypes):
@@ -229,7 +221,11 @@ class VLLMEngine(SwappableEngine):
         return int(self._llm_kwargs.get("tensor_parallel_size", 1))
 
     def _copy_in(self, reporting, kwargs: Dict[str, Any]) -> None:
-        problems = [p for reports in self._llm().collective_rpc(reporting, kwargs=kwargs) for p in reports]
+        self._copied([p for reports in self._llm().collective_rpc(reporting, kwargs=kwargs) for p in reports])
+
+    def _copied(self, problems: List[str]) -> None:
+        """After new weights went into the workers: the caches of the old ones dropped, and what vLLM's loader
+        reported it could not load (``problems``) raised."""
         reset_prefix_cache(self.llm)  # stale prefixes would give old-weight results
         self._lora = None
         if problems:

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from models.engines import vllm_push
-from models.engines.weight_channel import (SENDER, ChannelError, _broadcast, _local_address, _shutdown, gpu_id, group,
-                                           receive_from)
+from models.engines.weight_channel import (SENDER, ChannelError, _broadcast, _local_address, _ready_key, _shutdown,
+                                           gpu_id, group, receive_from)
 from models.engines.weight_shares import distinct_regions, unpack
 
 _MEMBERS: Dict[int, "Member"] = {}
@@ -236,12 +236,12 @@ def load(worker: Any, n: int) -> Dict[str, Any]:
 def announce(store, offer: Mapping[str, Any], n: int, header: Mapping[str, Any], push: int, keep: bool) -> None:
     """Push ``n`` to the workers (its header; ``keep``: served later), then to the sender: it may send."""
     store.set(_key(offer, "header", n), json.dumps({"header": header, "keep": keep}))
-    store.set(f"weights/{offer['key']}/ready/{push}", "1")
+    store.set(_ready_key(offer["key"], push), "1")
 
 
 def forget(store, offer: Mapping[str, Any], n: int, push: int, workers: int) -> None:
     """Push ``n``'s keys out of the store, once it is loaded (a long run's pushes are not kept)."""
-    for key in [_key(offer, "header", n), f"weights/{offer['key']}/ready/{push}",
+    for key in [_key(offer, "header", n), _ready_key(offer["key"], push),
                 *(_key(offer, "got", n, 1 + r) for r in range(workers))]:
         store.delete_key(key)
 

@@ -217,18 +217,26 @@ def received(header: Mapping[str, Any], buckets: Iterable[Tuple[int, torch.Tenso
         elif engine is not into:
             raise PushError("the push was loaded into another engine than the one it is put into")
         t1 = time.perf_counter()
-        dtypes = {name: dtype for name, dtype, *_ in header["tensors"]}
         held.clear()
-        holds = check_read_back(header, samples, engine.read_back(positions(samples), dtypes),
-                                "after the push, reading the weights back", shard=shard is not None)
+        holds = _confirmed(header, samples, engine, "after the push, reading the weights back", shard is not None)
         if shard is not None:
             shard.update(sent=positions(samples), holds=holds)
-        engine.pushed = header.get("id", "")  # what a delta push may build on now
         return {"resident/receiver_peak_bytes": float(held.peak), "resident/receiver_host_bytes": float(host_bytes),
                 "time/weights_receive_s": receive_s,
                 "time/weights_read_back_s": time.perf_counter() - t1}
 
     return put
+
+
+def _confirmed(header: Mapping[str, Any], samples: Samples, engine, what: str, shard: bool = False
+               ) -> Dict[str, List[int]]:
+    """The sampled elements read back from ``engine`` and compared bit for bit with what was sent
+    (:func:`~models.engines.weight_stream.check_read_back`); then the push is what a delta may build on. The
+    positions the engine holds, per tensor."""
+    dtypes = {name: dtype for name, dtype, *_ in header["tensors"]}
+    holds = check_read_back(header, samples, engine.read_back(positions(samples), dtypes), what, shard=shard)
+    engine.pushed = header.get("id", "")  # what a delta push may build on now
+    return holds
 
 
 def check_base(header: Mapping[str, Any], engine) -> None:
@@ -309,11 +317,7 @@ def received_by_workers(receiver, header: Mapping[str, Any], push: int, engine=N
             raise PushError("the push was loaded into another engine than the one it is put into")
         forget(receiver.store, offer, n, push, len(receiver.workers))
         t1 = time.perf_counter()
-        samples = parts[0]["samples"]
-        dtypes = {name: dtype for name, dtype, *_ in header["tensors"]}
-        check_read_back(header, samples, into.read_back(positions(samples), dtypes),
-                        "after the push, reading the weights back from every worker")
-        into.pushed = header.get("id", "")
+        _confirmed(header, parts[0]["samples"], into, "after the push, reading the weights back from every worker")
         return {"resident/receiver_peak_bytes": 0.0, "resident/receiver_host_bytes": 0.0,
                 "resident/worker_bytes_max": float(max(p["bytes"] for p in parts)),
                 "time/weights_receive_s": receive_s, "time/weights_read_back_s": time.perf_counter() - t1}
