@@ -1,14 +1,15 @@
 """Delta pushes against full pushes (#48, ``run.weight_push``): bytes and seconds per push, and the density of each
 update (the elements whose bfloat16 value changed), at a real width.
 
-    flock /tmp/heavy.lock python benchmarks/bench_delta_push.py [--layers 8] [--updates 3] [--lr 1e-6]
+    flock /tmp/heavy.lock python benchmarks/bench_delta_push.py [--layers 8] [--updates 3] [--lr 1e-6] [--ranks 2]
                                                                  [--dtype bfloat16] [--quick] [--json PATH]
 
 The trainer's float32 model is Qwen3-0.6B's shape (hidden 1024, MLP 3072, 16 query and 8 key-value heads of 128,
 vocabulary 151,936, tied head) with random weights at ``--layers`` of its 28 layers (8: 281M parameters, 4.5 GB with
-AdamW's state); the engine, the HF engine at ``--dtype`` started from the same weights, runs in a child process
-behind the engine service's push ops (``benchmarks/bench_weight_push.py``'s), over the collective transport (gloo).
-Each update is an AdamW step at ``--lr`` on a GRPO-shaped loss, ``-mean(adv * log p(token))`` over 4 random
+AdamW's state), on ``--ranks`` FSDP2 ranks over gloo (2, as the project's actor trains here: each rank casts and
+compares its own rows, rank 0 gathers and sends; 1: one process holds it all); the engine, the HF engine at
+``--dtype`` started from the same weights, runs in a child process behind the engine service's push ops
+(``benchmarks/bench_weight_push.py``'s), over the collective transport (gloo). Each update is an AdamW step at ``--lr`` on a GRPO-shaped loss, ``-mean(adv * log p(token))`` over 4 random
 sequences of 64 tokens with advantages of ±1 (no rollout: the gradient's shape, not its content, sets which
 bfloat16 values move), then the same weights pushed twice: as a delta against the push the engine holds, then whole.
 Per update: the density, the delta's bytes and seconds over the full push's (the sender's wall time, the engine's
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -26,7 +28,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -39,7 +41,7 @@ QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=1
 """Qwen3-0.6B's ``config.json`` widths (28 layers there)."""
 
 
-def build(layers: int, folder: Path, quick: bool):
+def build(layers: int, folder: Optional[Path], quick: bool):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -50,7 +52,8 @@ def build(layers: int, folder: Path, quick: bool):
     shape = dict(QWEN3_06B, vocab_size=4096, hidden_size=256, intermediate_size=768, head_dim=32) if quick else \
         QWEN3_06B
     model = Qwen3ForCausalLM(Qwen3Config(**shape, num_hidden_layers=layers))
-    save_model(model, build_char_tokenizer(), folder)
+    if folder is not None:
+        save_model(model, build_char_tokenizer(), folder)
     return model.float()
 
 
@@ -67,13 +70,7 @@ def grpo_like_step(model, opt, gen) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def timed_push(transport, client, model, version: int, plan, shadow) -> Dict[str, float]:
-    import torch
-
-    from models.training.distributed import DistInfo
-    from models.training.weight_source import WeightSource
-
-    source = WeightSource(model, DistInfo(0, 1, 0, torch.device("cpu")), prefix="")
+def timed_push(transport, client, source, version: int, plan, shadow) -> Dict[str, float]:
     t0 = time.perf_counter()
     out = transport.send(client, {"version": version, "probe": []}, None, source, plan, shadow)
     return {**out, "seconds": time.perf_counter() - t0}
@@ -94,33 +91,75 @@ def start_engine(folder: Path, dtype: str):
     return child, ServiceClient(line[len(URL_LINE):].strip(), "bench", "the engine service")
 
 
-def run(args) -> List[Dict[str, float]]:
+def trainer(rank: int, world: int, port: int, args, folder: str, out: str) -> None:
+    """Rank ``rank`` of ``world`` (FSDP2 over gloo when more than one, as the project's actor trains): every update
+    then the two pushes, rank 0 sending (and timing) while the others take their part (:meth:`Transport.follow`);
+    rank 0 writes the rows to ``out``."""
     import torch
+    import torch.distributed as dist
 
     from models.hosts.transports import CollectiveTransport
+    from models.training.distributed import DistInfo, wrap_for_training
     from models.training.weight_shadow import Shadow
+    from models.training.weight_source import WeightSource
 
-    folder = Path(tempfile.mkdtemp(prefix="bench-delta-")) / "start"
-    model = build(args.layers, folder, args.quick)
+    torch.set_num_threads(args.threads)
+    info = DistInfo(0, 1, 0, torch.device("cpu"))
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_RANK=str(rank))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        info = DistInfo(rank, world, rank, torch.device("cpu"))
+    model = build(args.layers, Path(folder) if rank == 0 else None, args.quick)
+    model = wrap_for_training(model, info, "fsdp2") if world > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    gen = torch.Generator().manual_seed(1)
-    child, client = start_engine(folder, args.dtype)
+    gen = torch.Generator().manual_seed(1)  # the same batch on every rank
+    child, client = start_engine(Path(folder), args.dtype) if rank == 0 else (None, None)
     transport, shadow, rows = CollectiveTransport(args.dtype), Shadow(), []
+    source = WeightSource(model, info, prefix="")
+
+    def push(version: int, plan, kept) -> Dict[str, float]:
+        if world > 1:
+            dist.barrier()
+        if rank:
+            transport.follow(source, plan, kept)
+            return {}
+        return timed_push(transport, client, source, version, plan, kept)
+
     try:
-        timed_push(transport, client, model, 0, {"id": "f0", "seed": 0, "base": ""}, shadow)  # fills the shadow
+        push(0, {"id": "f0", "seed": 0, "base": ""}, shadow)  # fills the shadow
         for k in range(1, args.updates + 1):
             grpo_like_step(model, opt, gen)
-            delta = timed_push(transport, client, model, k, {"id": f"d{k}", "seed": k, "base": f"f{k - 1}"}, shadow)
-            full = timed_push(transport, client, model, k, {"id": f"f{k}", "seed": k, "base": ""}, None)
-            rows.append({"density": delta["resident/push_density"], "delta_bytes": delta["resident/weights_bytes"],
-                         "full_bytes": full["resident/weights_bytes"], "delta_s": delta["seconds"],
-                         "full_s": full["seconds"], "params": full["resident/weights_params"]})
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            delta = push(k, {"id": f"d{k}", "seed": k, "base": f"f{k - 1}"}, shadow)
+            full = push(k, {"id": f"f{k}", "seed": k, "base": ""}, None)
+            if rank == 0:
+                rows.append({"density": delta["resident/push_density"], "delta_bytes": delta["resident/weights_bytes"],
+                             "full_bytes": full["resident/weights_bytes"], "delta_s": delta["seconds"],
+                             "full_s": full["seconds"], "params": full["resident/weights_params"]})
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     finally:
         transport.close()
-        child.stdin.close()
-        child.wait(60)
-    return rows
+        if child is not None:
+            child.stdin.close()
+            child.wait(60)
+        if world > 1:
+            dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+
+
+def run(args) -> List[Dict[str, float]]:
+    folder = str(Path(tempfile.mkdtemp(prefix="bench-delta-")) / "start")
+    out = folder + ".rows.json"
+    if args.ranks == 1:
+        trainer(0, 1, 0, args, folder, out)
+    else:
+        import torch.multiprocessing as mp
+
+        from tests.processes import free_port
+
+        mp.spawn(trainer, args=(args.ranks, free_port(), args, folder, out), nprocs=args.ranks, join=True)
+    return json.loads(Path(out).read_text())
 
 
 def main(argv=None) -> int:
@@ -130,6 +169,9 @@ def main(argv=None) -> int:
     parser.add_argument("--updates", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--ranks", type=int, default=2,
+                        help="trainer ranks (FSDP2 over gloo; 2: as the project's actor trains on this machine, each "
+                             "rank comparing its own rows; 1: one process holds the whole model)")
     args = parser.parse_args(argv)
     import torch
 
@@ -140,7 +182,7 @@ def main(argv=None) -> int:
     bytes_ratio = max(r["delta_bytes"] / r["full_bytes"] for r in rows)
     seconds_ratio = statistics.median(r["delta_s"] / r["full_s"] for r in rows)
     what = f"{'quick ' if args.quick else ''}Qwen3-0.6B width, {args.layers} layers, {rows[0]['params'] / 1e6:.0f}M " \
-           f"parameters, AdamW lr {args.lr:g}, engine {args.dtype}"
+           f"parameters on {args.ranks} trainer rank(s), AdamW lr {args.lr:g}, engine {args.dtype}"
     out: List[Row] = [
         row("delta_push", "density per update (changed / all)", max(r["density"] for r in rows), "x",
             f"{what}; per update {[round(r['density'], 5) for r in rows]}"),

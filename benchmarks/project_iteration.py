@@ -190,11 +190,13 @@ def push_seconds(s: Shape, a: Assumptions) -> Dict[str, float]:
 
 
 def push_share(s: Shape) -> float:
-    """The share of the full push's bytes a push moves: ``min(1, density × (1 + e) / e + 1 / (256 e))`` (BLOCK8 of
-    ``models/engines/weight_delta.py``: a byte per block of 256 elements, a byte of position and an ``e``-byte value
-    per changed element)."""
+    """The share of the full push's bytes a push moves: ``min(1, density × (1 + v) / e + 1 / (256 e))`` (BLOCK8 of
+    ``models/engines/weight_delta.py``: a byte per block of 256 elements and a byte of position per changed element,
+    then ``v`` bytes of value: a 2-byte engine's as STEP8 steps of its bits, one byte each, as
+    ``benchmarks/bench_delta_push.py`` measures them; a wider one's raw, ``e`` bytes)."""
     e = s.engine_bytes_per_param
-    return min(1.0, s.push_density * (1 + e) / e + 1 / (256 * e))
+    v = 1 if e == 2 else e
+    return min(1.0, s.push_density * (1 + v) / e + 1 / (256 * e))
 
 
 def checkpoint_bytes(s: Shape) -> Dict[str, float]:

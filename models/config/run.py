@@ -117,8 +117,9 @@ class RunConfig:
     weight_push: str = "delta"
     """What a resident run's push sends when the engine is a process of its own (``run.resident_layout=separate``;
     colocated engines load in process): ``delta``, per tensor only the elements whose value at the engine's dtype
-    changed since the push the engine holds (positions and values, or a bitmap, or the whole tensor where that is
-    smaller; the trainer keeps the engine's copy on its host, each rank its part), checked as a full push is; a
+    changed since the push the engine holds (their positions, or a bitmap, with their values or the steps of their
+    bits; or the whole tensor where that is smaller; the trainer keeps the engine's copy on its host, each rank its
+    part), checked as a full push is; a
     restarted or new engine gets a full push first, and one that cannot patch in place (vLLM on the CPU, engine
     replicas) full pushes only. ``full``: every push the whole policy (docs/cluster.md#running-the-resident-mode)."""
     resident_layout: str = "separate"

@@ -155,7 +155,7 @@ class VLLMEngine(SwappableEngine):
     def _patch_chunk_in_place(self, patches: Dict[str, Any]) -> None:
         shapes = self._layout.shapes
         self._llm().collective_rpc(vllm_push.patch, kwargs={"patches": {
-            name: (list(shapes[name]), indices, values) for name, (indices, values) in patches.items()}})
+            name: (list(shapes[name]), got) for name, got in patches.items()}})
 
     def _end_patch_in_place(self) -> None:
         self._copy_in(vllm_push.patched, {})

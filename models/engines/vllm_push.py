@@ -161,22 +161,26 @@ def finish(worker: Any) -> List[str]:
     return problems
 
 
-def patch(worker: Any, patches: Dict[str, Tuple[Sequence[int], Optional[torch.Tensor], torch.Tensor]]) -> None:
-    """A delta push's chunk, in place (no layerwise reload): ``{name: (shape, flat positions or None, values)}``
+def patch(worker: Any, patches: Dict[str, Tuple[Sequence[int], Any]]) -> None:
+    """A delta push's chunk, in place (no layerwise reload): ``{name: (shape, Patch)}``
+    (:class:`models.engines.weight_delta.Patch`; steps added to the elements this worker holds, :func:`held_at`)
     through vLLM's own sparse loader (``load_checkpoint_weight_patches``: the model's loaders map each checkpoint
     tensor onto its fused and tensor-parallel parameters, writing only the positions given). Needs the weights as
     loaded (a GPU's; the CPU's GEMM repacks and frees them, so a CPU engine takes full pushes only)."""
     from vllm.model_executor.model_loader.checkpoint_weight_patch import (CheckpointWeightPatch,
                                                                           load_checkpoint_weight_patches)
 
+    from models.engines.weight_delta import stepped
+
     model = worker.model_runner.get_model()
     device = next(model.parameters()).device
     chunk = []
-    for name, (shape, indices, values) in drop_pushed(patches).items():
+    for name, (shape, got) in drop_pushed(patches).items():
         n = 1
         for s in shape:
             n *= int(s)
-        at = torch.arange(n, device=device) if indices is None else indices.to(device)  # a whole tensor: every place
+        at = torch.arange(n, device=device) if got.indices is None else got.indices.to(device)  # whole: every place
+        values = got.values if got.step is None else stepped(held_at(worker, name, at, got.step), got)
         chunk.append(CheckpointWeightPatch(name, tuple(int(s) for s in shape), values.dtype,
                                            values.reshape(-1).to(device), at))
     with _config(worker):
@@ -255,25 +259,24 @@ def _where(worker: Any, metas: Dict[str, Tuple[Sequence[int], str]]) -> Dict[str
     return plan
 
 
-def index_in(flat: int, region: Region) -> Optional[Tuple[int, ...]]:
-    """The index in the view ``region`` (a box of a contiguous tensor) of the tensor's element at flat position
-    ``flat``, or None if the view does not hold it (largest stride first: the box's index is unique)."""
+def boxed(flats: torch.Tensor, region: Region) -> Tuple[torch.Tensor, torch.Tensor]:
+    """For flat positions ``flats`` (int64) of a contiguous tensor, their indices in the view ``region`` (a box of
+    it) and whether the view holds each (largest stride first: the box's index is unique): ``[n, dims]``, ``[n]``."""
     offset, shape, stride = region
-    rest = flat - offset
-    if rest < 0:
-        return None
-    index = [0] * len(shape)
+    rest = flats.to(torch.int64) - offset
+    held = rest >= 0
+    index = torch.zeros(flats.numel(), len(shape), dtype=torch.int64, device=flats.device)
     for d in sorted(range(len(shape)), key=lambda d: -stride[d]):
         if stride[d]:
-            index[d], rest = divmod(rest, stride[d])
-            if index[d] >= shape[d]:
-                return None
-    return tuple(index) if rest == 0 else None
+            index[:, d] = torch.div(rest, stride[d], rounding_mode="floor")
+            rest = rest - index[:, d] * stride[d]
+            held &= index[:, d] < shape[d]
+    return index, held & (rest == 0)
 
 
-def _at(region: Region, index: Sequence[int]) -> int:
+def _at(region: Region, index: torch.Tensor) -> torch.Tensor:
     offset, _, stride = region
-    return offset + sum(i * s for i, s in zip(index, stride))
+    return offset + (index * torch.tensor(stride, dtype=torch.int64, device=index.device)).sum(-1)
 
 
 def read_back(worker: Any, positions: Dict[str, List[int]], metas: Dict[str, Tuple[Sequence[int], str]]
@@ -281,27 +284,41 @@ def read_back(worker: Any, positions: Dict[str, List[int]], metas: Dict[str, Tup
     """The bits this worker holds at ``positions`` of each pushed tensor (``metas``: every pushed tensor's shape
     and dtype), cast to the dtype it was pushed at; None where it holds no such element."""
     plan = _where(worker, metas)
-    out: Dict[str, List[Optional[int]]] = {name: [None] * len(where) for name, where in positions.items()}
-    wanted: Dict[Tuple[int, str], list] = {}  # (layer, weight) -> [(name, i, flat position in the weight)]
-    layers: Dict[Tuple[int, str], Tuple[torch.nn.Module, Tuple[int, ...]]] = {}  # -> (layer, the weight's shape)
-    for name, where in positions.items():
-        for layer, weight, shape, written, read in plan.get(name, []):
-            layers[(id(layer), weight)] = (layer, shape)
-            for i, flat in enumerate(where):
-                index = index_in(int(flat), read)
-                if index is not None:
-                    wanted.setdefault((id(layer), weight), []).append((name, i, _at(written, index)))
+    out: Dict[str, List[Optional[int]]] = {}
     with torch.no_grad():
-        for key, items in wanted.items():
-            layer, shape = layers[key]
-            weight = key[1]
-            values = _values(layer, weight, shape, [q for _, _, q in items])
-            for (name, i, _), v in zip(items, values):
-                out[name][i] = int(bits(v.to(getattr(torch, metas[name][1])).reshape(1)).item())
+        for name, where in positions.items():
+            dtype = getattr(torch, metas[name][1])
+            got = _gathered(plan.get(name, []), torch.tensor([int(p) for p in where], dtype=torch.int64), dtype)
+            out[name] = [int(b) if h else None for b, h in zip(bits(got[0]).tolist(), got[1].tolist())]
     return out
 
 
-def _values(layer: torch.nn.Module, weight: str, shape: Tuple[int, ...], flats: List[int]) -> List[torch.Tensor]:
+def held_at(worker: Any, name: str, flats: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The elements (at ``dtype``) this worker holds at flat positions ``flats`` of pushed tensor ``name``, where the
+    last push's read-back found them (a delta follows a push read back); zeros where it holds none (another
+    tensor-parallel worker's elements, which this worker's loaders do not write)."""
+    cached = _PLANS.get(worker.model_runner.get_model())
+    if cached is None:
+        raise RuntimeError("a delta's steps need the elements the engine holds, and no push was read back from it")
+    with torch.no_grad():
+        return _gathered(cached[1].get(name, []), flats, dtype)[0]
+
+
+def _gathered(where: list, flats: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The elements at ``flats`` of a pushed tensor whose copies ``where`` lists (:func:`_where`'s), at ``dtype``, and
+    whether this worker holds each."""
+    out = torch.zeros(flats.numel(), dtype=dtype)
+    held = torch.zeros(flats.numel(), dtype=torch.bool)
+    for layer, weight, shape, written, read in where:
+        index, inside = boxed(flats.cpu(), read)
+        if not bool(inside.any()):
+            continue
+        values = _values(layer, weight, shape, _at(written, index[inside]))
+        out[inside], held[inside] = values.cpu().to(dtype), True
+    return out.to(flats.device), held.to(flats.device)
+
+
+def _values(layer: torch.nn.Module, weight: str, shape: Tuple[int, ...], flats: torch.Tensor) -> torch.Tensor:
     """Elements ``flats`` (flat positions in the weight as loaded, of ``shape``) of ``layer``'s ``weight``: from the
     weight itself, or through the layer's kernel where it was repacked and freed (a linear layer on the CPU)."""
     held = getattr(layer, weight)
@@ -310,7 +327,8 @@ def _values(layer: torch.nn.Module, weight: str, shape: Tuple[int, ...], flats: 
         n *= s
     if held.numel() == n:
         flat = held.detach().reshape(-1)
-        return list(flat[torch.tensor(flats, device=flat.device)])
+        return flat[flats.to(flat.device)]
+    flats = flats.tolist()
     method = getattr(layer, "quant_method", None)
     if weight != "weight" or len(shape) != 2 or method is None or not hasattr(method, "apply"):
         raise RuntimeError(f"{type(layer).__name__}.{weight} holds {held.numel()} elements where {n} were loaded, "
@@ -321,7 +339,7 @@ def _values(layer: torch.nn.Module, weight: str, shape: Tuple[int, ...], flats: 
     x[torch.arange(len(unique)), torch.tensor(unique)] = 1
     y = method.apply(layer, x, None)  # [k, out]: column c of W for row e_c
     at = {c: i for i, c in enumerate(unique)}
-    return [y[at[c], r] for r, c in zip(rows, cols)]
+    return torch.stack([y[at[c], r] for r, c in zip(rows, cols)]) if rows else y.new_zeros(0)
 
 
 def shared_dir() -> str:

@@ -2,7 +2,7 @@
 changed since the push the engine holds, in the encoding that is smallest for their density, exactly as the full
 push's buckets are checked (a checksum per bucket, sampled elements read back bit for bit).
 
-An element changed when its bits at the engine's dtype differ from the bits last pushed (:func:`changed_mask`:
+An element changed when its bits at the engine's dtype differ from the bits last pushed (:func:`changed`:
 bits, so ``-0.0``/``+0.0`` and NaN payloads count). A tensor of ``N`` elements, ``c`` of them changed, ``s`` bytes
 each, travels as the smallest of (:func:`choose`)::
 
@@ -15,6 +15,21 @@ each, travels as the smallest of (:func:`choose`)::
             then the values
 
 (the positions or the bitmap padded to 8 bytes, so the values stay aligned for their dtype).
+
+The values of a sparse encoding travel in one of three modes (a tensor's code is its positions' code plus the mode's,
+:data:`STEP8` or :data:`SIGN`): its raw elements (``c s`` bytes), or the steps of their bits from the bits the engine
+holds (the bits read as an integer of the element's width, the difference wrapping around): ``STEP8`` one int8 a
+step, ``SIGN`` one bit a step (LSB first: set for +1, clear for -1). An RL update moves a bfloat16 weight that
+changed by one unit in its last place almost always; the few whose step does not fit (a weight within the update of
+zero crosses it, or moves many of its tiny units) follow as exceptions, their raw values at their ordinals among the
+changed elements::
+
+    steps (STEP8: c bytes, -128 marks an exception; SIGN: ceil(c / 8)) | pad to 8 | E (int64) |
+    E int32 ordinals | pad to 8 | E values
+
+so a delta's values take an eighth of their raw bytes or a half. The engine adds the steps to what it holds
+(:func:`stepped`), and the push's samples, read back bit for bit among the changed elements, catch a step applied
+onto anything but the push the delta was made against.
 
 A bucket (the tensors :func:`~models.engines.weight_stream.plan_push` put in it, in that order), of a length the
 sender learns only once it has the tensors (the receiver reads it first: the channel sends it ahead, an HTTP body
@@ -35,6 +50,9 @@ from models.engines.weight_stream import (ALIGN, PushError, Samples, _dtype, _nu
 
 FULL, IDX32, IDX64, BITMAP, BLOCK8 = 0, 1, 2, 3, 4
 NAMES = {FULL: "full", IDX32: "idx32", IDX64: "idx64", BITMAP: "bitmap", BLOCK8: "block8"}
+RAW, STEP8, SIGN = 0, 16, 32
+"""The values' modes (added to a positions' code): raw elements, int8 steps of their bits, or one bit a ±1 step."""
+_POSITIONS = 15
 BLOCK, _SHIFT = 256, 8
 """Elements of a BLOCK8 block (``1 << _SHIFT``): a position within one is a byte."""
 _FIELDS = 5
@@ -45,36 +63,104 @@ INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 class Patch(NamedTuple):
     """What a delta push gives one tensor: ``values`` at flat ``indices`` (int64, ascending), or with ``indices``
-    None the whole tensor (``values`` shaped as it)."""
+    None the whole tensor (``values`` shaped as it). With ``step`` (the pushed dtype), ``values`` are int8 steps of
+    the bits held at ``indices`` and ``exact`` the exceptions (their ordinals among ``indices``, their values):
+    :func:`stepped` gives the new values."""
 
     indices: Optional[torch.Tensor]
     values: torch.Tensor
+    step: Optional[torch.dtype] = None
+    exact: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
 
-def changed_mask(new: torch.Tensor, old: Optional[torch.Tensor]) -> torch.Tensor:
-    """Flat bool mask of the elements of ``new`` whose bits differ from ``old`` (all of them without ``old``, or
-    where the shapes or dtypes differ)."""
+def _wrap(raw: torch.Tensor, width: int) -> torch.Tensor:
+    """``raw`` (int32 or int64, at least ``width`` + 1 bits) wrapped into a signed integer of ``width`` bits."""
+    return ((raw + (1 << (width - 1))) & ((1 << width) - 1)) - (1 << (width - 1))
+
+
+_WIDER = {2: torch.int32, 4: torch.int64}
+
+
+def steps_of(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """int8 steps from ``old``'s bits to ``new``'s (same dtype, element sizes 2 or 4), wrapping at their width; -128
+    where the step is outside -127..127."""
+    as_int, wider = INT_OF[new.element_size()], _WIDER[new.element_size()]
+    raw = _wrap(new.reshape(-1).view(as_int).to(wider) - old.reshape(-1).view(as_int).to(wider), 8 * new.element_size())
+    return torch.where(raw.abs() <= 127, raw, -128).to(torch.int8)
+
+
+def exceptions(mode: int, steps: torch.Tensor) -> torch.Tensor:
+    """Which of ``steps`` (:func:`steps_of`'s) ``mode`` cannot carry (bool)."""
+    return steps == -128 if mode == STEP8 else (steps != 1) & (steps != -1)
+
+
+def step_mode(count: int, sign_exceptions: int, step8_exceptions: int, itemsize: int) -> int:
+    """The values' mode with the fewest bytes for ``count`` changed elements whose steps leave that many exceptions to
+    SIGN and to STEP8 (:func:`exceptions`): SIGN, STEP8 or RAW."""
+    return min((RAW, SIGN, STEP8), key=lambda m: _values_bytes(m, count, itemsize,
+                                                               {RAW: 0, SIGN: sign_exceptions,
+                                                                STEP8: step8_exceptions}[m]))
+
+
+def exceptions_of(steps: Optional[torch.Tensor]) -> Tuple[int, int]:
+    """How many of ``steps`` SIGN and STEP8 cannot carry ((0, 0) without steps)."""
+    if steps is None:
+        return 0, 0
+    return int(exceptions(SIGN, steps).sum()), int(exceptions(STEP8, steps).sum())
+
+
+def mode_of(steps: Optional[torch.Tensor], itemsize: int) -> Tuple[int, int]:
+    """:func:`step_mode` of one tensor's ``steps`` (None: RAW) and the exceptions it leaves."""
+    if steps is None:
+        return RAW, 0
+    sign, step8 = exceptions_of(steps)
+    mode = step_mode(steps.numel(), sign, step8, itemsize)
+    return mode, {RAW: 0, SIGN: sign, STEP8: step8}[mode]
+
+
+def stepped(held: torch.Tensor, patch: Patch) -> torch.Tensor:
+    """The new values of a patch of steps (``patch.step``): the steps added to the bits ``held`` at its positions (the
+    engine's elements there, of the pushed dtype), wrapping as :func:`steps_of` did, and the exceptions' values; the
+    patch's own values otherwise."""
+    if patch.step is None:
+        return patch.values
+    if held.dtype != patch.step:
+        raise PushError(f"a delta's steps were taken at {patch.step}, but the engine holds {held.dtype}")
+    as_int, wider = INT_OF[held.element_size()], _WIDER[held.element_size()]
+    raw = held.reshape(-1).view(as_int).to(wider) + patch.values.to(held.device, wider)
+    out = _wrap(raw, 8 * held.element_size()).to(as_int).view(held.dtype)
+    ordinals, values = patch.exact
+    out[ordinals.to(out.device)] = values.to(out.device)
+    return out
+
+
+def changed(new: torch.Tensor, old: Optional[torch.Tensor]) -> torch.Tensor:
+    """Flat positions (int64, ascending) of the elements of ``new`` whose bits differ from ``old``'s (all of them
+    without ``old``, or where the shapes or dtypes differ); numpy's compare and scan on the CPU (a half and a third of
+    torch's time on one core)."""
     if old is None or old.shape != new.shape or old.dtype != new.dtype:
-        return torch.ones(new.numel(), dtype=torch.bool, device=new.device)
-    if new.dtype == torch.bool:
-        return new.reshape(-1) != old.reshape(-1)
-    as_int = INT_OF[new.element_size()]
-    new, old = new.reshape(-1).view(as_int), old.reshape(-1).view(as_int)
-    if new.device.type == "cpu":  # numpy's compare takes half torch's time on one core
-        return torch.from_numpy(new.numpy() != old.numpy())
-    return new != old
+        return torch.arange(new.numel(), device=new.device)
+    if new.dtype != torch.bool:
+        as_int = INT_OF[new.element_size()]
+        new, old = new.reshape(-1).view(as_int), old.reshape(-1).view(as_int)
+    if new.device.type != "cpu":
+        return (new.reshape(-1) != old.reshape(-1)).nonzero().reshape(-1)
+    out = np.flatnonzero(new.reshape(-1).numpy() != old.reshape(-1).numpy())
+    return torch.from_numpy(out) if out.size else torch.zeros(0, dtype=torch.int64)  # (numpy's empty: stride 0)
 
 
-def positions_of(mask: torch.Tensor) -> torch.Tensor:
-    """The flat positions (int64, ascending) where ``mask`` is set (numpy's on the CPU: a third of torch's time)."""
-    if mask.device.type == "cpu":
-        return torch.from_numpy(np.flatnonzero(mask.numpy()))
-    return mask.nonzero().reshape(-1)
+def nbytes(code: int, numel: int, count: int, itemsize: int, exact: int = 0) -> int:
+    """Payload bytes of a tensor of ``numel`` elements (``itemsize`` each), ``count`` of them changed, as ``code``
+    (``exact``: the exceptions of a mode of steps)."""
+    if code == FULL:
+        return numel * itemsize
+    return _head(code & _POSITIONS, numel, count) + _values_bytes(code & ~_POSITIONS, count, itemsize, exact)
 
 
-def nbytes(code: int, numel: int, count: int, itemsize: int) -> int:
-    """Payload bytes of a tensor of ``numel`` elements (``itemsize`` each), ``count`` of them changed, as ``code``."""
-    return _head(code, numel, count) + (numel if code == FULL else count) * itemsize
+def _values_bytes(mode: int, count: int, itemsize: int, exact: int) -> int:
+    if mode == RAW:
+        return count * itemsize
+    return _up(count if mode == STEP8 else -(-count // 8), 8) + 8 + _up(4 * exact, 8) + exact * itemsize
 
 
 def _head(code: int, numel: int, count: int) -> int:
@@ -83,18 +169,22 @@ def _head(code: int, numel: int, count: int) -> int:
                 BLOCK8: -(-numel // BLOCK) + count}[code], 8)
 
 
-def choose(numel: int, count: int, itemsize: int, block8: bool = True, full: bool = True) -> int:
+def choose(numel: int, count: int, itemsize: int, block8: bool = True, full: bool = True, mode: int = RAW,
+           exact: int = 0) -> int:
     """The encoding with the fewest bytes (ties: the first of FULL, IDX32, IDX64, BITMAP, BLOCK8); ``block8``: BLOCK8
-    may carry them (no block of 256 has all its elements changed); ``full``: FULL may."""
-    codes = ([FULL] * full + [IDX32] * (numel < (1 << 31)) + [IDX64, BITMAP] + [BLOCK8] * block8)
-    return min(codes, key=lambda c: nbytes(c, numel, count, itemsize))
+    may carry them (no block of 256 has all its elements changed); ``full``: FULL may; ``mode``: the values' mode
+    (:func:`step_mode`), with ``exact`` exceptions."""
+    codes = ([FULL] * full + [c | mode for c in [IDX32] * (numel < (1 << 31)) + [IDX64, BITMAP] + [BLOCK8] * block8])
+    return min(codes, key=lambda c: nbytes(c, numel, count, itemsize, exact))
 
 
-def sparse_code(numel: int, indices: torch.Tensor, itemsize: int, full: bool = True) -> int:
+def sparse_code(numel: int, indices: torch.Tensor, itemsize: int, full: bool = True, mode: int = RAW,
+                exact: int = 0) -> int:
     """Once the changed positions are known (ascending): the smallest encoding that can carry them (``full``: FULL
     among them, where the sender has the whole tensor)."""
     counts = torch.bincount(indices >> _SHIFT) if indices.numel() else indices
-    return choose(numel, indices.numel(), itemsize, not counts.numel() or int(counts.max()) < BLOCK, full)
+    return choose(numel, indices.numel(), itemsize, not counts.numel() or int(counts.max()) < BLOCK, full, mode,
+                  exact)
 
 
 def _pack_bits(indices: torch.Tensor, numel: int) -> torch.Tensor:
@@ -110,10 +200,20 @@ def _unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return mask.reshape(-1)[:numel].nonzero().reshape(-1)  # [c] int64, ascending
 
 
-def encode(code: int, numel: int, indices: Optional[torch.Tensor], values: torch.Tensor) -> torch.Tensor:
+def encode(code: int, numel: int, indices: Optional[torch.Tensor], values: torch.Tensor,
+           steps: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The payload (uint8, on the CPU): ``values`` the whole tensor for FULL, else the changed elements' values at
-    ``indices`` (int64, ascending)."""
+    ``indices`` (int64, ascending), for STEP8 and SIGN with their ``steps`` (:func:`steps_of`)."""
+    mode, code = code & ~_POSITIONS, code & _POSITIONS
     raw = values.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
+    if mode != RAW:
+        steps = steps.cpu()
+        ordinals = exceptions(mode, steps).nonzero().reshape(-1)  # [E]
+        carried = steps.view(torch.uint8) if mode == STEP8 else _pack_bits((steps > 0).nonzero().reshape(-1),
+                                                                           steps.numel())
+        parts = [carried, torch.tensor([ordinals.numel()], dtype=torch.int64).view(torch.uint8),
+                 ordinals.to(torch.int32).view(torch.uint8), raw.view(values.dtype)[ordinals].view(torch.uint8)]
+        raw = torch.cat([_padded(parts[0]), parts[1], _padded(parts[2]), parts[3]])
     if code == FULL:
         return raw
     if code == BITMAP:
@@ -124,8 +224,12 @@ def encode(code: int, numel: int, indices: Optional[torch.Tensor], values: torch
         head = torch.cat([counts, (indices & (BLOCK - 1)).to(torch.uint8)])
     else:
         head = indices.cpu().to(torch.int32 if code == IDX32 else torch.int64).view(torch.uint8)
-    pad = torch.zeros(_head(code, numel, indices.numel()) - head.numel(), dtype=torch.uint8)
-    return torch.cat([head, pad, raw])
+    return torch.cat([_padded(head), raw])
+
+
+def _padded(t: torch.Tensor) -> torch.Tensor:
+    """uint8 ``t`` padded with zeros to a multiple of 8 bytes."""
+    return torch.cat([t.reshape(-1), torch.zeros(_up(t.numel(), 8) - t.numel(), dtype=torch.uint8)])
 
 
 def decode(code: int, payload: torch.Tensor, shape, dtype: torch.dtype, count: int) -> Patch:
@@ -133,8 +237,9 @@ def decode(code: int, payload: torch.Tensor, shape, dtype: torch.dtype, count: i
     numel = _numel(shape)
     if code == FULL:
         return Patch(None, payload.view(dtype).view(list(shape)))
+    mode, code = code & ~_POSITIONS, code & _POSITIONS
     head = _head(code, numel, count)
-    values = payload[head:].view(dtype)
+    values, exact = (payload[head:].view(dtype), None) if mode == RAW else _steps(mode, payload[head:], count, dtype)
     if code == BITMAP:
         indices = _unpack_bits(payload[:-(-numel // 8)], numel)
     elif code == BLOCK8:
@@ -150,7 +255,27 @@ def decode(code: int, payload: torch.Tensor, shape, dtype: torch.dtype, count: i
                         f"values")
     if count and (int(indices.max()) >= numel or int(indices.min()) < 0):
         raise PushError(f"a delta names positions outside its tensor of {numel} elements")
-    return Patch(indices, values)
+    return Patch(indices, values, None if mode == RAW else dtype, exact)
+
+
+def _steps(mode: int, payload: torch.Tensor, count: int, dtype: torch.dtype):
+    """The steps (int8) and the exceptions of a values' section in ``mode`` (see the module's docstring)."""
+    carried = _up(count if mode == STEP8 else -(-count // 8), 8)
+    if payload.numel() < carried + 8:
+        raise PushError(f"a delta's steps of {count} elements arrive in {payload.numel()} bytes")
+    if mode == STEP8:
+        steps = payload[:count].view(torch.int8)
+    else:
+        steps = torch.full((count,), -1, dtype=torch.int8, device=payload.device)
+        steps[_unpack_bits(payload[:carried], count)] = 1
+    n = int(payload[carried:carried + 8].view(torch.int64).item())
+    at = carried + 8
+    ordinals = payload[at:at + 4 * n].view(torch.int32).to(torch.int64)
+    at = _up(at + 4 * n, 8)
+    values = payload[at:].view(dtype)
+    if n < 0 or ordinals.numel() != n or values.numel() != n or (n and int(ordinals.max()) >= count):
+        raise PushError(f"a delta's {n} exceptions among {count} steps do not decode")
+    return steps, (ordinals, values)
 
 
 class Delta(NamedTuple):

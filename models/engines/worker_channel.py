@@ -212,8 +212,7 @@ def load(worker: Any, n: int) -> Dict[str, Any]:
             if delta:
                 patches, got = open_delta(header, index, payload)[:2]
                 shapes = {e[0]: e[2] for e in header["tensors"]}
-                vllm_push.patch(worker, {name: (shapes[name], indices, values)
-                                         for name, (indices, values) in patches.items()})
+                vllm_push.patch(worker, {name: (shapes[name], p) for name, p in patches.items()})
             else:
                 tensors, got = unpack(header, index, payload.to(member.device), member.share)
                 vllm_push.chunk(worker, tensors)

@@ -4,9 +4,10 @@ on the host, so a push can send only what changed since.
 
 :meth:`Shadow.deltas` casts each rank's part to the engine's dtype, compares its bits with the part kept, keeps the
 new part and gives rank 0 each tensor's :class:`~models.engines.weight_delta.Delta`: every rank counts its changed
-elements, all learn the total (so all pick the same encoding, :func:`~models.engines.weight_delta.choose`), and
-rank 0 gathers only the changed elements (their flat positions in the whole tensor and values), or the whole tensor
-where that is smaller. The samples read back after the push are drawn alike on every rank (a generator seeded by
+elements and the steps of their bits (:func:`~models.engines.weight_delta.step_mode`), all learn the total and the
+mode all steps allow (so all pick the same encoding, :func:`~models.engines.weight_delta.choose`), and rank 0 gathers
+only the changed elements (their flat positions in the whole tensor, values and steps), or the whole tensor where
+that is smaller. The samples read back after the push are drawn alike on every rank (a generator seeded by
 the push and the tensor): :data:`~models.engines.weight_stream.SAMPLES` positions anywhere (their bits summed to
 rank 0 from the one rank holding each) and as many among the changed elements, so a lost or misplaced delta is
 caught where a sample of the whole tensor would rarely land.
@@ -20,7 +21,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from models.engines.weight_delta import FULL, Delta, changed_mask, choose, encode, positions_of, sparse_code
+from models.engines.weight_delta import (FULL, RAW, SIGN, STEP8, Delta, changed, choose, encode, exceptions_of,
+                                         mode_of, sparse_code, step_mode, steps_of)
 from models.engines.weight_stream import SAMPLES, bits
 from models.training.weight_source import WeightSource
 
@@ -50,12 +52,15 @@ class Shadow:
             whole = not hasattr(t, "to_local") or _replicated(t)
             local = t.detach().to_local() if hasattr(t, "to_local") else t.detach()
             new = _host_copy(local if cast is None else local.to(cast), local)
-            mask = changed_mask(new, self.tensors.get(name))
+            old = self.tensors.get(name)
+            indices = changed(new, old)  # [c] ascending
             self.tensors[name] = new
+            old = old if cast is not None and new.element_size() in (2, 4) and \
+                old is not None and old.shape == new.shape and old.dtype == new.dtype else None  # steps from it
             if whole:
-                yield name, _whole_delta(new, mask, gen) if source.info.is_main else None
+                yield name, _whole_delta(new, old, indices, gen) if source.info.is_main else None
             else:
-                yield name, _sharded_delta(t, new, mask, gen, source, cast)
+                yield name, _sharded_delta(t, new, old, indices, gen, source, cast)
 
 
 def _host_copy(t: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
@@ -89,30 +94,43 @@ def _sample_table(positions: torch.Tensor, values_bits: torch.Tensor) -> torch.T
     return torch.stack([positions[keep], values_bits[keep]])
 
 
-def _whole_delta(new: torch.Tensor, mask: torch.Tensor, gen: torch.Generator) -> Delta:
+def _steps(new: torch.Tensor, old: Optional[torch.Tensor], indices: torch.Tensor) -> Optional[torch.Tensor]:
+    """The steps of the changed elements' bits (:func:`~models.engines.weight_delta.steps_of`; None without
+    ``old``)."""
+    return None if old is None else steps_of(new.reshape(-1)[indices], old.reshape(-1)[indices])  # [c] int8
+
+
+def _whole_delta(new: torch.Tensor, old: Optional[torch.Tensor], indices: torch.Tensor, gen: torch.Generator
+                 ) -> Delta:
     flat, numel = new.reshape(-1), new.numel()
-    indices = positions_of(mask)  # [c] ascending
-    code = sparse_code(numel, indices, new.element_size())
-    payload = encode(code, numel, indices, flat if code == FULL else flat[indices])
+    steps = _steps(new, old, indices)
+    mode, exact = mode_of(steps, new.element_size())
+    code = sparse_code(numel, indices, new.element_size(), mode=mode, exact=exact)
+    payload = encode(code, numel, indices, flat if code == FULL else flat[indices], steps)
     at = torch.cat([_positions(gen, numel), _among(gen, indices)])
     return Delta(code, indices.numel(), payload, _sample_table(at, bits(flat[at])))
 
 
-def _sharded_delta(t, new: torch.Tensor, mask: torch.Tensor, gen: torch.Generator, source: WeightSource,
-                   cast: Optional[torch.dtype]) -> Optional[Delta]:
-    """A tensor FSDP2 shards along dim 0 (``ceil(rows / ranks)`` rows a rank): counts all-gathered, the changed
-    elements (or, smaller, the whole tensor) gathered to rank 0, the samples anywhere summed to it."""
+def _sharded_delta(t, new: torch.Tensor, old: Optional[torch.Tensor], local_idx: torch.Tensor, gen: torch.Generator,
+                   source: WeightSource, cast: Optional[torch.dtype]) -> Optional[Delta]:
+    """A tensor FSDP2 shards along dim 0 (``ceil(rows / ranks)`` rows a rank): counts and the steps' modes
+    all-gathered, the changed elements (or, smaller, the whole tensor) gathered to rank 0, the samples anywhere
+    summed to it."""
     from models.training.weight_shards import gather_to
 
     info, device = source.info, source.info.device
     numel, rows = t.numel(), t.shape[0]
     row = numel // rows if rows else 0
     start = min(info.rank * math.ceil(rows / info.world_size), rows) * row  # my first element's flat position
-    local_idx = positions_of(mask)
-    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(info.world_size)]
-    dist.all_gather(counts, torch.tensor([local_idx.numel()], dtype=torch.int64, device=device))
-    counts_list = [int(c.item()) for c in counts]
-    code = choose(numel, sum(counts_list), new.element_size())
+    steps = _steps(new, old, local_idx)
+    mine = [local_idx.numel(), *exceptions_of(steps), int(steps is None)]
+    counts = [torch.zeros(4, dtype=torch.int64, device=device) for _ in range(info.world_size)]
+    dist.all_gather(counts, torch.tensor(mine, dtype=torch.int64, device=device))
+    counts_list = [int(c[0].item()) for c in counts]
+    total = torch.stack(counts).sum(dim=0).tolist()  # changed, SIGN's and STEP8's exceptions, ranks without steps
+    mode = RAW if total[3] else step_mode(total[0], total[1], total[2], new.element_size())
+    exact = {RAW: 0, SIGN: total[1], STEP8: total[2]}[mode]
+    code = choose(numel, sum(counts_list), new.element_size(), mode=mode, exact=exact)
     anywhere = _positions(gen, numel)
     mine = (anywhere >= start) & (anywhere < start + new.numel())
     held = torch.where(mine, bits(new.reshape(-1)[(anywhere - start).clamp(0, max(new.numel() - 1, 0))])
@@ -125,29 +143,29 @@ def _sharded_delta(t, new: torch.Tensor, mask: torch.Tensor, gen: torch.Generato
         flat = whole.reshape(-1)
         return Delta(code, sum(counts_list), encode(FULL, numel, None, flat),
                      _sample_table(anywhere, held.cpu()))
-    indices, values = _gather_changed(local_idx + start, new.reshape(-1)[local_idx], counts_list, info)
-    if indices is None:
+    parts = [local_idx + start, new.reshape(-1)[local_idx]] + ([steps] if mode != RAW else [])
+    gathered = _gather_changed(parts, counts_list, info)
+    if gathered is None:
         return None
-    code = sparse_code(numel, indices, new.element_size(), full=False)  # rank 0's pick among the sparse ones
+    indices, values, *rest = gathered
+    code = sparse_code(numel, indices, new.element_size(), full=False, mode=mode, exact=exact)  # among sparse ones
     at = _among(gen, indices)
     table = torch.cat([torch.stack([anywhere, held.cpu()]),
                        torch.stack([at, bits(values[torch.searchsorted(indices, at)])])], dim=1)
-    return Delta(code, indices.numel(), encode(code, numel, indices, values), _sample_table(table[0], table[1]))
+    return Delta(code, indices.numel(), encode(code, numel, indices, values, *rest),
+                 _sample_table(table[0], table[1]))
 
 
-def _gather_changed(indices: torch.Tensor, values: torch.Tensor, counts: List[int], info
-                    ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Every rank's changed positions and values, in rank order (ascending), on rank 0 (padded to the largest
-    count for the gather); None on the others."""
-    most, device, size = max(counts), info.device, values.element_size()
-    pad_i = torch.zeros(most, dtype=torch.int64, device=device)
-    pad_v = torch.zeros(most * size, dtype=torch.uint8, device=device)  # as bytes: every backend gathers those
-    pad_i[:indices.numel()], pad_v[:values.numel() * size] = indices.to(device), values.view(torch.uint8).to(device)
-    parts_i = [torch.empty_like(pad_i) for _ in counts] if info.is_main else None
-    parts_v = [torch.empty_like(pad_v) for _ in counts] if info.is_main else None
-    dist.gather(pad_i, parts_i, dst=0)
-    dist.gather(pad_v, parts_v, dst=0)
-    if not info.is_main:
-        return None, None
-    return (torch.cat([p[:c].cpu() for p, c in zip(parts_i, counts)]),
-            torch.cat([p[:c * size].cpu() for p, c in zip(parts_v, counts)]).view(values.dtype))
+def _gather_changed(parts: List[torch.Tensor], counts: List[int], info) -> Optional[List[torch.Tensor]]:
+    """Every rank's ``parts`` (its changed elements' positions, values, steps: one element each), in rank order
+    (ascending), on rank 0 (as bytes, padded to the largest count for the gather); None on the others."""
+    most, device, out = max(counts), info.device, []
+    for part in parts:
+        size = part.element_size()
+        pad = torch.zeros(most * size, dtype=torch.uint8, device=device)  # as bytes: every backend gathers those
+        pad[:part.numel() * size] = part.contiguous().view(torch.uint8).to(device)
+        got = [torch.empty_like(pad) for _ in counts] if info.is_main else None
+        dist.gather(pad, got, dst=0)
+        if info.is_main:
+            out.append(torch.cat([p[:c * size].cpu() for p, c in zip(got, counts)]).view(part.dtype))
+    return out if info.is_main else None

@@ -2,8 +2,9 @@
 (an engine service of its own, the HF engine), once with ``run.weight_push=full`` and once with ``delta``, 3
 iterations: iteration 2 samples from the weights of the second push, a delta. Both give the same per-iteration
 rewards and the same committed weights, bit for bit, in bfloat16 on both sides (where a policy's small steps leave
-most elements unchanged at the engine's dtype: the deltas send only what changed) and in float32 (where AdamW moves
-nearly every element it has a gradient for: the rows of tokens never sampled stay, the rest go whole)."""
+most elements unchanged at the engine's dtype: the deltas send only what changed, as the steps of their bits) and
+in float32 (where AdamW moves nearly every element it has a gradient for: the rows of tokens never sampled stay, the
+rest go whole)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,6 @@ def test_delta_pushes_give_the_full_pushes_run_bit_for_bit(dtype, tmp_path):
     if dtype == "bfloat16":
         assert max(delta["resident/push_density"][1:]) < 0.5
         assert all(d < f / 2 for d, f in zip(delta["resident/weights_bytes"][1:], full["resident/weights_bytes"][1:]))
+        # fewer bytes than the changed elements' values alone: their steps travel (a bit or a byte each), not them
+        assert all(d < p * f for d, f, p in zip(delta["resident/weights_bytes"][1:], full["resident/weights_bytes"][1:],
+                                                 delta["resident/push_density"][1:]))

@@ -54,6 +54,7 @@ def _assert_each_worker_holds_its_slices(engine, ckpt: str) -> None:
     o_proj (split by columns) from one."""
     import torch
 
+    from models.engines import vllm_push
     from models.engines.weight_stream import bits
 
     state = engine._layout.fit(sent_state(ckpt)[0])
@@ -63,6 +64,13 @@ def _assert_each_worker_holds_its_slices(engine, ckpt: str) -> None:
         flat = t.reshape(-1)
         assert [set(v) for v in held[name]] == [{int(bits(flat[p:p + 1]))} for p in where[name]], name
     copies = {name: [len(v) for v in values] for name, values in held.items()}
+    # what a delta's steps are added to (a GPU's patch): the same elements, gathered at once, zero where not held
+    for name in ("model.norm.weight", "model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight"):
+        flat = state[name].reshape(-1)
+        got = engine._llm().collective_rpc(vllm_push.held_at, args=(name, torch.tensor(where[name]), torch.float32))
+        for i, p in enumerate(where[name]):
+            want = int(bits(flat[p:p + 1]))
+            assert {int(bits(w[i:i + 1])) for w in got} - {0} == ({want} if want else set()), (name, p)
     assert copies["model.norm.weight"] == [2, 2]  # replicated
     assert copies["model.layers.0.self_attn.q_proj.weight"] == [1, 1]  # first row on worker 0, last on worker 1
     assert copies["model.layers.0.self_attn.o_proj.weight"] == [1, 1]

@@ -125,8 +125,9 @@ def test_the_push_by_hand_and_on_the_critical_path():
     tp2 = replace(TINY, save_interval=3, rollout_gpus=2, critic_gpus=4)
     assert push_seconds(tp2, SLOW) == pytest.approx({"gather": 1.5, "broadcast": 2.0, "load": 0.0})
     assert push_seconds(TINY, SLOW)["load"] == 0  # one engine GPU: in place
-    # a delta push at density 0.1: 0.1 × (1 + 2) / 2 + 1 / 512 of the bytes, every step that share of the full one's
-    share = 0.15 + 1 / 512
+    # a delta push at density 0.1: 0.1 × (1 + 1) / 2 + 1 / 512 of the bytes (a byte of position and one of step per
+    # change in bfloat16), every step that share of the full one's
+    share = 0.1 + 1 / 512
     delta = push_seconds(replace(tp2, push_density=0.1), SLOW)
     assert delta == pytest.approx({"gather": 1.5 * share, "broadcast": 2.0 * share, "load": 0.0})
     p = breakdown(tp2, SLOW, "resident")

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from models.engines import weight_channel
+from models.engines.weight_delta import stepped
 from models.engines.weight_stream import bits
 from models.hosts.transports import CollectiveTransport, HTTPTransport
 from models.service.client import ServiceClient, ServiceError
@@ -58,13 +59,14 @@ class DictEngine:
 
     def patch_chunk(self, patches):
         self.chunks.append(list(patches))
-        for name, (indices, values) in patches.items():
+        for name, patch in patches.items():
             if name == self.drop or self.stale:
                 continue
-            if indices is None:
-                self.state[name] = values.to(self.state[name].dtype).clone()
+            if patch.indices is None:
+                self.state[name] = patch.values.to(self.state[name].dtype).clone()
             else:
-                self.state[name].view(-1)[indices] = values.to(self.state[name].dtype)
+                flat = self.state[name].view(-1)
+                flat[patch.indices] = stepped(flat[patch.indices], patch)
 
     def end_patch(self):
         pass

@@ -1,7 +1,9 @@
 """The engine's copy kept per rank (models/training/weight_shadow.py) under FSDP2 on two gloo ranks: after a full
 push fills it, a few elements changed on each rank travel as a delta whose positions, applied onto the old whole
 tensor, give the new whole tensor (gathered the plain way) bit for bit, with samples that hold its bits; one rank
-alone (no FSDP2) the same against the tensor itself."""
+alone (no FSDP2) the same against the tensor itself. Elements moved by one or a few units in bfloat16's last place
+travel as steps of their bits (one bit or one byte each), added onto the old tensor, the few moved further as
+exceptions (their values); a few elements changed travel as their values."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from models.engines.weight_delta import decode
+from models.engines.weight_delta import FULL, RAW, SIGN, STEP8, decode, stepped
 from models.engines.weight_stream import bits
 from models.training.distributed import DistInfo
 from models.training.weight_shadow import Shadow
@@ -31,29 +33,41 @@ def _whole(source: WeightSource) -> dict:
     return {n: t for n, t in source.gathered(torch.device("cpu"), BF16)}
 
 
-def _check(old: dict, new: dict, deltas: list, changed: int) -> None:
+def _check(old: dict, new: dict, deltas: list, changed: int, mode: int = RAW) -> None:
     assert sum(d.changed for _, d in deltas) == changed
+    sparse = [d.code for _, d in deltas if d.code != FULL]  # (a tensor of a few elements travels whole)
+    assert sparse and all(code & ~15 == mode for code in sparse), sparse
     for name, d in deltas:
         rebuilt = old[name].clone().reshape(-1)
         patch = decode(d.code, d.payload, list(new[name].shape), BF16, d.changed)
         if patch.indices is None:
             rebuilt = patch.values.reshape(-1)
         else:
-            rebuilt[patch.indices] = patch.values
+            rebuilt[patch.indices] = stepped(rebuilt[patch.indices], patch)
         assert torch.equal(bits(rebuilt), bits(new[name])), name
         positions, sampled = d.samples
         assert torch.equal(sampled, bits(new[name].reshape(-1)[positions])), name
 
 
-def _bump(model: torch.nn.Module) -> int:
-    """Add 1 to the first element each rank holds of every parameter; the count changed."""
+def _bump(model: torch.nn.Module, ulps: int = 0) -> int:
+    """Add 1 to the first element each rank holds of every parameter (``ulps``: move every element by that many
+    bfloat16 values up, the first by 1 more: an exception to the steps); the count changed."""
     n = 0
     with torch.no_grad():
         for p in model.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            if local.numel():
-                local.view(-1)[0] += 1.0
+            local = (p.to_local() if hasattr(p, "to_local") else p).view(-1)
+            if not local.numel():
+                continue
+            if not ulps:
+                local[0] += 1.0
                 n += 1
+                continue
+            x = local.to(BF16)
+            for _ in range(ulps):
+                x = torch.nextafter(x, torch.full_like(x, float("inf")))
+            local.copy_(x.float())
+            local[0] += 1.0
+            n += local.numel()
     return n
 
 
@@ -67,12 +81,12 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         fully_shard(model)
         source, shadow = WeightSource(model, info, prefix=""), Shadow()
         old = _whole(source.keeping(shadow.keep))  # a full push, kept per rank
-        bumped = torch.tensor([_bump(model)])
+        bumped = torch.tensor([_bump(model, ulps=1)])
         dist.all_reduce(bumped)
         deltas = list(shadow.deltas(source, BF16, push=5))
         new = _whole(source)
         if info.is_main:
-            _check(old, new, deltas, int(bumped))
+            _check(old, new, deltas, int(bumped), SIGN)  # every rank's steps +1 (one bit each) but its first
             assert all(d is not None for _, d in deltas)
         else:
             assert all(d is None for _, d in deltas)
@@ -87,9 +101,10 @@ def test_a_delta_from_two_fsdp2_ranks_rebuilds_the_whole_tensor(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ok0", "ok1"]
 
 
-def test_a_delta_from_one_rank_rebuilds_the_tensor():
+@pytest.mark.parametrize("ulps,mode", [(0, RAW), (1, SIGN), (3, STEP8)])
+def test_a_delta_from_one_rank_rebuilds_the_tensor(ulps, mode):
     model = _model()
     source, shadow = WeightSource(model, DistInfo(0, 1, 0, torch.device("cpu")), prefix=""), Shadow()
     old = _whole(source.keeping(shadow.keep))
-    changed = _bump(model)
-    _check(old, _whole(source), list(shadow.deltas(source, BF16, push=1)), changed)
+    changed = _bump(model, ulps)
+    _check(old, _whole(source), list(shadow.deltas(source, BF16, push=1)), changed, mode)
