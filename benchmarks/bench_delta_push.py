@@ -9,11 +9,12 @@ vocabulary 151,936, tied head) with random weights at ``--layers`` of its 28 lay
 AdamW's state), on ``--ranks`` FSDP2 ranks over gloo (2, as the project's actor trains here: each rank casts and
 compares its own rows, rank 0 gathers and sends; 1: one process holds it all); the engine, the HF engine at
 ``--dtype`` started from the same weights, runs in a child process behind the engine service's push ops
-(``benchmarks/bench_weight_push.py``'s), over the collective transport (gloo). Each update is an AdamW step at ``--lr`` on a GRPO-shaped loss, ``-mean(adv * log p(token))`` over 4 random
-sequences of 64 tokens with advantages of ±1 (no rollout: the gradient's shape, not its content, sets which
-bfloat16 values move), then the same weights pushed twice: as a delta against the push the engine holds, then whole.
-Per update: the density, the delta's bytes and seconds over the full push's (the sender's wall time, the engine's
-receive, load and read-back included). Goals (#48): ≤ 0.05 of the bytes, ≤ 0.2 of the seconds.
+(``benchmarks/bench_weight_push.py``'s), over the collective transport (gloo). Each update is an AdamW step at
+``--lr`` on a GRPO-shaped loss, ``-mean(adv * log p(token))`` over 4 random sequences of 64 tokens with
+advantages of ±1 (no rollout: the gradient's shape, not its content, sets which bfloat16 values move), then the
+same weights pushed twice: as a delta against the push the engine holds, then whole. Per update: the density, the
+delta's bytes and seconds over the full push's (the sender's wall time, the engine's receive, load and read-back
+included). Goals (#48): ≤ 0.05 of the bytes, ≤ 0.2 of the seconds.
 """
 
 from __future__ import annotations
@@ -135,7 +136,11 @@ def trainer(rank: int, world: int, port: int, args, folder: str, out: str) -> No
             if rank == 0:
                 rows.append({"density": delta["resident/push_density"], "delta_bytes": delta["resident/weights_bytes"],
                              "full_bytes": full["resident/weights_bytes"], "delta_s": delta["seconds"],
-                             "full_s": full["seconds"], "params": full["resident/weights_params"]})
+                             "full_s": full["seconds"], "params": full["resident/weights_params"],
+                             "delta_engine_s": delta.get("time/weights_receive_s", 0.0) +
+                             delta.get("time/weights_read_back_s", 0.0),
+                             "full_engine_s": full.get("time/weights_receive_s", 0.0) +
+                             full.get("time/weights_read_back_s", 0.0)})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     finally:
         transport.close()
