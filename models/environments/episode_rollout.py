@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from models.environments.episodes import Episode, EpisodeLimits, run_episodes
+from models.environments.episode_loop import EpisodeLoop, Group
+from models.environments.episodes import Episode, EpisodeLimits, per_episode, run_episodes, start_episodes, turn_stops
 from models.engines.rollout import RolloutColumns, decode_responses
 from models.environments.tools import ToolCallParser
 
@@ -30,10 +31,17 @@ def sample_episodes(engine, tokenizer, env_cls, rows: Sequence[Mapping[str, Any]
     envs = [env_cls(dict(row)) for row in rows for _ in range(spec.n)]
     with ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tool") as pool:
         episodes = run_episodes(engine, tokenizer, envs, spec, limits, parser, pool, first_index * spec.n)
+    return episode_columns(tokenizer, episodes, prompt_ids, spec.n, t0)
+
+
+def episode_columns(tokenizer, episodes: List[Episode], prompt_ids: Sequence[int], n: int, t0: float
+                    ) -> Tuple[RolloutColumns, Dict[str, Any], Dict[str, float]]:
+    """The rollout columns, :data:`EPISODE_COLUMNS` and ``episode/*`` metrics of ``episodes`` (``n`` per prompt of
+    ``prompt_ids``, prompt-major), sampled since ``t0``."""
     prompts = tokenizer.batch_decode([ep.prompt_ids for ep in episodes], skip_special_tokens=False)
     responses = [ep.response_ids for ep in episodes]
     cols = RolloutColumns(
-        prompt_id=np.repeat(np.asarray(prompt_ids, dtype=np.int64), spec.n),
+        prompt_id=np.repeat(np.asarray(prompt_ids, dtype=np.int64), n),
         prompt_tokens=[ep.prompt_ids for ep in episodes], response_tokens=responses,
         sampler_logprobs=[ep.logprobs for ep in episodes],
         is_end=np.array([not ep.truncated for ep in episodes], dtype=bool),
@@ -42,6 +50,52 @@ def sample_episodes(engine, tokenizer, env_cls, rows: Sequence[Mapping[str, Any]
              "episode_reward": np.array([ep.reward for ep in episodes], dtype=np.float32),
              "episode": [json.dumps(ep.messages, ensure_ascii=False) for ep in episodes]}
     return cols, extra, episode_stats(episodes)
+
+
+def rows_of(data) -> List[Dict[str, Any]]:
+    """The rows of a ``PromptDataset`` as environments take them (their columns and ``prompt``)."""
+    return [{"prompt": p, **cols} for p, cols in zip(data.prompts, data.row_columns())]
+
+
+class UnitEpisodes:
+    """A draw's prompts as multi-turn episodes a unit at a time, as the asynchronous producer samples them: a unit
+    whole in one call (``__call__``, :func:`sample_episodes`: an engine that does not stream), or as a
+    :class:`~models.environments.episode_loop.Group` of an :class:`~models.environments.episode_loop.EpisodeLoop` that
+    runs other units' episodes beside it (:meth:`streams`: the engine runs episodes at their own pace).
+    ``spec_for``: a draw's sampling spec as each turn takes it."""
+
+    def __init__(self, tokenizer, env_cls, limits: EpisodeLimits, parser: ToolCallParser,
+                 spec_for: Callable[[Any], Any] = lambda spec: spec, max_workers: int = 16):
+        self.tokenizer, self.env_cls, self.limits, self.parser, self.spec_for = tokenizer, env_cls, limits, parser, \
+            spec_for
+        self.max_workers = max_workers
+        self.pool: Optional[ThreadPoolExecutor] = None
+
+    def __call__(self, engine, d, start: int, end: int) -> Tuple[RolloutColumns, Dict[str, Any], Dict[str, float]]:
+        return sample_episodes(engine, self.tokenizer, self.env_cls, rows_of(d.data.take(range(start, end))),
+                               d.prompt_ids[start:end], self.spec_for(d.spec), self.limits, self.parser,
+                               self.max_workers, first_index=start)
+
+    def streams(self, engine) -> bool:
+        return per_episode(engine, self.limits)
+
+    def loop(self, engine) -> EpisodeLoop:
+        if self.pool is None:  # the tools' threads, for the producer's life
+            self.pool = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="tool")
+        return EpisodeLoop(engine, self.tokenizer, self.parser, self.limits, self.pool)
+
+    def group(self, d, start: int, end: int) -> Group:
+        """Prompts ``start`` … ``end − 1`` of draw ``d``, ``n`` episodes each, started, seeded as the whole draw's."""
+        spec = self.spec_for(d.spec)
+        rows = rows_of(d.data.take(range(start, end)))
+        envs = [self.env_cls(dict(row)) for row in rows for _ in range(spec.n)]
+        episodes, chats, tools = start_episodes(envs, self.tokenizer, self.limits)
+        return Group(episodes, chats, tools, turn_stops(self.tokenizer, self.parser, spec), spec.seed, start * spec.n)
+
+    def columns(self, group: Group, d, start: int, end: int
+                ) -> Tuple[RolloutColumns, Dict[str, Any], Dict[str, float]]:
+        return episode_columns(self.tokenizer, group.episodes, d.prompt_ids[start:end], self.spec_for(d.spec).n,
+                               group.t0)
 
 
 def episode_stats(episodes: List[Episode]) -> Dict[str, float]:

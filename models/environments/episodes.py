@@ -38,7 +38,7 @@ and 0 on template, tool and user tokens, sampler log-probs on sampled tokens (0 
 from __future__ import annotations
 
 import uuid
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -165,18 +165,46 @@ def streams(engine) -> bool:
                                                                  "close_stream"))
 
 
+def per_episode(engine, limits: EpisodeLimits) -> bool:
+    """Whether ``limits.pace`` runs episodes on ``engine`` each at its own pace (the module's docstring); ``episode``
+    on an engine that does not stream is refused."""
+    if limits.pace not in PACES:
+        raise ValueError(f"rollout.episode_pace={limits.pace!r}: one of {', '.join(PACES)}")
+    if limits.pace == "episode" and not streams(engine):
+        raise ValueError(f"rollout.episode_pace=episode needs an engine that streams requests (vLLM in this process), "
+                         f"not {type(engine).__name__}: set rollout.episode_pace=lockstep or auto")
+    return limits.pace == "episode" or (limits.pace == "auto" and streams(engine))
+
+
 def run_episodes(engine, tokenizer, envs: Sequence[Any], spec: SamplingSpec, limits: EpisodeLimits,
                  parser: ToolCallParser, pool: ThreadPoolExecutor, first_index: int = 0) -> List[Episode]:
     """Run one episode per environment, per episode or in lockstep (``limits.pace``, the module's docstring); turn
     ``t`` of episode ``k`` is seeded from ``stream_seed(spec.seed, t)``. ``first_index``: the position of ``envs[0]``
     in the whole batch (an asynchronous run samples a batch a few prompts at a time), added to every episode's
     (per episode) or active position's (lockstep) index in its seeds, so the episodes are those of the whole batch."""
-    if limits.pace not in PACES:
-        raise ValueError(f"rollout.episode_pace={limits.pace!r}: one of {', '.join(PACES)}")
-    per_episode = limits.pace == "episode" or (limits.pace == "auto" and streams(engine))
-    if per_episode and not streams(engine):
-        raise ValueError(f"rollout.episode_pace=episode needs an engine that streams requests (vLLM in this process), "
-                         f"not {type(engine).__name__}: set rollout.episode_pace=lockstep or auto")
+    episodes, chats, tools = start_episodes(envs, tokenizer, limits)
+    turn_spec = turn_stops(tokenizer, parser, spec)
+    if per_episode(engine, limits):
+        from models.environments.episode_loop import EpisodeLoop, Group
+
+        loop = EpisodeLoop(engine, tokenizer, parser, limits, pool)
+        try:
+            loop.add(Group(episodes, chats, tools, turn_spec, spec.seed, first_index))
+            while loop.groups:
+                loop.step()
+        finally:
+            loop.close()
+    else:
+        _lockstep(engine, tokenizer, episodes, chats, tools, turn_spec, spec.seed, limits, parser, pool, first_index)
+        for ep in episodes:
+            ep.truncated = ep.truncated or not ep.done
+    return episodes
+
+
+def start_episodes(envs: Sequence[Any], tokenizer, limits: EpisodeLimits
+                   ) -> Tuple[List[Episode], List[ChatTokens], List[Dict[str, Tool]]]:
+    """Each environment's first messages as its episode's first prompt (refused past ``limits.max_prompt_tokens``),
+    its chat and its tools by name (none for an environment that runs its own)."""
     episodes, chats = [], []
     for env in envs:
         messages = list(env.start())  # before the tools: an adapter may learn them as it starts
@@ -187,13 +215,7 @@ def run_episodes(engine, tokenizer, envs: Sequence[Any], spec: SamplingSpec, lim
                              f"data.max_prompt_tokens={limits.max_prompt_tokens} (its messages and tools through the "
                              f"chat template): {str(messages[-1].get('content', ''))[:80]!r}")
     env_tools = [() if getattr(env, "runs_tools", False) else tuple(getattr(env, "tools", ())) for env in envs]
-    tools = [tools_by_name(t) for t in env_tools]
-    turn_spec = turn_stops(tokenizer, parser, spec)
-    run = _per_episode if per_episode else _lockstep
-    run(engine, tokenizer, episodes, chats, tools, turn_spec, spec.seed, limits, parser, pool, first_index)
-    for ep in episodes:
-        ep.truncated = ep.truncated or not ep.done
-    return episodes
+    return episodes, chats, [tools_by_name(t) for t in env_tools]
 
 
 def _lockstep(engine, tokenizer, episodes: List[Episode], chats: List[ChatTokens], tools, turn_spec: SamplingSpec,
@@ -220,58 +242,6 @@ def _lockstep(engine, tokenizer, episodes: List[Episode], chats: List[ChatTokens
             tool_messages = _tool_messages(episodes[k], results.get(k, []))
             _record(episodes[k], chats[k], message, tool_messages, episodes[k].env.step(message, tool_messages),
                     limits)
-
-
-def _per_episode(engine, tokenizer, episodes: List[Episode], chats: List[ChatTokens], tools, turn_spec: SamplingSpec,
-                 seed: int, limits: EpisodeLimits, parser: ToolCallParser, pool: ThreadPoolExecutor,
-                 first_index: int = 0) -> None:
-    """Each episode its own stream of requests in ``engine``'s step loop; a finished turn's tool calls and
-    environment step in a thread of their own (``steps``) while the loop goes on stepping the others."""
-    from models.engines.vllm_steps import generations
-
-    loop = engine.stream()
-    in_engine: Dict[int, int] = {}  # id(sample) -> its episode
-    stepping: Dict[Future, Tuple[int, Dict[str, Any]]] = {}  # an environment's step -> (episode, assistant message)
-
-    def next_turn(k: int) -> None:
-        ep = episodes[k]
-        sample = engine.stream_samples([ep.prompt_ids + ep.response_ids],
-                                       replace(turn_spec, seed=stream_seed(seed, ep.turns)), first_index + k)[0]
-        in_engine[id(sample)] = k
-        loop.add([sample])
-
-    def env_step(k: int, message: Dict[str, Any], calls) -> Tuple[List[Dict[str, Any]], Step]:
-        results = run_tool_calls([(k, c) for c in calls], tools, limits.tool_timeout_s, pool).get(k, [])
-        tool_messages = _tool_messages(episodes[k], results)
-        return tool_messages, episodes[k].env.step(message, tool_messages)
-
-    # the steps' own threads (a step may wait on its tools, which run in ``pool``: never the same threads)
-    with ThreadPoolExecutor(max_workers=min(max(len(episodes), 1), 64), thread_name_prefix="episode") as steps:
-        try:
-            for k in range(len(episodes)):
-                next_turn(k)
-            while in_engine or stepping:
-                if in_engine:
-                    if not engine.stream_open(loop):  # restarted or closed: these requests went with it
-                        raise RuntimeError("the engine was restarted or closed while the episodes ran")
-                    loop.resume()  # another use of the engine took its turn meanwhile: the turns under way again
-                    for sample in engine.stream_step(loop, 0):
-                        k = in_engine.pop(id(sample))
-                        message, own = _take_turn(episodes[k], generations([sample], tokenizer, turn_spec)[0],
-                                                  tokenizer, parser, limits)
-                        if message is not None:
-                            stepping[steps.submit(env_step, k, message, own)] = (k, message)
-                    loop.forget([s for s in loop.samples if s.done])
-                finished = [f for f in stepping if f.done()] if in_engine else \
-                    list(wait(list(stepping), return_when=FIRST_COMPLETED).done)
-                for future in finished:
-                    k, message = stepping.pop(future)
-                    tool_messages, answer = future.result()
-                    _record(episodes[k], chats[k], message, tool_messages, answer, limits)
-                    if episodes[k].active and episodes[k].turns < limits.max_turns:
-                        next_turn(k)
-        finally:
-            engine.close_stream(loop)
 
 
 def _take_turn(ep: Episode, g: Generation, tokenizer, parser: ToolCallParser, limits: EpisodeLimits

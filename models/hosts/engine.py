@@ -30,7 +30,7 @@ from models.service.ops import Host, op
 from models.stages.engine import engine_for
 from models.stages.evaluate import run_evaluate
 from models.run.data import read_run_prompts
-from models.stages.rollout import draw_for, prompt_counts, run_rollout, sample_data
+from models.stages.rollout import draw_for, prompt_counts, run_rollout, unit_episodes
 from models.stages.services import LABELS
 from models.training.distributed import DistInfo
 from models.training.probe import verify_reference
@@ -107,10 +107,7 @@ class EngineHost(Host):
 
             tokenizer, episodes = load_tokenizer(self.run.reference_url), None
             if self.cfg.rollout.environment:  # multi-turn: a unit's prompts as episodes, seeded as the whole draw's
-
-                def episodes(engine, d, start: int, end: int):
-                    return sample_data(self.cfg, engine, tokenizer, d.data.take(range(start, end)),
-                                       d.prompt_ids[start:end], d.spec, first_index=start)
+                episodes = unit_episodes(self.cfg, tokenizer)
 
             self.producer = Producer(self.cfg.run.staleness, state.iteration, self.cfg.run.num_iterations,
                                      lambda: (self.engine, self.version), draw, tokenizer, self.turns,

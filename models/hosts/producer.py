@@ -124,10 +124,11 @@ class Producer:
     ``tokenizer`` encodes its prompts; sampling stops after iteration ``stop − 1``; ``stale``: what becomes of a
     unit staler than k when taken (``run.stale_samples``: ``drop`` or ``reweight``). ``episodes``
     (``rollout.environment``): ``(engine, draw, start, end) -> (columns, episode columns, episode/* metrics)``, a
-    unit's prompts as multi-turn episodes (:func:`models.stages.rollout.sample_data`), sampled whole under one
-    version: a push waits for the unit's episodes, none of which sees two policies. ``counts``: the engine's
-    prompt counts before the first unit (:func:`models.stages.rollout.prompt_counts`), whence the first batch's
-    ``rollout/prefix_cache_hit_rate``."""
+    unit's prompts as multi-turn episodes (:class:`~models.environments.episode_rollout.UnitEpisodes`), sampled
+    whole under one version: a push waits for the unit's episodes, none of which sees two policies; on an engine
+    that streams, units' episodes overlap in one step loop (:class:`~models.hosts.stream.EpisodeStreamer`).
+    ``counts``: the engine's prompt counts before the first unit (:func:`models.stages.rollout.prompt_counts`),
+    whence the first batch's ``rollout/prefix_cache_hit_rate``."""
 
     def __init__(self, k: int, start: int, stop: int, current: Callable[[], Tuple[object, int]], draw, tokenizer,
                  turns: EngineTurns, partial: bool = False, stale: str = "drop",
@@ -178,11 +179,11 @@ class Producer:
         return draw, start, end
 
     def finished(self, draw: int, start: int, end: int, version: int, epoch: int, cols: RolloutColumns,
-                 versions: Optional[List[List[int]]]) -> None:
+                 versions: Optional[List[List[int]]], episodes: Optional[Tuple[Dict[str, Any], Dict]] = None) -> None:
         """A unit the continuous sampler finished, to the buffer (dropped if the run moved meanwhile)."""
         with self.cond:
             if epoch == self.epoch:
-                self.units.setdefault(draw, []).append(Unit(draw, start, end, version, cols, versions))
+                self.units.setdefault(draw, []).append(Unit(draw, start, end, version, cols, versions, episodes))
                 self.cond.notify_all()
 
     def requeue(self, units: List[Tuple[int, int, int]]) -> None:
@@ -206,10 +207,10 @@ class Producer:
         try:
             while True:
                 engine = self.current()[0]
-                if hasattr(engine, "stream") and self.episodes is None:  # vLLM: continuous batching (stream.py)
-                    from models.hosts.stream import Streamer
+                if hasattr(engine, "stream") and (self.episodes is None or self._episodes_stream(engine)):
+                    from models.hosts.stream import EpisodeStreamer, Streamer  # vLLM: continuous batching
 
-                    Streamer(self, engine).run()
+                    (Streamer if self.episodes is None else EpisodeStreamer)(self, engine).run()
                     if self.stopped:
                         return
                     continue
@@ -228,6 +229,12 @@ class Producer:
             with self.cond:
                 self.failed = err
                 self.cond.notify_all()
+
+    def _episodes_stream(self, engine) -> bool:
+        """Whether the units' episodes go to ``engine`` as groups of one step loop (their own pace, units
+        overlapping: :class:`~models.hosts.stream.EpisodeStreamer`), or a unit at a time."""
+        streams = getattr(self.episodes, "streams", None)
+        return callable(streams) and streams(engine)
 
     def _sample(self, draw: int, start: int) -> None:
         d = self.draw(draw)

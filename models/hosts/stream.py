@@ -16,13 +16,19 @@ samples are all done to the buffer as it finishes; the staleness accounting stay
 A unit given up (a push failed half-way, the engine restarted or replaced under it) goes back to the front of the
 queue and is sampled again; one admitted before the run moved to another iteration (``Producer.epoch``) is
 dropped when it finishes.
+
+With an environment (``rollout.environment``), :class:`EpisodeStreamer` does the same with units of multi-turn
+episodes: each unit a group of an :class:`~models.environments.episode_loop.EpisodeLoop`, admitted while fewer than
+``max_num_seqs`` episodes are under way, so the episodes of several units overlap (their turns, tool calls and
+environment steps) instead of a unit waiting for the one before. A unit's episodes are all sampled under the version
+served when it was admitted: an op waiting for the engine stops admissions and runs once the units under way end.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, List
+from typing import Any, Iterator, List, Tuple
 
 from models.engines.rollout import encode_prompts, rollout_columns
 from models.engines.vllm_steps import Sample, generations
@@ -65,7 +71,10 @@ class Streamer:
                     return
         finally:
             self._requeue()
-            self.engine.close_stream(self.loop)
+            self._close()
+
+    def _close(self) -> None:
+        self.engine.close_stream(self.loop)
 
     def _turn(self) -> bool:
         """The engine held: admit units and step while any is under way; without partial rollouts an op waiting ends
@@ -93,16 +102,25 @@ class Streamer:
                         return engine is self.engine and engine.stream_open(self.loop)
                     self.loop.resume()
 
-    def _admit(self, version: int) -> None:
-        """Units while fewer than ``target`` requests are under way and the next may start at ``version``."""
+    def _claims(self, version: int) -> Iterator[Tuple[int, int, int, int, Any]]:
+        """Units ``(draw, start, end, epoch, the draw)`` taken off the producer's queue while fewer than ``target``
+        requests (:meth:`_in_flight`) are under way and the next may start at ``version``."""
         p = self.p
-        while self.loop.in_flight < self.target:
+        while self._in_flight() < self.target:
             with p.cond:
                 if p.stopped or not p.may_start_at(version):
                     return
                 draw, start, end = p.claim()
                 epoch = p.epoch
-            d = p.draw(draw)
+            yield draw, start, end, epoch, p.draw(draw)
+
+    def _in_flight(self) -> int:
+        return self.loop.in_flight
+
+    def _admit(self, version: int) -> None:
+        """Units while fewer than ``target`` requests are under way and the next may start at ``version``."""
+        p = self.p
+        for draw, start, end, epoch, d in self._claims(version):
             tokens = encode_prompts(p.tokenizer, d.data.prompts[start:end], add_special_tokens=not d.data.chat)
             samples: List[Sample] = self.engine.stream_samples(tokens, d.spec, start)
             self.loop.add(samples)
@@ -132,3 +150,57 @@ class Streamer:
             with contextlib.suppress(Exception):  # an engine restarted under them has none of their requests
                 self.loop.forget(f.samples)
         self.p.requeue([(f.draw, f.start, f.epoch) for f in flights])
+
+
+class EpisodeStreamer(Streamer):
+    """The producer's (``producer``, whose ``episodes`` is a :class:`~models.environments.episode_rollout.UnitEpisodes`)
+    units as groups of episodes on ``engine``, one :class:`~models.environments.episode_loop.EpisodeLoop`."""
+
+    def __init__(self, producer, engine):
+        self.p, self.engine = producer, engine
+        self.runner = producer.episodes.loop(engine)
+        self.loop = self.runner.loop
+        self.target = engine.max_num_seqs() if hasattr(engine, "max_num_seqs") else 256
+        self.flights: dict = {}  # id(group) -> (its Flight, the group)
+
+    def _close(self) -> None:
+        self.runner.close()
+
+    def _turn(self) -> bool:
+        """The engine held: admit units and step while any is under way; an op waiting ends the turn once the units
+        under way are done. False: the engine is no longer this streamer's."""
+        p = self.p
+        with p.turns.unit():
+            engine, version = p.current()
+            if engine is not self.engine or not engine.stream_open(self.runner.loop):
+                return False
+            while True:
+                if not p.turns.waiting:
+                    self._admit(version)
+                if not self.flights:
+                    return True
+                p.count_step(len(self.runner.in_engine), self.target)
+                for group in self.runner.step(version):
+                    self._finish(group)
+                if p.stopped:
+                    return True
+
+    def _in_flight(self) -> int:
+        return self.runner.in_flight  # episodes: in the engine, or their environments stepping
+
+    def _admit(self, version: int) -> None:
+        for draw, start, end, epoch, d in self._claims(version):
+            group = self.p.episodes.group(d, start, end)
+            self.flights[id(group)] = (Flight(draw, start, end, version, epoch, d, None, []), group)
+            self.runner.add(group)
+
+    def _finish(self, group) -> None:
+        f, _ = self.flights.pop(id(group))
+        cols, extra, stats = self.p.episodes.columns(group, f.d, f.start, f.end)
+        self.p.finished(f.draw, f.start, f.end, f.version, f.epoch, cols, None, (extra, stats))
+
+    def _requeue(self) -> None:
+        flights, self.flights = list(self.flights.values()), {}
+        with contextlib.suppress(Exception):  # an engine restarted under them has none of their requests
+            self.runner.forget()
+        self.p.requeue([(f.draw, f.start, f.epoch) for f, _ in flights])

@@ -14,7 +14,7 @@ from models.data.batch import BatchMetadata, RolloutBatch
 from models.data.draws import draw_ids, iteration_indices
 from models.engines import SamplingSpec, eos_token_ids, stream_seed
 from models.engines.rollout import RolloutColumns, sample
-from models.environments.episode_rollout import sample_episodes
+from models.environments.episode_rollout import UnitEpisodes, rows_of, sample_episodes
 from models.environments.episodes import EpisodeLimits, load_environment
 from models.environments.tools import get_parser
 from models.faults import pause_point
@@ -55,15 +55,21 @@ def sample_data(cfg: TrainConfig, engine, tokenizer, data, prompt_ids: Sequence[
     and ``prompt``; :mod:`models.environments.episodes`). Returns the rollout columns, the episode columns (none
     single-turn) and the ``episode/*`` metrics. ``first_index``: the position of ``data``'s first row in the
     iteration's draw (an asynchronous run samples it a few prompts at a time), whose seeds its samples take."""
-    r = cfg.rollout
-    if not r.environment:
+    if not cfg.rollout.environment:
         return sample(engine, tokenizer, data.prompts, prompt_ids, spec, data.chat, first_index), {}, {}
-    rows = [{"prompt": p, **cols} for p, cols in zip(data.prompts, data.row_columns())]
+    episodes = unit_episodes(cfg, tokenizer)
+    return sample_episodes(engine, tokenizer, episodes.env_cls, rows_of(data), prompt_ids,
+                           episodes.spec_for(spec), episodes.limits, episodes.parser, first_index=first_index)
+
+
+def unit_episodes(cfg: TrainConfig, tokenizer) -> UnitEpisodes:
+    """The run's environment, episode limits, tool-call parser and turn budget (``rollout.*``), to sample a draw's
+    prompts as multi-turn episodes (:class:`~models.environments.episode_rollout.UnitEpisodes`)."""
+    r = cfg.rollout
     limits = EpisodeLimits(r.max_turns, r.max_episode_tokens, r.tool_timeout_s, cfg.data.max_prompt_tokens,
                            r.episode_pace)
-    return sample_episodes(engine, tokenizer, load_environment(r.environment), rows, prompt_ids,
-                           replace(spec, max_new_tokens=min(spec.max_new_tokens, r.max_episode_tokens)), limits,
-                           get_parser(r.tool_parser), first_index=first_index)
+    return UnitEpisodes(tokenizer, load_environment(r.environment), limits, get_parser(r.tool_parser),
+                        lambda spec: replace(spec, max_new_tokens=min(spec.max_new_tokens, r.max_episode_tokens)))
 
 
 class Draw(NamedTuple):

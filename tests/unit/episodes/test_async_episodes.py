@@ -17,7 +17,7 @@ from models.config.io import load_config
 from models.data.batch import RolloutBatch
 from models.data.prompts import PromptDataset
 from models.engines.base import EngineStats, SamplingSpec
-from models.environments.episode_rollout import episode_stats, sample_episodes
+from models.environments.episode_rollout import UnitEpisodes, episode_stats, sample_episodes
 from models.environments.episodes import EpisodeLimits, run_episodes
 from models.environments.tools import HermesParser
 from models.hosts.async_batch import take_rollout
@@ -63,14 +63,19 @@ def episodes_of(tok, d: Draw, start: int, end: int, engine=None):
                            LIMITS, HermesParser(), first_index=start)
 
 
-def test_episodes_sampled_ahead_are_the_synchronous_batch_at_the_versions_they_name(tok, tmp_path):
+@pytest.mark.parametrize("streamed", [False, True])
+def test_episodes_sampled_ahead_are_the_synchronous_batch_at_the_versions_they_name(tok, tmp_path, streamed):
+    """A unit at a time (``episodes`` a function: an engine that does not stream), or the units' episodes in one
+    step loop (``UnitEpisodes`` on a streaming engine: :class:`EpisodeStreamer`), where the units' episodes overlap:
+    more requests in the engine at once than one unit has episodes."""
     iterations = K + 3
     cfg = load_config("configs/tiny_grpo.yaml", ["run.resident=true", f"run.max_staleness={K}", "actor.tis_cap=2"])
     run = RunHandle(str(tmp_path), "async", "", "", "", "")
     engine, turns, served = ServiceEngine(tok), EngineTurns(), {"version": 0}
+    episodes = UnitEpisodes(tok, TalkEnv, LIMITS, HermesParser()) if streamed else \
+        (lambda e, d, start, end: episodes_of(tok, d, start, end, e))
     producer = Producer(K, 0, iterations, lambda: (engine, served["version"]), draw, tok, turns,
-                        episodes=lambda e, d, start, end: episodes_of(tok, d, start, end, e),
-                        counts=prompt_counts(engine))  # as the engine service starts it
+                        episodes=episodes, counts=prompt_counts(engine))  # as the engine service starts it
     taken, outs = take_ahead(producer, lambda i: take_rollout(cfg, run, producer, i, engine), turns, served,
                              iterations, K)
 
@@ -93,6 +98,7 @@ def test_episodes_sampled_ahead_are_the_synchronous_batch_at_the_versions_they_n
         assert versions == [[u.version] * len(r) for u in units for r in u.columns.response_tokens]
         lags.append(max(i - v for vs in versions for v in vs))
     assert lags == [min(i, K) for i in range(iterations)]  # draws 0..k by version 0, then draw j by version j - k
+    assert (max(engine.in_flight) > UNIT_PROMPTS * N) == streamed, max(engine.in_flight)
 
 
 def test_the_first_index_seeds_a_part_as_the_whole(tok):
