@@ -2,15 +2,16 @@
 cut to 2 decoder layers: 1,024 wide, the tied 151,936-row embedding, Qwen3's real tokenizer, chat template and two eos
 ids, TRL-format conversational prompts and a TRL-style reward function) through ``pyflyte run``, 2 iterations of GRPO
 on 2 FSDP2 ranks with vLLM each time (#46 item 4): resident in the separate layout (the update's weights pushed in
-place into the engine service between them), and stateless with LoRA adapters and multi-turn episodes (the
-calculator environment, Qwen3's template rendering its turns, vLLM serving the adapter on the base).
+place into the engine service between them) and in the colocated one (one rank with its own engine, the weights
+loaded into it in process), and stateless with LoRA adapters and multi-turn episodes (the calculator environment,
+Qwen3's template rendering its turns, vLLM serving the adapter on the base).
 
 What a user of such a checkpoint relies on: the engine starts with the run's context, not the checkpoint's 40,960
 tokens (what failed before #46); it samples from the distribution the trainer scores (the log-prob gap at float32
 rounding); the push carries the engine dtype's bytes for every parameter once (the tied embedding once); generation
 stops only at one of the checkpoint's eos ids or at ``rollout.max_new_tokens``; the committed actor keeps the
-released shape; the adapter of the stateless run trained on the sampled tokens of its episodes only. About 100 s
-and 60 s of CPU each here (2026-11-29): the suite's two runs at a real width."""
+released shape; the adapter of the stateless run trained on the sampled tokens of its episodes only. 70-130 s and
+60-80 s of CPU each here (2026-11-29): the suite's three runs at a real width."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def runs(tmp_path):
     shutil.rmtree(tmp_path / "runs", ignore_errors=True)
 
 
-def test_a_qwen3_shaped_checkpoint_trains_resident_through_the_cli(tmp_path, runs):
+@pytest.mark.parametrize("placement", ["separate", "colocated"])
+def test_a_qwen3_shaped_checkpoint_trains_resident_through_the_cli(tmp_path, runs, placement):
     from mlflow.tracking import MlflowClient
 
     db = f"sqlite:///{tmp_path}/mlflow.db"
@@ -52,7 +54,9 @@ def test_a_qwen3_shaped_checkpoint_trains_resident_through_the_cli(tmp_path, run
     env = isolated_env(tmp_path / "home", {"MLFLOW_TRACKING_URI": db, "TMPDIR": str(tmp_path), "RLHF_VERBOSE": "1",
                                            "VLLM_LOGGING_LEVEL": "INFO"})
     out = FlyteRun("workflows/reinforce.py", "reinforce_training", "configs/qwen3_grpo.yaml",
-                   [f"run.storage_root={runs}"] + OVERRIDES, "qwen3", env, tmp_path / "run.log").wait(900)
+                   [f"run.storage_root={runs}", f"run.resident_layout={placement}"] + OVERRIDES +
+                   (["actor.nproc_per_node=1"] if placement == "colocated" else []), "qwen3", env,
+                   tmp_path / "run.log").wait(900)
     assert "Run qwen3 finished: 2 iterations of grpo." in out, out[-3000:]
 
     layout = RunLayout(str(runs), "qwen3")
@@ -60,9 +64,11 @@ def test_a_qwen3_shaped_checkpoint_trains_resident_through_the_cli(tmp_path, run
     metrics = run.data.metrics
     assert run.info.status == "FINISHED"
     assert metrics["rollout/logprob_gap_max"] < 1e-4  # float32 engine and trainer: rounding only
-    # the push: every parameter once at the engine's dtype (float32), the tied embedding counted once
+    # the push: every parameter once at the engine's dtype (float32), the tied embedding counted once; sent to the
+    # engine service (separate), or loaded into the rank's own engine (colocated)
     assert metrics["resident/weights_params"] == 151936 * 1024 + 2 * 15_730_944 + 1024  # layers, final norm
-    assert metrics["resident/weights_bytes"] == 4 * metrics["resident/weights_params"]
+    sent = "resident/weights_bytes" if placement == "separate" else "resident/weights_loaded_bytes"
+    assert metrics[sent] == 4 * metrics["resident/weights_params"]
 
     for i in range(2):
         table = RolloutBatch.read(layout.batch_url(i, "rollouts")).table
@@ -76,7 +82,7 @@ def test_a_qwen3_shaped_checkpoint_trains_resident_through_the_cli(tmp_path, run
         == (151936, 1024, 2, True)
     # the engine's context: the prompt budget and the new tokens (data.max_prompt_tokens + rollout.max_new_tokens),
     # not the checkpoint's max_position_embeddings
-    engine_log = "".join(p.read_text() for p in tmp_path.glob("resident-*/engine.log"))
+    engine_log = "".join(p.read_text() for p in tmp_path.glob("resident-*/*.log"))  # the service's, or the rank's
     assert f"Maximum concurrency for {512 + NEW_TOKENS:,} tokens per request" in engine_log, engine_log[-3000:]
 
 
