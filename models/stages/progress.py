@@ -28,11 +28,19 @@ def _actor(m: Dict[str, float]) -> str:
 
 
 def _gap(m: Dict[str, float]) -> str:
-    """Sampler vs trainer: the batch's largest log-prob gap (π_old recomputed), else the probe's."""
-    for key, label in (("rollout/logprob_gap_max", "gap"), ("rollout/probe_gap_max", "probe gap")):
-        if key in m:
-            return f"{label} {m[key]:.1e}  "
-    return ""
+    """Sampler vs trainer: the batch's largest log-prob gap (π_old recomputed), else the probe's. A batch sampled by
+    an older actor (``rollout.policy_lag`` or an asynchronous token's lag above 0) differs from π_old by the policy's
+    change since, not by the engine's numerics: its gap reads ``shift``, the probe's gap (the engine against the
+    trainer on the weights pushed) beside it."""
+    lagged = m.get("rollout/policy_lag", 0) > 0 or m.get("async/staleness_p100", 0) > 0
+    out = ""
+    if "rollout/logprob_gap_max" in m:
+        out = f"{'shift' if lagged else 'gap'} {m['rollout/logprob_gap_max']:.1e}  "
+        if not lagged:
+            return out
+    if "rollout/probe_gap_max" in m:
+        out += f"probe gap {m['rollout/probe_gap_max']:.1e}  "
+    return out
 
 
 def _async(m: Dict[str, float]) -> str:

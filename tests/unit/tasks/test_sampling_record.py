@@ -24,6 +24,10 @@ def test_the_batch_gap_is_shown_else_the_probe_gap():
     assert "gap 4.8e-07  (" in both and "probe gap" not in both  # π_old recomputed: the whole batch's gap
     assert "probe gap 2.0e-06  (" in progress_line(cfg, 0, {**BASE, "rollout/probe_gap_max": 2e-6})  # sampler π_old
     assert "gap" not in progress_line(cfg, 0, BASE)
+    # sampled by an older actor: the batch's gap is the policy's shift since; the probe's is the engine's numerics
+    for lag in ({"rollout/policy_lag": 1.0}, {"async/staleness_p100": 2.0, "async/staleness_p50": 1.0}):
+        line = progress_line(cfg, 0, {**BASE, **lag, "rollout/logprob_gap_max": 3.1, "rollout/probe_gap_max": 2e-6})
+        assert "shift 3.1e+00  probe gap 2.0e-06  " in line and " gap 3.1" not in line, line
 
 
 def _batch(extras) -> RolloutBatch:
