@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from models import faults
+from models import faults, memory
 from models.checkpoint.local import load_tokenizer
 from models.config import TrainConfig
 from models.data.batch import RolloutBatch
@@ -118,7 +118,8 @@ class ActorHost(TrainerHost):
 
     def __init__(self, cfg: TrainConfig, run: RunHandle, state: PolicyState, info: DistInfo):
         super().__init__(cfg, run, state, info)
-        self.ref = load_reference_ranks(cfg, run, info, self.model)  # on info.device; sharded as the score's
+        keep = cfg.run.resident_reference == "keep" or cfg.actor.lora.enabled  # (LoRA's π_ref: the actor itself)
+        self.ref = load_reference_ranks(cfg, run, info, self.model) if keep else None  # sharded as the score's
         self.reward_model = load_reward_model_ranks(cfg, run, info) if info.world_size > 1 else None
         one_rm = cfg.reward.source == "model" and info.world_size == 1
         self.rewards = reward_source(cfg, run, info.device) if one_rm else None
@@ -140,17 +141,23 @@ class ActorHost(TrainerHost):
         actor = self.model if cfg.actor.old_logprobs == "recompute" else None
         forward = functools.partial(score_forward_ranks, info=self.info,  # each rank its share of the rows
                                     reward_model=self.reward_model)
-        if not self.info.is_main:  # as many forwards as rank 0; rank 0 gathers the results
-            self.forward(lambda: forward(cfg, batch, actor, self.ref, None, self.pad))
-            return None
+        ref = self.ref if self.ref is not None else load_reference_ranks(cfg, self.run, self.info, self.model)
+        try:
+            if not self.info.is_main:  # as many forwards as rank 0; rank 0 gathers the results
+                self.forward(lambda: forward(cfg, batch, actor, ref, None, self.pad))
+                return None
 
-        def values(scored: RolloutBatch):  # after the forwards: the critic service is called by rank 0 alone
-            return service_values(critic_service(cfg, self.run), state)(scored)
+            def values(scored: RolloutBatch):  # after the forwards: the critic service is called by rank 0 alone
+                return service_values(critic_service(cfg, self.run), state)(scored)
 
-        out = self.forward(lambda: run_score(cfg, self.run, state, batch,
-                                             Scorers(actor, self.ref, None, values if cfg.uses_critic else None,
-                                                     self.rewards), forward=forward))
-        return {"batch": out.batch.uri, "stats": out.stats}
+            out = self.forward(lambda: run_score(cfg, self.run, state, batch,
+                                                 Scorers(actor, ref, None, values if cfg.uses_critic else None,
+                                                         self.rewards), forward=forward))
+            return {"batch": out.batch.uri, "stats": out.stats}
+        finally:
+            if self.ref is None:  # run.resident_reference=reload: the update does not hold it
+                del ref
+                memory.release()
 
     @op
     def push(self, iteration: int) -> Dict[str, float]:

@@ -59,6 +59,8 @@ RESUMABLE: Dict[str, str] = {
                             "depends on it",
     "run.resident_layout": "where a resident run generates, not what it samples: every sample is seeded by its "
                            "prompt's index whichever engine draws it, and the checkpoints are the same files",
+    "run.resident_reference": "whether the resident trainer holds π_ref between scores or reads it for each: the "
+                              "same reference checkpoint either way",
     "actor.lr": "a learning-rate schedule by hand: AdamW's carried moments stay valid under another rate",
     "critic.lr": "as actor.lr",
     "actor.grad_clip": "the gradient-norm clip: a guard on the step size, no state depends on it",

@@ -372,7 +372,8 @@ def resident(runs):
     alive = [n for n, pid in pids.items() if _alive(pid)]
     sampled = layout.batch_url(1, "rollouts")
     storage.remove(sampled)  # the first run's, if it got that far
-    second = runs.start("resident", "r2", extra=["run.resident=true", "run.resident_layout=separate"])  # set: kept
+    second = runs.start("resident", "r2", extra=["run.resident=true", "run.resident_layout=separate",  # set: kept
+                                                 "run.resident_reference=reload"])  # π_ref read for each score
     pids2: dict = {}
     second.wait_until(lambda: pids2.update(_service_pids(layout)) or len(pids2) == 3 and not set(pids2.values()) &
                       set(pids.values()), "the services' addresses")  # the rerun's, not those the killed run left
