@@ -21,6 +21,7 @@ import ctypes
 import json
 import os
 import signal
+import tempfile
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 GIB = float(1 << 30)
@@ -57,7 +58,29 @@ def start_forkserver(preload: Sequence[str]) -> None:
     from multiprocessing import forkserver
 
     multiprocessing.get_context(FORKSERVER).set_forkserver_preload(list(preload))
+    _short_socket_dir()
     forkserver.ensure_running()
+
+
+AF_UNIX_PATH_MAX = 107
+"""The longest path of a Unix socket (``sun_path``'s 108 bytes, its NUL included)."""
+
+
+def _short_socket_dir() -> None:
+    """The forkserver listens on a Unix socket in multiprocessing's temporary folder (``$TMPDIR/pymp-XXXXXXXX/
+    listener-XXXXXXXX``): where ``$TMPDIR`` is too long for one (a test's, a pod's deep work folder), that folder goes
+    under ``/tmp`` instead of failing with "AF_UNIX path too long"."""
+    import multiprocessing
+    import shutil
+    from multiprocessing import util
+
+    config = multiprocessing.current_process()._config
+    if config.get("tempdir") or len(tempfile.gettempdir()) + len("/pymp-XXXXXXXX/listener-XXXXXXXX") <= \
+            AF_UNIX_PATH_MAX or not os.path.isdir("/tmp"):
+        return
+    folder = tempfile.mkdtemp(prefix="pymp-", dir="/tmp")
+    util.Finalize(None, shutil.rmtree, args=(folder,), kwargs={"ignore_errors": True}, exitpriority=-100)
+    config["tempdir"] = folder
 
 
 def die_with_parent(signum: int = signal.SIGKILL) -> bool:

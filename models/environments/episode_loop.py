@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 from models.engines.base import SamplingSpec, stream_seed
 from models.environments.chat_tokens import ChatTokens
-from models.environments.episodes import (Episode, EpisodeLimits, _record, _take_turn, _tool_messages)
+from models.environments.episode_turns import Episode, EpisodeLimits, _record, _take_turn, _tool_messages
 from models.environments.tools import ToolCallParser, run_tool_calls
 
 
@@ -102,10 +102,10 @@ class EpisodeLoop:
 
     def forget(self) -> None:
         """Every group given up (the engine restarted under them, the run moved): their requests out of the loop."""
-        self.loop.forget(list(self.loop.samples))
         self.in_engine.clear()
-        self.stepping.clear()
+        self.stepping.clear()  # (a step under way ends in its thread; its answer is dropped)
         self.groups = []
+        self.loop.forget(list(self.loop.samples))  # last: an engine restarted under them may refuse it
 
     def close(self) -> None:
         self.steps.shutdown(wait=False, cancel_futures=True)

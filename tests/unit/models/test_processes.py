@@ -40,3 +40,31 @@ def test_the_memory_of_a_killed_process():
                          f"3.00 GiB of {whose} {processes.gib(limit)}")
     assert "its memory was never sampled" in processes.death_note(8, 9, "p", _report(0, 0, peaks={7: 1}))
     assert processes.memory_summary("", {}) == ""  # no keeper, nothing said
+
+
+def test_a_forkserver_starts_under_a_temporary_folder_too_long_for_its_socket(tmp_path):
+    """``$TMPDIR`` deeper than a Unix socket's path allows (a test's, a pod's work folder): the forkserver listens
+    under /tmp instead, and a worker forked from it runs (before: "OSError: AF_UNIX path too long")."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    deep = tmp_path / ("d" * (processes.AF_UNIX_PATH_MAX - len(str(tmp_path))))
+    deep.mkdir()
+    script = tmp_path / "fork.py"
+    script.write_text(
+        "import multiprocessing, sys\n"
+        "from models.processes import start_forkserver\n"
+        "def work():\n    print('worker ran')\n"
+        "if __name__ == '__main__':\n"
+        "    start_forkserver([])\n"
+        "    from multiprocessing import util\n"
+        "    print('folder', util.get_temp_dir())\n"
+        "    p = multiprocessing.get_context('forkserver').Process(target=work)\n"
+        "    p.start(); p.join(); sys.exit(p.exitcode)\n")
+    root = str(Path(processes.__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TMPDIR": str(deep), "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "worker ran" in out.stdout and "folder /tmp/pymp-" in out.stdout, out.stdout
