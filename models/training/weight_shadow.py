@@ -123,9 +123,9 @@ def _sharded_delta(t, new: torch.Tensor, old: Optional[torch.Tensor], local_idx:
     row = numel // rows if rows else 0
     start = min(info.rank * math.ceil(rows / info.world_size), rows) * row  # my first element's flat position
     steps = _steps(new, old, local_idx)
-    mine = [local_idx.numel(), *exceptions_of(steps), int(steps is None)]
+    here = [local_idx.numel(), *exceptions_of(steps), int(steps is None)]
     counts = [torch.zeros(4, dtype=torch.int64, device=device) for _ in range(info.world_size)]
-    dist.all_gather(counts, torch.tensor(mine, dtype=torch.int64, device=device))
+    dist.all_gather(counts, torch.tensor(here, dtype=torch.int64, device=device))
     counts_list = [int(c[0].item()) for c in counts]
     total = torch.stack(counts).sum(dim=0).tolist()  # changed, SIGN's and STEP8's exceptions, ranks without steps
     mode = RAW if total[3] else step_mode(total[0], total[1], total[2], new.element_size())
