@@ -94,12 +94,12 @@ def exceptions(mode: int, steps: torch.Tensor) -> torch.Tensor:
     return steps == -128 if mode == STEP8 else (steps != 1) & (steps != -1)
 
 
-def step_mode(count: int, sign_exceptions: int, step8_exceptions: int, itemsize: int) -> int:
+def step_mode(count: int, sign_exceptions: int, step8_exceptions: int, itemsize: int) -> Tuple[int, int]:
     """The values' mode with the fewest bytes for ``count`` changed elements whose steps leave that many exceptions to
-    SIGN and to STEP8 (:func:`exceptions`): SIGN, STEP8 or RAW."""
-    return min((RAW, SIGN, STEP8), key=lambda m: _values_bytes(m, count, itemsize,
-                                                               {RAW: 0, SIGN: sign_exceptions,
-                                                                STEP8: step8_exceptions}[m]))
+    SIGN and to STEP8 (:func:`exceptions`): SIGN, STEP8 or RAW, and the exceptions it leaves."""
+    left = {RAW: 0, SIGN: sign_exceptions, STEP8: step8_exceptions}
+    mode = min((RAW, SIGN, STEP8), key=lambda m: _values_bytes(m, count, itemsize, left[m]))
+    return mode, left[mode]
 
 
 def exceptions_of(steps: Optional[torch.Tensor]) -> Tuple[int, int]:
@@ -111,11 +111,7 @@ def exceptions_of(steps: Optional[torch.Tensor]) -> Tuple[int, int]:
 
 def mode_of(steps: Optional[torch.Tensor], itemsize: int) -> Tuple[int, int]:
     """:func:`step_mode` of one tensor's ``steps`` (None: RAW) and the exceptions it leaves."""
-    if steps is None:
-        return RAW, 0
-    sign, step8 = exceptions_of(steps)
-    mode = step_mode(steps.numel(), sign, step8, itemsize)
-    return mode, {RAW: 0, SIGN: sign, STEP8: step8}[mode]
+    return (RAW, 0) if steps is None else step_mode(steps.numel(), *exceptions_of(steps), itemsize)
 
 
 def stepped(held: torch.Tensor, patch: Patch) -> torch.Tensor:
@@ -160,7 +156,12 @@ def nbytes(code: int, numel: int, count: int, itemsize: int, exact: int = 0) -> 
 def _values_bytes(mode: int, count: int, itemsize: int, exact: int) -> int:
     if mode == RAW:
         return count * itemsize
-    return _up(count if mode == STEP8 else -(-count // 8), 8) + 8 + _up(4 * exact, 8) + exact * itemsize
+    return _steps_bytes(mode, count) + 8 + _up(4 * exact, 8) + exact * itemsize
+
+
+def _steps_bytes(mode: int, count: int) -> int:
+    """The steps' own bytes in a values' section of ``mode`` (STEP8 or SIGN), padded to 8."""
+    return _up(count if mode == STEP8 else -(-count // 8), 8)
 
 
 def _head(code: int, numel: int, count: int) -> int:
@@ -260,7 +261,7 @@ def decode(code: int, payload: torch.Tensor, shape, dtype: torch.dtype, count: i
 
 def _steps(mode: int, payload: torch.Tensor, count: int, dtype: torch.dtype):
     """The steps (int8) and the exceptions of a values' section in ``mode`` (see the module's docstring)."""
-    carried = _up(count if mode == STEP8 else -(-count // 8), 8)
+    carried = _steps_bytes(mode, count)
     if payload.numel() < carried + 8:
         raise PushError(f"a delta's steps of {count} elements arrive in {payload.numel()} bytes")
     if mode == STEP8:

@@ -21,7 +21,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from models.engines.weight_delta import (FULL, RAW, SIGN, STEP8, Delta, changed, choose, encode, exceptions_of,
+from models.engines.weight_delta import (FULL, RAW, Delta, changed, choose, encode, exceptions_of,
                                          mode_of, sparse_code, step_mode, steps_of)
 from models.engines.weight_stream import SAMPLES, bits
 from models.training.weight_source import WeightSource
@@ -128,8 +128,7 @@ def _sharded_delta(t, new: torch.Tensor, old: Optional[torch.Tensor], local_idx:
     dist.all_gather(counts, torch.tensor(here, dtype=torch.int64, device=device))
     counts_list = [int(c[0].item()) for c in counts]
     total = torch.stack(counts).sum(dim=0).tolist()  # changed, SIGN's and STEP8's exceptions, ranks without steps
-    mode = RAW if total[3] else step_mode(total[0], total[1], total[2], new.element_size())
-    exact = {RAW: 0, SIGN: total[1], STEP8: total[2]}[mode]
+    mode, exact = (RAW, 0) if total[3] else step_mode(total[0], total[1], total[2], new.element_size())
     code = choose(numel, sum(counts_list), new.element_size(), mode=mode, exact=exact)
     anywhere = _positions(gen, numel)
     mine = (anywhere >= start) & (anywhere < start + new.numel())

@@ -38,9 +38,10 @@ def test_the_smallest_encoding_by_hand_worked_bytes():
     # 8, the count of exceptions (8), their int32 ordinals padded to 8 and their values
     assert (nbytes(BLOCK8 | STEP8, 1000, 10, 2), nbytes(BLOCK8 | SIGN, 1000, 10, 2)) == (40, 32)
     assert nbytes(BLOCK8 | SIGN, 1000, 10, 2, exact=1) == 42
-    assert step_mode(10, 0, 0, 2) == SIGN  # 16 bytes of values, against STEP8's 24 and the raw 20
-    assert step_mode(10, 10, 0, 2) == RAW  # STEP8: 16 + 8 bytes against 20
-    assert step_mode(100, 100, 0, 2) == STEP8 and step_mode(100, 100, 100, 2) == RAW  # 104 + 8 against 200
+    assert step_mode(10, 0, 0, 2) == (SIGN, 0)  # 16 bytes of values, against STEP8's 24 and the raw 20
+    assert step_mode(10, 10, 0, 2) == (RAW, 0)  # STEP8: 16 + 8 bytes against 20
+    assert step_mode(100, 100, 0, 2) == (STEP8, 0) and step_mode(100, 100, 100, 2) == (RAW, 0)  # 104 + 8 against 200
+    assert step_mode(100, 3, 100, 2) == (SIGN, 3)  # 16 + 8 + 16 + 6 bytes: the exceptions SIGN leaves
     assert choose(1000, 10, 2, mode=SIGN) == BLOCK8 | SIGN and choose(1000, 600, 2, mode=SIGN) == BITMAP | SIGN
     assert choose(1000, 990, 2, mode=SIGN) == BITMAP | SIGN  # 125 + 124 bytes: under FULL's 2000
 
