@@ -306,16 +306,16 @@ def held_at(worker: Any, name: str, flats: torch.Tensor, dtype: torch.dtype) -> 
 
 def _gathered(where: list, flats: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """The elements at ``flats`` of a pushed tensor whose copies ``where`` lists (:func:`_where`'s), at ``dtype``, and
-    whether this worker holds each."""
-    out = torch.zeros(flats.numel(), dtype=dtype)
-    held = torch.zeros(flats.numel(), dtype=torch.bool)
+    whether this worker holds each (on ``flats``' device: a GPU's patch gathers there)."""
+    out = torch.zeros(flats.numel(), dtype=dtype, device=flats.device)
+    held = torch.zeros(flats.numel(), dtype=torch.bool, device=flats.device)
     for layer, weight, shape, written, read in where:
-        index, inside = boxed(flats.cpu(), read)
+        index, inside = boxed(flats, read)
         if not bool(inside.any()):
             continue
         values = _values(layer, weight, shape, _at(written, index[inside]))
-        out[inside], held[inside] = values.cpu().to(dtype), True
-    return out.to(flats.device), held.to(flats.device)
+        out[inside], held[inside] = values.to(flats.device, dtype), True
+    return out, held
 
 
 def _values(layer: torch.nn.Module, weight: str, shape: Tuple[int, ...], flats: torch.Tensor) -> torch.Tensor:
