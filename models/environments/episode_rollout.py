@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from models.environments.episode_loop import EpisodeLoop, Group
-from models.environments.episodes import Episode, EpisodeLimits, per_episode, run_episodes, start_episodes, turn_stops
+from models.environments.episodes import Episode, EpisodeLimits, per_episode, run_episodes, start_group
 from models.engines.rollout import RolloutColumns, decode_responses
 from models.environments.tools import ToolCallParser
 
@@ -89,8 +89,7 @@ class UnitEpisodes:
         spec = self.spec_for(d.spec)
         rows = rows_of(d.data.take(range(start, end)))
         envs = [self.env_cls(dict(row)) for row in rows for _ in range(spec.n)]
-        episodes, chats, tools = start_episodes(envs, self.tokenizer, self.limits)
-        return Group(episodes, chats, tools, turn_stops(self.tokenizer, self.parser, spec), spec.seed, start * spec.n)
+        return start_group(envs, self.tokenizer, spec, self.limits, self.parser, start * spec.n)
 
     def columns(self, group: Group, d, start: int, end: int
                 ) -> Tuple[RolloutColumns, Dict[str, Any], Dict[str, float]]:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Sequence
 
 from models.environments.chat_tokens import ChatTokens
 from models.environments.episode_loop import EpisodeLoop, Group
@@ -136,27 +136,28 @@ def run_episodes(engine, tokenizer, envs: Sequence[Any], spec: SamplingSpec, lim
     ``t`` of episode ``k`` is seeded from ``stream_seed(spec.seed, t)``. ``first_index``: the position of ``envs[0]``
     in the whole batch (an asynchronous run samples a batch a few prompts at a time), added to every episode's
     (per episode) or active position's (lockstep) index in its seeds, so the episodes are those of the whole batch."""
-    episodes, chats, tools = start_episodes(envs, tokenizer, limits)
-    turn_spec = turn_stops(tokenizer, parser, spec)
+    group = start_group(envs, tokenizer, spec, limits, parser, first_index)
     if per_episode(engine, limits):
         loop = EpisodeLoop(engine, tokenizer, parser, limits, pool)
         try:
-            loop.add(Group(episodes, chats, tools, turn_spec, spec.seed, first_index))
+            loop.add(group)
             while loop.groups:
                 loop.step()
         finally:
             loop.close()
     else:
-        _lockstep(engine, tokenizer, episodes, chats, tools, turn_spec, spec.seed, limits, parser, pool, first_index)
-        for ep in episodes:
+        _lockstep(engine, tokenizer, group.episodes, group.chats, group.tools, group.turn_spec, spec.seed, limits,
+                  parser, pool, first_index)
+        for ep in group.episodes:
             ep.truncated = ep.truncated or not ep.done
-    return episodes
+    return group.episodes
 
 
-def start_episodes(envs: Sequence[Any], tokenizer, limits: EpisodeLimits
-                   ) -> Tuple[List[Episode], List[ChatTokens], List[Dict[str, Tool]]]:
-    """Each environment's first messages as its episode's first prompt (refused past ``limits.max_prompt_tokens``),
-    its chat and its tools by name (none for an environment that runs its own)."""
+def start_group(envs: Sequence[Any], tokenizer, spec: SamplingSpec, limits: EpisodeLimits, parser: ToolCallParser,
+                first_index: int = 0) -> Group:
+    """One episode per environment, started: its first messages as the episode's first prompt (refused past
+    ``limits.max_prompt_tokens``), its chat and its tools by name (none for an environment that runs its own), the
+    turns sampled as ``spec`` says and stopped at the parser's end of a call (:func:`turn_stops`)."""
     episodes, chats = [], []
     for env in envs:
         messages = list(env.start())  # before the tools: an adapter may learn them as it starts
@@ -167,7 +168,8 @@ def start_episodes(envs: Sequence[Any], tokenizer, limits: EpisodeLimits
                              f"data.max_prompt_tokens={limits.max_prompt_tokens} (its messages and tools through the "
                              f"chat template): {str(messages[-1].get('content', ''))[:80]!r}")
     env_tools = [() if getattr(env, "runs_tools", False) else tuple(getattr(env, "tools", ())) for env in envs]
-    return episodes, chats, [tools_by_name(t) for t in env_tools]
+    return Group(episodes, chats, [tools_by_name(t) for t in env_tools], turn_stops(tokenizer, parser, spec), spec.seed,
+                 first_index)
 
 
 def _lockstep(engine, tokenizer, episodes: List[Episode], chats: List[ChatTokens], tools, turn_spec: SamplingSpec,

@@ -161,7 +161,7 @@ class EpisodeStreamer(Streamer):
         self.runner = producer.episodes.loop(engine)
         self.loop = self.runner.loop
         self.target = engine.max_num_seqs() if hasattr(engine, "max_num_seqs") else 256
-        self.flights: dict = {}  # id(group) -> (its Flight, the group)
+        self.flights: dict = {}  # id(group) -> its Flight
 
     def _close(self) -> None:
         self.runner.close()
@@ -191,11 +191,11 @@ class EpisodeStreamer(Streamer):
     def _admit(self, version: int) -> None:
         for draw, start, end, epoch, d in self._claims(version):
             group = self.p.episodes.group(d, start, end)
-            self.flights[id(group)] = (Flight(draw, start, end, version, epoch, d, None, []), group)
+            self.flights[id(group)] = Flight(draw, start, end, version, epoch, d, None, [])
             self.runner.add(group)
 
     def _finish(self, group) -> None:
-        f, _ = self.flights.pop(id(group))
+        f = self.flights.pop(id(group))
         cols, extra, stats = self.p.episodes.columns(group, f.d, f.start, f.end)
         self.p.finished(f.draw, f.start, f.end, f.version, f.epoch, cols, None, (extra, stats))
 
@@ -203,4 +203,4 @@ class EpisodeStreamer(Streamer):
         flights, self.flights = list(self.flights.values()), {}
         with contextlib.suppress(Exception):  # an engine restarted under them has none of their requests
             self.runner.forget()
-        self.p.requeue([(f.draw, f.start, f.epoch) for f, _ in flights])
+        self.p.requeue([(f.draw, f.start, f.epoch) for f in flights])
