@@ -136,11 +136,7 @@ def trainer(rank: int, world: int, port: int, args, folder: str, out: str) -> No
             if rank == 0:
                 rows.append({"density": delta["resident/push_density"], "delta_bytes": delta["resident/weights_bytes"],
                              "full_bytes": full["resident/weights_bytes"], "delta_s": delta["seconds"],
-                             "full_s": full["seconds"], "params": full["resident/weights_params"],
-                             "delta_engine_s": delta.get("time/weights_receive_s", 0.0) +
-                             delta.get("time/weights_read_back_s", 0.0),
-                             "full_engine_s": full.get("time/weights_receive_s", 0.0) +
-                             full.get("time/weights_read_back_s", 0.0)})
+                             "full_s": full["seconds"], "params": full["resident/weights_params"]})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     finally:
         transport.close()
