@@ -103,10 +103,13 @@ def step_mode(count: int, sign_exceptions: int, step8_exceptions: int, itemsize:
 
 
 def exceptions_of(steps: Optional[torch.Tensor]) -> Tuple[int, int]:
-    """How many of ``steps`` SIGN and STEP8 cannot carry ((0, 0) without steps)."""
+    """How many of ``steps`` SIGN and STEP8 cannot carry ((0, 0) without steps): one count of each step's byte."""
     if steps is None:
         return 0, 0
-    return int(exceptions(SIGN, steps).sum()), int(exceptions(STEP8, steps).sum())
+    as_bytes = steps.reshape(-1).view(torch.uint8)
+    tally = (np.bincount(as_bytes.numpy(), minlength=256) if as_bytes.device.type == "cpu"
+             else torch.bincount(as_bytes, minlength=256).cpu().numpy()).tolist()
+    return steps.numel() - tally[1] - tally[255], tally[128]  # not +1 or -1 (255); -128 (128)
 
 
 def mode_of(steps: Optional[torch.Tensor], itemsize: int) -> Tuple[int, int]:
@@ -141,7 +144,12 @@ def changed(new: torch.Tensor, old: Optional[torch.Tensor]) -> torch.Tensor:
         new, old = new.reshape(-1).view(as_int), old.reshape(-1).view(as_int)
     if new.device.type != "cpu":
         return (new.reshape(-1) != old.reshape(-1)).nonzero().reshape(-1)
-    out = np.flatnonzero(new.reshape(-1).numpy() != old.reshape(-1).numpy())
+    return _flatnonzero(torch.from_numpy(new.reshape(-1).numpy() != old.reshape(-1).numpy()))
+
+
+def _flatnonzero(mask: torch.Tensor) -> torch.Tensor:
+    """The positions (int64, ascending) where the flat bool ``mask`` (on the CPU) is set: numpy's scan."""
+    out = np.flatnonzero(mask.numpy())
     return torch.from_numpy(out) if out.size else torch.zeros(0, dtype=torch.int64)  # (numpy's empty: stride 0)
 
 
@@ -188,17 +196,23 @@ def sparse_code(numel: int, indices: torch.Tensor, itemsize: int, full: bool = T
                   exact)
 
 
-def _pack_bits(indices: torch.Tensor, numel: int) -> torch.Tensor:
-    mask = torch.zeros(_up(numel, 8), dtype=torch.uint8)
-    mask[indices] = 1
-    weights = (1 << torch.arange(8, dtype=torch.int32)).to(torch.uint8)  # [8]: LSB first
-    return (mask.view(-1, 8) * weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)[:-(-numel // 8)]  # [ceil(N/8)]
+def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A bool ``mask`` (on the CPU) as bits, LSB first: ``[ceil(N / 8)]`` uint8."""
+    return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
+
+
+def _mask(indices: torch.Tensor, numel: int) -> torch.Tensor:
+    mask = torch.zeros(numel, dtype=torch.bool)
+    mask[indices] = True
+    return mask
 
 
 def _unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """The bits of ``packed`` (LSB first) as ``[numel]`` bool, where ``packed`` is."""
+    if packed.device.type == "cpu":
+        return torch.from_numpy(np.unpackbits(packed.numpy(), count=numel, bitorder="little").view(np.bool_))
     shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    mask = (packed.unsqueeze(1) >> shifts) & 1  # [ceil(N/8), 8]
-    return mask.reshape(-1)[:numel].nonzero().reshape(-1)  # [c] int64, ascending
+    return ((packed.unsqueeze(1) >> shifts) & 1).reshape(-1)[:numel].bool()  # [numel]
 
 
 def encode(code: int, numel: int, indices: Optional[torch.Tensor], values: torch.Tensor,
@@ -209,16 +223,15 @@ def encode(code: int, numel: int, indices: Optional[torch.Tensor], values: torch
     raw = values.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
     if mode != RAW:
         steps = steps.cpu()
-        ordinals = exceptions(mode, steps).nonzero().reshape(-1)  # [E]
-        carried = steps.view(torch.uint8) if mode == STEP8 else _pack_bits((steps > 0).nonzero().reshape(-1),
-                                                                           steps.numel())
+        ordinals = _flatnonzero(exceptions(mode, steps))  # [E]
+        carried = steps.view(torch.uint8) if mode == STEP8 else _pack_bits(steps > 0)
         parts = [carried, torch.tensor([ordinals.numel()], dtype=torch.int64).view(torch.uint8),
                  ordinals.to(torch.int32).view(torch.uint8), raw.view(values.dtype)[ordinals].view(torch.uint8)]
         raw = torch.cat([_padded(parts[0]), parts[1], _padded(parts[2]), parts[3]])
     if code == FULL:
         return raw
     if code == BITMAP:
-        head = _pack_bits(indices.cpu(), numel)
+        head = _pack_bits(_mask(indices.cpu(), numel))
     elif code == BLOCK8:
         indices = indices.cpu()
         counts = torch.bincount(indices >> _SHIFT, minlength=-(-numel // BLOCK)).to(torch.uint8)  # [blocks]
@@ -242,7 +255,7 @@ def decode(code: int, payload: torch.Tensor, shape, dtype: torch.dtype, count: i
     head = _head(code, numel, count)
     values, exact = (payload[head:].view(dtype), None) if mode == RAW else _steps(mode, payload[head:], count, dtype)
     if code == BITMAP:
-        indices = _unpack_bits(payload[:-(-numel // 8)], numel)
+        indices = _unpack_bits(payload[:-(-numel // 8)], numel).nonzero().reshape(-1)  # [c] ascending
     elif code == BLOCK8:
         blocks = -(-numel // BLOCK)
         counts = payload[:blocks].cpu().numpy()
@@ -267,8 +280,7 @@ def _steps(mode: int, payload: torch.Tensor, count: int, dtype: torch.dtype):
     if mode == STEP8:
         steps = payload[:count].view(torch.int8)
     else:
-        steps = torch.full((count,), -1, dtype=torch.int8, device=payload.device)
-        steps[_unpack_bits(payload[:carried], count)] = 1
+        steps = _unpack_bits(payload[:carried], count).to(torch.int8) * 2 - 1  # set: +1, clear: -1
     n = int(payload[carried:carried + 8].view(torch.int64).item())
     at = carried + 8
     ordinals = payload[at:at + 4 * n].view(torch.int32).to(torch.int64)

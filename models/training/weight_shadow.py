@@ -16,15 +16,21 @@ caught where a sample of the whole tensor would rarely land.
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from kernels.bit_steps import changed_steps
 from models.engines.weight_delta import (FULL, RAW, Delta, changed, choose, encode, exceptions_of,
                                          mode_of, sparse_code, step_mode, steps_of)
 from models.engines.weight_stream import SAMPLES, bits
 from models.training.weight_source import WeightSource
+
+
+GROUP_ELEMENTS = 1 << 28
+"""Elements (of whole tensors) whose deltas are made together, a few collectives for all of them
+(:class:`_Sharded`): five a tensor cost a push of the 0.6B model 0.4 s of waiting on gloo's round trips."""
 
 
 class Shadow:
@@ -46,21 +52,37 @@ class Shadow:
         sharded = source.sharded()
         if not sharded and not source.info.is_main:
             return
+        parts, size = [], 0
         for i, (name, t) in enumerate(source.state.items()):
             gen = torch.Generator().manual_seed(int(push) * 1_000_003 + i)
             cast = dtype if t.dtype.is_floating_point else None
-            whole = not hasattr(t, "to_local") or _replicated(t)
             local = t.detach().to_local() if hasattr(t, "to_local") else t.detach()
-            new = _host_copy(local if cast is None else local.to(cast), local)
-            old = self.tensors.get(name)
-            indices = changed(new, old)  # [c] ascending
-            self.tensors[name] = new
-            old = old if cast is not None and new.element_size() in (2, 4) and \
-                old is not None and old.shape == new.shape and old.dtype == new.dtype else None  # steps from it
-            if whole:
-                yield name, _whole_delta(new, old, indices, gen) if source.info.is_main else None
-            else:
-                yield name, _sharded_delta(t, new, old, indices, gen, source, cast)
+            parts.append(_Part(name, t, *self._changed(name, local, cast), gen, cast))
+            size += t.numel()
+            if size >= GROUP_ELEMENTS:
+                yield from _group(parts, source.info)
+                parts, size = [], 0
+        yield from _group(parts, source.info)
+
+    def _changed(self, name: str, local: torch.Tensor, cast: Optional[torch.dtype]
+                 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """This rank's part of ``name`` at the engine's dtype (kept from now as the engine's), the flat positions of
+        its elements whose bits changed ([c], ascending) and their steps (:func:`~models.engines.weight_delta.
+        steps_of`; None where the part kept is not of the same shape and dtype, or the values are not floats of 2 or
+        4 bytes). A float32 part on the host goes through one pass (:func:`kernels.bit_steps.changed_steps`), which
+        updates the part kept in place; otherwise the cast, the compare and the steps are passes of their own."""
+        old = self.tensors.get(name)
+        fast = changed_steps(local, old) if cast is not None and old is not None and old.dtype == cast else None
+        if fast is not None:
+            indices, values, steps = fast
+            old.reshape(-1)[indices] = values
+            return old, indices, steps
+        new = _host_copy(local if cast is None else local.to(cast), local)
+        indices = changed(new, old)  # [c] ascending
+        self.tensors[name] = new
+        stepping = cast is not None and new.element_size() in (2, 4) and \
+            old is not None and old.shape == new.shape and old.dtype == new.dtype
+        return new, indices, steps_of(new.reshape(-1)[indices], old.reshape(-1)[indices]) if stepping else None
 
 
 def _host_copy(t: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
@@ -94,16 +116,9 @@ def _sample_table(positions: torch.Tensor, values_bits: torch.Tensor) -> torch.T
     return torch.stack([positions[keep], values_bits[keep]])
 
 
-def _steps(new: torch.Tensor, old: Optional[torch.Tensor], indices: torch.Tensor) -> Optional[torch.Tensor]:
-    """The steps of the changed elements' bits (:func:`~models.engines.weight_delta.steps_of`; None without
-    ``old``)."""
-    return None if old is None else steps_of(new.reshape(-1)[indices], old.reshape(-1)[indices])  # [c] int8
-
-
-def _whole_delta(new: torch.Tensor, old: Optional[torch.Tensor], indices: torch.Tensor, gen: torch.Generator
+def _whole_delta(new: torch.Tensor, steps: Optional[torch.Tensor], indices: torch.Tensor, gen: torch.Generator
                  ) -> Delta:
     flat, numel = new.reshape(-1), new.numel()
-    steps = _steps(new, old, indices)
     mode, exact = mode_of(steps, new.element_size())
     code = sparse_code(numel, indices, new.element_size(), mode=mode, exact=exact)
     payload = encode(code, numel, indices, flat if code == FULL else flat[indices], steps)
@@ -111,60 +126,122 @@ def _whole_delta(new: torch.Tensor, old: Optional[torch.Tensor], indices: torch.
     return Delta(code, indices.numel(), payload, _sample_table(at, bits(flat[at])))
 
 
-def _sharded_delta(t, new: torch.Tensor, old: Optional[torch.Tensor], local_idx: torch.Tensor, gen: torch.Generator,
-                   source: WeightSource, cast: Optional[torch.dtype]) -> Optional[Delta]:
-    """A tensor FSDP2 shards along dim 0 (``ceil(rows / ranks)`` rows a rank): counts and the steps' modes
-    all-gathered, the changed elements (or, smaller, the whole tensor) gathered to rank 0, the samples anywhere
-    summed to it."""
-    from models.training.weight_shards import gather_to
+class _Part(NamedTuple):
+    """One tensor of a push on this rank: the trained tensor, this rank's part at the engine's dtype (``new``),
+    its changed elements' flat positions in the part and their steps, the samples' generator, the cast."""
 
-    info, device = source.info, source.info.device
-    numel, rows = t.numel(), t.shape[0]
-    row = numel // rows if rows else 0
-    start = min(info.rank * math.ceil(rows / info.world_size), rows) * row  # my first element's flat position
-    steps = _steps(new, old, local_idx)
-    here = [local_idx.numel(), *exceptions_of(steps), int(steps is None)]
-    counts = [torch.zeros(4, dtype=torch.int64, device=device) for _ in range(info.world_size)]
-    dist.all_gather(counts, torch.tensor(here, dtype=torch.int64, device=device))
-    counts_list = [int(c[0].item()) for c in counts]
-    total = torch.stack(counts).sum(dim=0).tolist()  # changed, SIGN's and STEP8's exceptions, ranks without steps
-    mode, exact = (RAW, 0) if total[3] else step_mode(total[0], total[1], total[2], new.element_size())
-    code = choose(numel, sum(counts_list), new.element_size(), mode=mode, exact=exact)
-    anywhere = _positions(gen, numel)
-    mine = (anywhere >= start) & (anywhere < start + new.numel())
-    held = torch.where(mine, bits(new.reshape(-1)[(anywhere - start).clamp(0, max(new.numel() - 1, 0))])
-                       if new.numel() else torch.zeros_like(anywhere), torch.zeros_like(anywhere)).to(device)
-    dist.reduce(held, dst=0)
-    if code == FULL:
-        whole = gather_to(t, 0, info, torch.device("cpu"), cast)
-        if whole is None:
+    name: str
+    t: Any
+    new: torch.Tensor
+    indices: torch.Tensor
+    steps: Optional[torch.Tensor]
+    gen: torch.Generator
+    cast: Optional[torch.dtype]
+
+    @property
+    def whole(self) -> bool:
+        return not hasattr(self.t, "to_local") or _replicated(self.t)
+
+
+def _group(parts: List[_Part], info) -> Iterator[Tuple[str, Optional[Delta]]]:
+    """The deltas of ``parts`` in their order; those of tensors FSDP2 shards along dim 0 (``ceil(rows / ranks)``
+    rows a rank) made together (:class:`_Sharded`: every rank takes part)."""
+    sharded = [p for p in parts if not p.whole]
+    together = _Sharded(sharded, info) if sharded else None
+    for p in parts:
+        if p.whole:
+            yield p.name, _whole_delta(p.new, p.steps, p.indices, p.gen) if info.is_main else None
+        else:
+            yield p.name, together.delta(p)
+
+
+class _Sharded:
+    """Sharded tensors' deltas, a few collectives for all of them: each rank's counts (changed elements, the
+    exceptions SIGN and STEP8 would leave, whether it has steps) all-gathered, so every rank picks every tensor's
+    encoding alike; the bits at the samples anywhere summed to rank 0 from the rank holding each; then one gather to
+    rank 0 of every rank's changed elements (positions, values, steps) of the tensors a sparse encoding carries, and
+    for any that is smaller whole (:data:`~models.engines.weight_delta.FULL`) its own gather, in order."""
+
+    def __init__(self, parts: List[_Part], info) -> None:
+        self.info, device = info, info.device
+        here, held, self.anywhere, self.plans = [], [], {}, {}
+        self.starts = {}
+        for p in parts:
+            numel, rows = p.t.numel(), p.t.shape[0]
+            self.starts[p.name] = [min(r * math.ceil(rows / info.world_size), rows) * (numel // rows if rows else 0)
+                                   for r in range(info.world_size)]  # each rank's first element's flat position
+            start = self.starts[p.name][info.rank]
+            at = _positions(p.gen, numel)
+            mine = (at >= start) & (at < start + p.new.numel())
+            flat = p.new.reshape(-1)
+            held.append(torch.where(mine, bits(flat[(at - start).clamp(0, max(flat.numel() - 1, 0))])
+                                    if flat.numel() else torch.zeros_like(at), torch.zeros_like(at)))
+            here.append([p.indices.numel(), *exceptions_of(p.steps), int(p.steps is None)])
+            self.anywhere[p.name] = at
+        counts = [torch.zeros(len(parts), 4, dtype=torch.int64, device=device) for _ in range(info.world_size)]
+        dist.all_gather(counts, torch.tensor(here, dtype=torch.int64, device=device))
+        self.counts = torch.stack(counts).cpu()  # [ranks, parts, 4]
+        held_all = torch.cat(held).to(device)
+        dist.reduce(held_all, dst=0)
+        self.held = dict(zip([p.name for p in parts], held_all.cpu().split([h.numel() for h in held])))
+        for k, p in enumerate(parts):
+            total = self.counts[:, k].sum(dim=0).tolist()  # changed, SIGN's and STEP8's exceptions, ranks w/o steps
+            size = p.new.element_size()
+            mode, exact = (RAW, 0) if total[3] else step_mode(total[0], total[1], total[2], size)
+            self.plans[p.name] = (choose(p.t.numel(), total[0], size, mode=mode, exact=exact), mode, exact, k)
+        self.gathered = self._gather([p for p in parts if self.plans[p.name][0] != FULL])
+
+    def _gather(self, parts: List[_Part]) -> Dict[str, List[torch.Tensor]]:
+        """Rank 0: per tensor its changed elements' positions (in the whole tensor), values and steps (with a mode
+        of steps), every rank's in rank order (ascending): one gather of each rank's bytes, padded to the most."""
+        if not parts:
+            return {}
+        info = self.info
+        count = self.counts[:, [self.plans[p.name][3] for p in parts], 0]  # [ranks, parts]
+        wide = max(p.new.numel() for p in parts) >= 1 << 31  # positions within a rank's part: int32 where they fit
+        position = torch.int64 if wide else torch.int32
+        sizes = torch.tensor([[8 if wide else 4, p.new.element_size(), int(self.plans[p.name][1] != RAW)]
+                              for p in parts])
+        lengths = [(count[r, :, None] * sizes).t().reshape(-1).tolist() for r in range(info.world_size)]
+        mine = [p.indices.to(position).view(torch.uint8) for p in parts] + \
+            [p.new.reshape(-1)[p.indices].view(torch.uint8) for p in parts] + \
+            [p.steps.view(torch.uint8) if self.plans[p.name][1] != RAW else torch.zeros(0, dtype=torch.uint8)
+             for p in parts]  # positions, then values, then steps (as bytes: every backend gathers those)
+        most = max(sum(lens) for lens in lengths)
+        pad = torch.empty(most, dtype=torch.uint8)  # (the padding is never read)
+        pad[:sum(lengths[info.rank])] = torch.cat(mine)
+        got = [torch.empty(most, dtype=torch.uint8, device=info.device) for _ in lengths] if info.is_main else None
+        dist.gather(pad.to(info.device), got, dst=0)
+        if not info.is_main:
+            return {}
+        pieces = [list(g.cpu()[:sum(lens)].split(lens)) for g, lens in zip(got, lengths)]  # [ranks][3 * parts]
+        out = {}
+        for k, p in enumerate(parts):
+            starts = self.starts[p.name]  # [ranks]: each rank's first element's flat position in the whole tensor
+            kinds = [[pieces[r][j * len(parts) + k] for r in range(len(pieces))] for j in range(3)]
+            indices = torch.cat([at.view(position).to(torch.int64) + start for at, start in zip(kinds[0], starts)])
+            out[p.name] = [indices, torch.cat(kinds[1]).view(p.new.dtype)] + \
+                ([torch.cat(kinds[2]).view(torch.int8)] if self.plans[p.name][1] != RAW else [])
+        return out
+
+    def delta(self, p: _Part) -> Optional[Delta]:
+        """``p``'s delta on rank 0 (None on the others), its whole tensor gathered here where that is smaller."""
+        from models.training.weight_shards import gather_to
+
+        code, mode, exact, k = self.plans[p.name]
+        numel, anywhere, held = p.t.numel(), self.anywhere[p.name], self.held[p.name]
+        if code == FULL:
+            whole = gather_to(p.t, 0, self.info, torch.device("cpu"), p.cast)
+            if whole is None:
+                return None
+            return Delta(code, int(self.counts[:, k, 0].sum()), encode(FULL, numel, None, whole.reshape(-1)),
+                         _sample_table(anywhere, held))
+        if not self.info.is_main:
             return None
-        flat = whole.reshape(-1)
-        return Delta(code, sum(counts_list), encode(FULL, numel, None, flat),
-                     _sample_table(anywhere, held.cpu()))
-    parts = [local_idx + start, new.reshape(-1)[local_idx]] + ([steps] if mode != RAW else [])
-    gathered = _gather_changed(parts, counts_list, info)
-    if gathered is None:
-        return None
-    indices, values, *rest = gathered
-    code = sparse_code(numel, indices, new.element_size(), full=False, mode=mode, exact=exact)  # among sparse ones
-    at = _among(gen, indices)
-    table = torch.cat([torch.stack([anywhere, held.cpu()]),
-                       torch.stack([at, bits(values[torch.searchsorted(indices, at)])])], dim=1)
-    return Delta(code, indices.numel(), encode(code, numel, indices, values, *rest),
-                 _sample_table(table[0], table[1]))
-
-
-def _gather_changed(parts: List[torch.Tensor], counts: List[int], info) -> Optional[List[torch.Tensor]]:
-    """Every rank's ``parts`` (its changed elements' positions, values, steps: one element each), in rank order
-    (ascending), on rank 0 (as bytes, padded to the largest count for the gather); None on the others."""
-    most, device, out = max(counts), info.device, []
-    for part in parts:
-        size = part.element_size()
-        pad = torch.zeros(most * size, dtype=torch.uint8, device=device)  # as bytes: every backend gathers those
-        pad[:part.numel() * size] = part.contiguous().view(torch.uint8).to(device)
-        got = [torch.empty_like(pad) for _ in counts] if info.is_main else None
-        dist.gather(pad, got, dst=0)
-        if info.is_main:
-            out.append(torch.cat([p[:c * size].cpu() for p, c in zip(got, counts)]).view(part.dtype))
-    return out if info.is_main else None
+        indices, values, *rest = self.gathered.pop(p.name)
+        code = sparse_code(numel, indices, p.new.element_size(), full=False, mode=mode, exact=exact)
+        at = _among(p.gen, indices)
+        table = torch.cat([torch.stack([anywhere, held]),
+                           torch.stack([at, bits(values[torch.searchsorted(indices, at)])])], dim=1)
+        return Delta(code, indices.numel(), encode(code, numel, indices, values, *rest),
+                     _sample_table(table[0], table[1]))

@@ -1,6 +1,7 @@
 """The engine's copy kept per rank (models/training/weight_shadow.py) under FSDP2 on two gloo ranks: after a full
 push fills it, a few elements changed on each rank travel as a delta whose positions, applied onto the old whole
-tensor, give the new whole tensor (gathered the plain way) bit for bit, with samples that hold its bits; one rank
+tensor, give the new whole tensor (gathered the plain way) bit for bit, with samples that hold its bits, and so
+does the next delta against it, the tensors' collectives made one by one instead of together; one rank
 alone (no FSDP2) the same against the tensor itself. Elements moved by one or a few units in bfloat16's last place
 travel as steps of their bits (one bit or one byte each), added onto the old tensor, the few moved further as
 exceptions (their values); a few elements changed travel as their values."""
@@ -16,6 +17,7 @@ import torch.multiprocessing as mp
 from models.engines.weight_delta import FULL, RAW, SIGN, STEP8, decode, stepped
 from models.engines.weight_stream import bits
 from models.training.distributed import DistInfo
+from models.training import weight_shadow
 from models.training.weight_shadow import Shadow
 from models.training.weight_source import WeightSource
 from tests.processes import free_port
@@ -99,6 +101,12 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             assert all(d is not None for _, d in deltas)
         else:
             assert all(d is None for _, d in deltas)
+        weight_shadow.GROUP_ELEMENTS = 1  # a second delta, against the first, each tensor's collectives its own
+        bumped = torch.tensor([_bump(model)])
+        dist.all_reduce(bumped)
+        deltas, newer = list(shadow.deltas(source, BF16, push=6)), _whole(source)
+        if info.is_main:
+            assert _same_bits(_rebuilt(new, newer, deltas, int(bumped), RAW), newer) == []  # values
         open(os.path.join(out, f"ok{rank}"), "w").close()
     finally:
         dist.destroy_process_group()
