@@ -100,13 +100,17 @@ class TrainerHost(Host):
         return {}
 
     def forward(self, fn):
-        """``fn()`` with the model in eval mode, no gradients (every rank: FSDP2 forwards are collective)."""
+        """``fn()`` with the model in eval mode, no gradients (every rank: FSDP2 forwards are collective), then its
+        FSDP2 root resharded (FSDP2 keeps it gathered after a forward for the backward that follows in training:
+        here none follows, and the whole embedding would stay on every rank through the update's start)."""
         self.model.eval()
         try:
             with torch.no_grad():
                 return fn()
         finally:
             self.model.train()
+            if hasattr(self.model, "reshard"):
+                self.model.reshard()
 
 
 class ActorHost(TrainerHost):
@@ -182,22 +186,23 @@ class ActorHost(TrainerHost):
         return {**out, "time/weights_to_engine_s": time.perf_counter() - t0} if self.info.is_main else {}
 
     def push_plan(self, engine, version: int) -> Optional[Dict[str, Any]]:
-        """Rank 0, ``run.weight_push=delta``: this push's id, its samples' seed, and the push it is a delta against
-        ("": a full push, when the engine holds no push this trainer confirmed: a new or restarted engine, one
-        reloaded from a checkpoint, or one that cannot patch in place)."""
+        """Rank 0, ``run.weight_push=delta``: this push's id, its samples' seed, the push it is a delta against ("": a
+        full push, when the engine holds no push this trainer confirmed: a new or restarted engine, one reloaded
+        from a checkpoint, or one that cannot patch in place), and whether the ranks keep what they push (``keep``:
+        not for an engine that cannot patch, vLLM on CPU, whose every push is full)."""
         if self.shadow is None:
             return None
         try:
             reply = engine.call("held_push")
         except ServiceError:  # an engine without the op, or gone: the push itself says what is wrong
             reply = {}
-        held = str(reply.get("id", ""))
-        base = self.shadow.base if self.shadow.base and held == self.shadow.base else ""
-        if not base and reply.get("patchable"):
+        held, patchable = str(reply.get("id", "")), bool(reply.get("patchable"))
+        base = self.shadow.base if patchable and self.shadow.base and held == self.shadow.base else ""
+        if not base and patchable:
             print(f"[push] the weights of iteration {version} go to the engine as a full push (the engine holds "
                   f"{'push ' + held if held else 'no push'} of this trainer's, which last confirmed "
                   f"{self.shadow.base or 'none'})", flush=True)
-        return {"id": secrets.token_hex(8), "seed": secrets.randbelow(1 << 30), "base": base}
+        return {"id": secrets.token_hex(8), "seed": secrets.randbelow(1 << 30), "base": base, "keep": patchable}
 
     def close(self) -> None:
         self.transport.close()
@@ -223,19 +228,23 @@ def push_weights(transport: Transport, source: WeightSource, engine: Optional[Ca
         except Exception as err:  # noqa: BLE001 -- every rank learns it below; no gather began
             failed = _reason(err)
     plan, failed = from_main((plan, failed), waiting)  # every rank pushes alike: a delta, a full push, or none
+    kept = shadow if plan is None or plan.get("keep", True) else None
+    if shadow is not None and kept is None:  # the engine takes no delta: a copy kept would be memory for nothing
+        shadow.tensors.clear()
+        shadow.base = ""
     if not failed:
         if engine is None:
-            transport.follow(source, plan, shadow)  # every rank takes part in the gathers
+            transport.follow(source, plan, kept)  # every rank takes part in the gathers
         else:
             t1 = time.perf_counter()
             try:
-                out = transport.send(client, args, lm, source, plan, shadow)
+                out = transport.send(client, args, lm, source, plan, kept)
                 out["resident/push_s"] = time.perf_counter() - t1
             except Exception as err:  # noqa: BLE001 -- every rank learns it below, and keeps the weights
                 failed = _reason(err)
         failed = from_main(failed, waiting)  # every rank keeps or drops the update alike
-    if shadow is not None:  # a delta builds only on a push the engine confirmed
-        shadow.base = "" if failed or plan is None else plan["id"]
+    if kept is not None:  # a delta builds only on a push the engine confirmed
+        kept.base = "" if failed or plan is None else plan["id"]
     if failed:
         raise PushFailed(f"{failed} (the trainer keeps the weights: the same request sends them again)")
     return out

@@ -100,7 +100,8 @@ def check_on_device(device: torch.device, **models) -> None:
 def load_reference_ranks(cfg: TrainConfig, run: RunHandle, info: DistInfo, actor=None):
     """π_ref as the score on ``info``'s ranks holds it: with LoRA the ``actor`` (loaded) with its adapter off; on
     one rank the one-process score's (``model.dtype``), on ``info.device``; on several wrapped as the updates wrap
-    a model (``actor.sharding``: under FSDP2 each rank reads only its shard, float32 computing in ``model.dtype``).
+    a model (``actor.sharding``: under FSDP2 each rank reads only its shard and holds it at the checkpoint's dtype,
+    computing in ``model.dtype``).
     A collective on several ranks: every rank calls it."""
     from transformers import AutoModelForCausalLM
 
@@ -109,7 +110,7 @@ def load_reference_ranks(cfg: TrainConfig, run: RunHandle, info: DistInfo, actor
     if info.world_size == 1:
         return reference_scorer(cfg, run, None, None).to(info.device)
     return load_for_update(run.reference_url, AutoModelForCausalLM, cfg.model.dtype, LoraConfig(), CAUSAL_LM,
-                           PolicyLogprobs, cfg.model.pack_sequences, info, cfg.actor.sharding).eval()
+                           PolicyLogprobs, cfg.model.pack_sequences, info, cfg.actor.sharding, frozen=True).eval()
 
 
 PER_ROW = ("rm_reward",)
@@ -134,9 +135,9 @@ def load_scorers_ranks(cfg: TrainConfig, run: RunHandle, state: PolicyState, inf
 
     a = cfg.actor
 
-    def load(url, auto, lora, task_type, wrapper):
+    def load(url, auto, lora, task_type, wrapper):  # forwards only: frozen (the root resharded after each)
         return load_for_update(url, auto, cfg.model.dtype, lora, task_type, wrapper, cfg.model.pack_sequences,
-                               info, a.sharding).eval()
+                               info, a.sharding, frozen=True).eval()
 
     recompute = a.old_logprobs == "recompute"
     actor = load(state.actor_url, AutoModelForCausalLM, a.lora, CAUSAL_LM, PolicyLogprobs) \
@@ -160,7 +161,8 @@ def load_reward_model_ranks(cfg: TrainConfig, run: RunHandle, info: DistInfo):
         return None
     url, sharding = run.reward_model_url, cfg.actor.sharding
     if reads_shards(url, LoraConfig(), info, sharding):
-        return load_sharded(local_checkpoint(url), auto, info, sharding, torch.float32, lambda m: m).eval()
+        return load_sharded(local_checkpoint(url), auto, info, sharding, torch.float32, lambda m: m,
+                            frozen=True).eval()
     return wrap_for_training(load_hf(url, auto).eval(), info, sharding).eval()
 
 

@@ -75,17 +75,19 @@ def reads_shards(url: str, lora: LoraConfig, info: DistInfo, sharding: str) -> b
 
 def load_for_update(url: str, auto_cls, dtype: str, lora: LoraConfig, task_type: str,
                     wrapper: Callable[[nn.Module], nn.Module], pack: bool, info: DistInfo,
-                    sharding: str = "auto", activation_checkpointing: bool = False) -> nn.Module:
+                    sharding: str = "auto", activation_checkpointing: bool = False, frozen: bool = False) -> nn.Module:
     """``wrapper(model)`` of checkpoint ``url`` (:func:`load_trainable`) ready to train on ``info``'s ranks
     (:func:`models.training.distributed.wrap_for_training`), computing in ``dtype``; ``pack``:
     ``model.pack_sequences``; ``activation_checkpointing``: ``actor.activation_checkpointing`` (the critic's).
     Read rank by rank where :func:`reads_shards` says so: a LoRA model's
-    frozen base by shard (in ``dtype``, as :func:`load_trainable` loads it), its adapter whole."""
+    frozen base by shard (in ``dtype``, as :func:`load_trainable` loads it), its adapter whole; ``frozen``
+    (π_ref): the shards held at the checkpoint's dtype (:func:`~models.training.sharded_load.load_sharded`)."""
     compute = getattr(torch, dtype)
     if reads_shards(url, lora, info, sharding):
         local = local_checkpoint(url)
         if not lora.enabled:
-            return load_sharded(local, auto_cls, info, sharding, compute, wrapper, pack, activation_checkpointing)
+            return load_sharded(local, auto_cls, info, sharding, compute, wrapper, pack, activation_checkpointing,
+                                frozen)
         base = local_checkpoint(base_url(local)) if is_adapter(local) else local
         adapt = functools.partial(with_adapter, local_dir=local, spec=lora, task_type=task_type)
         return load_sharded_lora(local, base, auto_cls, info, sharding, compute, adapt, wrapper, pack,

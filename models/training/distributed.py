@@ -182,14 +182,20 @@ def checkpoint_activations(module: nn.Module) -> None:
 
 
 def wrap_for_training(module: nn.Module, info: DistInfo, sharding: str = "auto",
-                      compute_dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False) -> nn.Module:
+                      compute_dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
+                      held_dtype: torch.dtype = torch.float32, frozen: bool = False) -> nn.Module:
     """``module`` (a training wrapper of :mod:`models.training.policy`, float32 where it trains) ready to train
     on ``info.device``: FSDP2-sharded, in DDP, or itself for one process (see :data:`SHARDINGS`).
 
     ``compute_dtype`` below float32: forwards compute in it, the trained weights, their gradients
     and AdamW's state stay float32 (FSDP2's mixed precision, else the wrapper's autocast).
-    ``activation_checkpointing``: each decoder layer checkpointed first (:func:`checkpoint_activations`)."""
-    low = compute_dtype != torch.float32
+    ``activation_checkpointing``: each decoder layer checkpointed first (:func:`checkpoint_activations`).
+    ``held_dtype`` (FSDP2): the dtype ``module``'s weights are in, when not float32 (a frozen model held at its
+    checkpoint's bfloat16): each unit's weights cast to ``compute_dtype`` as they are gathered. ``frozen`` (FSDP2:
+    a model that only runs forwards): the root unit (embeddings, head) resharded after each forward, as the others
+    are; FSDP2 keeps a trained model's root gathered from its forward to its backward, which for a model that never
+    runs a backward held the whole embedding on every rank from one forward to the next (2.1 GB a rank at 8B)."""
+    low = compute_dtype != torch.float32 or held_dtype != compute_dtype
     if activation_checkpointing:
         checkpoint_activations(module)
     if uses_fsdp2(sharding, info):
@@ -203,7 +209,8 @@ def wrap_for_training(module: nn.Module, info: DistInfo, sharding: str = "auto",
         kw = {"mesh": mesh, **({"mp_policy": mp} if mp else {})}
         for layer in decoder_layers(module):
             fully_shard(layer, **kw)  # frozen base and trainable adapters share a unit: FSDP2 allows mixed requires_grad
-        fully_shard(module, **kw)  # the rest: embeddings, final norm, head, and every buffer
+        fully_shard(module, **kw, **({"reshard_after_forward": True} if frozen else {}))  # the rest: embeddings,
+        # final norm, head, and every buffer
         return module
     if low:
         module.autocast_dtype = compute_dtype

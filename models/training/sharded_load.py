@@ -204,18 +204,32 @@ def meta_model(local_dir: str, auto_cls, dtype: torch.dtype) -> nn.Module:
 
 def load_sharded(local_dir: str, auto_cls, info: DistInfo, sharding: str, compute_dtype: torch.dtype,
                  wrapper: Callable[[nn.Module], nn.Module], pack: bool = False,
-                 activation_checkpointing: bool = False) -> nn.Module:
+                 activation_checkpointing: bool = False, frozen: bool = False) -> nn.Module:
     """The full-weight checkpoint in ``local_dir`` as ``wrapper(model)`` (e.g. ``PolicyLogprobs``),
     FSDP2-sharded over ``info``'s ranks (``sharding`` must mean FSDP2 there), each rank reading only its
     rows, float32 master weights computing in ``compute_dtype``. ``pack``: ``model.pack_sequences``
     (checked on the loaded model, :func:`models.training.policy.with_packing`); ``activation_checkpointing``:
-    as :func:`wrap_for_training`'s.
+    as :func:`wrap_for_training`'s. ``frozen`` (π_ref, a reward model: never trained): the weights held at the
+    checkpoint's own dtype where every weight is stored at one below float32 (:func:`stored_dtype`), cast to
+    ``compute_dtype`` as each unit is gathered: the same forward as of float32 weights read from it (the cast
+    of a bfloat16 value to float32 is exact), in half their memory, the root unit resharded after each forward
+    (:func:`~models.training.distributed.wrap_for_training`'s ``frozen``).
 
     A collective: every rank calls it. Returns the module :func:`wrap_for_training` returns."""
-    model = meta_model(local_dir, auto_cls, torch.float32)
+    held = (stored_dtype(local_dir) if frozen else None) or torch.float32
+    model = meta_model(local_dir, auto_cls, held)
     module = disable_dropout(model.eval())
     return _shard_and_read(wrapper(module), model, local_dir, info, sharding, compute_dtype, pack,
-                           activation_checkpointing=activation_checkpointing)
+                           activation_checkpointing=activation_checkpointing, held_dtype=held, frozen=frozen)
+
+
+def stored_dtype(local_dir: str) -> Optional[torch.dtype]:
+    """The one floating dtype below float32 (bfloat16, float16) every floating tensor of ``local_dir``'s
+    safetensors files is stored at; None when they are float32 or of several dtypes."""
+    found = {SAFETENSORS_DTYPES.get(entry["dtype"]) for path in set(tensor_files(local_dir).values())
+             for entry in read_header(path)[0].values()}
+    floating = {d for d in found if d is not None and d.is_floating_point}
+    return floating.pop() if len(floating) == 1 and next(iter(floating)).itemsize < 4 else None
 
 
 def load_sharded_lora(local_dir: str, base_dir: str, auto_cls, info: DistInfo, sharding: str,
@@ -249,10 +263,11 @@ def load_sharded_lora(local_dir: str, base_dir: str, auto_cls, info: DistInfo, s
 def _shard_and_read(top: nn.Module, model: nn.Module, local_dir: str, info: DistInfo, sharding: str,
                     compute_dtype: torch.dtype, pack: bool, given: Optional[Dict[str, torch.Tensor]] = None,
                     rename: Callable[[str], str] = lambda name: name,
-                    activation_checkpointing: bool = False) -> nn.Module:
+                    activation_checkpointing: bool = False, held_dtype: torch.dtype = torch.float32,
+                    frozen: bool = False) -> nn.Module:
     """``top`` (a wrapper of meta-device ``model``) FSDP2-sharded, its storage made and every rank's rows
     read (:func:`fill_from_checkpoint` of ``local_dir``, ``given`` and ``rename`` passed on)."""
-    module = wrap_for_training(top, info, sharding, compute_dtype, activation_checkpointing)
+    module = wrap_for_training(top, info, sharding, compute_dtype, activation_checkpointing, held_dtype, frozen)
     if not hasattr(module, "reshard"):
         raise ValueError(f"sharded load: sharding {sharding!r} over {info.world_size} rank(s) is not FSDP2")
     materialise(module, model, info.device)

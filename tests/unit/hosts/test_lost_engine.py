@@ -157,3 +157,32 @@ def test_a_stage_outlives_a_restarted_engine(tmp_path, monkeypatch):
     with pytest.raises(ServiceError, match=r"load returned 409: WrongIteration: not a committed checkpoint"):
         call_stage(cfg, run, ENGINE, "rollout", gone)
     resident.stop_services(run)
+
+
+class Engine:
+    """The engine service's client: it holds push ``held`` and says whether it takes deltas."""
+
+    def __init__(self, held: str, patchable: bool):
+        self.reply = {"id": held, "patchable": patchable}
+
+    def call(self, name, *args):
+        assert name == "held_push"
+        return self.reply
+
+
+@pytest.mark.parametrize("patchable", [True, False])
+def test_the_ranks_keep_the_engines_copy_only_for_an_engine_that_takes_deltas(monkeypatch, patchable):
+    """``run.weight_push=delta`` with vLLM on CPU (no in-place patch): every push is full, and the ranks' copy of the
+    engine's weights (the model's size at the engine's dtype) is not kept for deltas that never come."""
+    host = actor_host(monkeypatch, [])
+    host.shadow = trainers.Shadow()
+    host.shadow.tensors, host.shadow.base = {"lm.weight": torch.zeros(2, 2, dtype=torch.bfloat16)}, "p1"
+    sent = []
+    host.transport.send = lambda engine, args, lm, source, plan=None, shadow=None: sent.append((plan, shadow)) or {}
+    engine = Engine("p1", patchable)
+    trainers.push_weights(host.transport, None, lambda: engine, {"version": 4}, None, None, 1.0, host.push_plan,
+                          host.shadow)
+    (plan, shadow), = sent
+    assert plan["base"] == ("p1" if patchable else "") and plan["keep"] is patchable  # a delta against p1, or full
+    assert (shadow is host.shadow) is patchable
+    assert bool(host.shadow.tensors) is patchable and (host.shadow.base == plan["id"]) is patchable

@@ -57,7 +57,24 @@ def committed(qwen2_chat_dir, llama_bpe_dir, tmp_path_factory):
         save_checkpoint(str(src), str(root / name))
         out[name] = str(root / name)
     out["adapter"] = _trained_adapter(out["qwen2"], str(root / "adapter"))
+    out["bf16"] = _in_bfloat16(out["qwen2"], root / "bf16-src", str(root / "bf16"))
     return out
+
+
+def _in_bfloat16(ckpt: str, folder, url: str) -> str:
+    """``ckpt`` with its weights stored in bfloat16, as hub checkpoints ship, committed at ``url``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from models.checkpoint import save_checkpoint
+
+    shutil.copytree(ckpt, folder, ignore=shutil.ignore_patterns("COMMITTED.json", "*.safetensors"))
+    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
+    save_file({k: v.bfloat16() for k, v in tensors.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    save_checkpoint(str(folder), url)
+    return url
 
 
 def _trained_adapter(base: str, url: str) -> str:
@@ -155,13 +172,34 @@ def _lora_load_and_train(name: str, ckpt: str, info: DistInfo, commit_url: str) 
             "sharded": is_sharded(sharded), "inner": inner}
 
 
+def _frozen(ckpt: str, info: DistInfo) -> dict:
+    """On every rank: π_ref of the bfloat16 ``ckpt`` loaded by shard as the score loads it (``frozen``: held in
+    bfloat16) and as a trained model is (float32); their forwards and the bytes and dtypes each rank holds."""
+    auto, task, wrapper, _ = role("actor")
+    models = [load_for_update(ckpt, auto, "float32", LoraConfig(), task, wrapper, True, info, "fsdp2", frozen=f).eval()
+              for f in (True, False)]
+    held = [_held(m) for m in models]
+    with torch.no_grad():
+        forwards = [m(padded_rows(LENGTHS, vocab=200)) for m in models]
+    return {"forwards": [f[0] if isinstance(f, tuple) else f for f in forwards], "held": held,
+            "after": [_held(m) for m in models], "dtypes": [sorted({str(p.dtype) for p in m.parameters()})
+                                                           for m in models]}
+
+
+def _held(model) -> int:
+    """The bytes of ``model``'s weights this rank holds (gathered or its shards)."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in model.parameters())
+
+
 def _worker(rank: int, world: int, port: int, cases: dict, out_dir: str) -> None:
     import torch.distributed as dist
 
     info = join_gloo(rank, world, port)
     try:
         for case, (name, ckpt) in cases.items():
-            if case in LORA_CASES:
+            if case == "frozen":
+                out = _frozen(ckpt, info)
+            elif case in LORA_CASES:
                 out = _lora_load_and_train(name, ckpt, info, os.path.join(out_dir, f"{case}-commit"))
             else:
                 out = _load_and_train(name, ckpt, info)
@@ -185,6 +223,7 @@ def two_ranks(committed, tmp_path_factory):
     out = tmp_path_factory.mktemp("sharded-load")
     cases = {case: (name, committed[case]) for case, name in CASES.items()}
     cases.update({case: (name, committed[ckpt]) for case, (name, ckpt) in LORA_CASES.items()})
+    cases["frozen"] = ("actor", committed["bf16"])
     mp.spawn(_worker, args=(2, free_port(), cases, str(out)), nprocs=2, join=True)
     return {case: torch.load(out / f"{case}.pt") for case in cases} | {"out": out}
 
@@ -262,6 +301,19 @@ def test_two_ranks_read_their_shards_of_a_lora_base_as_the_whole_load(case, two_
     prefix = f"{got['inner']}."
     for key, value in got["trained"][0].items():
         assert torch.equal(peft_loaded[key[len(prefix):]], value), key
+
+
+@pytest.mark.slow  # starts two ranks
+def test_a_frozen_model_is_held_at_its_checkpoints_dtype_and_scores_as_in_float32(two_ranks):
+    """π_ref of a bfloat16 checkpoint, held by shard in bfloat16 (gathered and cast to float32 unit by unit), gives
+    the log-probs of the float32 load bit for bit, in half its bytes on each rank, and after a forward holds no
+    more than before it."""
+    got = two_ranks["frozen"]
+    assert got["dtypes"] == [["torch.bfloat16"], ["torch.float32"]]
+    assert got["held"][0] * 2 == got["held"][1]
+    assert got["after"][0] == got["held"][0]  # the root resharded after the forward: no embedding held whole
+    assert got["after"][1] > got["held"][1]  # (a trained model's root stays gathered for its backward)
+    assert got["forwards"][0].dtype == torch.float32 and torch.equal(got["forwards"][0], got["forwards"][1])
 
 
 def _empty_like_checkpoint(ckpt: str, auto):
