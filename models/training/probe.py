@@ -156,6 +156,8 @@ def _forward_logprobs(model, seqs: List[List[int]]) -> Logprobs:
             logp, _ = policy.eval()(inputs, temperature=1.0, with_entropy=False)  # [B, L-1]
     finally:
         policy.train(training)
+        if hasattr(model, "reshard"):  # an FSDP2 root stays gathered after a forward: no backward follows this one
+            model.reshard()
     return tuple(tuple(float(x) for x in row) for row in logp.float().cpu())
 
 

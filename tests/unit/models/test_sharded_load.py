@@ -23,6 +23,7 @@ from models.stages.updates import load_for_update, load_trainable, reads_shards
 from models.training.distributed import DistInfo, full_state_dict, is_sharded, unwrap, wrap_for_training
 from models.training.lora import CAUSAL_LM, TOKEN_CLS, load_pretrained
 from models.training.policy import CriticValues, PolicyLogprobs, with_packing
+from models.training.probe import reference_logprobs
 from models.training.sharded_load import fill_from_checkpoint, materialise, tensor_files
 from models.training.update import actor_loss_fn, critic_loss_fn, make_optimizer, run_update
 from tests.processes import free_port
@@ -181,9 +182,11 @@ def _frozen(ckpt: str, info: DistInfo) -> dict:
     held = [_held(m) for m in models]
     with torch.no_grad():
         forwards = [m(padded_rows(LENGTHS, vocab=200)) for m in models]
+    after = [_held(m) for m in models]
+    reference_logprobs(models[1], 200)  # the probe's forward of a trained model (the push's): resharded after
     return {"forwards": [f[0] if isinstance(f, tuple) else f for f in forwards], "held": held,
-            "after": [_held(m) for m in models], "dtypes": [sorted({str(p.dtype) for p in m.parameters()})
-                                                           for m in models]}
+            "after": after, "probed": _held(models[1]),
+            "dtypes": [sorted({str(p.dtype) for p in m.parameters()}) for m in models]}
 
 
 def _held(model) -> int:
@@ -307,12 +310,13 @@ def test_two_ranks_read_their_shards_of_a_lora_base_as_the_whole_load(case, two_
 def test_a_frozen_model_is_held_at_its_checkpoints_dtype_and_scores_as_in_float32(two_ranks):
     """π_ref of a bfloat16 checkpoint, held by shard in bfloat16 (gathered and cast to float32 unit by unit), gives
     the log-probs of the float32 load bit for bit, in half its bytes on each rank, and after a forward holds no
-    more than before it."""
+    more than before it; so does a trained model after the probe's forward."""
     got = two_ranks["frozen"]
     assert got["dtypes"] == [["torch.bfloat16"], ["torch.float32"]]
     assert got["held"][0] * 2 == got["held"][1]
     assert got["after"][0] == got["held"][0]  # the root resharded after the forward: no embedding held whole
     assert got["after"][1] > got["held"][1]  # (a trained model's root stays gathered for its backward)
+    assert got["probed"] == got["held"][1]
     assert got["forwards"][0].dtype == torch.float32 and torch.equal(got["forwards"][0], got["forwards"][1])
 
 
