@@ -18,12 +18,13 @@ or no numba (it comes with vLLM).
 
 from __future__ import annotations
 
+import threading
 from typing import Optional, Tuple
 
 import numpy as np
 import torch
 
-__all__ = ["changed_steps"]
+__all__ = ["changed_steps", "warm"]
 
 _KERNELS = {}
 """dtype -> the compiled loop, built on first use (numba compiles in ~0.5 s)."""
@@ -64,13 +65,31 @@ def _compile():
             torch.float32: (loop, False, 32, np.int32, torch.int32)}
 
 
+_LOCK = threading.Lock()
+
+
 def _kernels():
-    if not _KERNELS:
-        try:
-            _KERNELS.update(_compile())
-        except ImportError:
-            _KERNELS[None] = None  # no numba: every call takes the separate passes
+    with _LOCK:
+        if not _KERNELS:
+            try:
+                _KERNELS.update(_compile())
+            except ImportError:
+                _KERNELS[None] = None  # no numba: every call takes the separate passes
     return _KERNELS
+
+
+def warm() -> threading.Thread:
+    """Compile the loop for both dtypes in a background thread (numba compiles at a signature's first call, ~0.6 s
+    in all): a trainer that will push deltas starts it when it starts, not at its first push. A call meanwhile waits
+    for the compile."""
+    def run() -> None:
+        src = torch.zeros(8)
+        for dtype in (torch.bfloat16, torch.float32):
+            changed_steps(src, src.to(dtype))
+
+    thread = threading.Thread(target=run, name="bit-steps-compile", daemon=True)
+    thread.start()
+    return thread
 
 
 def changed_steps(src: torch.Tensor, held: torch.Tensor, capacity: Optional[int] = None

@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from kernels.bit_steps import changed_steps
+from kernels.bit_steps import changed_steps, warm
 from models.engines.weight_delta import (FULL, RAW, Delta, changed, choose, encode, exceptions_of,
                                          mode_of, sparse_code, step_mode, steps_of)
 from models.engines.weight_stream import SAMPLES, bits
@@ -40,6 +40,7 @@ class Shadow:
     def __init__(self) -> None:
         self.tensors: Dict[str, torch.Tensor] = {}
         self.base = ""
+        warm()  # the one pass's compile, meanwhile (:func:`kernels.bit_steps.changed_steps`)
 
     def keep(self, name: str, local: torch.Tensor) -> None:
         """A full push's part of ``name`` (this rank's, at the engine's dtype): kept as the engine's."""

@@ -73,3 +73,4 @@ def test_where_it_does_not_apply():
     pos, new, steps = changed_steps(src, held)
     assert pos.numel() == new.numel() == steps.numel() == 0
     assert pos.view(torch.uint8).numel() == 0  # nothing changed: empty tensors a delta can still lay out as bytes
+
