@@ -129,7 +129,7 @@ class ActorHost(TrainerHost):
         self.rewards = reward_source(cfg, run, info.device) if one_rm else None
         self.transport = transport_for(cfg, run.reference_url)  # rank 0's end, kept between pushes
         self.waiting = waiting_group(cfg.run.resident_push_wait_s + cfg.run.resident_answer_timeout_s)
-        delta = cfg.run.weight_push == "delta" and not cfg.actor.lora.enabled
+        delta = cfg.run.weight_push == "delta" and not cfg.actor.lora.enabled and cfg.run.resident_layout != "colocated"
         self.shadow = Shadow() if delta else None  # each rank's part of the engine's copy of the last push
 
     @property

@@ -40,7 +40,7 @@ class Shadow:
     def __init__(self) -> None:
         self.tensors: Dict[str, torch.Tensor] = {}
         self.base = ""
-        warm()  # the one pass's compile, meanwhile (:func:`kernels.bit_steps.changed_steps`)
+        warm()  # the one pass's library built meanwhile (:func:`kernels.bit_steps.changed_steps`)
 
     def keep(self, name: str, local: torch.Tensor) -> None:
         """A full push's part of ``name`` (this rank's, at the engine's dtype): kept as the engine's."""

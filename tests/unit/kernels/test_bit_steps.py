@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.bit_steps import changed_steps
+from kernels.bit_steps import changed_steps, library
 from models.engines.weight_delta import changed, steps_of
 
-pytest.importorskip("numba")
+pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler builds kernels/bit_steps.py")
 
 INT = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
