@@ -184,9 +184,9 @@ class _Never:
 _NEVER = _Never()
 
 
-def rows_for(results: Dict[str, Measured], layers: int) -> List[Row]:
+def rows_for(results: Dict[str, Measured], layers: int, ranks: int = 2) -> List[Row]:
     trl = results.get("trl")
-    shape = f"Qwen3-0.6B shape, {layers} layers, GRPO 4x4x32, 2 ranks"
+    shape = f"Qwen3-0.6B shape, {layers} layers, GRPO 4x4x32, {ranks} rank{'s' * (ranks != 1)}"
     out: List[Row] = []
     for name, m in results.items():
         where = f"{name} ({shape})"
@@ -233,7 +233,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                          else run_ours(mode, a, work, args.iterations, args.override))
         print(f"{mode}: peak {results[mode].peak_gib:.2f} GiB ({results[mode].peak_parts}); "
               f"iteration ends {len(results[mode].ends)}; {results[mode].error[-300:]}", flush=True)
-    rows = rows_for(results, args.layers)
+    ranks = [o.split("=", 1)[1] for o in args.override if o.startswith("actor.nproc_per_node=")]
+    rows = rows_for(results, args.layers, int(ranks[-1]) if ranks else load_config(PRESET).actor.nproc_per_node)
     print_rows(rows)
     write_rows(args.json, rows)
     if args.keep or any(m.error for m in results.values()):

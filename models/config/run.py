@@ -134,8 +134,8 @@ class RunConfig:
     """What the resident actor trainer does with π_ref between the iterations' scores (a KL penalty's reference;
     with LoRA it is the actor with its adapter off and holds nothing): ``keep`` it loaded for the whole run (sharded
     as the actor), or ``reload`` it from the reference checkpoint for each score and free it after, so the update
-    does not hold it (at Qwen3-0.6B's shape in float32: 1.2 GB a rank of 2 less, for a read of each rank's shard
-    per iteration; the same results). Read only with ``run.resident=true``."""
+    does not hold it (at Qwen3-0.6B's shape, held by shard at its checkpoint's bfloat16: 0.6 GB a rank of 2 less,
+    for a read of each rank's shard per iteration; the same results). Read only with ``run.resident=true``."""
     resident_idle_timeout_s: float = 1800.0
     """A resident service with no request for this long stops by itself (a backstop: the run stops its
     services when it finishes or fails)."""
