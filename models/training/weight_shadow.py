@@ -199,7 +199,8 @@ class _Sharded:
             return {}
         info = self.info
         count = self.counts[:, [self.plans[p.name][3] for p in parts], 0]  # [ranks, parts]
-        wide = max(p.new.numel() for p in parts) >= 1 << 31  # positions within a rank's part: int32 where they fit
+        wide = max(p.t.numel() for p in parts) >= 1 << 31  # positions within a rank's part: int32 where any fits
+        # (decided from the whole tensors, so that every rank lays its bytes out alike)
         position = torch.int64 if wide else torch.int32
         sizes = torch.tensor([[8 if wide else 4, p.new.element_size(), int(self.plans[p.name][1] != RAW)]
                               for p in parts])
