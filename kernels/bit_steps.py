@@ -7,7 +7,7 @@ steps between the two bit patterns, without materialising the cast tensor.
 :mod:`models.engines.weight_delta`): bfloat16's rounding is float32's to nearest, ties to even (torch's, c10's
 ``round_to_nearest_even``), the steps wrap at the element's width and are -128 outside -127..127. One C loop reads 6
 bytes an element (bfloat16: 4 of the source, 2 held) and writes 11 per changed element; the separate passes read
-and write the whole tensor four times (on one core of the test machine: 0.16 s against 0.54 s for 140M elements at
+and write the whole tensor four times (on one core of the test machine: 0.17-0.18 s against 0.54 s for 140M elements at
 4 % changed, ``benchmarks/bench_delta_push.py``).
 
 The loop is C built by the machine's C compiler (``cc``, ``$CC``) on first use into the cache
