@@ -33,32 +33,17 @@ import functools
 import json
 import math
 import os
-import struct
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
 
+from models.checkpoint.tensor_file import SAFETENSORS_DTYPES, read_exactly, read_header
 from models.training.distributed import DistInfo, wrap_for_training
 from models.training.policy import with_packing
 from models.training.update import disable_dropout
 
 INDEX = "model.safetensors.index.json"
-
-
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                      "U8": torch.uint8, "BOOL": torch.bool}
-
-
-def read_header(path: str) -> Tuple[Dict[str, dict], int]:
-    """A safetensors file's header (tensor name → ``dtype``, ``shape``, ``data_offsets``) and the byte
-    where its data starts (the format: an 8-byte little-endian header length, the JSON header, the data)."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    header.pop("__metadata__", None)
-    return header, 8 + length
 
 
 def tensor_files(local_dir: str) -> Dict[str, str]:
@@ -88,12 +73,7 @@ def read_rows(f, entry: dict, data_start: int, start: int, out: torch.Tensor) ->
     buf = out if direct else torch.empty(out.shape, dtype=dtype)  # on the host, then copied (a GPU's shard)
     view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
     f.seek(data_start + entry["data_offsets"][0] + start * row_bytes)
-    done = 0
-    while done < len(view):
-        got = f.readinto(view[done:])
-        if not got:
-            raise ValueError(f"{f.name}: ends inside a tensor (truncated file)")
-        done += got
+    read_exactly(f, view)
     if buf is not out:
         out.copy_(buf)
 

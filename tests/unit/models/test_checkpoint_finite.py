@@ -3,6 +3,7 @@ by an update, not as a copy of a user's checkpoint; a committed checkpoint it wo
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -47,3 +48,44 @@ def test_a_user_checkpoint_with_nan_weights_is_refused(qwen2_chat_dir, tmp_path)
                                               r"weight, model\.norm\.weight\)"):
         save_checkpoint(str(src), str(tmp_path / "reference"))
     assert not is_committed(str(tmp_path / "reference"))
+
+
+def _peak_rss_since_reset() -> int:
+    """This process's peak resident set (VmHWM) in bytes since :func:`_reset_peak`."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS (Linux 4.0+)
+
+
+def test_the_scan_and_the_digest_read_blocks_not_the_whole_file(tmp_path, monkeypatch):
+    """A bad value anywhere in a tensor that spans many blocks is found (here past the first block, and in its last
+    element), in bfloat16 and float32; the digest is BLAKE3's of the bytes; neither grows the process's resident set by
+    the file (a memory map did: the whole file by the end of the pass)."""
+    import blake3
+    from safetensors.torch import save_file
+
+    from models.checkpoint import file_digest, nonfinite_tensors
+    from models.checkpoint import tensor_file
+
+    monkeypatch.setattr(tensor_file, "BLOCK", 1 << 20)
+    big = torch.zeros(96 << 20, dtype=torch.uint8)  # 96 MiB of float32 zeros, finite
+    tensors = {"a.finite": big.view(torch.float32), "b.late_nan": torch.zeros(3 << 20, dtype=torch.bfloat16),
+               "c.last_inf": torch.zeros(1 << 19), "d.ints": torch.full((7,), -1, dtype=torch.int32)}
+    tensors["b.late_nan"][(1 << 20) + 5] = float("nan")  # in the third block of 1 MiB
+    tensors["c.last_inf"][-1] = float("-inf")
+    path = str(tmp_path / "state.safetensors")
+    save_file(tensors, path)
+    del big, tensors
+    with open(path, "rb") as f:
+        expected = {"size": os.path.getsize(path), "blake3": blake3.blake3(f.read()).hexdigest()}
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("no /proc/self/clear_refs to reset the peak resident set")
+    for scan, want in ((nonfinite_tensors, ["b.late_nan", "c.last_inf"]), (file_digest, expected)):
+        _reset_peak()
+        base = _peak_rss_since_reset()
+        assert scan(path) == want
+        assert _peak_rss_since_reset() - base < 40 << 20, scan.__name__  # a map of the 100 MiB file: ~100 MiB more

@@ -1,0 +1,75 @@
+"""Safetensors files read with plain reads, never a memory map: what a check or a sharded load reads stays in the
+page cache, not in the reading process's resident set.
+
+A memory map's pages count in the process's RSS as they are touched, the whole file by the end of a pass over it: a
+checkpoint's commit that hashed and checked its 4.4 GiB optimizer state through maps (BLAKE3's ``update_mmap``,
+``safe_open``) grew the trainer's RSS by that much for seconds, the peak of a one-rank resident run at Qwen3-0.6B's
+shape (``benchmarks/bench_real_shape.py``; a pod's memory limit and the OOM killer count those pages too).
+
+The format: an 8-byte little-endian header length, the JSON header (tensor name → ``dtype``, ``shape``,
+``data_offsets`` from the start of the data), the data.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Dict, List, Tuple
+
+import torch
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+BLOCK = 16 << 20
+"""Bytes read at a time where a pass needs no more than a block (hashing, the finite check)."""
+
+
+def read_header(path: str) -> Tuple[Dict[str, dict], int]:
+    """A safetensors file's header (tensor name → ``dtype``, ``shape``, ``data_offsets``) and the byte
+    where its data starts."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
+
+def read_exactly(f, view: memoryview) -> None:
+    """Fill ``view`` from ``f``'s position; a file that ends first is a truncated one."""
+    done = 0
+    while done < len(view):
+        got = f.readinto(view[done:])
+        if not got:
+            raise ValueError(f"{f.name}: ends inside a tensor (truncated file)")
+        done += got
+
+
+def nonfinite_tensors(path: str) -> List[str]:
+    """Names of the floating-point tensors of the safetensors file ``path`` that hold NaN or ±inf, read a block at a
+    time. A file that is no safetensors file gives none (loading it fails on its own, with its error)."""
+    try:
+        header, start = read_header(path)
+    except (OSError, ValueError, struct.error, UnicodeDecodeError):
+        return []
+    bad = []
+    buf = torch.empty(BLOCK, dtype=torch.uint8)
+    with open(path, "rb", buffering=0) as f:
+        for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            if entry["dtype"] not in FLOAT_DTYPES:
+                continue
+            dtype = SAFETENSORS_DTYPES.get(entry["dtype"]) or getattr(torch, _FP8[entry["dtype"]])
+            lo, hi = entry["data_offsets"]
+            step = BLOCK - BLOCK % dtype.itemsize
+            f.seek(start + lo)
+            for at in range(lo, hi, step):
+                n = min(step, hi - at)
+                read_exactly(f, memoryview(buf[:n].numpy()))
+                if not bool(torch.isfinite(buf[:n].view(dtype)).all()):
+                    bad.append(name)
+                    break
+    return sorted(bad)
+
+
+_FP8 = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
