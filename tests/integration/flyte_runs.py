@@ -4,11 +4,13 @@ home folder (no test reads or pollutes ``~/.flyte``), stdout and stderr in a log
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
@@ -21,17 +23,27 @@ def isolated_env(home: Path, extra: Optional[Mapping[str, str]] = None) -> dict:
     """This environment with ``HOME`` (hence Flyte's ``~/.flyte/local-cache``) under ``home``;
     the demo-model cache, matplotlib's font cache and vLLM's cache stay where they are (they are keyed by
     content, as a user's stay between runs: without its ``modelinfos``, every vLLM engine inspects the model's
-    class in a fresh interpreter that imports vLLM, 5-10 s of CPU)."""
+    class in a fresh interpreter that imports vLLM, 5-10 s of CPU), and so does torch inductor's, where a test sets
+    its own ``TMPDIR`` (inductor's default is under it: vLLM's sampler compiled its kernels again in each such run,
+    ~12 s of the first rollout)."""
     from models.demos.builders import cache_dir
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", TQDM_DISABLE="1", TRANSFORMERS_VERBOSITY="error",
                VLLM_LOGGING_LEVEL="WARNING", RLHF_CACHE_DIR=cache_dir(),
                MPLCONFIGDIR=os.environ.get("MPLCONFIGDIR") or os.path.expanduser("~/.cache/matplotlib"),
-               VLLM_CACHE_ROOT=os.environ.get("VLLM_CACHE_ROOT") or os.path.expanduser("~/.cache/vllm"))
+               VLLM_CACHE_ROOT=os.environ.get("VLLM_CACHE_ROOT") or os.path.expanduser("~/.cache/vllm"),
+               TORCHINDUCTOR_CACHE_DIR=inductor_cache())
     env["HOME"] = str(home)
     home.mkdir(parents=True, exist_ok=True)
     env.update(extra or {})
     return env
+
+
+def inductor_cache() -> str:
+    """Torch inductor's cache folder as this process has it (``$TORCHINDUCTOR_CACHE_DIR``, else its default under
+    ``$TMPDIR``), for a child given a ``TMPDIR`` of its own."""
+    return (os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+            or os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
 
 
 class FlyteRun:
