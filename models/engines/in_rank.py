@@ -13,6 +13,11 @@ scores and updates, and wakes for the rollout (:func:`sleep` / :func:`wake`, eac
 - vLLM on the CPU, where sleep mode is a no-op ("sleep mode is not supported on CPU"): the KV cache's storage is
   freed (``resize_(0)``, the prefix cache reset first) and given back before the rollout; the layers' views see
   the restored storage (the spike of issue #39, ``sleep_cpu.py``: the same samples after a free and restore).
+  ``discard_weights`` frees the weights too (:func:`free_weights`: every parameter's storage, and the copies the
+  CPU's GEMM packed, which each linear layer's ``cpu_linear`` holds); waking ``weights`` gives the parameters their
+  storage back, and the full push that follows writes every one and packs every layer again (vLLM's layerwise
+  reload copies into the parameters' storage and runs each layer's processing). At Qwen3-0.6B's shape in bfloat16
+  that is 0.9 GiB of weights and the 1 GiB KV cache out of the engine from the rollout to the push.
 - The HF engine holds no cache between calls: nothing to free (0 s).
 """
 
@@ -60,6 +65,44 @@ def restore_kv(worker: Any) -> int:
     return sum(n for _, n in held)
 
 
+_FREED_WEIGHTS: Dict[int, List[Any]] = {}
+"""Per worker (its id): the parameters' storages freed and their sizes."""
+
+
+def _discarded(*args, **kwargs):
+    raise RuntimeError("this engine's weights were discarded (it slept before a full-weight push) and no push came "
+                       "since: it cannot generate before new weights are loaded")
+
+
+def free_weights(worker: Any) -> int:
+    """In a vLLM worker on the CPU: free every parameter's storage and drop the packed copies of the linear layers
+    (their ``cpu_linear`` closures, replaced by one that refuses to run); the bytes of parameter storage freed. A
+    full push (:func:`restore_weights` first) makes them again."""
+    if id(worker) in _FREED_WEIGHTS:
+        return 0
+    storages: Dict[int, Any] = {}
+    for module in worker.model_runner.model.modules():
+        if "cpu_linear" in module.__dict__:
+            module.cpu_linear = _discarded
+        for p in module.parameters(recurse=False):
+            s = p.untyped_storage()
+            if s.nbytes():
+                storages.setdefault(s.data_ptr(), (s, s.nbytes()))
+    for storage, _ in storages.values():
+        storage.resize_(0)
+    _FREED_WEIGHTS[id(worker)] = list(storages.values())
+    return sum(n for _, n in storages.values())
+
+
+def restore_weights(worker: Any) -> int:
+    """In a vLLM worker: the parameters' storage back at its size, contents undefined until a push writes them; the
+    bytes restored."""
+    held = _FREED_WEIGHTS.pop(id(worker), [])
+    for storage, nbytes in held:
+        storage.resize_(nbytes)
+    return sum(n for _, n in held)
+
+
 def _vllm(engine) -> Any:
     return getattr(engine, "llm", None)
 
@@ -89,13 +132,16 @@ def sleep(engine, discard_weights: bool = False) -> float:
         else:
             reset_prefix_cache(llm)  # no prefix may be served from a freed cache
             llm.collective_rpc(free_kv)
+            if discard_weights:
+                llm.collective_rpc(free_weights)
+                _DISCARDED[llm] = True
     return time.perf_counter() - t0
 
 
 def wake(engine, tags: Sequence[str] = TAGS) -> float:
     """Wake ``engine``'s ``tags`` (of :data:`TAGS`; those asleep): all for a rollout, ``("weights",)`` before new
-    weights go in and ``("kv_cache",)`` once they are loaded; the seconds it took. On the CPU the weights never
-    sleep: the KV cache's storage comes back with ``kv_cache``."""
+    weights go in and ``("kv_cache",)`` once they are loaded; the seconds it took. On the CPU the parameters'
+    storage comes back with ``weights`` (for the push to fill), the KV cache's with ``kv_cache``."""
     t0 = time.perf_counter()
     llm = _vllm(engine)
     if llm is not None:
@@ -105,8 +151,11 @@ def wake(engine, tags: Sequence[str] = TAGS) -> float:
             if wanted:
                 llm.wake_up(tags=wanted)
                 asleep.difference_update(wanted)
-        elif "kv_cache" in tags:
-            llm.collective_rpc(restore_kv)
+        else:
+            if "weights" in tags:
+                llm.collective_rpc(restore_weights)
+            if "kv_cache" in tags:
+                llm.collective_rpc(restore_kv)
     return time.perf_counter() - t0
 
 

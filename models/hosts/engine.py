@@ -11,6 +11,12 @@ With ``run.max_staleness`` k ≥ 2 the engine samples without waiting (:class:`~
 started by the first ``rollout``, at its iteration): ``rollout`` takes the iteration's batch from its buffer, new
 weights are loaded (and verified) as soon as the unit under way is sampled, and every op that uses the engine
 takes its turn between two units.
+
+On the CPU, in lockstep (on-policy, no producer) and where a full-weight push follows (an engine that takes no
+deltas, no LoRA adapter), the engine frees its KV cache and its weights once the rollout is sampled
+(:func:`models.engines.in_rank.sleep`), as a colocated engine does: the trainer scores and updates meanwhile, and the
+push gives them back. An op asked of it before the push (an evaluation a cluster ran first) loads the state's
+committed actor in place first.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from typing import Any, Callable, Dict, Optional
 
 from models.checkpoint import is_committed
 from models.config import TrainConfig
-from models.checkpoint.local import load_tokenizer
+from models.checkpoint.local import load_tokenizer, local_checkpoint
+from models.engines import in_rank
 from models.hosts.async_batch import take_rollout
 from models.hosts.producer import EngineTurns, Producer
 from models.hosts.transports import transport_for
@@ -73,6 +80,10 @@ class EngineHost(Host):
     def serve(self, state: Dict[str, Any]) -> PolicyState:
         """The request's state, once the engine serves its actor: the one held, or the next one kept pending."""
         state = PolicyState(**state)
+        if in_rank.weights_discarded(self.engine) and state.iteration == self.version:  # asked before the push
+            in_rank.wake(self.engine)
+            self.engine.load_weights(local_checkpoint(state.actor_url))
+            in_rank.weights_loaded(self.engine)
         if state.iteration != self.version and state.iteration in self.pending:
             apply = self.pending.pop(state.iteration)
             self.version = -1  # until the new weights are in and verified
@@ -90,7 +101,19 @@ class EngineHost(Host):
         if self.cfg.run.asynchronous:
             return self.take(state)
         out = run_rollout(self.cfg, self.run, self.serve(state), ahead, engine=self.engine)
-        return {"batch": out.batch.uri, "stats": out.stats}
+        stats = dict(out.stats)
+        if self.discards(ahead):
+            stats["resident/sleep_s"] = in_rank.sleep(self.engine, discard_weights=True)
+        return {"batch": out.batch.uri, "stats": stats}
+
+    def discards(self, ahead: int) -> bool:
+        """Whether the engine frees its KV cache and weights after this rollout (see the module docstring): on the
+        CPU, in lockstep, when the next thing it is given is a full-weight push."""
+        import torch
+
+        run = self.cfg.run
+        return (not ahead and not run.asynchronous and not run.pipelined and not self.cfg.actor.lora.enabled
+                and not torch.cuda.is_available() and not getattr(self.engine, "patchable", False))
 
     def take(self, state: Dict[str, Any]) -> Dict[str, Any]:
         """The iteration's batch from the producer's buffer (the same request again: the same batch)."""
@@ -167,8 +190,10 @@ class EngineHost(Host):
         """The actor of iteration ``version`` from the trainer: taken now, loaded now or (``defer``, off-policy)
         when a request asks for that actor."""
         keep = defer or self.cfg.run.asynchronous  # kept until served, or until the producer's unit is sampled
+        wake_s = 0.0
         if not keep:
             self.version = -1  # until the new weights are in and verified, the engine serves no iteration
+            wake_s = in_rank.wake(self.engine)  # storage for the weights the push writes (slept since the rollout)
         self.accepted = ""  # until this push is taken whole
         put = self.transport.receive(meta or {}, body, None if keep else self.engine)  # streamed in, or kept
         pushed = str((meta or {}).get("header", {}).get("id", ""))
@@ -180,8 +205,9 @@ class EngineHost(Host):
             result = verify_reference(self.engine, probe["sequences"], probe["logprobs"], float(tolerance),
                                       f"the actor of iteration {version} (in memory)")
             self.version = int(version)
+            in_rank.weights_loaded(self.engine)
             return {**pushed, "rollout/probe_gap_max": result.gap_max if result is not None else 0.0,
-                    "time/weights_load_s": time.perf_counter() - t0}
+                    "time/weights_load_s": time.perf_counter() - t0, "resident/wake_s": wake_s}
 
         if defer:
             self.pending[int(version)] = load

@@ -106,3 +106,44 @@ def test_min_new_tokens_masks_stop_tokens(engine):
     forced = SamplingSpec(temperature=0.0, max_new_tokens=6, min_new_tokens=6, stop_token_ids=[first[0]])
     gen = engine.generate(PROMPTS[:1], forced)[0][0]
     assert len(gen.tokens) == 6 and first[0] not in gen.tokens and not gen.is_end
+
+
+def _held_by_the_worker(worker) -> list:
+    """In the worker: the bytes its parameters' storage holds, and whether any linear layer can still compute."""
+    model = worker.model_runner.model
+    from models.engines import in_rank
+    from models.engines.in_rank import _discarded
+
+    found: dict = {}
+    in_rank._storages(worker.model_runner.kv_caches, found)
+    return [sum(p.untyped_storage().nbytes() for p in model.parameters()),
+            any(m.__dict__.get("cpu_linear", _discarded) is not _discarded for m in model.modules()),
+            sum(s.nbytes() for s in found.values())]
+
+
+def test_weights_discarded_on_the_cpu_come_back_with_a_full_push(engine, ckpts):
+    """A CPU engine that slept discarding its weights (the separate layout's engine service and a colocated rank
+    between the rollout and the push: ``models/engines/in_rank.py``) frees every parameter's storage and the linear
+    layers' packed copies; once the push (all of the served state, from
+    memory) is in, it samples the same tokens and gives the same log-probs, bit for bit, as before it slept."""
+    import psutil
+
+    from models.engines import in_rank
+    from tests.unit.models.engine_tensors import sent_state
+
+    sequences = [[3, 5, 7, 11, 13, 17, 19, 23]]
+    before, lp_before = engine.generate(PROMPTS, SAMPLE), engine.prompt_logprobs(sequences)
+    _, computes, kv = engine.llm.collective_rpc(_held_by_the_worker)[0]
+    assert computes and kv > 0  # awake
+    rss = psutil.Process().memory_info().rss
+    in_rank.sleep(engine, discard_weights=True)
+    assert in_rank.weights_discarded(engine)
+    assert engine.llm.collective_rpc(_held_by_the_worker) == [[0, False, 0]]
+    assert psutil.Process().memory_info().rss <= rss - kv  # the KV cache's pages went back to the machine (this
+    # model's 0.6 MB of weights stay in malloc's arenas; the weights' GiB at the real shape: bench_real_shape.py)
+    in_rank.wake(engine, ("weights",))
+    engine.load_tensors(sent_state(ckpts["a"])[0])
+    in_rank.weights_loaded(engine)
+    in_rank.wake(engine, ("kv_cache",))
+    assert [[g.tokens for g in p] for p in engine.generate(PROMPTS, SAMPLE)] == [[g.tokens for g in p] for p in before]
+    assert engine.prompt_logprobs(sequences) == lp_before and not in_rank.weights_discarded(engine)
