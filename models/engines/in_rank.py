@@ -65,8 +65,9 @@ def restore_kv(worker: Any) -> int:
     return sum(n for _, n in held)
 
 
-_FREED_WEIGHTS: Dict[int, List[Any]] = {}
-"""Per worker (its id): the parameters' storages freed and their sizes."""
+_FREED_WEIGHTS = "_rlhf_freed_weights"
+"""The worker's attribute holding its parameters' storages freed and their sizes (on the worker itself: a worker of
+an engine closed while asleep takes its record with it)."""
 
 
 def _discarded(*args, **kwargs):
@@ -78,7 +79,7 @@ def free_weights(worker: Any) -> int:
     """In a vLLM worker on the CPU: free every parameter's storage and drop the packed copies of the linear layers
     (their ``cpu_linear`` closures, replaced by one that refuses to run); the bytes of parameter storage freed. A
     full push (:func:`restore_weights` first) makes them again."""
-    if id(worker) in _FREED_WEIGHTS:
+    if getattr(worker, _FREED_WEIGHTS, None):
         return 0
     storages: Dict[int, Any] = {}
     for module in worker.model_runner.model.modules():
@@ -90,14 +91,15 @@ def free_weights(worker: Any) -> int:
                 storages.setdefault(s.data_ptr(), (s, s.nbytes()))
     for storage, _ in storages.values():
         storage.resize_(0)
-    _FREED_WEIGHTS[id(worker)] = list(storages.values())
+    setattr(worker, _FREED_WEIGHTS, list(storages.values()))
     return sum(n for _, n in storages.values())
 
 
 def restore_weights(worker: Any) -> int:
     """In a vLLM worker: the parameters' storage back at its size, contents undefined until a push writes them; the
     bytes restored."""
-    held = _FREED_WEIGHTS.pop(id(worker), [])
+    held = getattr(worker, _FREED_WEIGHTS, None) or []
+    setattr(worker, _FREED_WEIGHTS, [])
     for storage, nbytes in held:
         storage.resize_(nbytes)
     return sum(n for _, n in held)
