@@ -13,6 +13,7 @@ The format: an 8-byte little-endian header length, the JSON header (tensor name 
 from __future__ import annotations
 
 import json
+import os
 import struct
 from typing import Dict, List, Tuple
 
@@ -29,9 +30,15 @@ BLOCK = 16 << 20
 def read_header(path: str) -> Tuple[Dict[str, dict], int]:
     """A safetensors file's header (tensor name → ``dtype``, ``shape``, ``data_offsets``) and the byte
     where its data starts."""
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
+        if length > size - 8:
+            raise ValueError(f"{path} is not a safetensors file: its first 8 bytes give a header of {length} bytes, "
+                             f"the file has {size}")
         header = json.loads(f.read(length))
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file: its header is no JSON object")
     header.pop("__metadata__", None)
     return header, 8 + length
 

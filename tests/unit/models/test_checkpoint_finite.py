@@ -89,3 +89,17 @@ def test_the_scan_and_the_digest_read_blocks_not_the_whole_file(tmp_path, monkey
         base = _peak_rss_since_reset()
         assert scan(path) == want
         assert _peak_rss_since_reset() - base < 40 << 20, scan.__name__  # a map of the 100 MiB file: ~100 MiB more
+
+
+def test_a_file_that_is_no_safetensors_is_not_scanned(tmp_path):
+    """Bytes whose first 8 give a header longer than the file (or no JSON object): no tensors to check, and no read
+    of that many bytes (the scan read 8 EiB's worth and failed with MemoryError)."""
+    from models.checkpoint import nonfinite_tensors
+    from models.checkpoint.tensor_file import read_header
+
+    for i, data in enumerate((b"not weights at all, just text", b"\x02\x00\x00\x00\x00\x00\x00\x00[]")):
+        path = tmp_path / f"{i}.safetensors"
+        path.write_bytes(data)
+        assert nonfinite_tensors(str(path)) == []
+        with pytest.raises(ValueError, match="is not a safetensors file"):
+            read_header(str(path))
