@@ -1,10 +1,11 @@
 """The public CLI on a checkpoint at a real width and vocabulary: ``configs/qwen3_grpo.yaml`` (Qwen3-0.6B's shape,
 cut to 2 decoder layers: 1,024 wide, the tied 151,936-row embedding, Qwen3's real tokenizer, chat template and two eos
 ids, TRL-format conversational prompts and a TRL-style reward function) through ``pyflyte run``, 2 iterations of GRPO
-on 2 FSDP2 ranks with vLLM each time (#46 item 4): resident in the separate layout (the update's weights pushed in
-place into the engine service between them) and in the colocated one (one rank with its own engine, the weights
-loaded into it in process), and stateless with LoRA adapters and multi-turn episodes (the calculator environment,
-Qwen3's template rendering its turns, vLLM serving the adapter on the base).
+with vLLM each time (#46 item 4): resident on one actor rank, as docs/real_checkpoints.md advises on one machine,
+in the separate layout (the update's weights pushed in place into the engine service between them, the engine's
+weights and KV cache freed from the rollout to the push) and in the colocated one (the rank's own engine, the
+weights loaded into it in process), and stateless on 2 FSDP2 ranks with LoRA adapters and multi-turn episodes (the
+calculator environment, Qwen3's template rendering its turns, vLLM serving the adapter on the base).
 
 What a user of such a checkpoint relies on: the engine starts with the run's context, not the checkpoint's 40,960
 tokens (what failed before #46); it samples from the distribution the trainer scores (the log-prob gap at float32
@@ -54,8 +55,8 @@ def test_a_qwen3_shaped_checkpoint_trains_resident_through_the_cli(tmp_path, run
     env = isolated_env(tmp_path / "home", {"MLFLOW_TRACKING_URI": db, "TMPDIR": str(tmp_path), "RLHF_VERBOSE": "1",
                                            "VLLM_LOGGING_LEVEL": "INFO"})
     out = FlyteRun("workflows/reinforce.py", "reinforce_training", "configs/qwen3_grpo.yaml",
-                   [f"run.storage_root={runs}", f"run.resident_layout={placement}"] + OVERRIDES +
-                   (["actor.nproc_per_node=1"] if placement == "colocated" else []), "qwen3", env,
+                   [f"run.storage_root={runs}", f"run.resident_layout={placement}", "actor.nproc_per_node=1"]
+                   + OVERRIDES, "qwen3", env,
                    tmp_path / "run.log").wait(900)
     assert "Run qwen3 finished: 2 iterations of grpo." in out, out[-3000:]
 
@@ -64,6 +65,7 @@ def test_a_qwen3_shaped_checkpoint_trains_resident_through_the_cli(tmp_path, run
     metrics = run.data.metrics
     assert run.info.status == "FINISHED"
     assert metrics["rollout/logprob_gap_max"] < 1e-4  # float32 engine and trainer: rounding only
+    assert "resident/sleep_s" in metrics and "resident/wake_s" in metrics  # the engine freed its weights and cache
     # the push: every parameter once at the engine's dtype (float32), the tied embedding counted once; sent to the
     # engine service (separate), or loaded into the rank's own engine (colocated)
     assert metrics["resident/weights_params"] == 151936 * 1024 + 2 * 15_730_944 + 1024  # layers, final norm
