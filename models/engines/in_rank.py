@@ -25,14 +25,33 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import Any, Dict, List, Sequence, Set
+from typing import Any, Dict, Sequence, Set
 
 import torch
 
 from models.engines.vllm_steps import reset_prefix_cache
 
-_FREED: Dict[int, List[Any]] = {}
-"""Per worker (its id): the KV cache's storages freed and their sizes (the worker is this process's)."""
+_KV_RECORD, _WEIGHTS_RECORD = "_rlhf_freed_kv_cache", "_rlhf_freed_weights"
+"""A worker's attributes holding the storages freed and their sizes (on the worker itself: a worker of an engine
+closed while asleep takes its records with it)."""
+
+
+def _free(worker: Any, record: str, storages) -> int:
+    """Free ``storages`` (``resize_(0)``), recorded on ``worker`` as ``record``; the bytes freed."""
+    held = [(s, s.nbytes()) for s in storages if s.nbytes()]
+    for storage, _ in held:
+        storage.resize_(0)
+    setattr(worker, record, held)
+    return sum(n for _, n in held)
+
+
+def _restore(worker: Any, record: str) -> int:
+    """The storages of ``worker``'s ``record`` back at their sizes; the bytes restored."""
+    held = getattr(worker, record, None) or []
+    setattr(worker, record, [])
+    for storage, nbytes in held:
+        storage.resize_(nbytes)
+    return sum(n for _, n in held)
 
 
 def _storages(kv: Any, found: Dict[int, torch.UntypedStorage]) -> None:
@@ -45,29 +64,17 @@ def _storages(kv: Any, found: Dict[int, torch.UntypedStorage]) -> None:
 
 def free_kv(worker: Any) -> int:
     """In a vLLM worker: free its KV cache's storage; the bytes freed."""
-    if id(worker) in _FREED:
+    if getattr(worker, _KV_RECORD, None):
         return 0
     found: Dict[int, torch.UntypedStorage] = {}
     _storages(worker.model_runner.kv_caches, found)
-    held = [(s, s.nbytes()) for s in found.values()]
-    for storage, _ in held:
-        storage.resize_(0)
-    _FREED[id(worker)] = held
-    return sum(n for _, n in held)
+    return _free(worker, _KV_RECORD, found.values())
 
 
 def restore_kv(worker: Any) -> int:
     """In a vLLM worker: its KV cache's storage back at its size (the contents are stale: the prefix cache was
     reset before the free); the bytes restored."""
-    held = _FREED.pop(id(worker), [])
-    for storage, nbytes in held:
-        storage.resize_(nbytes)
-    return sum(n for _, n in held)
-
-
-_FREED_WEIGHTS = "_rlhf_freed_weights"
-"""The worker's attribute holding its parameters' storages freed and their sizes (on the worker itself: a worker of
-an engine closed while asleep takes its record with it)."""
+    return _restore(worker, _KV_RECORD)
 
 
 def _discarded(*args, **kwargs):
@@ -79,30 +86,21 @@ def free_weights(worker: Any) -> int:
     """In a vLLM worker on the CPU: free every parameter's storage and drop the packed copies of the linear layers
     (their ``cpu_linear`` closures, replaced by one that refuses to run); the bytes of parameter storage freed. A
     full push (:func:`restore_weights` first) makes them again."""
-    if getattr(worker, _FREED_WEIGHTS, None):
+    if getattr(worker, _WEIGHTS_RECORD, None):
         return 0
     storages: Dict[int, Any] = {}
     for module in worker.model_runner.model.modules():
         if "cpu_linear" in module.__dict__:
             module.cpu_linear = _discarded
         for p in module.parameters(recurse=False):
-            s = p.untyped_storage()
-            if s.nbytes():
-                storages.setdefault(s.data_ptr(), (s, s.nbytes()))
-    for storage, _ in storages.values():
-        storage.resize_(0)
-    setattr(worker, _FREED_WEIGHTS, list(storages.values()))
-    return sum(n for _, n in storages.values())
+            storages.setdefault(p.untyped_storage().data_ptr(), p.untyped_storage())
+    return _free(worker, _WEIGHTS_RECORD, storages.values())
 
 
 def restore_weights(worker: Any) -> int:
     """In a vLLM worker: the parameters' storage back at its size, contents undefined until a push writes them; the
     bytes restored."""
-    held = getattr(worker, _FREED_WEIGHTS, None) or []
-    setattr(worker, _FREED_WEIGHTS, [])
-    for storage, nbytes in held:
-        storage.resize_(nbytes)
-    return sum(n for _, n in held)
+    return _restore(worker, _WEIGHTS_RECORD)
 
 
 def _vllm(engine) -> Any:
