@@ -147,3 +147,8 @@ def test_weights_discarded_on_the_cpu_come_back_with_a_full_push(engine, ckpts):
     in_rank.wake(engine, ("kv_cache",))
     assert [[g.tokens for g in p] for p in engine.generate(PROMPTS, SAMPLE)] == [[g.tokens for g in p] for p in before]
     assert engine.prompt_logprobs(sequences) == lp_before and not in_rank.weights_discarded(engine)
+    in_rank.sleep(engine, discard_weights=True)  # and asked for a stage before the push: the engine service reloads
+    in_rank.wake(engine)  # the state's committed actor from its folder (models/hosts/engine.py, serve)
+    engine.load_weights(ckpts["a"])
+    in_rank.weights_loaded(engine)
+    assert [[g.tokens for g in p] for p in engine.generate(PROMPTS, SAMPLE)] == [[g.tokens for g in p] for p in before]
