@@ -22,7 +22,9 @@ import torch
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                       "U8": torch.uint8, "BOOL": torch.bool}
-FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+"""The floating-point dtypes whose values the finite check reads."""
 BLOCK = 16 << 20
 """Bytes read at a time where a pass needs no more than a block (hashing, the finite check)."""
 
@@ -66,7 +68,7 @@ def nonfinite_tensors(path: str) -> List[str]:
         for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             if entry["dtype"] not in FLOAT_DTYPES:
                 continue
-            dtype = SAFETENSORS_DTYPES.get(entry["dtype"]) or getattr(torch, _FP8[entry["dtype"]])
+            dtype = FLOAT_DTYPES[entry["dtype"]]
             lo, hi = entry["data_offsets"]
             step = BLOCK - BLOCK % dtype.itemsize
             f.seek(start + lo)
@@ -77,6 +79,3 @@ def nonfinite_tensors(path: str) -> List[str]:
                     bad.append(name)
                     break
     return sorted(bad)
-
-
-_FP8 = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
