@@ -109,7 +109,8 @@ def test_min_new_tokens_masks_stop_tokens(engine):
 
 
 def _held_by_the_worker(worker) -> list:
-    """In the worker: the bytes its parameters' storage holds, and whether any linear layer can still compute."""
+    """In the worker: the bytes its parameters' storage holds, whether any linear layer can still compute, and the
+    bytes its KV cache's storage holds."""
     model = worker.model_runner.model
     from models.engines import in_rank
     from models.engines.in_rank import _discarded
@@ -124,8 +125,8 @@ def _held_by_the_worker(worker) -> list:
 def test_weights_discarded_on_the_cpu_come_back_with_a_full_push(engine, ckpts):
     """A CPU engine that slept discarding its weights (the separate layout's engine service and a colocated rank
     between the rollout and the push: ``models/engines/in_rank.py``) frees every parameter's storage and the linear
-    layers' packed copies; once the push (all of the served state, from
-    memory) is in, it samples the same tokens and gives the same log-probs, bit for bit, as before it slept."""
+    layers' packed copies; once the push (all of the served state, from memory) is in, it samples the same tokens and
+    gives the same log-probs, bit for bit, as before it slept; so it does reloaded from its folder instead."""
     import psutil
 
     from models.engines import in_rank
