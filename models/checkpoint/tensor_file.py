@@ -22,7 +22,7 @@ import torch
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                       "U8": torch.uint8, "BOOL": torch.bool}
-FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+FLOAT_DTYPES = {**{name: dtype for name, dtype in SAFETENSORS_DTYPES.items() if dtype.is_floating_point},
                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 """The floating-point dtypes whose values the finite check reads."""
 BLOCK = 16 << 20

@@ -88,13 +88,13 @@ def free_weights(worker: Any) -> int:
     full push (:func:`restore_weights` first) makes them again."""
     if getattr(worker, _WEIGHTS_RECORD, None):
         return 0
-    storages: Dict[int, Any] = {}
-    for module in worker.model_runner.model.modules():
+    model = worker.model_runner.model
+    for module in model.modules():
         if "cpu_linear" in module.__dict__:
             module.cpu_linear = _discarded
-        for p in module.parameters(recurse=False):
-            storages.setdefault(p.untyped_storage().data_ptr(), p.untyped_storage())
-    return _free(worker, _WEIGHTS_RECORD, storages.values())
+    found: Dict[int, torch.UntypedStorage] = {}
+    _storages(list(model.parameters()), found)
+    return _free(worker, _WEIGHTS_RECORD, found.values())
 
 
 def restore_weights(worker: Any) -> int:

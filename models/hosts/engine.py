@@ -193,7 +193,8 @@ class EngineHost(Host):
         wake_s = 0.0
         if not keep:
             self.version = -1  # until the new weights are in and verified, the engine serves no iteration
-            wake_s = in_rank.wake(self.engine)  # storage for the weights the push writes (slept since the rollout)
+        if not keep and in_rank.weights_discarded(self.engine):  # slept since the rollout (:meth:`discards`):
+            wake_s = in_rank.wake(self.engine)  # storage for the weights the push writes
         self.accepted = ""  # until this push is taken whole
         put = self.transport.receive(meta or {}, body, None if keep else self.engine)  # streamed in, or kept
         pushed = str((meta or {}).get("header", {}).get("id", ""))

@@ -68,8 +68,7 @@ def test_the_scan_and_the_digest_read_blocks_not_the_whole_file(tmp_path, monkey
     import blake3
     from safetensors.torch import save_file
 
-    from models.checkpoint import file_digest, nonfinite_tensors
-    from models.checkpoint import tensor_file
+    from models.checkpoint import file_digest, nonfinite_tensors, tensor_file
 
     monkeypatch.setattr(tensor_file, "BLOCK", 1 << 20)
     big = torch.zeros(96 << 20, dtype=torch.uint8)  # 96 MiB of float32 zeros, finite
