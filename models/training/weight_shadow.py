@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from kernels.bit_steps import changed_steps, warm
-from models.engines.weight_delta import (FULL, RAW, Delta, changed, choose, encode, exceptions_of,
-                                         mode_of, sparse_code, step_mode, steps_of)
+from models.engines.weight_delta import (FULL, RAW, Delta, changed, choose, encode, exceptions_of, sparse_code,
+                                         step_mode, steps_of)
 from models.engines.weight_stream import SAMPLES, bits
 from models.training.weight_source import WeightSource
 
@@ -58,7 +58,7 @@ class Shadow:
             gen = torch.Generator().manual_seed(int(push) * 1_000_003 + i)
             cast = dtype if t.dtype.is_floating_point else None
             local = t.detach().to_local() if hasattr(t, "to_local") else t.detach()
-            parts.append(_Part(name, t, *self._changed(name, local, cast), gen, cast))
+            parts.append(_Part(name, t, *self._changed(name, local, cast), gen=gen, cast=cast))
             size += t.numel()
             if size >= GROUP_ELEMENTS:
                 yield from _group(parts, source.info)
@@ -66,24 +66,26 @@ class Shadow:
         yield from _group(parts, source.info)
 
     def _changed(self, name: str, local: torch.Tensor, cast: Optional[torch.dtype]
-                 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Tuple[int, int]]:
         """This rank's part of ``name`` at the engine's dtype (kept from now as the engine's), the flat positions of
-        its elements whose bits changed ([c], ascending) and their steps (:func:`~models.engines.weight_delta.
-        steps_of`; None where the part kept is not of the same shape and dtype, or the values are not floats of 2 or
-        4 bytes). A float32 part on the host goes through one pass (:func:`kernels.bit_steps.changed_steps`), which
-        updates the part kept in place; otherwise the cast, the compare and the steps are passes of their own."""
+        its elements whose bits changed ([c], ascending), their new values ([c]) and their steps (:func:`~models.
+        engines.weight_delta.steps_of`; None where the part kept is not of the same shape and dtype, or the values are
+        not floats of 2 or 4 bytes) with the exceptions SIGN and STEP8 would leave. A float32 part on the host goes
+        through one pass (:func:`kernels.bit_steps.changed_steps`), which also writes the new values into the part
+        kept; otherwise the cast, the compare, the steps and the count are passes of their own."""
         old = self.tensors.get(name)
-        fast = changed_steps(local, old) if cast is not None and old is not None and old.dtype == cast else None
+        fast = changed_steps(local, old, keep=True) if cast is not None and old is not None and old.dtype == cast \
+            else None
         if fast is not None:
-            indices, values, steps = fast
-            old.reshape(-1)[indices] = values
-            return old, indices, steps
+            return old, *fast
         new = _host_copy(local if cast is None else local.to(cast), local)
         indices = changed(new, old)  # [c] ascending
         self.tensors[name] = new
         stepping = cast is not None and new.element_size() in (2, 4) and \
             old is not None and old.shape == new.shape and old.dtype == new.dtype
-        return new, indices, steps_of(new.reshape(-1)[indices], old.reshape(-1)[indices]) if stepping else None
+        values = new.reshape(-1)[indices]
+        steps = steps_of(values, old.reshape(-1)[indices]) if stepping else None
+        return new, indices, values, steps, exceptions_of(steps)
 
 
 def _host_copy(t: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
@@ -117,25 +119,28 @@ def _sample_table(positions: torch.Tensor, values_bits: torch.Tensor) -> torch.T
     return torch.stack([positions[keep], values_bits[keep]])
 
 
-def _whole_delta(new: torch.Tensor, steps: Optional[torch.Tensor], indices: torch.Tensor, gen: torch.Generator
-                 ) -> Delta:
+def _whole_delta(p: "_Part") -> Delta:
+    new, steps, indices, gen = p.new, p.steps, p.indices, p.gen
     flat, numel = new.reshape(-1), new.numel()
-    mode, exact = mode_of(steps, new.element_size())
+    mode, exact = (RAW, 0) if steps is None else step_mode(indices.numel(), *p.exceptions, new.element_size())
     code = sparse_code(numel, indices, new.element_size(), mode=mode, exact=exact)
-    payload = encode(code, numel, indices, flat if code == FULL else flat[indices], steps)
+    payload = encode(code, numel, indices, flat if code == FULL else p.values, steps)
     at = torch.cat([_positions(gen, numel), _among(gen, indices)])
     return Delta(code, indices.numel(), payload, _sample_table(at, bits(flat[at])))
 
 
 class _Part(NamedTuple):
     """One tensor of a push on this rank: the trained tensor, this rank's part at the engine's dtype (``new``),
-    its changed elements' flat positions in the part and their steps, the samples' generator, the cast."""
+    its changed elements' flat positions in the part, their new values and steps (with the exceptions SIGN and
+    STEP8 would leave), the samples' generator, the cast."""
 
     name: str
     t: Any
     new: torch.Tensor
     indices: torch.Tensor
+    values: torch.Tensor
     steps: Optional[torch.Tensor]
+    exceptions: Tuple[int, int]
     gen: torch.Generator
     cast: Optional[torch.dtype]
 
@@ -151,7 +156,7 @@ def _group(parts: List[_Part], info) -> Iterator[Tuple[str, Optional[Delta]]]:
     together = _Sharded(sharded, info) if sharded else None
     for p in parts:
         if p.whole:
-            yield p.name, _whole_delta(p.new, p.steps, p.indices, p.gen) if info.is_main else None
+            yield p.name, _whole_delta(p) if info.is_main else None
         else:
             yield p.name, together.delta(p)
 
@@ -177,7 +182,7 @@ class _Sharded:
             flat = p.new.reshape(-1)
             held.append(torch.where(mine, bits(flat[(at - start).clamp(0, max(flat.numel() - 1, 0))])
                                     if flat.numel() else torch.zeros_like(at), torch.zeros_like(at)))
-            here.append([p.indices.numel(), *exceptions_of(p.steps), int(p.steps is None)])
+            here.append([p.indices.numel(), *p.exceptions, int(p.steps is None)])
             self.anywhere[p.name] = at
         counts = [torch.zeros(len(parts), 4, dtype=torch.int64, device=device) for _ in range(info.world_size)]
         dist.all_gather(counts, torch.tensor(here, dtype=torch.int64, device=device))
@@ -206,7 +211,7 @@ class _Sharded:
                               for p in parts])
         lengths = [(count[r, :, None] * sizes).t().reshape(-1).tolist() for r in range(info.world_size)]
         mine = [p.indices.to(position).view(torch.uint8) for p in parts] + \
-            [p.new.reshape(-1)[p.indices].view(torch.uint8) for p in parts] + \
+            [p.values.reshape(-1).view(torch.uint8) for p in parts] + \
             [p.steps.view(torch.uint8) if self.plans[p.name][1] != RAW else torch.zeros(0, dtype=torch.uint8)
              for p in parts]  # positions, then values, then steps (as bytes: every backend gathers those)
         most = max(sum(lens) for lens in lengths)
