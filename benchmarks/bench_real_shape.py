@@ -11,7 +11,9 @@ and resident colocated (``run.resident_layout=colocated``). TRL (``benchmarks/tr
 generate: no CPU vLLM path) trains the same model on the same rows with the same reward.
 
 Memory: the RSS of the launched process and all its descendants, summed every 0.2 s
-(``benchmarks/tree_memory.py``), its peak and the processes at the peak. Seconds per iteration: gaps
+(``benchmarks/tree_memory.py``), its peak and the processes at the peak (the goal's figure: RSS counts a page
+forked ranks share with their forkserver in each of them); and the tree's PSS summed every second, what the
+tree takes from the machine's memory (each shared page once). Seconds per iteration: gaps
 between our commit progress lines (TRL's optimiser-step callback), the first iteration apart. The gap:
 ``rollout/logprob_gap_mean`` / ``_max`` (sampler vs π_old) and ``rollout/probe_gap_max`` from MLflow.
 
@@ -65,6 +67,9 @@ class Measured:
     ends: List[float] = field(default_factory=list)
     peak_gib: float = 0.0
     peak_parts: str = ""
+    pss_gib: float = 0.0
+    """The peak of the tree's PSS (shared pages counted once), sampled every second."""
+    pss_parts: str = ""
     gaps: Dict[str, float] = field(default_factory=dict)
     error: str = ""
 
@@ -102,6 +107,7 @@ def run_measured(cmd: List[str], env: Dict[str, str], log: Path, m: Measured, pr
             os.killpg(proc.pid, 9)  # the group this call started
             proc.wait()
     m.peak_gib, m.peak_parts = sampler.peak.rss / GIB, sampler.peak.describe()
+    m.pss_gib, m.pss_parts = sampler.peak_pss.rss / GIB, sampler.peak_pss.describe()
     with open(log.with_suffix(".rss.jsonl"), "w") as f:  # the tree's memory over time, for finding where it goes
         f.writelines(json.dumps({"t": round(t, 1), "total": total, "parts": parts}) + "\n"
                      for t, total, parts in sampler.series)
@@ -193,6 +199,7 @@ def rows_for(results: Dict[str, Measured], layers: int, ranks: int = 2) -> List[
         if m.error:
             out.append(Row(SECTION, f"{where} ran", None, "", "runs", False, m.error[-1500:]))
         out.append(row(SECTION, f"peak RSS of the process tree, {where}", m.peak_gib, "GiB", m.peak_parts))
+        out.append(row(SECTION, f"peak PSS of the process tree, {where}", m.pss_gib, "GiB", m.pss_parts))
         steady = m.steady_s
         out.append(row(SECTION, f"s/iteration, {where}", steady, "s",
                        f"first iteration incl. start-up {m.first_s or float('nan'):.1f} s; {len(m.ends)} iteration(s)"))
@@ -202,6 +209,8 @@ def rows_for(results: Dict[str, Measured], layers: int, ranks: int = 2) -> List[
         if trl and name != "trl" and not trl.error:
             out.append(row(SECTION, f"peak RSS ours / TRL, {where}", m.peak_gib / trl.peak_gib, "x",
                            f"ours {m.peak_gib:.2f} GiB, TRL {trl.peak_gib:.2f} GiB", at_most=1.0))
+            out.append(row(SECTION, f"peak PSS ours / TRL, {where}", m.pss_gib / trl.pss_gib if trl.pss_gib else None,
+                           "x", f"ours {m.pss_gib:.2f} GiB, TRL {trl.pss_gib:.2f} GiB (shared pages counted once)"))
             ratio = steady / trl.steady_s if steady and trl.steady_s else None
             out.append(row(SECTION, f"s/iteration ours / TRL, {where}", ratio, "x",
                            f"ours {steady or float('nan'):.1f} s, TRL {trl.steady_s or float('nan'):.1f} s",
@@ -231,7 +240,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     for mode in (["trl"] if "trl" in modes else []) + [m for m in modes if m != "trl"]:
         results[mode] = (run_trl(a, work, args.iterations, args.override, args.threads) if mode == "trl"
                          else run_ours(mode, a, work, args.iterations, args.override))
-        print(f"{mode}: peak {results[mode].peak_gib:.2f} GiB ({results[mode].peak_parts}); "
+        print(f"{mode}: peak {results[mode].peak_gib:.2f} GiB ({results[mode].peak_parts}), PSS "
+              f"{results[mode].pss_gib:.2f} GiB ({results[mode].pss_parts}); "
               f"iteration ends {len(results[mode].ends)}; {results[mode].error[-300:]}", flush=True)
     ranks = [o.split("=", 1)[1] for o in args.override if o.startswith("actor.nproc_per_node=")]
     rows = rows_for(results, args.layers, int(ranks[-1]) if ranks else load_config(PRESET).actor.nproc_per_node)
