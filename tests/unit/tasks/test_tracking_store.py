@@ -73,3 +73,18 @@ def test_only_sqlite_paths_are_seeded():
     assert tracking.sqlite_path("sqlite:///mlflow.db") == "mlflow.db"
     assert tracking.sqlite_path("sqlite:////abs/m.db") == "/abs/m.db"
     assert tracking.sqlite_path("http://127.0.0.1:5000") is None and tracking.sqlite_path("sqlite:///") is None
+
+
+def test_a_local_store_keeps_its_artifacts_beside_it(tmp_path, cache, monkeypatch):
+    """``local_store(folder)`` (the benchmarks' stores): a run's artifacts land in ``folder/mlartifacts``, not in
+    MLflow's default ``./mlruns`` under the working directory (a benchmark's registered models piled up there)."""
+    store, cwd = tmp_path / "store", tmp_path / "cwd"
+    store.mkdir()
+    cwd.mkdir()
+    for key, value in tracking.local_store(store).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(cwd)
+    run_id = tracking.start_run("bench", "r", {"a": 1})
+    tracking.client().log_text(run_id, "hello", "notes/n.txt")
+    assert [p.read_text() for p in (store / "mlartifacts").rglob("n.txt")] == ["hello"]
+    assert not list(cwd.iterdir())  # no ./mlruns
