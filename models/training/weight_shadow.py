@@ -83,7 +83,8 @@ class Shadow:
         self.tensors[name] = new
         stepping = cast is not None and new.element_size() in (2, 4) and \
             old is not None and old.shape == new.shape and old.dtype == new.dtype
-        values = new.reshape(-1)[indices]
+        flat = new.reshape(-1)
+        values = flat if indices.numel() == flat.numel() else flat[indices]  # (all changed: no copy of the whole)
         steps = steps_of(values, old.reshape(-1)[indices]) if stepping else None
         return new, indices, values, steps, exceptions_of(steps)
 
