@@ -118,8 +118,12 @@ def test_a_delta_from_two_fsdp2_ranks_rebuilds_the_whole_tensor(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ok0", "ok1"]
 
 
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "separate-passes"])
 @pytest.mark.parametrize("ulps,mode", [(0, RAW), (1, SIGN), (3, STEP8)])
-def test_a_delta_from_one_rank_rebuilds_the_tensor(ulps, mode):
+def test_a_delta_from_one_rank_rebuilds_the_tensor(ulps, mode, one_pass, monkeypatch):
+    """... by the C loop, and by torch's separate passes (no C compiler: the loop does not apply)."""
+    if not one_pass:
+        monkeypatch.setattr(weight_shadow, "changed_steps", lambda *a, **k: None)
     model = _model()
     source, shadow = WeightSource(model, DistInfo(0, 1, 0, torch.device("cpu")), prefix=""), Shadow()
     old = _whole(source.keeping(shadow.keep))
