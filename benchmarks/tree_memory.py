@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import psutil
 
@@ -54,8 +54,8 @@ def _label(p: psutil.Process) -> str:
     return cmd[0].rsplit("/", 1)[-1]
 
 
-def tree_rss(pid: int) -> Tuple[int, List[Tuple[int, str, int]]]:
-    """The RSS sum of ``pid`` and its descendants, and each one's ``(pid, name, rss)``."""
+def _tree(pid: int, measure: Callable[[psutil.Process], int]) -> Tuple[int, List[Tuple[int, str, int]]]:
+    """The sum of ``measure`` over ``pid`` and its descendants, and each one's ``(pid, name, bytes)``."""
     try:
         root = psutil.Process(pid)
         procs = [root] + root.children(recursive=True)
@@ -64,27 +64,21 @@ def tree_rss(pid: int) -> Tuple[int, List[Tuple[int, str, int]]]:
     parts = []
     for p in procs:
         try:
-            parts.append((p.pid, _label(p), p.memory_info().rss))
-        except psutil.Error:
+            parts.append((p.pid, _label(p), measure(p)))
+        except (psutil.Error, AttributeError):  # (gone meanwhile; or a platform whose psutil has no PSS)
             continue
     return sum(r for _, _, r in parts), sorted(parts, key=lambda x: -x[2])
+
+
+def tree_rss(pid: int) -> Tuple[int, List[Tuple[int, str, int]]]:
+    """The RSS sum of ``pid`` and its descendants, and each one's ``(pid, name, rss)``."""
+    return _tree(pid, lambda p: p.memory_info().rss)
 
 
 def tree_pss(pid: int) -> Tuple[int, List[Tuple[int, str, int]]]:
     """:func:`tree_rss` with each process's PSS (what it takes from the machine, shared pages divided among their
     sharers)."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root] + root.children(recursive=True)
-    except psutil.Error:
-        return 0, []
-    parts = []
-    for p in procs:
-        try:
-            parts.append((p.pid, _label(p), p.memory_full_info().pss))
-        except (psutil.Error, AttributeError):  # (a platform without PSS: psutil has no field)
-            continue
-    return sum(r for _, _, r in parts), sorted(parts, key=lambda x: -x[2])
+    return _tree(pid, lambda p: p.memory_full_info().pss)
 
 
 class TreeSampler:
