@@ -34,7 +34,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.rows import Row, add_bench_args, print_rows, row, write_rows  # noqa: E402
-from models.tracking import local_store  # noqa: E402
 from models.demos.tool_tasks import ArithmeticEnv  # noqa: E402
 from models.environments.episodes import Step  # noqa: E402
 
@@ -145,7 +144,7 @@ def measure_runs(args, demo: Dict[str, str], root: str) -> List[Row]:
                    "actor.micro_batch_size=8"]
     db = f"sqlite:///{root}/mlflow.db"
     path = os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env = dict(os.environ, **local_store(root), PYTHONUNBUFFERED="1", PYTHONPATH=path,  # VaryingEnv's module
+    env = dict(os.environ, MLFLOW_TRACKING_URI=db, PYTHONUNBUFFERED="1", PYTHONPATH=path,  # VaryingEnv's module
                **{STEP_ENV: str(args.step_s)})
     pyflyte = os.path.join(os.path.dirname(sys.executable), "pyflyte")
     got: Dict[str, Dict[str, float]] = {}

@@ -44,7 +44,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.rows import Row, add_bench_args, print_rows, row, write_rows  # noqa: E402
-from models.tracking import local_store  # noqa: E402
 
 LEAVES = ("rollout", "score", "advantages", "actor_update", "critic_update", "commit_iteration")
 COMPUTE = {  # metric → what it is; the model compute of an iteration
@@ -186,7 +185,7 @@ def main() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     with tempfile.TemporaryDirectory(prefix="bench-iteration-") as tmp:
-        os.environ.update(local_store(tmp))
+        os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp}/mlflow.db"
         with contextlib.redirect_stdout(sys.stderr):  # the run's progress lines; the table goes to stdout
             run_id, timer, total = run_workflow(args.preset, iterations, os.path.join(tmp, "runs"))
         iters = per_iteration(timer.events, logged_metrics(run_id))

@@ -34,7 +34,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.rows import Row, add_bench_args, print_rows, row, write_rows  # noqa: E402
-from models.tracking import local_store  # noqa: E402
 
 PROGRESS = re.compile(r"iter (\d+)/\d+ .*\((?:([\d.]+) s wall, )?([\d.]+) s in tasks\)")
 COMMON = ["run.eval_interval=0", "run.registered_model_name=", "rollout.prompts_per_iteration=16"]
@@ -47,7 +46,7 @@ WINDOW = 50
 
 def launch(mode: str, iterations: int, root: str) -> Tuple[List[Tuple[int, float, float]], float]:
     """``[(iteration, wall s, in-task s)]`` of one run (from its progress lines) and its launch-to-end seconds."""
-    env = dict(os.environ, **local_store(root), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{root}/mlflow.db", PYTHONUNBUFFERED="1")
     pyflyte = os.path.join(os.path.dirname(sys.executable), "pyflyte")
     overrides = [f"run.num_iterations={iterations}", f"run.resident={str(mode == 'resident').lower()}",
                  f"run.storage_root={root}/runs"] + COMMON

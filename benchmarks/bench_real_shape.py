@@ -41,7 +41,6 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_trl import PROGRESS, mlflow_series  # noqa: E402
 from benchmarks.rows import Row, add_bench_args, print_rows, row, write_rows  # noqa: E402
-from models.tracking import local_store  # noqa: E402
 from benchmarks.tree_memory import GIB, TreeSampler  # noqa: E402
 from models.config.io import load_config  # noqa: E402
 from models.data.draws import iteration_indices  # noqa: E402
@@ -120,7 +119,7 @@ def env_for(work: Path, threads: Optional[int]) -> Dict[str, str]:
     home = work / "home"
     home.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HOME=str(home), RLHF_CACHE_DIR=cache_dir(), PYTHONPATH=str(ROOT),
-               **local_store(work), PYTHONUNBUFFERED="1", TQDM_DISABLE="1",
+               MLFLOW_TRACKING_URI=f"sqlite:///{work / 'mlflow.db'}", PYTHONUNBUFFERED="1", TQDM_DISABLE="1",
                TRANSFORMERS_VERBOSITY="error", VLLM_LOGGING_LEVEL="WARNING")
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))

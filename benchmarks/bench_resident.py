@@ -35,7 +35,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.rows import Row, add_bench_args, print_rows, row, write_rows  # noqa: E402
-from models.tracking import local_store  # noqa: E402
 
 CASES: Dict[str, Tuple[str, str, List[str]]] = {
     "ppo": ("ppo", "configs/tiny_ppo.yaml", []),
@@ -52,7 +51,7 @@ COMMON = ["run.eval_interval=0", "run.registered_model_name=", "run.checkpoint_a
 
 def run(workflow: str, preset: str, overrides: List[str], name: str, root: str) -> float:
     """Launch-to-end seconds of one ``pyflyte run``."""
-    env = dict(os.environ, **local_store(root), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{root}/mlflow.db", PYTHONUNBUFFERED="1")
     pyflyte = os.path.join(os.path.dirname(sys.executable), "pyflyte")
     t0 = time.perf_counter()
     proc = subprocess.run([pyflyte, "run", f"workflows/{workflow}.py", f"{workflow}_training", "--preset", preset,

@@ -46,7 +46,6 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_resident import metrics  # noqa: E402
 from benchmarks.rows import Row, add_bench_args, print_rows, row, write_rows  # noqa: E402
-from models.tracking import local_store  # noqa: E402
 
 DROPPED = "model.layers.1.self_attn.v_proj.weight"
 """The tensor ``--fault``'s engine leaves out (vLLM says nothing: ``qkv_proj`` is part-loaded)."""
@@ -135,7 +134,7 @@ def main(argv=None) -> int:
         write_rows(args.json, rows)
         return 0
     root = args.root or tempfile.mkdtemp(prefix="bench-resident-gpu-")
-    env = {**os.environ, **local_store(root), "PYTHONUNBUFFERED": "1",
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{root}/mlflow.db", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": str(REPO)}
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""

@@ -47,7 +47,6 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from benchmarks.rows import Row, add_bench_args, print_rows, row, write_rows  # noqa: E402
-from models.tracking import local_store  # noqa: E402
 from models.demos.reverse_task import ReverseTaskConfig, read_prompts_jsonl, reverse_reward  # noqa: E402
 from models.demos.tiny import TinyModelConfig  # noqa: E402
 from models.demos.tokenizer import load_tokenizer  # noqa: E402
@@ -192,7 +191,7 @@ def private_env(threads: int, work: Path) -> Dict[str, str]:
     home.mkdir(parents=True, exist_ok=True)
     return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                 VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", HOME=str(home), RLHF_CACHE_DIR=cache_dir(),
-                **local_store(work), PYTHONUNBUFFERED="1", TQDM_DISABLE="1",
+                MLFLOW_TRACKING_URI=f"sqlite:///{work / 'mlflow.db'}", PYTHONUNBUFFERED="1", TQDM_DISABLE="1",
                 TRANSFORMERS_VERBOSITY="error", VLLM_LOGGING_LEVEL="WARNING",
                 MPLCONFIGDIR=os.environ.get("MPLCONFIGDIR") or os.path.expanduser("~/.cache/matplotlib"))
 

@@ -38,17 +38,21 @@ def tracking_uri() -> str:
     return os.environ.get(TRACKING_URI_ENV) or DEFAULT_TRACKING_URI
 
 
-def local_store(folder) -> Dict[str, str]:
-    """The environment of a run whose MLflow store is the SQLite file ``folder/mlflow.db``, its experiments' artifacts
-    in ``folder/mlartifacts`` (MLflow's default for a SQLite store is ``./mlruns`` under the working directory: a
-    benchmark's registered models, 1.2 GB each at Qwen3-0.6B's shape, would pile up in the checkout)."""
-    return {TRACKING_URI_ENV: f"sqlite:///{folder}/mlflow.db",
-            ARTIFACT_LOCATION_ENV: os.path.join(str(folder), "mlartifacts")}
-
-
 def artifact_location() -> Optional[str]:
     """Artifact location of experiments this project creates (:data:`ARTIFACT_LOCATION_ENV`), else None."""
     return os.environ.get(ARTIFACT_LOCATION_ENV) or None
+
+
+def new_experiment_location() -> Optional[str]:
+    """Where a new experiment keeps its artifacts: :func:`artifact_location`; else, for a SQLite store, ``mlruns``
+    beside its database file (MLflow's own default is ``./mlruns`` under the working directory, so every store a
+    test or benchmark made in a folder of its own left its registered models in the checkout: 1.2 GB a run at
+    Qwen3-0.6B's shape, 57 GB by 2026-11-30; for ``sqlite:///mlflow.db`` in the working directory the two agree);
+    else the tracking server's default (None)."""
+    path = sqlite_path(tracking_uri())
+    if artifact_location() or path is None:
+        return artifact_location()
+    return os.path.join(os.path.dirname(os.path.abspath(path)), "mlruns")
 
 
 def is_local_uri(uri: str) -> bool:
@@ -117,7 +121,7 @@ def start_run(experiment: str, run_name: str, params: Mapping[str, Any],
     c = client()
     exp = c.get_experiment_by_name(experiment)
     exp_id = exp.experiment_id if exp is not None else c.create_experiment(
-        experiment, artifact_location=artifact_location())
+        experiment, artifact_location=new_experiment_location())
     run = c.create_run(exp_id, run_name=run_name, tags={k: redact(str(v)) for k, v in (tags or {}).items()})
     log_params(run.info.run_id, params)
     return run.info.run_id

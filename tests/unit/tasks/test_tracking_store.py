@@ -75,16 +75,21 @@ def test_only_sqlite_paths_are_seeded():
     assert tracking.sqlite_path("http://127.0.0.1:5000") is None and tracking.sqlite_path("sqlite:///") is None
 
 
-def test_a_local_store_keeps_its_artifacts_beside_it(tmp_path, cache, monkeypatch):
-    """``local_store(folder)`` (the benchmarks' stores): a run's artifacts land in ``folder/mlartifacts``, not in
-    MLflow's default ``./mlruns`` under the working directory (a benchmark's registered models piled up there)."""
-    store, cwd = tmp_path / "store", tmp_path / "cwd"
+def test_a_sqlite_store_keeps_its_artifacts_beside_it(tmp_path, cache, monkeypatch):
+    """A new experiment of a SQLite store in another folder (each test's and benchmark's) keeps a run's artifacts in
+    ``mlruns`` beside the database, not in MLflow's default ``./mlruns`` under the working directory (where
+    registered models piled up in the checkout); ``RLHF_MLFLOW_ARTIFACT_LOCATION`` still wins."""
+    store, cwd, chosen = tmp_path / "store", tmp_path / "cwd", tmp_path / "chosen"
     store.mkdir()
     cwd.mkdir()
-    for key, value in tracking.local_store(store).items():
-        monkeypatch.setenv(key, value)
+    monkeypatch.setenv(tracking.TRACKING_URI_ENV, f"sqlite:///{store}/mlflow.db")
+    monkeypatch.delenv(tracking.ARTIFACT_LOCATION_ENV, raising=False)
     monkeypatch.chdir(cwd)
     run_id = tracking.start_run("bench", "r", {"a": 1})
     tracking.client().log_text(run_id, "hello", "notes/n.txt")
-    assert [p.read_text() for p in (store / "mlartifacts").rglob("n.txt")] == ["hello"]
+    assert [p.read_text() for p in (store / "mlruns").rglob("n.txt")] == ["hello"]
     assert not list(cwd.iterdir())  # no ./mlruns
+    monkeypatch.setenv(tracking.ARTIFACT_LOCATION_ENV, str(chosen))
+    run_id = tracking.start_run("another", "r", {"a": 1})
+    tracking.client().log_text(run_id, "there", "notes/m.txt")
+    assert [p.read_text() for p in chosen.rglob("m.txt")] == ["there"]
