@@ -13,10 +13,7 @@ elements at a time and visits only the changed ones (2026-11-30, one core of the
 around this function on 140M random float32 elements, 3.5 % of them changed: 0.086 s against 0.16 s for the scalar
 loop; the separate passes took 0.54 s, ``benchmarks/bench_delta_push.py``'s profile of 2026-11-29).
 
-The loop is C built by the machine's C compiler (``cc``, ``$CC``) on first use into the cache
-(``$RLHF_CACHE_DIR/kernels/``, default ``~/.cache/flyte-rlhf``, named by the source's digest) and called through
-ctypes: no import that changes the process (numba, which vLLM ships, made vLLM 0.32's CPU worker fail to start in
-the same process: its kernel registry scans every module and trips on llvmlite's library wrapper).
+The loop is C built on first use (:mod:`kernels.native`).
 
 None where it does not apply, and the caller takes the separate passes: a source other than a contiguous float32
 CPU tensor, an engine dtype other than bfloat16 or float32, a NaN in the source (torch's vectorised cast and its
@@ -27,17 +24,13 @@ or no C compiler.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
+
+from kernels.native import compiled
 
 __all__ = ["Changed", "changed_steps", "library", "simd", "warm"]
 
@@ -172,56 +165,17 @@ void put_bits32(int32_t *held, const int64_t *pos, const int32_t *out, int64_t c
 }
 """
 
-_LIB: dict = {}
-_LOCK = threading.Lock()
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
-
-
-def _cache() -> str:
-    root = os.environ.get("RLHF_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "flyte-rlhf"))
-    return os.path.join(root, "kernels")
-
-
-def _build(path: str) -> None:
-    """The source compiled into the shared library ``path`` (written beside it, then renamed: concurrent builders
-    agree)."""
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as work:
-        src = os.path.join(work, "bit_steps.c")
-        with open(src, "w") as f:
-            f.write(SOURCE)
-        out = os.path.join(work, "lib.so")
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if compiler is None:
-            raise OSError("no C compiler (cc, gcc or $CC)")
-        subprocess.run([compiler, "-O3", "-shared", "-fPIC", "-o", out, src], check=True, capture_output=True,
-                       timeout=120)
-        os.replace(out, path)
+_STEPS = (_I64, [_P, _P, _I64, _P, _P, _P, _I64, ctypes.c_int, _P])
+_FUNCTIONS = {**{name: _STEPS for name in ("bf16_steps", "f32_steps")},
+              **{name: (None, [_P, _P, _P, _I64]) for name in ("put_bits16", "put_bits32")},
+              "simd_available": (ctypes.c_int, [])}
 
 
 def library() -> Optional[ctypes.CDLL]:
-    """The compiled loops (built on first use, ~0.3 s), or None where no C compiler builds them."""
-    with _LOCK:
-        if "lib" not in _LIB:
-            digest = hashlib.sha256((SOURCE + platform.machine()).encode()).hexdigest()[:16]
-            path = os.path.join(_cache(), f"bit_steps-{digest}.so")
-            try:
-                if not os.path.isfile(path):
-                    _build(path)
-                lib = ctypes.CDLL(path)
-                for name in ("bf16_steps", "f32_steps"):
-                    fn = getattr(lib, name)
-                    fn.restype, fn.argtypes = _I64, [_P, _P, _I64, _P, _P, _P, _I64, ctypes.c_int, _P]
-                for name in ("put_bits16", "put_bits32"):
-                    fn = getattr(lib, name)
-                    fn.restype, fn.argtypes = None, [_P, _P, _P, _I64]
-                lib.simd_available.restype, lib.simd_available.argtypes = ctypes.c_int, []
-            except (OSError, subprocess.SubprocessError):
-                lib = None  # every call takes the separate passes
-            _LIB["lib"] = lib
-        return _LIB["lib"]
+    """The compiled loops (:func:`kernels.native.compiled`), or None where no C compiler builds them."""
+    return compiled("bit_steps", SOURCE, _FUNCTIONS)
 
 
 def warm() -> threading.Thread:

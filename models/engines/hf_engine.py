@@ -15,7 +15,7 @@ import torch
 from kernels.sampling import exponential_race, processed_logprobs
 from models.engines.base import (EngineLoadError, Generation, SamplingSpec, SwappableEngine, request_indices,
                                  sample_seed)
-from models.engines.weight_delta import stepped
+from models.engines.weight_patch import patch_into
 from models.engines.weight_stream import bits
 from models.faults import drop_pushed
 
@@ -105,19 +105,13 @@ class HFEngine(SwappableEngine):
         self.set_adapter(None)  # the state dict is the plain model's
 
     def _patch_chunk_in_place(self, patches: Dict[str, Any]) -> None:
-        """Each patch into the model's own tensor (a tied head shares the embedding's): ``index_copy_`` of the values
-        at their flat positions (steps added to the elements held there), or the whole tensor copied."""
+        """Each patch into the model's own tensor (a tied head shares the embedding's), in place
+        (:func:`~models.engines.weight_patch.patch_into`: a BLOCK8 delta in one pass from its payload)."""
         state = self._model().state_dict()
-        with torch.no_grad():
-            for name, patch in drop_pushed(patches).items():
-                if name not in state:
-                    raise RuntimeError(f"the delta names {name!r}, which the engine's model does not hold")
-                target = state[name]
-                if patch.indices is None:
-                    target.copy_(patch.values.view(target.shape))
-                else:
-                    flat, at = target.view(-1), patch.indices.to(target.device)  # the parameter's own memory
-                    flat.index_copy_(0, at, stepped(flat[at], patch).to(flat.device, flat.dtype))
+        for name, patch in drop_pushed(patches).items():
+            if name not in state:
+                raise RuntimeError(f"the delta names {name!r}, which the engine's model does not hold")
+            patch_into(state[name], patch)
 
     def _load_state(self, state: Dict[str, torch.Tensor], what: str) -> None:
         """``load_state_dict`` (copies into the model's own tensors, in its dtype and on its device); a

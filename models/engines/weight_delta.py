@@ -46,6 +46,10 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
 import numpy as np
 import torch
 
+from kernels.block8 import Head
+from kernels.block8 import exceptions as block8_exceptions
+from kernels.block8 import head as block8_head
+from models.engines.weight_patch import _WIDER, INT_OF, Packed, Patch, _wrap, stepped  # noqa: F401 (theirs too)
 from models.engines.weight_stream import (ALIGN, PushError, Samples, _dtype, _numel, _up, checksum)
 
 FULL, IDX32, IDX64, BITMAP, BLOCK8 = 0, 1, 2, 3, 4
@@ -57,28 +61,6 @@ BLOCK, _SHIFT = 256, 8
 """Elements of a BLOCK8 block (``1 << _SHIFT``): a position within one is a byte."""
 _FIELDS = 5
 """int64 fields of a tensor's record."""
-INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-"""The integer dtype of each element size: a tensor's bits compared, or gathered, as integers."""
-
-
-class Patch(NamedTuple):
-    """What a delta push gives one tensor: ``values`` at flat ``indices`` (int64, ascending), or with ``indices``
-    None the whole tensor (``values`` shaped as it). With ``step`` (the pushed dtype), ``values`` are int8 steps of
-    the bits held at ``indices`` and ``exact`` the exceptions (their ordinals among ``indices``, their values):
-    :func:`stepped` gives the new values."""
-
-    indices: Optional[torch.Tensor]
-    values: torch.Tensor
-    step: Optional[torch.dtype] = None
-    exact: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-
-
-def _wrap(raw: torch.Tensor, width: int) -> torch.Tensor:
-    """``raw`` (int32 or int64, at least ``width`` + 1 bits) wrapped into a signed integer of ``width`` bits."""
-    return ((raw + (1 << (width - 1))) & ((1 << width) - 1)) - (1 << (width - 1))
-
-
-_WIDER = {2: torch.int32, 4: torch.int64}
 
 
 def steps_of(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
@@ -115,22 +97,6 @@ def exceptions_of(steps: Optional[torch.Tensor]) -> Tuple[int, int]:
 def mode_of(steps: Optional[torch.Tensor], itemsize: int) -> Tuple[int, int]:
     """:func:`step_mode` of one tensor's ``steps`` (None: RAW) and the exceptions it leaves."""
     return (RAW, 0) if steps is None else step_mode(steps.numel(), *exceptions_of(steps), itemsize)
-
-
-def stepped(held: torch.Tensor, patch: Patch) -> torch.Tensor:
-    """The new values of a patch of steps (``patch.step``): the steps added to the bits ``held`` at its positions (the
-    engine's elements there, of the pushed dtype), wrapping as :func:`steps_of` did, and the exceptions' values; the
-    patch's own values otherwise."""
-    if patch.step is None:
-        return patch.values
-    if held.dtype != patch.step:
-        raise PushError(f"a delta's steps were taken at {patch.step}, but the engine holds {held.dtype}")
-    as_int, wider = INT_OF[held.element_size()], _WIDER[held.element_size()]
-    raw = held.reshape(-1).view(as_int).to(wider) + patch.values.to(held.device, wider)
-    out = _wrap(raw, 8 * held.element_size()).to(as_int).view(held.dtype)
-    ordinals, values = patch.exact
-    out[ordinals.to(out.device)] = values.to(out.device)
-    return out
 
 
 def changed(new: torch.Tensor, old: Optional[torch.Tensor]) -> torch.Tensor:
@@ -196,6 +162,29 @@ def sparse_code(numel: int, indices: torch.Tensor, itemsize: int, full: bool = T
                   exact)
 
 
+def encoded(numel: int, pieces: List[Tuple[torch.Tensor, int]], values: torch.Tensor,
+            steps: Optional[torch.Tensor] = None, mode: int = RAW, exact: int = 0,
+            whole: Optional[torch.Tensor] = None) -> Tuple[int, torch.Tensor]:
+    """The smallest encoding (:func:`choose`) of a tensor of ``numel`` elements whose changed ones are at the positions
+    of ``pieces`` (each ``(positions, start)``: int32 or int64 positions, ascending, in a part whose first element is
+    ``start``; the pieces in order), with their ``values`` and ``steps`` in ``mode``, and its payload; ``whole``: the
+    whole tensor (flat), where FULL may carry it. BLOCK8's positions are built from the pieces in one pass
+    (:func:`kernels.block8.head`); the positions are joined into one int64 tensor only for another encoding, or where
+    a block has all its elements changed (BLOCK8 cannot carry it)."""
+    count, itemsize = sum(p.numel() for p, _ in pieces), values.element_size()
+    code = choose(numel, count, itemsize, full=whole is not None, mode=mode, exact=exact)
+    if code == FULL:
+        return code, encode(FULL, numel, None, whole)
+    head = block8_head(pieces, numel) if code & _POSITIONS == BLOCK8 else None
+    if head is not None:
+        return code, encode(code, numel, None, values, steps, head=head)
+    indices = torch.cat([p.to(torch.int64) + start for p, start in pieces]) if len(pieces) != 1 or pieces[0][1] \
+        else pieces[0][0].to(torch.int64)
+    if code & _POSITIONS == BLOCK8:
+        code = sparse_code(numel, indices, itemsize, whole is not None, mode, exact)
+    return code, encode(code, numel, indices, whole if code == FULL else values, steps)
+
+
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """A bool ``mask`` (on the CPU) as bits, LSB first: ``[ceil(N / 8)]`` uint8."""
     return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
@@ -216,29 +205,39 @@ def _unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def encode(code: int, numel: int, indices: Optional[torch.Tensor], values: torch.Tensor,
-           steps: Optional[torch.Tensor] = None) -> torch.Tensor:
+           steps: Optional[torch.Tensor] = None, head: Optional[Head] = None) -> torch.Tensor:
     """The payload (uint8, on the CPU): ``values`` the whole tensor for FULL, else the changed elements' values at
-    ``indices`` (int64, ascending), for STEP8 and SIGN with their ``steps`` (:func:`steps_of`)."""
+    ``indices`` (int64, ascending), for STEP8 and SIGN with their ``steps`` (:func:`steps_of`). ``head``: BLOCK8's
+    positions as :func:`kernels.block8.head` built them from the pieces the ranks gathered, in place of ``indices``."""
     mode, code = code & ~_POSITIONS, code & _POSITIONS
     raw = values.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
     if mode != RAW:
-        steps = steps.cpu()
-        ordinals = _flatnonzero(exceptions(mode, steps))  # [E]
-        carried = steps.view(torch.uint8) if mode == STEP8 else _pack_bits(steps > 0)
-        parts = [carried, torch.tensor([ordinals.numel()], dtype=torch.int64).view(torch.uint8),
-                 ordinals.to(torch.int32).view(torch.uint8), raw.view(values.dtype)[ordinals].view(torch.uint8)]
-        raw = torch.cat([_padded(parts[0]), parts[1], _padded(parts[2]), parts[3]])
+        raw = _values_section(mode, raw.view(values.dtype), steps.cpu())
     if code == FULL:
         return raw
+    if code == BLOCK8:
+        head = head or block8_head([(indices.cpu(), 0)], numel)
+        if head is None:  # (no C compiler)
+            indices = indices.cpu()
+            head = Head(torch.bincount(indices >> _SHIFT, minlength=-(-numel // BLOCK)).to(torch.uint8),  # [blocks]
+                        (indices & (BLOCK - 1)).to(torch.uint8))
+        return torch.cat([_padded(torch.cat([head.counts, head.offsets])), raw])
     if code == BITMAP:
-        head = _pack_bits(_mask(indices.cpu(), numel))
-    elif code == BLOCK8:
-        indices = indices.cpu()
-        counts = torch.bincount(indices >> _SHIFT, minlength=-(-numel // BLOCK)).to(torch.uint8)  # [blocks]
-        head = torch.cat([counts, (indices & (BLOCK - 1)).to(torch.uint8)])
-    else:
-        head = indices.cpu().to(torch.int32 if code == IDX32 else torch.int64).view(torch.uint8)
-    return torch.cat([_padded(head), raw])
+        return torch.cat([_padded(_pack_bits(_mask(indices.cpu(), numel))), raw])
+    return torch.cat([_padded(indices.cpu().to(torch.int32 if code == IDX32 else torch.int64).view(torch.uint8)), raw])
+
+
+def _values_section(mode: int, values: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """A mode of steps' values section (see the module's docstring): the sign bits and the exceptions' ordinals in one
+    pass (:func:`kernels.block8.exceptions`) where a C compiler builds it."""
+    fast = block8_exceptions(steps, mode == SIGN)
+    if fast is None:
+        fast = (_pack_bits(steps > 0) if mode == SIGN else None,
+                _flatnonzero(exceptions(mode, steps)).to(torch.int32))
+    bits, ordinals = fast  # [ceil(c / 8)] for SIGN, [E] int32
+    carried = steps.view(torch.uint8) if mode == STEP8 else bits
+    return torch.cat([_padded(carried), torch.tensor([ordinals.numel()], dtype=torch.int64).view(torch.uint8),
+                      _padded(ordinals.view(torch.uint8)), values[ordinals.long()].view(torch.uint8)])
 
 
 def _padded(t: torch.Tensor) -> torch.Tensor:
@@ -247,10 +246,30 @@ def _padded(t: torch.Tensor) -> torch.Tensor:
 
 
 def decode(code: int, payload: torch.Tensor, shape, dtype: torch.dtype, count: int) -> Patch:
-    """:func:`encode`'s inverse: the tensor's :class:`Patch` (views of ``payload`` where it can)."""
+    """:func:`encode`'s inverse: the tensor's :class:`Patch` (views of ``payload`` where it can). A BLOCK8 payload on
+    the CPU: a packed patch (:class:`~models.engines.weight_patch.Packed`), its counts and sections checked here, its
+    positions and values expanded only where the engine needs them (:func:`~models.engines.weight_patch.patch_into`
+    applies it from the payload)."""
     numel = _numel(shape)
     if code == FULL:
         return Patch(None, payload.view(dtype).view(list(shape)))
+    if code & _POSITIONS != BLOCK8 or payload.device.type != "cpu":
+        return _decoded(code, payload, numel, dtype, count)
+    mode, blocks = code & ~_POSITIONS, -(-numel // BLOCK)
+    at = _head(BLOCK8, numel, count)
+    if payload.numel() < at or int(payload[:blocks].sum()) != count:
+        raise PushError(f"a delta of {count} elements arrives with positions for another count")
+    if mode == RAW:
+        carried, ordinals, exact = payload[at:].view(dtype), torch.zeros(0, dtype=torch.int32), payload[:0].view(dtype)
+        if carried.numel() != count:
+            raise PushError(f"a delta of {count} elements arrives with {carried.numel()} values")
+    else:
+        carried, ordinals, exact = _section(mode, payload[at:], count, dtype)
+    packed = Packed(Head(payload[:blocks], payload[blocks:blocks + count]), mode, carried, ordinals, exact)
+    return Patch.of_packed(packed, lambda: _decoded(code, payload, numel, dtype, count))
+
+
+def _decoded(code: int, payload: torch.Tensor, numel: int, dtype: torch.dtype, count: int) -> Patch:
     mode, code = code & ~_POSITIONS, code & _POSITIONS
     head = _head(code, numel, count)
     values, exact = (payload[head:].view(dtype), None) if mode == RAW else _steps(mode, payload[head:], count, dtype)
@@ -272,23 +291,27 @@ def decode(code: int, payload: torch.Tensor, shape, dtype: torch.dtype, count: i
     return Patch(indices, values, None if mode == RAW else dtype, exact)
 
 
-def _steps(mode: int, payload: torch.Tensor, count: int, dtype: torch.dtype):
-    """The steps (int8) and the exceptions of a values' section in ``mode`` (see the module's docstring)."""
+def _section(mode: int, payload: torch.Tensor, count: int, dtype: torch.dtype
+             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A values' section in ``mode`` (see the module's docstring), checked: what the mode carries (STEP8: the int8
+    steps; SIGN: their bits), the exceptions' ordinals (int32) and values (views of ``payload``)."""
     carried = _steps_bytes(mode, count)
     if payload.numel() < carried + 8:
         raise PushError(f"a delta's steps of {count} elements arrive in {payload.numel()} bytes")
-    if mode == STEP8:
-        steps = payload[:count].view(torch.int8)
-    else:
-        steps = _unpack_bits(payload[:carried], count).to(torch.int8) * 2 - 1  # set: +1, clear: -1
     n = int(payload[carried:carried + 8].view(torch.int64).item())
     at = carried + 8
-    ordinals = payload[at:at + 4 * n].view(torch.int32).to(torch.int64)
-    at = _up(at + 4 * n, 8)
-    values = payload[at:].view(dtype)
+    ordinals = payload[at:at + 4 * max(n, 0)].view(torch.int32)
+    values = payload[_up(at + 4 * max(n, 0), 8):].view(dtype)
     if n < 0 or ordinals.numel() != n or values.numel() != n or (n and int(ordinals.max()) >= count):
         raise PushError(f"a delta's {n} exceptions among {count} steps do not decode")
-    return steps, (ordinals, values)
+    return payload[:count] if mode == STEP8 else payload[:carried], ordinals, values
+
+
+def _steps(mode: int, payload: torch.Tensor, count: int, dtype: torch.dtype):
+    """The steps (int8) and the exceptions (ordinals, values) of a values' section in ``mode``."""
+    carried, ordinals, values = _section(mode, payload, count, dtype)
+    steps = carried.view(torch.int8) if mode == STEP8 else _unpack_bits(carried, count).to(torch.int8) * 2 - 1
+    return steps, (ordinals.to(torch.int64), values)  # (SIGN: set +1, clear -1)
 
 
 class Delta(NamedTuple):

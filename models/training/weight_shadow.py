@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.bit_steps import changed_steps, warm
-from models.engines.weight_delta import (FULL, RAW, Delta, changed, choose, encode, exceptions_of, sparse_code,
+from models.engines.weight_delta import (FULL, RAW, Delta, changed, choose, encode, encoded, exceptions_of,
                                          step_mode, steps_of)
 from models.engines.weight_stream import SAMPLES, bits
 from models.training.weight_source import WeightSource
@@ -105,10 +105,24 @@ def _positions(gen: torch.Generator, numel: int) -> torch.Tensor:
     return torch.randint(0, max(numel, 1), (min(SAMPLES, numel),), generator=gen)  # [n]
 
 
+def _ordinals(gen: torch.Generator, count: int) -> torch.Tensor:
+    """:data:`SAMPLES` ordinals among ``count`` changed elements (fewer where fewer changed)."""
+    return torch.randint(0, max(count, 1), (min(SAMPLES, count),), generator=gen)  # [n]
+
+
 def _among(gen: torch.Generator, indices: torch.Tensor) -> torch.Tensor:
-    if not indices.numel():
-        return indices
-    return indices[torch.randint(0, indices.numel(), (min(SAMPLES, indices.numel()),), generator=gen)]
+    return indices[_ordinals(gen, indices.numel())]
+
+
+def _positions_of(pieces: List[Tuple[torch.Tensor, int]], ordinals: torch.Tensor) -> torch.Tensor:
+    """The flat positions (int64) of the changed elements at ``ordinals`` among those of ``pieces`` (in order)."""
+    out, low = torch.zeros_like(ordinals), 0
+    for positions, start in pieces:
+        high = low + positions.numel()
+        mine = (ordinals >= low) & (ordinals < high)
+        out[mine] = positions[ordinals[mine] - low].to(torch.int64) + start
+        low = high
+    return out
 
 
 def _sample_table(positions: torch.Tensor, values_bits: torch.Tensor) -> torch.Tensor:
@@ -124,8 +138,7 @@ def _whole_delta(p: "_Part") -> Delta:
     new, steps, indices, gen = p.new, p.steps, p.indices, p.gen
     flat, numel = new.reshape(-1), new.numel()
     mode, exact = (RAW, 0) if steps is None else step_mode(indices.numel(), *p.exceptions, new.element_size())
-    code = sparse_code(numel, indices, new.element_size(), mode=mode, exact=exact)
-    payload = encode(code, numel, indices, flat if code == FULL else p.values, steps)
+    code, payload = encoded(numel, [(indices, 0)], p.values, steps, mode, exact, whole=flat)
     at = torch.cat([_positions(gen, numel), _among(gen, indices)])
     return Delta(code, indices.numel(), payload, _sample_table(at, bits(flat[at])))
 
@@ -199,8 +212,9 @@ class _Sharded:
         self.gathered = self._gather([p for p in parts if self.plans[p.name][0] != FULL])
 
     def _gather(self, parts: List[_Part]) -> Dict[str, List[torch.Tensor]]:
-        """Rank 0: per tensor its changed elements' positions (in the whole tensor), values and steps (with a mode
-        of steps), every rank's in rank order (ascending): one gather of each rank's bytes, padded to the most."""
+        """Rank 0: per tensor its changed elements' positions (a piece per rank: the positions within its part, as
+        gathered, and its part's first element), values and steps (with a mode of steps; else None), every rank's
+        in rank order (ascending): one gather of each rank's bytes, padded to the most."""
         if not parts:
             return {}
         info = self.info
@@ -227,9 +241,9 @@ class _Sharded:
         for k, p in enumerate(parts):
             starts = self.starts[p.name]  # [ranks]: each rank's first element's flat position in the whole tensor
             kinds = [[pieces[r][j * len(parts) + k] for r in range(len(pieces))] for j in range(3)]
-            indices = torch.cat([at.view(position).to(torch.int64) + start for at, start in zip(kinds[0], starts)])
-            out[p.name] = [indices, torch.cat(kinds[1]).view(p.new.dtype)] + \
-                ([torch.cat(kinds[2]).view(torch.int8)] if self.plans[p.name][1] != RAW else [])
+            out[p.name] = [[(at.view(position), start) for at, start in zip(kinds[0], starts)],
+                           torch.cat(kinds[1]).view(p.new.dtype),
+                           torch.cat(kinds[2]).view(torch.int8) if self.plans[p.name][1] != RAW else None]
         return out
 
     def delta(self, p: _Part) -> Optional[Delta]:
@@ -246,10 +260,9 @@ class _Sharded:
                          _sample_table(anywhere, held))
         if not self.info.is_main:
             return None
-        indices, values, *rest = self.gathered.pop(p.name)
-        code = sparse_code(numel, indices, p.new.element_size(), full=False, mode=mode, exact=exact)
-        at = _among(p.gen, indices)
+        pieces, values, steps = self.gathered.pop(p.name)
+        code, payload = encoded(numel, pieces, values, steps, mode, exact)
+        ordinals = _ordinals(p.gen, values.numel())
         table = torch.cat([torch.stack([anywhere, held]),
-                           torch.stack([at, bits(values[torch.searchsorted(indices, at)])])], dim=1)
-        return Delta(code, indices.numel(), encode(code, numel, indices, values, *rest),
-                     _sample_table(table[0], table[1]))
+                           torch.stack([_positions_of(pieces, ordinals), bits(values[ordinals])])], dim=1)
+        return Delta(code, values.numel(), payload, _sample_table(table[0], table[1]))
