@@ -49,18 +49,63 @@ HEAD(head32, int32_t)
 HEAD(head64, int64_t)
 
 /* The ordinals of the steps a mode cannot carry (SIGN, sign != 0: other than +1 and -1; STEP8: -128), at most cap
-   written; with `bits` (zeroed by the caller) SIGN's bit k set where steps[k] > 0 (LSB first). Returns their count. */
-int64_t exceptions(const int8_t *steps, int64_t n, int sign, uint8_t *bits, int32_t *ordinals, int64_t cap) {
-    int64_t e = 0;
-    for (int64_t k = 0; k < n; k++) {
+   written; with `bits` (zeroed by the caller) SIGN's bit k set where steps[k] > 0 (LSB first). Returns their count.
+   Eight steps a byte of bits, without a branch on a step's sign (half of them mispredicted otherwise); with AVX2, 32
+   steps compared at once, the exceptions looked for only where a compare found one. */
+static inline int odd(int8_t s, int sign) { return sign ? (s != 1 && s != -1) : (s == -128); }
+
+static int64_t exceptions_from(const int8_t *steps, int64_t k, int64_t n, int sign, uint8_t *bits, int32_t *ordinals,
+                               int64_t cap, int64_t e) {
+    for (; k < n; k++) {
         int8_t s = steps[k];
-        if (bits && s > 0) bits[k >> 3] |= (uint8_t)(1u << (k & 7));
-        if (sign ? (s != 1 && s != -1) : (s == -128)) {
+        if (bits) bits[k >> 3] |= (uint8_t)((s > 0) << (k & 7));
+        if (odd(s, sign)) {
             if (e < cap) ordinals[e] = (int32_t)k;
             e++;
         }
     }
     return e;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+__attribute__((target("avx2")))
+static int64_t exceptions_avx2(const int8_t *steps, int64_t n, int sign, uint8_t *bits, int32_t *ordinals,
+                               int64_t cap) {
+    const __m256i plus = _mm256_set1_epi8(1), minus = _mm256_set1_epi8(-1), lowest = _mm256_set1_epi8(-128);
+    const __m256i zero = _mm256_setzero_si256();
+    int64_t e = 0, k = 0;
+    for (; k + 32 <= n; k += 32) {
+        __m256i s = _mm256_loadu_si256((const __m256i *)(steps + k));
+        if (bits) {
+            uint32_t up = (uint32_t)_mm256_movemask_epi8(_mm256_cmpgt_epi8(s, zero));
+            bits[(k >> 3)] = (uint8_t)up;
+            bits[(k >> 3) + 1] = (uint8_t)(up >> 8);
+            bits[(k >> 3) + 2] = (uint8_t)(up >> 16);
+            bits[(k >> 3) + 3] = (uint8_t)(up >> 24);
+        }
+        __m256i fine = sign ? _mm256_or_si256(_mm256_cmpeq_epi8(s, plus), _mm256_cmpeq_epi8(s, minus))
+                            : _mm256_xor_si256(_mm256_cmpeq_epi8(s, lowest), _mm256_set1_epi8(-1));
+        uint32_t m = ~(uint32_t)_mm256_movemask_epi8(fine);
+        for (; m; m &= m - 1) {
+            if (e < cap) ordinals[e] = (int32_t)(k + __builtin_ctz(m));
+            e++;
+        }
+    }
+    return exceptions_from(steps, k, n, sign, bits, ordinals, cap, e);
+}
+
+static int avx2(void) { return __builtin_cpu_supports("avx2"); }
+#else
+#define exceptions_avx2(steps, n, sign, bits, ordinals, cap) exceptions_from(steps, 0, n, sign, bits, ordinals, cap, 0)
+static int avx2(void) { return 0; }
+#endif
+
+int64_t exceptions(const int8_t *steps, int64_t n, int sign, uint8_t *bits, int32_t *ordinals, int64_t cap,
+                   int simd) {
+    if (simd && avx2()) return exceptions_avx2(steps, n, sign, bits, ordinals, cap);
+    return exceptions_from(steps, 0, n, sign, bits, ordinals, cap, 0);
 }
 
 /* A BLOCK8 delta into `t` (numel elements): the k-th changed element (block by block, the offsets in order) takes
@@ -100,7 +145,7 @@ APPLY(apply32, uint32_t)
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _HEAD = (_INT, [_P, _I64, _I64, _I64, _P, _P, _P])
 _APPLY_ARGS = (_INT, [_P, _I64, _P, _P, _I64, _INT, _P, _P, _I64, _P, _P])
-_FUNCTIONS = {"head32": _HEAD, "head64": _HEAD, "exceptions": (_I64, [_P, _I64, _INT, _P, _P, _I64]),
+_FUNCTIONS = {"head32": _HEAD, "head64": _HEAD, "exceptions": (_I64, [_P, _I64, _INT, _P, _P, _I64, _INT]),
               "apply16": _APPLY_ARGS, "apply32": _APPLY_ARGS}
 _HEADS = {torch.int32: "head32", torch.int64: "head64"}
 _APPLY = {2: ("apply16", torch.int16), 4: ("apply32", torch.int32)}
@@ -140,11 +185,12 @@ def head(pieces: Sequence[Tuple[torch.Tensor, int]], numel: int) -> Optional[Hea
     return Head(_tensor(counts), _tensor(offsets))
 
 
-def exceptions(steps: torch.Tensor, sign: bool, expected: Optional[int] = None
+def exceptions(steps: torch.Tensor, sign: bool, expected: Optional[int] = None, vectorised: bool = True
                ) -> Optional[Tuple[Optional[torch.Tensor], torch.Tensor]]:
     """The steps' (int8, on the CPU) exceptions to SIGN (``sign``) or STEP8: SIGN's bits (``[ceil(n / 8)]`` uint8, LSB
     first; None for STEP8) and the exceptions' ordinals (int32, ascending); ``expected``: their count where known (the
-    room for them). None where no C compiler builds the kernel."""
+    room for them); ``vectorised`` False: the scalar loop where AVX2 would run (both give the same). None where no C
+    compiler builds the kernel."""
     lib = library()
     if lib is None or steps.dtype != torch.int8 or steps.device.type != "cpu":
         return None
@@ -154,9 +200,9 @@ def exceptions(steps: torch.Tensor, sign: bool, expected: Optional[int] = None
     cap = n if expected is None else expected
     ordinals = np.empty(max(cap, 1), np.int32)
     got = lib.exceptions(steps.data_ptr(), n, int(sign), None if bits is None else bits.ctypes.data,
-                         ordinals.ctypes.data, cap)
+                         ordinals.ctypes.data, cap, int(vectorised))
     if got > cap:  # (a wrong expectation: counted again with room for all)
-        return exceptions(steps, sign)
+        return exceptions(steps, sign, None, vectorised)
     return (None if bits is None else _tensor(bits)), _tensor(ordinals[:got].copy())
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -116,13 +117,14 @@ def _among(gen: torch.Generator, indices: torch.Tensor) -> torch.Tensor:
 
 def _positions_of(pieces: List[Tuple[torch.Tensor, int]], ordinals: torch.Tensor) -> torch.Tensor:
     """The flat positions (int64) of the changed elements at ``ordinals`` among those of ``pieces`` (in order)."""
-    out, low = torch.zeros_like(ordinals), 0
-    for positions, start in pieces:
-        high = low + positions.numel()
-        mine = (ordinals >= low) & (ordinals < high)
-        out[mine] = positions[ordinals[mine] - low].to(torch.int64) + start
-        low = high
-    return out
+    ends = np.cumsum([p.numel() for p, _ in pieces])  # numpy's indexing: a few microseconds a tensor, not torch's tens
+    which = np.searchsorted(ends, ordinals.numpy(), side="right")  # [n]: the piece of each
+    out = np.zeros(ordinals.numel(), np.int64)
+    for k in np.unique(which):
+        mine = which == k
+        positions, start = pieces[k]
+        out[mine] = positions.numpy()[ordinals.numpy()[mine] - (ends[k] - positions.numel())] + start
+    return torch.from_numpy(out) if out.size else torch.zeros(0, dtype=torch.int64)
 
 
 def _sample_table(positions: torch.Tensor, values_bits: torch.Tensor) -> torch.Tensor:
@@ -231,7 +233,7 @@ class _Sharded:
              for p in parts]  # positions, then values, then steps (as bytes: every backend gathers those)
         most = max(sum(lens) for lens in lengths)
         pad = torch.empty(most, dtype=torch.uint8)  # (the padding is never read)
-        pad[:sum(lengths[info.rank])] = torch.cat(mine)
+        torch.cat(mine, out=pad[:sum(lengths[info.rank])])
         got = [torch.empty(most, dtype=torch.uint8, device=info.device) for _ in lengths] if info.is_main else None
         dist.gather(pad.to(info.device), got, dst=0)
         if not info.is_main:

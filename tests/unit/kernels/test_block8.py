@@ -78,16 +78,20 @@ def test_a_block_all_changed_takes_another_encoding_and_bad_positions_are_refuse
         block8.head([(torch.tensor([4096]), 0)], 4096)
 
 
+@pytest.mark.parametrize("vectorised", [True, False], ids=["avx2", "scalar"])
 @pytest.mark.parametrize("sign", [True, False])
-def test_exceptions_and_sign_bits_are_numpys(sign):
-    steps = torch.tensor([1, -1, 5, -128, 1, 1, -1, 127, -1, 2, 1], dtype=torch.int8).repeat(37)
-    got_bits, ordinals = block8.exceptions(steps, sign)
+def test_exceptions_and_sign_bits_are_numpys(sign, vectorised):
+    gen = torch.Generator().manual_seed(2)
+    steps = torch.cat([torch.tensor([1, -1, 5, -128, 1, 1, -1, 127, -1, 2, 1], dtype=torch.int8).repeat(37),
+                       torch.randint(-128, 128, (333,), generator=gen).to(torch.int8),
+                       (torch.randint(0, 2, (1000,), generator=gen) * 2 - 1).to(torch.int8)])  # (not a multiple of 32)
+    got_bits, ordinals = block8.exceptions(steps, sign, vectorised=vectorised)
     mask = (steps != 1) & (steps != -1) if sign else steps == -128
     assert ordinals.dtype == torch.int32 and ordinals.tolist() == np.flatnonzero(mask.numpy()).tolist()
     if sign:
         assert got_bits.tolist() == np.packbits((steps > 0).numpy(), bitorder="little").tolist()
-    assert block8.exceptions(steps, sign, expected=2)[1].tolist() == ordinals.tolist()  # (too little room: again)
-    assert block8.exceptions(torch.ones(5, dtype=torch.int8), sign)[1].numel() == 0
+    assert block8.exceptions(steps, sign, 2, vectorised)[1].tolist() == ordinals.tolist()  # (too little room: again)
+    assert block8.exceptions(torch.ones(5, dtype=torch.int8), sign, vectorised=vectorised)[1].numel() == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
