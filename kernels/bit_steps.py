@@ -51,28 +51,34 @@ static inline void step(int64_t d, int8_t *steps, int64_t c, int64_t *tally) {
     tally[1] += (s == -128);
 }
 
+/* keep (NULL or held, writable): the new bits written there as the loop finds them (their cache line is in hand),
+   the old ones kept in prev[c], so a pass that does not apply can put them back. */
+typedef struct { void *keep; void *prev; } Keep;
+
 static inline void put16(int64_t i, int16_t b, int16_t h, int64_t *pos, int16_t *out, int8_t *steps, int64_t c,
-                         int64_t *tally) {
+                         int64_t *tally, Keep k) {
     int32_t d = (int32_t)b - (int32_t)h;
     if (d > 32767) d -= 65536; else if (d < -32768) d += 65536;
     pos[c] = i; out[c] = b; step(d, steps, c, tally);
+    if (k.keep) { ((int16_t *)k.prev)[c] = h; ((int16_t *)k.keep)[i] = b; }
 }
 
 static inline void put32(int64_t i, int32_t b, int32_t h, int64_t *pos, int32_t *out, int8_t *steps, int64_t c,
-                         int64_t *tally) {
+                         int64_t *tally, Keep k) {
     int64_t d = (int64_t)b - (int64_t)h;
     if (d > 2147483647LL) d -= 4294967296LL; else if (d < -2147483648LL) d += 4294967296LL;
     pos[c] = i; out[c] = b; step(d, steps, c, tally);
+    if (k.keep) { ((int32_t *)k.prev)[c] = h; ((int32_t *)k.keep)[i] = b; }
 }
 
 static int64_t bf16_scalar(const uint32_t *src, const int16_t *held, int64_t i, int64_t n, int64_t *pos,
-                           int16_t *out, int8_t *steps, int64_t cap, int64_t c, int64_t *tally) {
+                           int16_t *out, int8_t *steps, int64_t cap, int64_t c, int64_t *tally, Keep kp) {
     for (; i < n; i++) {
         uint32_t u = src[i];
-        if ((u & 0x7FFFFFFFu) > 0x7F800000u) return -1;
+        if ((u & 0x7FFFFFFFu) > 0x7F800000u) { tally[2] = c; return -1; }
         int16_t b = bf16_of(u);
         if (b != held[i]) {
-            if (c < cap) put16(i, b, held[i], pos, out, steps, c, tally);
+            if (c < cap) put16(i, b, held[i], pos, out, steps, c, tally, kp);
             c++;
         }
     }
@@ -80,10 +86,10 @@ static int64_t bf16_scalar(const uint32_t *src, const int16_t *held, int64_t i, 
 }
 
 static int64_t f32_scalar(const int32_t *src, const int32_t *held, int64_t i, int64_t n, int64_t *pos, int32_t *out,
-                          int8_t *steps, int64_t cap, int64_t c, int64_t *tally) {
+                          int8_t *steps, int64_t cap, int64_t c, int64_t *tally, Keep kp) {
     for (; i < n; i++) {
         if (src[i] != held[i]) {
-            if (c < cap) put32(i, src[i], held[i], pos, out, steps, c, tally);
+            if (c < cap) put32(i, src[i], held[i], pos, out, steps, c, tally, kp);
             c++;
         }
     }
@@ -97,7 +103,7 @@ int simd_available(void) { return __builtin_cpu_supports("avx2") ? 1 : 0; }
 
 __attribute__((target("avx2")))
 static int64_t bf16_avx2(const uint32_t *src, const int16_t *held, int64_t n, int64_t *pos, int16_t *out,
-                         int8_t *steps, int64_t cap, int64_t *tally) {
+                         int8_t *steps, int64_t cap, int64_t *tally, Keep kp) {
     const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
     const __m256i half = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
     __m256i nan = _mm256_setzero_si256();
@@ -111,17 +117,17 @@ static int64_t bf16_avx2(const uint32_t *src, const int16_t *held, int64_t n, in
         unsigned m = ~(unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(b, h))) & 0xFFu;
         for (; m; m &= m - 1) {
             int64_t k = i + __builtin_ctz(m);
-            if (c < cap) put16(k, bf16_of(src[k]), held[k], pos, out, steps, c, tally);
+            if (c < cap) put16(k, bf16_of(src[k]), held[k], pos, out, steps, c, tally, kp);
             c++;
         }
     }
-    if (!_mm256_testz_si256(nan, nan)) return -1;
-    return bf16_scalar(src, held, i, n, pos, out, steps, cap, c, tally);
+    if (!_mm256_testz_si256(nan, nan)) { tally[2] = c; return -1; }
+    return bf16_scalar(src, held, i, n, pos, out, steps, cap, c, tally, kp);
 }
 
 __attribute__((target("avx2")))
 static int64_t f32_avx2(const int32_t *src, const int32_t *held, int64_t n, int64_t *pos, int32_t *out,
-                        int8_t *steps, int64_t cap, int64_t *tally) {
+                        int8_t *steps, int64_t cap, int64_t *tally, Keep kp) {
     int64_t c = 0, i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
@@ -129,33 +135,41 @@ static int64_t f32_avx2(const int32_t *src, const int32_t *held, int64_t n, int6
         unsigned m = ~(unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(a, h))) & 0xFFu;
         for (; m; m &= m - 1) {
             int64_t k = i + __builtin_ctz(m);
-            if (c < cap) put32(k, src[k], held[k], pos, out, steps, c, tally);
+            if (c < cap) put32(k, src[k], held[k], pos, out, steps, c, tally, kp);
             c++;
         }
     }
-    return f32_scalar(src, held, i, n, pos, out, steps, cap, c, tally);
+    return f32_scalar(src, held, i, n, pos, out, steps, cap, c, tally, kp);
 }
 #else
 int simd_available(void) { return 0; }
-#define bf16_avx2(src, held, n, pos, out, steps, cap, t) bf16_scalar(src, held, 0, n, pos, out, steps, cap, 0, t)
-#define f32_avx2(src, held, n, pos, out, steps, cap, t) f32_scalar(src, held, 0, n, pos, out, steps, cap, 0, t)
+#define bf16_avx2(src, held, n, pos, out, steps, cap, t, kp) \
+    bf16_scalar(src, held, 0, n, pos, out, steps, cap, 0, t, kp)
+#define f32_avx2(src, held, n, pos, out, steps, cap, t, kp) f32_scalar(src, held, 0, n, pos, out, steps, cap, 0, t, kp)
 #endif
 
+/* keep, prev: see Keep (NULL: held only read). tally[2]: the changed elements found (also where the pass fails). */
 int64_t bf16_steps(const uint32_t *src, const int16_t *held, int64_t n, int64_t *pos, int16_t *out, int8_t *steps,
-                   int64_t cap, int simd, int64_t *tally) {
+                   int64_t cap, int simd, int64_t *tally, int16_t *keep, int16_t *prev) {
+    Keep kp = {keep, prev};
     tally[0] = tally[1] = 0;
-    if (simd) return bf16_avx2(src, held, n, pos, out, steps, cap, tally);
-    return bf16_scalar(src, held, 0, n, pos, out, steps, cap, 0, tally);
+    int64_t c = simd ? bf16_avx2(src, held, n, pos, out, steps, cap, tally, kp)
+                     : bf16_scalar(src, held, 0, n, pos, out, steps, cap, 0, tally, kp);
+    if (c >= 0) tally[2] = c;
+    return c;
 }
 
 int64_t f32_steps(const int32_t *src, const int32_t *held, int64_t n, int64_t *pos, int32_t *out, int8_t *steps,
-                  int64_t cap, int simd, int64_t *tally) {
+                  int64_t cap, int simd, int64_t *tally, int32_t *keep, int32_t *prev) {
+    Keep kp = {keep, prev};
     tally[0] = tally[1] = 0;
-    if (simd) return f32_avx2(src, held, n, pos, out, steps, cap, tally);
-    return f32_scalar(src, held, 0, n, pos, out, steps, cap, 0, tally);
+    int64_t c = simd ? f32_avx2(src, held, n, pos, out, steps, cap, tally, kp)
+                     : f32_scalar(src, held, 0, n, pos, out, steps, cap, 0, tally, kp);
+    if (c >= 0) tally[2] = c;
+    return c;
 }
 
-/* The changed elements written into the copy kept: held[pos[k]] = out[k] (pos ascending). */
+/* The old bits put back where a pass that kept its new ones failed: held[pos[k]] = prev[k]. */
 void put_bits16(int16_t *held, const int64_t *pos, const int16_t *out, int64_t count) {
     for (int64_t k = 0; k < count; k++) held[pos[k]] = out[k];
 }
@@ -167,7 +181,7 @@ void put_bits32(int32_t *held, const int64_t *pos, const int32_t *out, int64_t c
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
-_STEPS = (_I64, [_P, _P, _I64, _P, _P, _P, _I64, ctypes.c_int, _P])
+_STEPS = (_I64, [_P, _P, _I64, _P, _P, _P, _I64, ctypes.c_int, _P, _P, _P])
 _FUNCTIONS = {**{name: _STEPS for name in ("bf16_steps", "f32_steps")},
               **{name: (None, [_P, _P, _P, _I64]) for name in ("put_bits16", "put_bits32")},
               "simd_available": (ctypes.c_int, [])}
@@ -211,8 +225,9 @@ def changed_steps(src: torch.Tensor, held: torch.Tensor, capacity: Optional[int]
                   vectorised: Optional[bool] = None, keep: bool = False) -> Optional[Changed]:
     """``src`` (float32) at ``held``'s dtype against ``held``'s bits: the elements that differ (:class:`Changed`), or
     None where the pass does not apply (see the module's docstring). ``capacity``: the most changed elements to take
-    (default a sixteenth of the elements, at least 1,024). ``keep``: the new values written into ``held`` (only once
-    the pass applied; otherwise ``held`` is only read). ``vectorised`` False: the scalar loop where the AVX2 one would
+    (default a sixteenth of the elements, at least 1,024). ``keep``: the new values written into ``held`` as the loop
+    finds them (their cache line in hand: no second pass over ``held``), the old ones put back where the pass does not
+    apply (otherwise ``held`` is only read). ``vectorised`` False: the scalar loop where the AVX2 one would
     run (:func:`simd`; both give the same, bit for bit)."""
     kind = _KINDS.get(held.dtype)
     if (kind is None or src.dtype != torch.float32 or src.device.type != "cpu" or held.device.type != "cpu"
@@ -225,15 +240,16 @@ def changed_steps(src: torch.Tensor, held: torch.Tensor, capacity: Optional[int]
     numel = src.numel()
     cap = min(numel, max(1024, numel // 16)) if capacity is None else capacity
     pos, new, steps = np.empty(cap, np.int64), np.empty(cap, np_int), np.empty(cap, np.int8)
-    tally = np.zeros(2, np.int64)
+    prev = np.empty(cap if keep else 0, np_int)  # the old bits of those written, while the pass may still fail
+    tally = np.zeros(3, np.int64)
     wide = simd() and vectorised is not False  # (never AVX2 on a CPU without it)
     bits = held.view(torch_int).data_ptr()
     count = getattr(lib, name)(src.data_ptr(), bits, numel, pos.ctypes.data, new.ctypes.data, steps.ctypes.data, cap,
-                               int(wide), tally.ctypes.data)
+                               int(wide), tally.ctypes.data, bits if keep else None, prev.ctypes.data if keep else None)
     if count < 0 or count > cap:
+        if keep:
+            getattr(lib, put)(bits, pos.ctypes.data, prev.ctypes.data, min(int(tally[2]), cap))
         return None
-    if keep:
-        getattr(lib, put)(bits, pos.ctypes.data, new.ctypes.data, count)
     return Changed(_tensor(pos[:count]), _tensor(new[:count]).view(held.dtype), _tensor(steps[:count]),
                    (int(tally[0]), int(tally[1])))
 

@@ -83,6 +83,9 @@ def test_where_it_does_not_apply(vectorised):
         nan[at] = float("nan")
         assert changed_steps(nan, kept, vectorised=vectorised, keep=True) is None  # torch's casts disagree on NaN
     assert torch.equal(kept.view(torch.int16), held.view(torch.int16))  # where the pass does not apply, nothing kept
+    kept32 = src.clone()  # (the loop writes as it goes and puts the old bits back: a float32 copy too)
+    assert changed_steps(src + 1.0, kept32, capacity=100, vectorised=vectorised, keep=True) is None
+    assert torch.equal(kept32.view(torch.int32), src.view(torch.int32))
     assert changed_steps(src, src.to(torch.float16)) is None
     assert changed_steps(src.to(torch.float64), held) is None
     assert changed_steps(src[:4096].reshape(64, 64).t(), held[:4096].reshape(64, 64)) is None  # not contiguous
