@@ -9,7 +9,7 @@ use, as every other encoding's.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -67,6 +67,14 @@ class Patch:
     @property
     def whole(self) -> bool:
         return self.packed is None and self.indices is None
+
+    def tensors(self) -> List[torch.Tensor]:
+        """The tensors it holds (views of the payload it came in), not expanding it."""
+        if self.packed is not None and self._fields is None:
+            p = self.packed
+            return [p.head.counts, p.head.offsets, p.carried, p.ordinals, p.exact]
+        indices, values, _, exact = self._all()
+        return [t for t in (indices, values, *(exact or ())) if t is not None]
 
     def __reduce__(self):  # (to a worker process: expanded)
         return Patch, self._all()

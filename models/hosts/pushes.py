@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 import torch
 
 from models.engines.weight_delta import open_delta, seal_delta
+from models.engines.weight_patch import Patch
 from models.engines.weight_stream import (BUCKET_BYTES, BucketWriter, PushError, Samples, check_header,
                                           check_read_back, checksum_kind, open_bucket, plan_push, positions,
                                           tensor_bytes)
@@ -205,7 +206,7 @@ def received(header: Mapping[str, Any], buckets: Iterable[Tuple[int, torch.Tenso
     else:
         kept = list(_opened(header, buckets, held, to_host))
     host_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for tensors, _ in kept
-                      for item in tensors.values() for t in (item if isinstance(item, tuple) else (item,))
+                      for item in tensors.values() for t in _held_tensors(item)
                       if t is not None}.values())
     receive_s = time.perf_counter() - t0
 
@@ -226,6 +227,13 @@ def received(header: Mapping[str, Any], buckets: Iterable[Tuple[int, torch.Tenso
                 "time/weights_read_back_s": time.perf_counter() - t1}
 
     return put
+
+
+def _held_tensors(item) -> List[torch.Tensor]:
+    """The tensors an opened bucket's item holds: a full push's tensor, or a delta's
+    :class:`~models.engines.weight_patch.Patch`'s (views of the bucket, not expanded)."""
+    return item.tensors() if isinstance(item, Patch) else [item] if isinstance(item, torch.Tensor) else \
+        [t for t in item if isinstance(t, torch.Tensor)]
 
 
 def _confirmed(header: Mapping[str, Any], samples: Samples, engine, what: str, shard: bool = False

@@ -70,14 +70,15 @@ def test_the_push_travels_at_the_engines_dtype():
     assert transport_for(hf).push.dtype == torch.float32
 
 
-def delta_push(engine, model, dtype: str, shadow, push: int, base: str) -> dict:
+def delta_push(engine, model, dtype: str, shadow, push: int, base: str, kept: bool = False) -> dict:
     """``model``'s weights as a delta against ``shadow`` (``base``: the push the engine holds; "": a full push that
-    fills the shadow), through both ends in this process."""
+    fills the shadow), through both ends in this process; ``kept``: received while the engine is busy (kept, then
+    put into it, as an asynchronous run's engine takes it)."""
     source = WeightSource(model, INFO, prefix="")
     pusher = Push(getattr(torch, dtype), 1 << 14)
     header = pusher.header(source, "cpu", {"id": f"p{push}", "base": base, "seed": push})
     buckets = sealed(header, source, "cpu", push, pusher.dtype, shadow=shadow)
-    out = received(header, enumerate(buckets), engine)(engine)
+    out = received(header, enumerate(buckets), None if kept else engine)(engine)
     return {**out, **pusher.stats(header, getattr(buckets, "sent", None))}
 
 
@@ -86,7 +87,8 @@ def delta_push(engine, model, dtype: str, shadow, push: int, base: str) -> dict:
 def test_delta_pushes_serve_the_same_weights_and_samples_as_full_pushes(ckpts, dtype):
     """Three updates (AdamW at lr 1e-6 on the policy's own log-likelihood of random tokens, a GRPO step's shape
     without the rollout), each pushed whole into one engine and as a delta into another: both hold the trainer's
-    weights cast to their dtype bit for bit and sample the same responses after every update; at bfloat16 the
+    weights cast to their dtype bit for bit and sample the same responses after every update (the second delta kept
+    while the engine is busy, then put into it); at bfloat16 the
     deltas carry a small fraction of the bytes (most float32 steps of 1e-6 round to the same bfloat16)."""
     trained = AutoModelForCausalLM.from_pretrained(ckpts["b"], dtype=torch.float32)
     full, delta = HFEngine(ckpts["b"], dtype=dtype), HFEngine(ckpts["b"], dtype=dtype)
@@ -101,7 +103,8 @@ def test_delta_pushes_serve_the_same_weights_and_samples_as_full_pushes(ckpts, d
         opt.step()
         opt.zero_grad()
         whole = push(full, trained, dtype)
-        out = delta_push(delta, trained, dtype, shadow, step, f"p{step - 1}")
+        out = delta_push(delta, trained, dtype, shadow, step, f"p{step - 1}", kept=step == 2)
+        assert (out["resident/receiver_host_bytes"] > 0) == (step == 2)  # (the kept buckets' bytes counted)
         sent.append(out["resident/weights_bytes"] / whole["resident/weights_bytes"])
         a, b = full.model.state_dict(), delta.model.state_dict()
         cast = {k: v.to(getattr(torch, dtype)) for k, v in trained.state_dict().items()}
