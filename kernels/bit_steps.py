@@ -30,7 +30,7 @@ from typing import NamedTuple, Optional, Tuple
 import numpy as np
 import torch
 
-from kernels.native import compiled
+from kernels.native import as_tensor, compiled
 
 __all__ = ["Changed", "changed_steps", "library", "simd", "warm"]
 
@@ -250,11 +250,5 @@ def changed_steps(src: torch.Tensor, held: torch.Tensor, capacity: Optional[int]
         if keep:
             getattr(lib, put)(bits, pos.ctypes.data, prev.ctypes.data, min(int(tally[2]), cap))
         return None
-    return Changed(_tensor(pos[:count]), _tensor(new[:count]).view(held.dtype), _tensor(steps[:count]),
+    return Changed(as_tensor(pos[:count]), as_tensor(new[:count]).view(held.dtype), as_tensor(steps[:count]),
                    (int(tally[0]), int(tally[1])))
-
-
-def _tensor(a: np.ndarray) -> torch.Tensor:
-    """``a`` as a tensor, no copy (the buffer's pages past it were never written, so take no memory), an empty one
-    with its stride 1 (torch gives numpy's empty arrays stride 0)."""
-    return torch.from_numpy(a) if a.size else torch.zeros(0, dtype=torch.from_numpy(a[:1]).dtype)

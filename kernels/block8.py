@@ -20,7 +20,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from kernels.native import compiled
+from kernels.native import as_tensor, compiled
 
 __all__ = ["Head", "apply", "exceptions", "head", "library"]
 
@@ -182,7 +182,7 @@ def head(pieces: Sequence[Tuple[torch.Tensor, int]], numel: int) -> Optional[Hea
         if got:
             raise ValueError(f"positions of a delta not ascending within its {numel} elements (a piece from {start})")
         at += positions.numel()
-    return Head(_tensor(counts), _tensor(offsets))
+    return Head(as_tensor(counts), as_tensor(offsets))
 
 
 def exceptions(steps: torch.Tensor, sign: bool, expected: Optional[int] = None, vectorised: bool = True
@@ -203,13 +203,7 @@ def exceptions(steps: torch.Tensor, sign: bool, expected: Optional[int] = None, 
                          ordinals.ctypes.data, cap, int(vectorised))
     if got > cap:  # (a wrong expectation: counted again with room for all)
         return exceptions(steps, sign, None, vectorised)
-    return (None if bits is None else _tensor(bits)), _tensor(ordinals[:got].copy())
-
-
-def _tensor(a: np.ndarray) -> torch.Tensor:
-    """``a`` as a tensor, an empty one with its stride 1 (torch gives numpy's empty arrays stride 0, which no view
-    takes)."""
-    return torch.from_numpy(a) if a.size else torch.zeros(0, dtype=torch.from_numpy(a[:1]).dtype)
+    return (None if bits is None else as_tensor(bits)), as_tensor(ordinals[:got].copy())
 
 
 def apply(target: torch.Tensor, head: Head, mode: int, carried: torch.Tensor, ordinals: torch.Tensor,

@@ -17,6 +17,9 @@ import tempfile
 import threading
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
+import numpy as np
+import torch
+
 _LIBS: Dict[str, Optional[ctypes.CDLL]] = {}
 _LOCK = threading.Lock()
 
@@ -62,3 +65,9 @@ def compiled(name: str, source: str, functions: Mapping[str, Tuple[Any, Sequence
                 lib = None  # every call takes the caller's path in torch
             _LIBS[name] = lib
         return _LIBS[name]
+
+
+def as_tensor(a: np.ndarray) -> torch.Tensor:
+    """A kernel's output ``a`` as a tensor, no copy (a buffer's pages past it were never written, so take no memory),
+    an empty one with its stride 1 (torch gives numpy's empty arrays stride 0, which no view takes)."""
+    return torch.from_numpy(a) if a.size else torch.zeros(0, dtype=torch.from_numpy(a[:1]).dtype)

@@ -37,7 +37,7 @@ class Patch:
     """What a delta push gives one tensor: ``values`` at flat ``indices`` (int64, ascending), or with ``indices``
     None the whole tensor (``values`` shaped as it). With ``step`` (the pushed dtype), ``values`` are int8 steps of
     the bits held at ``indices`` and ``exact`` the exceptions (their ordinals among ``indices``, their values):
-    :func:`stepped` gives the new values. A patch made by :meth:`packed` expands those on first use."""
+    :func:`stepped` gives the new values. A patch made by :meth:`of_packed` expands those on first use."""
 
     __slots__ = ("_fields", "_expand", "packed")
 
@@ -112,7 +112,7 @@ def patch_into(target: torch.Tensor, patch: Patch) -> None:
             target.copy_(patch.values.view(target.shape))
             return
         p = patch.packed
-        if p is not None and target.is_contiguous() and (p.mode == 0 or target.dtype == p.exact.dtype):
+        if p is not None and target.is_contiguous():  # (another dtype: apply declines, torch's path says why)
             try:
                 if apply(target.view(-1), p.head, p.mode, p.carried, p.ordinals, p.exact):
                     return

@@ -103,16 +103,13 @@ def _replicated(t) -> bool:
 
 
 def _positions(gen: torch.Generator, numel: int) -> torch.Tensor:
+    """:data:`SAMPLES` draws below ``numel`` (all of them where fewer): positions in a tensor, or ordinals among its
+    changed elements."""
     return torch.randint(0, max(numel, 1), (min(SAMPLES, numel),), generator=gen)  # [n]
 
 
-def _ordinals(gen: torch.Generator, count: int) -> torch.Tensor:
-    """:data:`SAMPLES` ordinals among ``count`` changed elements (fewer where fewer changed)."""
-    return torch.randint(0, max(count, 1), (min(SAMPLES, count),), generator=gen)  # [n]
-
-
 def _among(gen: torch.Generator, indices: torch.Tensor) -> torch.Tensor:
-    return indices[_ordinals(gen, indices.numel())]
+    return indices[_positions(gen, indices.numel())]  # (ordinals among them)
 
 
 def _positions_of(pieces: List[Tuple[torch.Tensor, int]], ordinals: torch.Tensor) -> torch.Tensor:
@@ -264,7 +261,7 @@ class _Sharded:
             return None
         pieces, values, steps = self.gathered.pop(p.name)
         code, payload = encoded(numel, pieces, values, steps, mode, exact)
-        ordinals = _ordinals(p.gen, values.numel())
+        ordinals = _positions(p.gen, values.numel())  # among the changed elements
         table = torch.cat([torch.stack([anywhere, held]),
                            torch.stack([_positions_of(pieces, ordinals), bits(values[ordinals])])], dim=1)
         return Delta(code, values.numel(), payload, _sample_table(table[0], table[1]))
