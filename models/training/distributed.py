@@ -91,6 +91,9 @@ def shutdown_distributed(failed: bool = False) -> None:
     if _JOINED and dist.is_initialized():
         if not failed:
             dist.barrier()
+        from models.training.host_collectives import forget
+
+        forget()
         dist.destroy_process_group()
     _JOINED = False
 
@@ -211,6 +214,10 @@ def wrap_for_training(module: nn.Module, info: DistInfo, sharding: str = "auto",
             fully_shard(layer, **kw)  # frozen base and trainable adapters share a unit: FSDP2 allows mixed requires_grad
         fully_shard(module, **kw, **({"reshard_after_forward": True} if frozen else {}))  # the rest: embeddings,
         # final norm, head, and every buffer
+        if info.device.type == "cpu":
+            from models.training.host_collectives import use_host_collectives
+
+            use_host_collectives(module, mesh.get_group())  # ranks of one host: through shared memory, not gloo
         return module
     if low:
         module.autocast_dtype = compute_dtype

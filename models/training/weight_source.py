@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from models.training.distributed import DistInfo
+from models.training.host_collectives import full_tensor
 from models.training.weight_shards import gather_to
 
 
@@ -81,7 +82,7 @@ class WeightSource:
                 self.keep(name, local if cast is None else local.to(cast))
             if everywhere:
                 local = t.detach() if cast is None else t.detach().to(cast)  # a DTensor: each rank casts its shard
-                yield name, (local.full_tensor() if hasattr(local, "full_tensor") else local).to(device)
+                yield name, full_tensor(local).to(device)  # through shared memory between ranks of one host
             elif sharded:
                 yield name, gather_to(t, 0, self.info, device, cast)
             else:
