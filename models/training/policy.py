@@ -11,7 +11,8 @@ hidden states go through the output projection, chunked (``kernels.logprobs``), 
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Tuple, TypeVar
+import hashlib
+from typing import Dict, Optional, Tuple, TypeVar
 
 import torch
 from torch import nn
@@ -127,14 +128,39 @@ def _at_positions(forward, inputs: ModelInputs, packed: bool, model: nn.Module) 
 
 def packing_supported(wrapper: "PolicyLogprobs | CriticValues") -> bool:
     """Whether a :class:`PolicyLogprobs` or :class:`CriticValues` may run packed (see
-    :func:`models.training.packing.packing_works`)."""
-    if isinstance(wrapper, PolicyLogprobs):
-        model, trunk = wrapper.lm, wrapper.trunk
-        fn = lambda **kw: trunk(**kw, use_cache=False).last_hidden_state  # noqa: E731
-    else:
-        model = wrapper.critic
-        fn = lambda **kw: model(**kw, use_cache=False).logits  # noqa: E731
-    return packing.packing_works(model, fn, int(getattr(model.config, "vocab_size", 2)))
+    :func:`models.training.packing.packing_works`). The verdict is the model's structure's and configuration's,
+    not its weights': it is checked once per process for each (:func:`known_packing`), not at every load (under
+    FSDP2 the check's two forwards gathered the whole model: 7 s of a resident run's score, each iteration, at
+    Qwen3-0.6B's shape on two CPU ranks, for a reference read again each iteration)."""
+    key = _packing_key(wrapper)
+    if key not in _PACKING:
+        if isinstance(wrapper, PolicyLogprobs):
+            model, trunk = wrapper.lm, wrapper.trunk
+            fn = lambda **kw: trunk(**kw, use_cache=False).last_hidden_state  # noqa: E731
+        else:
+            model = wrapper.critic
+            fn = lambda **kw: model(**kw, use_cache=False).logits  # noqa: E731
+        _PACKING[key] = packing.packing_works(model, fn, int(getattr(model.config, "vocab_size", 2)))
+    return _PACKING[key]
+
+
+_PACKING: Dict[str, bool] = {}
+
+
+def _packing_key(wrapper: "PolicyLogprobs | CriticValues") -> str:
+    """What :func:`packing_works`' verdict depends on: the wrapper, the model's modules as ``repr`` lists them
+    (classes, shapes), its configuration (attention implementation included) and dtype."""
+    inner = wrapper.lm if isinstance(wrapper, PolicyLogprobs) else wrapper.critic
+    config = getattr(inner, "config", None)
+    parts = [type(wrapper).__name__, repr(inner), str(next(inner.parameters()).dtype),
+             config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config),
+             str(getattr(config, "_attn_implementation", None))]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def known_packing(wrapper: "PolicyLogprobs | CriticValues") -> Optional[bool]:
+    """:func:`packing_supported`'s verdict when this process has checked a model like ``wrapper``'s, else None."""
+    return _PACKING.get(_packing_key(wrapper))
 
 
 _SAID_PADS: set = set()

@@ -40,7 +40,7 @@ from torch import nn
 
 from models.checkpoint.tensor_file import SAFETENSORS_DTYPES, read_exactly, read_header
 from models.training.distributed import DistInfo, wrap_for_training
-from models.training.policy import with_packing
+from models.training.policy import known_packing, with_packing
 from models.training.update import disable_dropout
 
 INDEX = "model.safetensors.index.json"
@@ -294,6 +294,8 @@ def _checked_packing(module: nn.Module, pack: bool) -> nn.Module:
 
     if not pack:
         return module
+    if known_packing(module) is not None:  # checked on a model like this one already: no forward, nothing gathered
+        return with_packing(module, True)
     module.check_packing = functools.partial(with_packing, module, True)
     register_fsdp_forward_method(module, "check_packing")
     module.check_packing()

@@ -134,3 +134,23 @@ def test_a_model_whose_attention_mixes_packed_rows_is_refused(capsys, monkeypatc
     assert capsys.readouterr().out == ""  # said once per process and model class, not at every task
     assert with_packing(good, True).packed and not with_packing(policy(False), False).packed
     assert bad.training  # the check left the training mode as it found it
+
+
+def test_the_packing_check_runs_once_per_model_structure(monkeypatch):
+    """The verdict is checked once per process for a model's structure and configuration (its forwards gathered the
+    whole model at every load of a sharded reference): a second model alike reuses it, another structure or dtype
+    is checked anew."""
+    import models.training.policy as policy_module
+    from models.training import packing as packing_module
+
+    monkeypatch.setattr(policy_module, "_PACKING", {})
+    calls = []
+    real = packing_module.packing_works
+    monkeypatch.setattr(packing_module, "packing_works", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    first = policy(False)
+    assert policy_module.known_packing(first) is None
+    assert with_packing(first, True).packed and len(calls) == 1
+    assert policy_module.known_packing(policy(False)) is True
+    assert with_packing(policy(False), True).packed and len(calls) == 1  # the same structure: not checked again
+    assert with_packing(critic(False), True).packed and len(calls) == 2  # another wrapper and model
+    assert with_packing(policy(False).double(), True).packed and len(calls) == 3  # another dtype
