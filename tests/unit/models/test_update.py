@@ -53,6 +53,8 @@ def test_micro_batches_give_the_whole_minibatch_gradient_with_less_padding():
         torch.testing.assert_close(m, w, rtol=1e-5, atol=1e-6, msg=name)
         moved = max(moved, float((w - start).detach().abs().max()))
     assert moved > 1e-3  # the step did something to compare
+    # the spent gradients are freed with the update: a resident trainer holds no copy of them until the next one
+    assert all(p.grad is None for p in list(whole.parameters()) + list(micro.parameters()))
 
 
 def test_optimizer_is_fused_and_steps_as_torchs_adamw():
