@@ -135,9 +135,12 @@ class ActorConfig(ElasticTopology):
     the GPU presets of 8B and above: without it a 70B micro-batch of 2 × 2,048 tokens needs ~110 GB of
     activations on an 80-GB GPU. Scoring forwards keep nothing either way (no gradients)."""
     old_logprobs: str = "recompute"
-    """π_old: ``recompute`` (a forward of the training-side actor in ``score``) or ``sampler`` (the
+    """π_old: ``recompute`` (a forward of the training-side actor in ``score``), ``sampler`` (the
     engine's own log-probs, one forward less; only where the engine computes in the trainer's dtype,
-    float32, as TRL's PPOTrainer does with its generation logits)."""
+    float32, as TRL's PPOTrainer does with its generation logits) or ``update`` (the update's own forward,
+    detached, one forward less with any engine: exact where the batch gets one optimizer step, ``ppo_epochs`` 1
+    and ``minibatch_size`` at least the batch, which it requires, as TRL's GRPOTrainer does with
+    ``num_iterations=1``; the sampler's gap to π_old is then measured in the update)."""
     nproc_per_node: int = 2
     """Processes per node (gloo on CPU, NCCL on GPU; one GPU each: ``resources.actor_gpu`` is this or 0)."""
     score_on_ranks: bool = False
@@ -164,5 +167,5 @@ class ActorConfig(ElasticTopology):
         check_choice("actor.loss_agg", self.loss_agg, list(LossAgg))
         check(self.tis_cap >= 0, "actor.tis_cap must be >= 0 (0 = off)")
         check(self.grad_clip > 0, "actor.grad_clip must be > 0")
-        check_choice("actor.old_logprobs", self.old_logprobs, ["recompute", "sampler"])
+        check_choice("actor.old_logprobs", self.old_logprobs, ["recompute", "sampler", "update"])
         self.check_topology("actor")

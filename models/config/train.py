@@ -102,6 +102,17 @@ class TrainConfig:
                   f"{', remote ' + r.remote_url if r.remote_url else ''}); bf16 samplers differ from an fp32 "
                   f"trainer by up to 0.4 nats/token: use actor.old_logprobs=recompute")
 
+        if a.old_logprobs == "update":
+            batch = self.rollout.samples_per_iteration
+            check(a.ppo_epochs == 1 and a.minibatch_size >= batch,
+                  f"actor.old_logprobs=update takes π_old from the update's own forward, which is π_old only before "
+                  f"the batch's first optimizer step: it needs one step a batch, actor.ppo_epochs=1 and "
+                  f"actor.minibatch_size >= the batch's {batch} rows (got ppo_epochs={a.ppo_epochs}, "
+                  f"minibatch_size={a.minibatch_size}); use actor.old_logprobs=recompute")
+            check(self.kl_placement != "reward",
+                  "actor.old_logprobs=update with kl.placement=reward: the reward's KL needs π_old before the update; "
+                  "use kl.placement=loss or actor.old_logprobs=recompute")
+
         r, gpus = self.rollout, self.resources.rollout_gpu
         tp, dp = r.tensor_parallel_size, r.data_parallel_size
         check(gpus == 0 or tp * dp <= gpus,
@@ -179,9 +190,9 @@ class TrainConfig:
             return
         name = "run.off_policy_steps=1" if self.run.off_policy_steps else f"run.max_staleness={k}"
         check(self.actor.old_logprobs == "recompute",
-              f"{name} with actor.old_logprobs=sampler: the batch comes from an actor older than the one the update "
-              f"starts from, so the sampler's log-probs are not π_old (the proximal policy the ratio is clipped "
-              f"around); use actor.old_logprobs=recompute")
+              f"{name} with actor.old_logprobs={self.actor.old_logprobs}: the batch comes from an actor older than "
+              f"the one the update starts from, so π_old (the proximal policy the ratio is clipped around) is the "
+              f"trainer's own forward in score; use actor.old_logprobs=recompute")
         check(self.actor.tis_cap > 0,
               f"{name} needs actor.tis_cap > 0 (e.g. 2): the truncated weight "
               f"min(π_old/π_sampler, C) is what corrects the loss for the stale sampler")

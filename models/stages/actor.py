@@ -39,7 +39,8 @@ def policy_loss_config(cfg: TrainConfig) -> PolicyLossConfig:
 def actor_loss(cfg: TrainConfig, state: PolicyState):
     """The loss of the actor update from ``state`` (β in the loss when ``kl`` is placed there)."""
     kl_beta = state.kl_coef if cfg.kl_placement == "loss" else 0.0
-    return actor_loss_fn(policy_loss_config(cfg), cfg.rollout.temperature, kl_beta, cfg.kl_estimator)
+    return actor_loss_fn(policy_loss_config(cfg), cfg.rollout.temperature, kl_beta, cfg.kl_estimator,
+                         old_from_forward=cfg.actor.old_logprobs == "update")
 
 
 def load_actor(cfg: TrainConfig, url: str, info: DistInfo):

@@ -129,13 +129,20 @@ def waiting_group(timeout_s: float):
 
 
 def all_reduce_mean_dict(stats: Dict[str, float]) -> Dict[str, float]:
-    """Average scalar statistics over ranks, keys in a fixed order."""
+    """Average scalar statistics over ranks, keys in a fixed order; a key ending in ``_max`` takes the largest."""
     if not stats:
         return {}
-    keys = sorted(stats)
+    keys = sorted(k for k in stats if not k.endswith("_max"))
+    tops = sorted(k for k in stats if k.endswith("_max"))
     vec = all_reduce_sum(torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64))
     world = dist.get_world_size() if dist.is_initialized() else 1
-    return {k: float(v) / world for k, v in zip(keys, vec)}
+    out = {k: float(v) / world for k, v in zip(keys, vec)}
+    if tops:
+        top = torch.tensor([float(stats[k]) for k in tops], dtype=torch.float64)
+        if dist.is_initialized() and world > 1:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        out.update({k: float(v) for k, v in zip(tops, top)})
+    return out
 
 
 SHARDINGS = ("auto", "fsdp2", "ddp")

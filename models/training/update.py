@@ -118,14 +118,14 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, data: UpdateD
                 continue
             optimizer.step()
             for k, v in step_stats.items():
-                sums[k] = sums.get(k, 0.0) + v
+                sums[k] = max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v
             steps += 1
     # The last step's gradients are spent: a resident trainer would otherwise hold them (a float32 copy of every
     # trained weight, or of its shard) through the push, the rollout and the next score until the next update's
     # first zero_grad: 2.2 GiB at Qwen3-0.6B's shape on one rank, 1.1 GiB a rank on two, 2/n bytes a parameter at 70B.
     optimizer.zero_grad(set_to_none=True)
     skips.check(steps, settings)
-    means = {k: v / max(steps, 1) for k, v in sums.items()}
+    means = {k: v if k.endswith("_max") else v / max(steps, 1) for k, v in sums.items()}
     means["lr"] = float(optimizer.param_groups[0]["lr"])
     means["steps"] = float(steps)
     means["skipped_steps"] = float(skips.total)
@@ -155,7 +155,8 @@ def _accumulate(model: nn.Module, optimizer: torch.optim.Optimizer, data: Update
             (loss * info.world_size).backward()
         w = float(micro.loss_tokens.sum()) / max(mb_tokens / info.world_size, 1.0)
         for k, v in stats.items():
-            step_stats[k] = step_stats.get(k, 0.0) + float(v) * w
+            step_stats[k] = max(step_stats.get(k, float(v)), float(v)) if k.endswith("_max") \
+                else step_stats.get(k, 0.0) + float(v) * w
         step_stats["loss"] = step_stats.get("loss", 0.0) + float(loss.detach()) * info.world_size
     return step_stats
 
@@ -177,14 +178,20 @@ def _has_advantage(data: UpdateData, mb: torch.Tensor) -> bool:
 
 
 def actor_loss_fn(cfg: PolicyLossConfig, temperature: float, kl_beta: float = 0.0,
-                  kl_estimator: str = "k3") -> LossFn:
+                  kl_estimator: str = "k3", old_from_forward: bool = False) -> LossFn:
     """Clipped-surrogate (or REINFORCE) loss, entropy bonus, optional KL-in-loss term, over the tokens
-    of ``loss_tokens`` (the ``loss_mask`` of the batch, when it has one)."""
+    of ``loss_tokens`` (the ``loss_mask`` of the batch, when it has one).
+
+    ``old_from_forward`` (``actor.old_logprobs=update``): π_old is this forward's own log-probs, detached, as
+    TRL's GRPOTrainer takes it when a batch gets one optimizer step (the config refuses it otherwise): before that
+    step π_θ is π_old, so the ratio is 1 and its gradient the policy gradient, without the score's forward. The
+    sampler's gap to it is then measured here: ``rollout/logprob_gap_mean`` and ``_max`` over the loss's tokens."""
 
     def fn(model: nn.Module, m: UpdateData, mb_tokens: float, mb_seqs: float):
         logp, ent = model(m, temperature=temperature, with_entropy=True)  # [b, T], [b, T]
         mask = m.loss_tokens
-        out = policy_loss(PolicyLossInput(logp, m.old_logp, m.adv, mask, ent, m.sampler_logp),
+        old = logp.detach() if old_from_forward else m.old_logp
+        out = policy_loss(PolicyLossInput(logp, old, m.adv, mask, ent, m.sampler_logp),
                           cfg, num_tokens=mb_tokens, num_seqs=mb_seqs)
         loss = out.loss
         stats = {"pg_loss": out.pg_loss.detach(), "clip_frac": out.clip_frac, "approx_kl": out.approx_kl,
@@ -196,6 +203,10 @@ def actor_loss_fn(cfg: PolicyLossConfig, temperature: float, kl_beta: float = 0.
             loss = loss + kl.loss
             stats["kl_loss"] = kl.loss.detach()
             stats["ref_kl"] = kl.kl
+        if old_from_forward and m.sampler_logp is not None:
+            gap = (m.sampler_logp - old).abs()[mask]
+            stats["rollout/logprob_gap_mean"] = gap.mean() if gap.numel() else gap.new_zeros(())
+            stats["rollout/logprob_gap_max"] = gap.max() if gap.numel() else gap.new_zeros(())
         return loss, stats
 
     return fn
@@ -246,7 +257,8 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 
 
 def stat_keys(prefix: str, stats: Dict[str, float]) -> Dict[str, float]:
-    return {f"{prefix}/{k}": v for k, v in stats.items()}
+    """``stats`` under ``prefix/``; a key with a section of its own (``rollout/logprob_gap_mean``) keeps it."""
+    return {k if "/" in k else f"{prefix}/{k}": v for k, v in stats.items()}
 
 
 __all__: List[str] = ["NonFiniteUpdate", "DivergedUpdate", "UpdateData", "LoopSettings", "run_update",

@@ -4,12 +4,13 @@ no dropout in updates."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kernels.losses import PolicyLossConfig
 from models.training.distributed import DistInfo
 from models.training.policy import PolicyLogprobs
-from models.training.update import LoopSettings, UpdateData, actor_loss_fn, run_update
+from models.training.update import LoopSettings, UpdateData, actor_loss_fn, run_update, stat_keys
 from tests.unit.models.update_rows import padded_rows
 
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))
@@ -111,3 +112,31 @@ def test_updates_train_without_dropout_except_loras():
     rates = {n: m.p for n, m in peft.named_modules() if isinstance(m, torch.nn.Dropout)}
     assert rates and all(p == (0.3 if "lora_dropout" in n else 0.0) for n, p in rates.items())
     assert any("lora_dropout" in n for n in rates)
+
+
+def test_old_logprobs_from_the_update_forward_equal_a_recomputed_pi_old():
+    """``actor.old_logprobs=update``: π_old taken from the update's own forward (detached) trains one step exactly as
+    π_old recomputed beforehand by the same model does (the score's forward it saves), and the sampler's gap to it,
+    mean and max over the response tokens, is what the update reports."""
+    data = rows()
+    sampler = data.response_mask * (-torch.rand(data.response_mask.shape, generator=torch.Generator().manual_seed(5)))
+    data = data._replace(sampler_logp=sampler)
+    model = tiny_policy()
+    with torch.no_grad():
+        recomputed, _ = model.eval()(data, temperature=1.0, with_entropy=False)
+    settings = LoopSettings(epochs=1, minibatch_size=4, micro_batch_size=2, grad_clip=1e9, seed=0)
+    models, stats = [], []
+    for old_from_forward, old in ((False, recomputed), (True, torch.full_like(recomputed, 7.0))):  # 7: never read
+        m = tiny_policy()
+        stats.append(run_update(m, torch.optim.SGD(m.parameters(), lr=1.0), data._replace(old_logp=old),
+                                actor_loss_fn(PolicyLossConfig(), 1.0, old_from_forward=old_from_forward), settings,
+                                CPU))
+        models.append(m)
+    for (name, want), got in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
+    assert stats[1]["loss"] == pytest.approx(stats[0]["loss"], rel=1e-5)
+    gap = (sampler - recomputed).abs()[data.response_mask]
+    assert stats[1]["rollout/logprob_gap_max"] == pytest.approx(float(gap.max()), rel=1e-5)
+    assert stats[1]["rollout/logprob_gap_mean"] == pytest.approx(float(gap.mean()), rel=1e-5)
+    assert "rollout/logprob_gap_max" not in stats[0]  # recomputed: the score measures it
+    assert stat_keys("actor", stats[1])["rollout/logprob_gap_max"] == stats[1]["rollout/logprob_gap_max"]

@@ -143,6 +143,10 @@ def test_no_product_code_reads_the_kl_choice_as_given():
     (["actor.old_logprobs=sampler", "rollout.engine=hf", "model.dtype=bfloat16"],
      "got model.dtype=bfloat16, engine hf in bfloat16"),
     (["actor.old_logprobs=sampler", "rollout.remote_url=http://127.0.0.1:8125"], "remote http://127.0.0.1:8125"),
+    (["actor.old_logprobs=update"], "it needs one step a batch, actor.ppo_epochs=1 and actor.minibatch_size >= the "
+                                    "batch's 256 rows (got ppo_epochs=2, minibatch_size=64)"),
+    (["actor.old_logprobs=update", "actor.ppo_epochs=1", "actor.minibatch_size=256"],
+     "actor.old_logprobs=update with kl.placement=reward: the reward's KL needs π_old before the update"),
     (["rollout.temperature=0.01"], "rollout.temperature=0.01 is below 0.1: log-probs at temperature τ are logits/τ"),
     (["rollout.temperature=1e-4"], "below 0.01 vLLM also samples another temperature than the trainer scores"),
     (["rollout.temperature=0"], "rollout.temperature=0.0 is below 0.1"),

@@ -35,6 +35,8 @@ def _cfg(preset: str, *overrides: str):
     (["run.off_policy_steps=1"], "needs actor.tis_cap > 0"),
     (OFF + ["actor.old_logprobs=sampler", "actor.tis_cap=0", "rollout.engine=hf", "model.dtype=float32"],
      "actor.old_logprobs=sampler: the batch comes from an actor older than the one the update starts from"),
+    (OFF + ["actor.old_logprobs=update", "actor.minibatch_size=64"],
+     "actor.old_logprobs=update: the batch comes from an actor older than the one the update starts from"),
     (OFF + ["rollout.remote_url=http://127.0.0.1:9/"], "a rollout server holds one policy at a time"),
     (["run.max_staleness=-1"], "run.max_staleness must be >= 0"),
     (OFF + ["run.max_staleness=1"], "off_policy_steps is max_staleness's older name"),
