@@ -25,7 +25,7 @@ colocated engine loads). Ranks on several hosts, GPUs, a ``/dev/shm`` that canno
 
 from __future__ import annotations
 
-import mmap
+import atexit
 import os
 import socket
 import uuid
@@ -78,7 +78,7 @@ class HostCollectives:
             os.unlink(path)  # the pages live while a rank maps them; nothing named is left
         if not int(ok):
             return None
-        return cls(group, torch.frombuffer(mapped, dtype=torch.uint8))
+        return cls(group, mapped)
 
     def _half(self) -> torch.Tensor:
         half = self.halves[self.pieces % 2]
@@ -154,17 +154,14 @@ def _made(directory: str, nbytes: int) -> Optional[str]:
         os.close(fd)
 
 
-def _mapped(path: str, nbytes: int) -> Optional[mmap.mmap]:
+def _mapped(path: str, nbytes: int) -> Optional[torch.Tensor]:
+    """The file at ``path`` mapped shared as a tensor of ``nbytes`` bytes, or None. torch's storage owns the mapping
+    (and unmaps it when freed): a tensor over a Python ``mmap`` object released that object from its deleter, which
+    at interpreter exit aborted a rank now and then ("free(): invalid pointer")."""
     try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError:
+        return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    except (OSError, RuntimeError):
         return None
-    try:
-        return mmap.mmap(fd, nbytes)
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
 
 
 def host_collectives(group: dist.ProcessGroup) -> Optional[HostCollectives]:
@@ -181,8 +178,13 @@ def host_collectives(group: dist.ProcessGroup) -> Optional[HostCollectives]:
 
 
 def forget() -> None:
-    """Drop every group's region (the process group is being destroyed)."""
+    """Drop every group's region (the process group is being destroyed), and with it this module's references to
+    the groups: a group kept alive past ``destroy_process_group`` would otherwise be destroyed during the
+    interpreter's finalization, in whatever order it tears things down. Also run at exit."""
     _HOSTS.clear()
+
+
+atexit.register(forget)
 
 
 def use_host_collectives(module: nn.Module, group: dist.ProcessGroup) -> bool:
