@@ -76,12 +76,14 @@ def _collectives(rank: int, world: int, out: str) -> None:
     assert hc.HostCollectives.open(group, SMALL, region) is None
     dist.barrier()
     assert os.listdir(region) == []
+    _done(out, rank, "collectives")
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_shared_memory_collectives_equal_gloo(world, tmp_path):
     (tmp_path / "region").mkdir()
     mp.spawn(_worker, args=(world, free_port(), str(tmp_path), "collectives"), nprocs=world, join=True)
+    assert _said(tmp_path, world) == ["collectives"] * world
 
 
 def _fsdp(rank: int, world: int, out: str) -> None:
@@ -103,12 +105,26 @@ def _fsdp(rank: int, world: int, out: str) -> None:
     (lp_shm, g_shm), (lp_gloo, g_gloo) = results
     assert torch.equal(lp_shm, lp_gloo)
     assert g_shm.keys() == g_gloo.keys() and all(torch.equal(g_shm[k], g_gloo[k]) for k in g_shm)
+    _done(out, rank, f"fsdp {len(g_shm)} gradients")
 
 
 def test_fsdp2_through_shared_memory_equals_gloo_bit_for_bit(tmp_path):
     """FSDP2's all-gathers (forward, and the backward's recompute under activation checkpointing) and its
     gradients' reduce-scatters through the region give gloo's log-probs and gradient shards exactly."""
     mp.spawn(_worker, args=(2, free_port(), str(tmp_path), "fsdp"), nprocs=2, join=True)
+    said = _said(tmp_path, 2)
+    # every parameter's gradient shard compared on both ranks (2 decoder layers, embeddings, norms, head)
+    assert said[0] == said[1] and said[0].startswith("fsdp ") and int(said[0].split()[1]) >= 10, said
+
+
+def _done(out: str, rank: int, what: str) -> None:
+    """This rank reached the end of its checks (the test reads it: a rank that returned early would not say so)."""
+    with open(os.path.join(out, f"done-{rank}"), "w") as f:
+        f.write(what)
+
+
+def _said(out, world: int) -> list:
+    return [(out / f"done-{r}").read_text() if (out / f"done-{r}").exists() else None for r in range(world)]
 
 
 def _worker(rank: int, world: int, port: int, out: str, case: str) -> None:
