@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime as dt
 import os
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -50,15 +49,6 @@ class LateEngine(Host):
         return {**self.transport.receive(meta or {}, body, self.engine)(self.engine), "version": version}
 
 
-def _meet(store, key: str, ranks: int, timeout_s: float = 120.0) -> None:
-    """Every rank here before any goes on, through the store (its own timeout, not the collectives' 2 s)."""
-    store.add(key, 1)
-    deadline = time.monotonic() + timeout_s
-    while store.add(key, 0) < ranks:
-        assert time.monotonic() < deadline, f"the other rank did not reach {key!r} in {timeout_s} s"
-        time.sleep(0.01)
-
-
 def _rank(rank: int, port: int, url: str, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -78,7 +68,7 @@ def _rank(rank: int, port: int, url: str, out_dir: str) -> None:
         model = policy()
         # the ranks meet before the wrap: it opens their shared-memory collectives (a collective under the 2 s
         # timeout, which a loaded machine's uneven start of two spawned processes can exceed); the push is the test
-        _meet(store, "built", 2)
+        dist.monitored_barrier(timeout=dt.timedelta(seconds=120))  # gloo's barrier with a timeout of its own
         host.model = wrap_for_training(model, info, "fsdp2")
         host.cfg = SimpleNamespace(probe_tolerance=1e-3, run=SimpleNamespace(resident_push_wait_s=60.0))
         host.transport, host.waiting = CollectiveTransport(timeout_s=30), waiting_group(90.0)
