@@ -32,6 +32,7 @@ TEST_WORKERS ?= 2
 # workers' processes share the 2 cores without OpenMP threads contending for them (8-17% less CPU and wall than each
 # process taking every core, measured 2026-11-29: docs/development.md#the-test-budget).
 TEST_THREADS ?= 1
+COMPILED := models tasks workflows kernels benchmarks tests
 ALGO ?= ppo
 # ppo and ppo_* presets (e.g. ppo_lora) train a critic: the ppo workflow; the rest are critic-free.
 ALGO_WORKFLOW := $(if $(filter ppo ppo_%,$(ALGO)),ppo,reinforce)
@@ -78,10 +79,12 @@ $(STAMP): pyproject.toml constraints.txt
 # TASK=tools: the multi-turn calculator demo (docs/multi_turn.md).
 ifeq ($(TASK),tools)
 demo: $(STAMP) sandbox
+	$(PY) -m compileall -q $(COMPILED)
 	$(PY) -m models.demos.tool_demo --out runs/tools-demo
 	$(VENV)/bin/pyflyte run workflows/reinforce.py reinforce_training --preset configs/tiny_tools.yaml
 else
 demo: $(STAMP)
+	$(PY) -m compileall -q $(COMPILED)
 	$(VENV)/bin/pyflyte run workflows/$(DEMO_WORKFLOW).py $(DEMO_WORKFLOW)_training --preset $(DEMO_PRESET)
 endif
 
@@ -93,7 +96,11 @@ endif
 test:
 	@RLHF_TEST_STARTED=$$(date +%s) $(MAKE) --no-print-directory test-run
 
+# The project's own modules compiled to bytecode first: the editable install leaves them as source, and where
+# PYTHONDONTWRITEBYTECODE is set (as on CI's machine) every one of the suite's hundreds of interpreters compiled
+# them again (~1 s of CPU each); compileall writes the .pyc files whatever that variable says.
 test-run: $(BENCH_STAMP) $(ENVS_STAMP) browser sandbox
+	$(PY) -m compileall -q $(COMPILED)
 	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest tests -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # Debian's Chromium and its WebDriver for tests/integration/test_mlflow_ui.py (as root, or via sudo).

@@ -135,9 +135,9 @@ def eos_token_ids(checkpoint_dir: str) -> Tuple[int, ...]:
         with open(source, encoding="utf-8") as f:
             ids += _eos_list(json.load(f).get("eos_token_id"))
     if os.path.isfile(os.path.join(checkpoint_dir, "tokenizer_config.json")):
-        from transformers import AutoTokenizer
+        from models.checkpoint.local import cached_tokenizer
 
-        ids += _eos_list(AutoTokenizer.from_pretrained(checkpoint_dir).eos_token_id)
+        ids += _eos_list(cached_tokenizer(checkpoint_dir).eos_token_id)
     return tuple(sorted(set(ids)))
 
 

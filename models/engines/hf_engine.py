@@ -67,7 +67,9 @@ class HFEngine(SwappableEngine):
         self._begin(checkpoint_dir)
 
     def _start(self, checkpoint_dir: str) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        from models.checkpoint.local import cached_tokenizer
 
         self.model = AutoModelForCausalLM.from_pretrained(
             checkpoint_dir, dtype=self.dtype, use_safetensors=True
@@ -75,7 +77,7 @@ class HFEngine(SwappableEngine):
         # generate() fills every setting a call leaves unset from the model's generation config:
         # a neutral one keeps the checkpoint's sampling defaults out of the distribution
         self.model.generation_config = GenerationConfig()
-        self.tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
+        self.tokenizer = cached_tokenizer(checkpoint_dir)
 
     def _reload_in_place(self, checkpoint_dir: str) -> None:
         from safetensors.torch import load_file

@@ -61,8 +61,10 @@ def load_tokenizer_only(url: str):
     """The tokenizer of a checkpoint, fetching only its small files (no weights)."""
     from transformers import AutoTokenizer
 
+    from models.checkpoint.local import cached_tokenizer
+
     if storage.is_local(url):
-        return AutoTokenizer.from_pretrained(storage.local_path(url))
+        return cached_tokenizer(storage.local_path(url))
     tmp = tempfile.mkdtemp(prefix="tokenizer-")
     for rel in storage.list_files(url):
         if rel.endswith(_TOKENIZER_SUFFIXES) and "/" not in rel:

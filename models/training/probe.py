@@ -74,9 +74,9 @@ class ProbeResult:
 
 def _vocab_size(checkpoint_dir: str) -> int:
     """Ids the probe draws from: the tokenizer's (the model's padded rows are never real tokens)."""
-    from transformers import AutoTokenizer
+    from models.checkpoint.local import cached_tokenizer
 
-    return len(AutoTokenizer.from_pretrained(checkpoint_dir))
+    return len(cached_tokenizer(checkpoint_dir))
 
 
 def probe_sequences(vocab_size: int, n: int = PROBE_SEQUENCES, length: int = PROBE_LENGTH) -> List[List[int]]:

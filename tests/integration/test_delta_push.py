@@ -2,9 +2,11 @@
 (an engine service of its own, the HF engine), once with ``run.weight_push=full`` and once with ``delta``, 3
 iterations: iteration 2 samples from the weights of the second push, a delta. Both give the same per-iteration
 rewards and the same committed weights, bit for bit, in bfloat16 on both sides (where a policy's small steps leave
-most elements unchanged at the engine's dtype: the deltas send only what changed, as the steps of their bits) and
-in float32 (where AdamW moves nearly every element it has a gradient for: the rows of tokens never sampled stay, the
-rest go whole)."""
+most elements unchanged at the engine's dtype: the deltas send only what changed, as the steps of their bits).
+Float32 deltas (where AdamW moves nearly every element it has a gradient for) are checked below the workflow:
+``tests/unit/hosts/test_transports.py`` (a delta push at float32 lands bit for bit) and ``tests/unit/kernels/``
+(both dtypes' encodings); this file also ran the float32 pair through ``pyflyte run`` until 2026-11-30, cut for
+the suite's budget (145 s of CPU on a slow host)."""
 
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ OVERRIDES = [f"run.num_iterations={ITERATIONS}", "run.eval_interval=0", "run.sav
              "rollout.engine=hf", "actor.lr=1e-5"]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_delta_pushes_give_the_full_pushes_run_bit_for_bit(dtype, tmp_path):
+def test_delta_pushes_give_the_full_pushes_run_bit_for_bit(tmp_path):
+    dtype = "bfloat16"
     (tmp_path / "tmp").mkdir()  # where the services' folders go (their launch file and logs)
     env = isolated_env(tmp_path / "home", {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db",
                                            "TMPDIR": str(tmp_path / "tmp")})
@@ -53,9 +55,8 @@ def test_delta_pushes_give_the_full_pushes_run_bit_for_bit(dtype, tmp_path):
     # the first push is whole (the engine holds none of this trainer's), the next ones carry what changed
     assert delta["resident/push_density"][0] == 1.0 and max(delta["resident/push_density"][1:]) < 1.0
     assert all(d < f for d, f in zip(delta["resident/weights_bytes"][1:], full["resident/weights_bytes"][1:]))
-    if dtype == "bfloat16":
-        assert max(delta["resident/push_density"][1:]) < 0.5
-        assert all(d < f / 2 for d, f in zip(delta["resident/weights_bytes"][1:], full["resident/weights_bytes"][1:]))
-        # fewer bytes than the changed elements' values alone: their steps travel (a bit or a byte each), not them
-        assert all(d < p * f for d, f, p in zip(delta["resident/weights_bytes"][1:], full["resident/weights_bytes"][1:],
-                                                 delta["resident/push_density"][1:]))
+    assert max(delta["resident/push_density"][1:]) < 0.5
+    assert all(d < f / 2 for d, f in zip(delta["resident/weights_bytes"][1:], full["resident/weights_bytes"][1:]))
+    # fewer bytes than the changed elements' values alone: their steps travel (a bit or a byte each), not them
+    assert all(d < p * f for d, f, p in zip(delta["resident/weights_bytes"][1:], full["resident/weights_bytes"][1:],
+                                             delta["resident/push_density"][1:]))

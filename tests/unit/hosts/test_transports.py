@@ -247,28 +247,29 @@ def test_an_engine_that_did_not_load_what_was_sent_fails_the_push_naming_the_ten
     server.close()
 
 
-@pytest.mark.parametrize("kind", ["collective", "http"])
-def test_a_delta_push_sends_what_changed_and_the_engine_holds_the_new_weights_bit_for_bit(kind):
-    """A full push first (kept as the engine's copy), then two changed elements: 10 bytes each (int32 position padded
-    to 8, one bfloat16), density 2 of 2050; a delta against a push the engine does not hold is refused before
+@pytest.mark.parametrize("kind, dtype", [("collective", "bfloat16"), ("http", "bfloat16"), ("http", "float32")])
+def test_a_delta_push_sends_what_changed_and_the_engine_holds_the_new_weights_bit_for_bit(kind, dtype):
+    """A full push first (kept as the engine's copy), then two changed elements: 8 + 2 bytes each at bfloat16 (int32
+    position padded to 8, the element), 8 + 4 at float32, density 2 of 2050; a delta against a push the engine does not hold is refused before
     anything is loaded; an engine that skipped a tensor's delta fails the read-back naming it (a sample among the
     changed elements lands on it)."""
     gen = torch.Generator().manual_seed(0)
     state = {"a": torch.randn(200, 10, generator=gen), "b": torch.randn(50, generator=gen)}
-    engine = DictEngine({k: torch.zeros_like(v, dtype=torch.bfloat16) for k, v in state.items()})
+    engine = DictEngine({k: torch.zeros_like(v, dtype=getattr(torch, dtype)) for k, v in state.items()})
     server, host, client = serve(CollectiveTransport() if kind == "collective" else HTTPTransport(), engine)
-    sender = CollectiveTransport("bfloat16", timeout_s=10) if kind == "collective" else HTTPTransport("bfloat16")
+    sender = CollectiveTransport(dtype, timeout_s=10) if kind == "collective" else HTTPTransport(dtype)
     shadow = Shadow()
     first = sender.send(client, {"version": 1, "probe": []}, None, WeightSource(state, INFO),
                         {"id": "p1", "seed": 1, "base": ""}, shadow)
-    assert first["resident/weights_bytes"] == 2050 * 2 and first["resident/push_density"] == 1.0
+    size = torch.finfo(getattr(torch, dtype)).bits // 8
+    assert first["resident/weights_bytes"] == 2050 * size and first["resident/push_density"] == 1.0
     assert engine.pushed == "p1"
     state["a"][3, 4] += 1.0
     state["b"][7] = -state["b"][7]
     out = sender.send(client, {"version": 2, "probe": []}, None, WeightSource(state, INFO),
                       {"id": "p2", "seed": 2, "base": "p1"}, shadow)
-    assert out["resident/weights_bytes"] == 20 and out["resident/push_density"] == 2 / 2050
-    assert all(torch.equal(bits(engine.state[k]), bits(v.bfloat16())) for k, v in state.items())
+    assert out["resident/weights_bytes"] == 2 * (8 + size) and out["resident/push_density"] == 2 / 2050
+    assert all(torch.equal(bits(engine.state[k]), bits(v.to(getattr(torch, dtype)))) for k, v in state.items())
     with pytest.raises(ServiceError, match=r"the delta push p3 builds on push p1, but the engine holds p2"):
         sender.send(client, {"version": 3, "probe": []}, None, WeightSource(state, INFO),
                     {"id": "p3", "seed": 3, "base": "p1"}, shadow)

@@ -97,3 +97,23 @@ def test_save_and_load_with_auto_tokenizer(tok, tmp_path):
         assert loaded.decode(loaded(s).input_ids, skip_special_tokens=True) == tok.decode(
             tok(s).input_ids, skip_special_tokens=True
         )
+
+
+def test_a_process_loads_each_tokenizer_once_and_another_one_anew(tmp_path):
+    """``cached_tokenizer``: the checkpoints of a run carry one tokenizer (the reference in bfloat16, an iteration's
+    actor in float32): loaded once; a folder with another tokenizer (another alphabet) loads that one."""
+    from models.checkpoint.local import cached_tokenizer
+
+    def checkpoint(name, alphabet, dtype):
+        out = tmp_path / name
+        save_tokenizer(build_char_tokenizer(alphabet), out)
+        (out / "config.json").write_text(json.dumps({"model_type": "llama", "dtype": dtype}))
+        (out / "model.safetensors").write_bytes(name.encode())  # weights: not the tokenizer's
+        return str(out)
+
+    reference, actor = checkpoint("reference", "abc", "bfloat16"), checkpoint("actor", "abc", "float32")
+    other = checkpoint("other", "cba", "float32")
+    first = cached_tokenizer(reference)
+    assert cached_tokenizer(actor) is first and first("ab").input_ids == [1, 4, 5]
+    assert cached_tokenizer(other) is not first and cached_tokenizer(other)("ab").input_ids == [1, 6, 5]
+    assert AutoTokenizer.from_pretrained(other)("ab").input_ids == [1, 6, 5]  # what the cache stands in for
