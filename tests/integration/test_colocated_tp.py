@@ -19,10 +19,10 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from models.engines import SamplingSpec
 from tests.processes import free_port
+from tests.ranks import spawn
 from tests.unit.models.actor_checkpoints import PROMPTS, actor_dir
 from tests.unit.models.test_sharded_update import join_gloo
 
@@ -122,7 +122,7 @@ def ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp_actors")
     ckpts = {"a": actor_dir(root / "a", seed=0), "b": actor_dir(root / "b", seed=1)}
     out = tmp_path_factory.mktemp("tp_ranks")
-    mp.start_processes(_rank, args=(free_port(), ckpts, str(out)), nprocs=RANKS, start_method="spawn")
+    spawn(_rank, (free_port(), ckpts, str(out)), nprocs=RANKS)
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(RANKS)]
 
 

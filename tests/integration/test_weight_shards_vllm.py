@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch.multiprocessing as mp
 
 from models import storage
 from models.checkpoint import save_checkpoint
@@ -16,6 +15,7 @@ from models.engines import SamplingSpec
 from models.training.sharded_load import INDEX
 from tests.integration.test_hub_checkpoints import TOL, _prompt, _worst_gap, vllm_engine_cls  # noqa: F401
 from tests.processes import free_port
+from tests.ranks import spawn
 from tests.unit.models.test_weight_shards import _worker
 
 pytestmark = pytest.mark.integration
@@ -25,7 +25,7 @@ def test_vllm_serves_the_folder_each_rank_wrote_its_file_of(vllm_engine_cls, qwe
     root = str(tmp_path / "run")
     start = storage.join(root, "start", "actor")
     save_checkpoint(str(qwen2_chat_dir), start)
-    mp.spawn(_worker, args=(2, free_port(), {"actor": start}, root, str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, (2, free_port(), {"actor": start}, root, str(tmp_path)))
     by_rank, whole = os.path.join(root, "actor", "by_rank"), os.path.join(root, "actor", "whole")
     assert {f for f in os.listdir(by_rank) if "safetensors" in f} == {
         "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", INDEX}

@@ -30,7 +30,6 @@ import time
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from models.config.io import load_config
 from models.data.batch import RolloutBatch
@@ -41,6 +40,7 @@ from models.service.client import ServiceError
 from models.service.token import SECRET_ENV
 from models.stages.services import ACTOR, call_stage
 from tests.processes import free_port
+from tests.ranks import spawn
 
 pytestmark = pytest.mark.slow  # two ranks, each importing torch and transformers
 
@@ -125,8 +125,7 @@ def service(tmp_path_factory):
     setup = {"cfg": cfg, "run": run, "state": PolicyState(0, actor)}
     mp_env = pytest.MonkeyPatch()
     mp_env.setenv(SECRET_ENV, SECRET)
-    ranks = mp.start_processes(_rank, args=(free_port(), setup, str(root)), nprocs=RANKS, join=False,
-                               start_method="spawn")
+    ranks = spawn(_rank, (free_port(), setup, str(root)), nprocs=RANKS, join=False)
     deadline = time.monotonic() + 300
     while book.read(run.layout.url, ACTOR) is None:
         assert all(p.is_alive() for p in ranks.processes) and time.monotonic() < deadline, "the service did not start"

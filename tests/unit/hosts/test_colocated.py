@@ -15,7 +15,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from models.engines import HFEngine, SamplingSpec
 from models.engines.rank_engines import Digest, RankError, deal_by_length, digest, engine_groups, group_answers
@@ -24,6 +23,7 @@ from models.hosts.colocated import load_in_process, uncovered
 from models.training.distributed import DistInfo
 from models.training.weight_source import WeightSource
 from tests.processes import free_port
+from tests.ranks import spawn
 from tests.unit.models.actor_checkpoints import PROMPTS, actor_dir
 
 RANKS = 2
@@ -148,7 +148,7 @@ def ckpts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ranks(ckpts, tmp_path_factory):
     out = tmp_path_factory.mktemp("ranks")
-    mp.start_processes(_rank, args=(free_port(), ckpts, str(out)), nprocs=RANKS, start_method="spawn")
+    spawn(_rank, (free_port(), ckpts, str(out)), nprocs=RANKS)
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(RANKS)]
 
 

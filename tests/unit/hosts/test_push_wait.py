@@ -15,7 +15,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from models.faults import SLOW_ENGINE_ENV, slow_engine
 from models.hosts.transports import CollectiveTransport
@@ -23,6 +22,7 @@ from models.service.client import ServiceClient
 from models.service.ops import Host, op
 from models.service.server import Server, Settings
 from tests.processes import free_port
+from tests.ranks import spawn
 from tests.unit.hosts.test_transports import DictEngine
 from tests.unit.models.test_sharded_update import policy
 
@@ -94,7 +94,7 @@ def test_no_rank_waits_in_a_collective_while_the_engine_is_late(tmp_path, monkey
     server = Server(LateEngine(engine), Settings("tok-en"))
     threading.Thread(target=server.serve, daemon=True).start()
     try:
-        mp.spawn(_rank, args=(free_port(), server.url, str(tmp_path)), nprocs=2, join=True)
+        spawn(_rank, (free_port(), server.url, str(tmp_path)))
     finally:
         server.close()
     results = [(tmp_path / f"rank{r}").read_text() for r in range(2)]

@@ -11,10 +11,10 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from models.training import host_collectives as hc
 from tests.processes import free_port
+from tests.ranks import spawn
 from tests.unit.models.test_sharded_update import join_gloo
 
 pytestmark = pytest.mark.slow  # starts processes (make test-unit leaves it to make test)
@@ -82,7 +82,7 @@ def _collectives(rank: int, world: int, out: str) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_shared_memory_collectives_equal_gloo(world, tmp_path):
     (tmp_path / "region").mkdir()
-    mp.spawn(_worker, args=(world, free_port(), str(tmp_path), "collectives"), nprocs=world, join=True)
+    spawn(_worker, (world, free_port(), str(tmp_path), "collectives"), nprocs=world)
     assert _said(tmp_path, world) == ["collectives"] * world
 
 
@@ -111,7 +111,7 @@ def _fsdp(rank: int, world: int, out: str) -> None:
 def test_fsdp2_through_shared_memory_equals_gloo_bit_for_bit(tmp_path):
     """FSDP2's all-gathers (forward, and the backward's recompute under activation checkpointing) and its
     gradients' reduce-scatters through the region give gloo's log-probs and gradient shards exactly."""
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), "fsdp"), nprocs=2, join=True)
+    spawn(_worker, (2, free_port(), str(tmp_path), "fsdp"))
     said = _said(tmp_path, 2)
     # every parameter's gradient shard compared on both ranks (2 decoder layers, embeddings, norms, head)
     assert said[0] == said[1] and said[0].startswith("fsdp ") and int(said[0].split()[1]) >= 10, said

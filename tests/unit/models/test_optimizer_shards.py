@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from models.training import optimizer_state
 
@@ -21,6 +20,7 @@ from models.training.distributed import DistInfo, full_state_dict, wrap_for_trai
 from models.training.policy import CriticValues
 from models.training.update import critic_loss_fn, disable_dropout, make_optimizer, run_update
 from tests.processes import free_port
+from tests.ranks import spawn
 from tests.unit.models.test_sharded_update import SETTINGS, join_gloo, policy, rows, train
 
 pytestmark = pytest.mark.slow  # starts processes (make test-unit leaves it to make test)
@@ -99,7 +99,7 @@ def _worker(rank: int, world: int, port: int, root: str, out_dir: str, role: str
 @pytest.mark.parametrize("role", list(ROLES))
 def test_each_rank_moves_half_the_state_the_next_update_is_unchanged_another_rank_count_refused(role, s3_url,
                                                                                               tmp_path):
-    mp.spawn(_worker, args=(2, free_port(), s3_url, str(tmp_path), role), nprocs=2, join=True)
+    spawn(_worker, (2, free_port(), s3_url, str(tmp_path), role))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     whole = ranks[0]["whole_load"]["moments_read"]
     for r in ranks:

@@ -15,7 +15,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from kernels.losses import PolicyLossConfig
 from models.config import LoraConfig
@@ -27,6 +26,7 @@ from models.training.probe import reference_logprobs
 from models.training.sharded_load import fill_from_checkpoint, materialise, tensor_files
 from models.training.update import actor_loss_fn, critic_loss_fn, make_optimizer, run_update
 from tests.processes import free_port
+from tests.ranks import spawn
 from tests.unit.models.test_sharded_update import LENGTHS, SETTINGS, join_gloo
 from tests.unit.models.update_rows import padded_rows
 
@@ -227,7 +227,7 @@ def two_ranks(committed, tmp_path_factory):
     cases = {case: (name, committed[case]) for case, name in CASES.items()}
     cases.update({case: (name, committed[ckpt]) for case, (name, ckpt) in LORA_CASES.items()})
     cases["frozen"] = ("actor", committed["bf16"])
-    mp.spawn(_worker, args=(2, free_port(), cases, str(out)), nprocs=2, join=True)
+    spawn(_worker, (2, free_port(), cases, str(out)))
     return {case: torch.load(out / f"{case}.pt") for case in cases} | {"out": out}
 
 

@@ -14,7 +14,6 @@ import os
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from models.config import LoraConfig
 from models.config.io import load_config
@@ -27,6 +26,7 @@ from models.training.distributed import is_sharded, wrap_for_training
 from models.training.lora import CAUSAL_LM, TOKEN_CLS, load_pretrained
 from models.training.policy import CriticValues, PolicyLogprobs, with_packing
 from tests.processes import free_port
+from tests.ranks import spawn
 from tests.unit.models.test_sharded_load import committed  # noqa: F401  (the fixture)
 from tests.unit.models.test_sharded_update import join_gloo, policy
 
@@ -112,7 +112,7 @@ def _worker(rank: int, world: int, port: int, paths: dict, out_dir: str) -> None
 @pytest.fixture(scope="module")
 def two_ranks(committed, tmp_path_factory):  # noqa: F811  (the imported fixture)
     out = tmp_path_factory.mktemp("sharded-score")
-    mp.spawn(_worker, args=(2, free_port(), committed, str(out)), nprocs=2, join=True)
+    spawn(_worker, (2, free_port(), committed, str(out)))
     return {case: torch.load(out / f"{case}.pt", weights_only=False) for case in ("tiny", "qwen2")}
 
 

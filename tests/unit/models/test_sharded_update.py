@@ -14,7 +14,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from kernels.losses import PolicyLossConfig
 from models.training import optimizer_state
@@ -23,6 +22,7 @@ from models.training.distributed import (DistInfo, decoder_layers, full_state_di
 from models.training.policy import PolicyLogprobs
 from models.training.update import LoopSettings, UpdateData, actor_loss_fn, make_optimizer, run_update
 from tests.processes import free_port
+from tests.ranks import spawn
 from tests.unit.models.update_rows import padded_rows
 
 pytestmark = pytest.mark.slow  # starts processes (make test-unit leaves it to make test)
@@ -115,7 +115,7 @@ def _worker(rank: int, world: int, port: int, sharding: str, out_dir: str, compu
 
 
 def two_ranks(sharding: str, tmp_path, compute: str = "float32", lr: float = 1e-2) -> dict:
-    mp.spawn(_worker, args=(2, free_port(), sharding, str(tmp_path), compute, lr), nprocs=2, join=True)
+    spawn(_worker, (2, free_port(), sharding, str(tmp_path), compute, lr))
     return torch.load(tmp_path / "rank0.pt")
 
 

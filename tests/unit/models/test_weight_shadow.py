@@ -12,7 +12,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from models.engines.weight_delta import FULL, RAW, SIGN, STEP8, decode, stepped
 from models.engines.weight_stream import bits
@@ -21,6 +20,7 @@ from models.training import weight_shadow
 from models.training.weight_shadow import Shadow
 from models.training.weight_source import WeightSource
 from tests.processes import free_port
+from tests.ranks import spawn
 from tests.unit.models.test_sharded_update import join_gloo
 
 BF16 = torch.bfloat16
@@ -114,7 +114,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.slow  # starts two ranks
 def test_a_delta_from_two_fsdp2_ranks_rebuilds_the_whole_tensor(tmp_path):
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, (2, free_port(), str(tmp_path)))
     assert sorted(os.listdir(tmp_path)) == ["ok0", "ok1"]
 
 

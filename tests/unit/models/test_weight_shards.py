@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from models import storage
 from models.checkpoint import CheckpointError, download_checkpoint, is_committed
@@ -21,6 +20,7 @@ from models.training.distributed import DistInfo, full_state_dict, unwrap
 from models.training.sharded_load import INDEX
 from models.training.weight_shards import applies, assign, converted, weight_file
 from tests.processes import free_port
+from tests.ranks import spawn
 from tests.unit.models.test_sharded_load import role
 from tests.unit.models.test_sharded_update import join_gloo
 
@@ -112,7 +112,7 @@ def test_each_rank_uploads_its_file_and_the_folder_loads_as_rank_0s_whole_write(
     for name, src in (("actor", qwen2_chat_dir), ("critic", critic_dir)):
         cases[name] = storage.join(s3_url, "start", name)
         save_checkpoint(str(src), cases[name])
-    mp.spawn(_worker, args=(2, free_port(), cases, s3_url, str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, (2, free_port(), cases, s3_url, str(tmp_path)))
     push = [json.loads((tmp_path / f"actor-rank{r}.json").read_text())["push"] for r in range(2)]
     assert push[0]["equal"] and push[0]["none"] == [] and push[1]["none"] == push[1]["names"] == push[0]["names"]
     assert push[0]["aliases"] == push[1]["aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}

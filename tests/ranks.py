@@ -1,0 +1,35 @@
+"""Ranks of a test, forked from the worker's forkserver: ``spawn(fn, args, nprocs)`` is ``torch.multiprocessing``'s
+``spawn`` (``fn(rank, *args)`` on ``nprocs`` processes, a rank's exception raised here with its traceback), but each
+rank is forked from one forkserver per pytest process that imported torch, torch.distributed and transformers once,
+instead of a fresh interpreter importing them again: 5-10 s of CPU a rank on the 2-core machine, two ranks a test in
+about forty tests. The product starts its ranks the same way (``models/hosts/ranks.py``, ``tasks/elastic.py``).
+
+A forkserver's children inherit the environment the forkserver started with, not this process's at the call: each
+rank takes this process's environment as it is at the call (a test's ``monkeypatch.setenv``, ``s3_env``), so the
+ranks see what spawned ones would."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "transformers", "transformers.modeling_utils",
+           "safetensors.torch", "models.training.distributed")
+"""What the forkserver imports once: what every multi-rank test's ranks import."""
+
+
+def spawn(fn: Callable, args: Sequence = (), nprocs: int = 2, join: bool = True):
+    """``fn(rank, *args)`` on ``nprocs`` ranks; with ``join=False`` their ``ProcessContext`` at once."""
+    import torch.multiprocessing as mp
+
+    from models.processes import FORKSERVER, start_forkserver
+
+    start_forkserver(PRELOAD)  # once per process; a forkserver the product code started first is used as it is
+    return mp.start_processes(_rank, args=(dict(os.environ), fn, tuple(args)), nprocs=nprocs, join=join,
+                              start_method=FORKSERVER)
+
+
+def _rank(rank: int, env: dict, fn: Callable, args: tuple) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    fn(rank, *args)
