@@ -251,8 +251,8 @@ def test_an_engine_that_did_not_load_what_was_sent_fails_the_push_naming_the_ten
 def test_a_delta_push_sends_what_changed_and_the_engine_holds_the_new_weights_bit_for_bit(kind, dtype):
     """A full push first (kept as the engine's copy), then two changed elements: 8 + 2 bytes each at bfloat16 (int32
     position padded to 8, the element), 8 + 4 at float32, density 2 of 2050; a delta against a push the engine does
-    not hold is refused before anything is loaded; an engine that skipped a tensor's delta fails the read-back naming it (a sample among the
-    changed elements lands on it)."""
+    not hold is refused before anything is loaded; an engine that skipped a tensor's delta fails the read-back naming
+    it (a sample among the changed elements lands on it)."""
     gen = torch.Generator().manual_seed(0)
     state = {"a": torch.randn(200, 10, generator=gen), "b": torch.randn(50, generator=gen)}
     engine = DictEngine({k: torch.zeros_like(v, dtype=getattr(torch, dtype)) for k, v in state.items()})
