@@ -42,6 +42,15 @@ PRELOAD = ("tasks.worker_exits", "flytekitplugins.kfpytorch.task", "tasks.update
 """Imported once by the forkserver, so forked workers start with them loaded."""
 
 
+def start_local_forkserver(extra: Tuple[str, ...] = ()) -> None:
+    """This process's forkserver as a local elastic launch needs it (once per process; a call after the first changes
+    nothing): :data:`PRELOAD` and ``extra`` imported in it, and the record of which worker a signal killed
+    (``tasks/worker_exits.py``) kept by it. Whatever forks ranks from this process starts it here (the tests' ranks
+    too, ``tests/ranks.py``), so the first to start it cannot leave a later launch without that record."""
+    with environment({worker_exits.EXITS_ENV: worker_exits.exits_path()}):
+        start_forkserver(PRELOAD + tuple(extra))
+
+
 class ActorElastic(Elastic):
     """``Elastic`` whose ``start_method`` may also be ``"forkserver"`` (local executions only)."""
 
@@ -80,9 +89,11 @@ class ActorElasticTask(CustomLaunchElasticTask):
         # set before the forkserver imports torch; the agent hands it to the workers, and this process's
         # later tasks see the user's setting again
         keeper()  # the workers' memory sampled for the messages, and none left behind if this process dies
+        # the workers take this environment (launch_environment): each records its rank where the forkserver
+        # records which worker a signal killed
         with environment({"OMP_NUM_THREADS": str(worker_threads(self.task_config.nproc_per_node)),
                           worker_exits.EXITS_ENV: worker_exits.exits_path()}):
-            start_forkserver(PRELOAD)
+            start_local_forkserver()
             return self._launch(kwargs)
 
     def _launch(self, kwargs) -> Any:

@@ -2,7 +2,10 @@
 ``spawn`` (``fn(rank, *args)`` on ``nprocs`` processes, a rank's exception raised here with its traceback), but each
 rank is forked from one forkserver per pytest process that imported torch, torch.distributed and transformers once,
 instead of a fresh interpreter importing them again: 5-10 s of CPU a rank on the 2-core machine, two ranks a test in
-about forty tests. The product starts its ranks the same way (``models/hosts/ranks.py``, ``tasks/elastic.py``).
+about forty tests. The product starts its ranks the same way (``models/hosts/ranks.py``, ``tasks/elastic.py``), and
+the forkserver is the one a local elastic launch in the same pytest process uses: started by
+``tasks.elastic.start_local_forkserver`` whoever comes first, with the launch's preloads and its record of which
+worker a signal killed (a test's forkserver without it once made a later launch's SIGKILLed rank unnamed).
 
 A forkserver's children inherit the environment the forkserver started with, not this process's at the call: each
 rank takes this process's environment as it is at the call (a test's ``monkeypatch.setenv``, ``s3_env``), so the
@@ -22,9 +25,13 @@ def spawn(fn: Callable, args: Sequence = (), nprocs: int = 2, join: bool = True)
     """``fn(rank, *args)`` on ``nprocs`` ranks; with ``join=False`` their ``ProcessContext`` at once."""
     import torch.multiprocessing as mp
 
-    from models.processes import FORKSERVER, start_forkserver
+    from models.environ import environment
+    from models.processes import FORKSERVER
+    from tasks.elastic import start_local_forkserver, worker_threads
 
-    start_forkserver(PRELOAD)  # once per process; a forkserver the product code started first is used as it is
+    # the one a local elastic launch of this process uses too, started as that launch would start it
+    with environment({"OMP_NUM_THREADS": str(worker_threads(nprocs))}):
+        start_local_forkserver(PRELOAD)
     return mp.start_processes(_rank, args=(dict(os.environ), fn, tuple(args)), nprocs=nprocs, join=join,
                               start_method=FORKSERVER)
 
