@@ -37,6 +37,7 @@ def spawn(fn: Callable, args: Sequence = (), nprocs: int = 2, join: bool = True)
 
 
 def _rank(rank: int, env: dict, fn: Callable, args: tuple) -> None:
-    os.environ.clear()
-    os.environ.update(env)
+    from tasks.elastic import launch_environment
+
+    launch_environment(env)  # as a local elastic launch's forked worker takes its launching process's
     fn(rank, *args)
