@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.rows import Row, print_rows, row, write_rows  # noqa: E402
+from benchmarks.rows import Row, exit_status, print_rows, row, write_rows  # noqa: E402
 
 SHAPES = {"tiny": dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=256,
                        max_position_embeddings=128),
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
         rows = run(root, args, cuda)
     print_rows(rows)
     write_rows(args.json, rows)
-    return 1 if any(r.ok is False for r in rows) else 0
+    return exit_status(rows)
 
 
 def run(root: str, args, cuda: bool) -> List[Row]:

@@ -19,7 +19,8 @@ between our commit progress lines (TRL's optimiser-step callback), the first ite
 
     python benchmarks/bench_real_shape.py [--layers 28] [--iterations 3] [--modes stateless,separate,colocated,trl]
 
-At 28 layers each side needs up to ~16 GiB: on a shared machine run it under ``flock /tmp/heavy.lock``.
+At 28 layers each side needs up to ~16 GiB: on a shared machine run it under ``flock /tmp/heavy.lock``. Exit
+status 1 when a side did not finish or a ratio to TRL is over its goal (1.0x), as ``run_all.py``'s.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_trl import PROGRESS, mlflow_series  # noqa: E402
-from benchmarks.rows import Row, add_bench_args, print_rows, row, write_rows  # noqa: E402
+from benchmarks.rows import Row, add_bench_args, exit_status, print_rows, row, write_rows  # noqa: E402
 from benchmarks.tree_memory import GIB, TreeSampler  # noqa: E402
 from models.config.io import load_config  # noqa: E402
 from models.data.draws import iteration_indices  # noqa: E402
@@ -251,7 +252,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"work folder: {work}")
     else:
         shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return exit_status(rows)  # a side that did not finish, or a ratio over its goal
 
 
 if __name__ == "__main__":

@@ -48,6 +48,11 @@ def row(section: str, figure: str, value: Optional[float], unit: str, detail: st
     return Row(section, figure, value, unit, target, ok, detail)
 
 
+def exit_status(rows: Iterable[Row]) -> int:
+    """A benchmark's exit status: 1 when a figure misses its target (a side that did not run is such a row), else 0."""
+    return 1 if any(r.ok is False for r in rows) else 0
+
+
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     """``--json PATH``, ``--quick`` and ``--threads N`` (default: ``OMP_NUM_THREADS``, which
     ``run_all.py`` sets for every script, else 1)."""

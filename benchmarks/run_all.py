@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Sequence
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.rows import Row  # noqa: E402
+from benchmarks.rows import Row, exit_status  # noqa: E402
 
 BENCHMARKS: Dict[str, str] = {
     "kernels": "bench_kernels.py",  # GAE and log-prob kernels vs their references
@@ -166,7 +166,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"header": header, "rows": [r.__dict__ for r in rows]}, f, indent=2)
-    return 1 if any(r.ok is False for r in rows) else 0
+    return exit_status(rows)
 
 
 if __name__ == "__main__":
