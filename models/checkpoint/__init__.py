@@ -89,18 +89,36 @@ def file_digest(path: str, algorithm: str = "blake3") -> Dict[str, Any]:
     made hashing a visible share of every checkpoint save and load) or ``sha256`` for markers written before
     BLAKE3. Read 16 MiB at a time into one buffer, not memory-mapped: a map's pages counted in the process's
     resident set, the whole file by the end (4.4 GiB for Qwen3-0.6B's optimizer state); as fast here."""
-    if algorithm == "blake3":
-        h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    elif algorithm == "sha256":
-        h = hashlib.sha256()
-    else:
-        raise CheckpointError(f"unknown checksum algorithm {algorithm!r} (blake3 or sha256)")
+    h = _hasher(algorithm)
     buf = bytearray(16 << 20)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while got := f.readinto(buf):
             h.update(view[:got])
     return {"size": os.path.getsize(path), algorithm: h.hexdigest()}
+
+
+def _hasher(algorithm: str) -> Any:
+    if algorithm == "blake3":
+        return blake3.blake3(max_threads=blake3.blake3.AUTO)
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise CheckpointError(f"unknown checksum algorithm {algorithm!r} (blake3 or sha256)")
+
+
+def checked_digest(path: str, rel: str, url: str) -> Dict[str, Any]:
+    """:func:`file_digest` of the local file ``path`` (``rel`` in checkpoint ``url``) as a commit records it, and for
+    safetensors weights :func:`check_finite`'s verdict, both from one read of the file
+    (:func:`models.checkpoint.tensor_file.hash_and_scan`)."""
+    if rel.endswith(".safetensors"):
+        from models.checkpoint.tensor_file import hash_and_scan
+
+        h = _hasher("blake3")
+        bad = hash_and_scan(path, h)
+        if bad is not None:
+            _refuse_nonfinite(bad, rel, url)
+            return {"size": os.path.getsize(path), "blake3": h.hexdigest()}
+    return file_digest(path)
 
 
 def _local_files(local_dir: str) -> Dict[str, str]:
@@ -144,9 +162,7 @@ def save_checkpoint(local_dir: str, url: str, overwrite: bool = False,
     tmp = f"{url.rstrip('/')}.tmp-{uuid.uuid4().hex[:12]}"
 
     def upload(rel: str) -> Dict[str, Any]:
-        if rel.endswith(".safetensors"):
-            check_finite(files[rel], rel, url)
-        digest = file_digest(files[rel])
+        digest = checked_digest(files[rel], rel, url)  # refused if not finite, before anything is moved into place
         put_checkpoint_file(files[rel], storage.join(tmp, rel), consume)
         return digest
 
@@ -188,7 +204,10 @@ def check_finite(path: str, rel: str, url: str) -> None:
     """:class:`CheckpointError` if the safetensors file ``path`` (``rel`` in checkpoint ``url``) holds a
     NaN or infinite weight: such a model would sample garbage, so it is never committed, served or
     registered."""
-    bad = nonfinite_tensors(path)
+    _refuse_nonfinite(nonfinite_tensors(path), rel, url)
+
+
+def _refuse_nonfinite(bad: List[str], rel: str, url: str) -> None:
     if bad:
         raise CheckpointError(f"checkpoint {url}: '{rel}' holds NaN or inf in {len(bad)} tensor(s) ({', '.join(bad[:3])}"
                               f"{', ...' if len(bad) > 3 else ''}); weights that are not finite are never committed")

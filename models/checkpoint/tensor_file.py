@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -78,4 +78,47 @@ def nonfinite_tensors(path: str) -> List[str]:
                 if not bool(torch.isfinite(buf[:n].view(dtype)).all()):
                     bad.append(name)
                     break
+    return sorted(bad)
+
+
+def hash_and_scan(path: str, h: Any) -> Optional[List[str]]:
+    """Every byte of the safetensors file ``path``, in order, into the hash ``h`` (``update``) and the names of its
+    floating-point tensors that hold NaN or ±inf, from one read of the file (a commit hashed it and checked it in two:
+    twice the disk reads at a size no page cache holds). None, with nothing hashed, for a file that is no safetensors
+    file or whose tensors overlap or run past its end (the caller hashes it whole; loading it fails on its own)."""
+    try:
+        header, start = read_header(path)
+    except (OSError, ValueError, struct.error, UnicodeDecodeError):
+        return None
+    size = os.path.getsize(path)
+    spans = sorted((start + e["data_offsets"][0], start + e["data_offsets"][1], name, FLOAT_DTYPES.get(e["dtype"]))
+                   for name, e in header.items())
+    if any(lo > hi for lo, hi, _, _ in spans) or any(a[1] > b[0] for a, b in zip(spans, spans[1:])) or \
+            (spans and spans[-1][1] > size):
+        return None
+    buf = torch.empty(BLOCK, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    bad: List[str] = []
+    with open(path, "rb", buffering=0) as f:
+        pos = 0
+
+        def feed(end: int, dtype: Optional[torch.dtype] = None) -> bool:
+            """Bytes up to ``end`` hashed (and checked as ``dtype``, a tensor's whole data); whether all finite."""
+            nonlocal pos
+            finite, size_of = True, dtype.itemsize if dtype is not None else 1
+            while pos < end:
+                n = min(BLOCK - BLOCK % size_of, end - pos)
+                read_exactly(f, view[:n])
+                h.update(view[:n])
+                whole = n - n % size_of
+                if dtype is not None and finite and whole:
+                    finite = bool(torch.isfinite(buf[:whole].view(dtype)).all())
+                pos += n
+            return finite
+
+        for lo, hi, name, dtype in spans:
+            feed(lo)  # the header, and any bytes between tensors
+            if not feed(hi, dtype):
+                bad.append(name)
+        feed(size)
     return sorted(bad)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models import storage
-from models.checkpoint import (CheckpointError, check_file_allowed, check_finite, commit_uploaded, file_digest,
+from models.checkpoint import (CheckpointError, check_file_allowed, checked_digest, commit_uploaded, file_digest,
                                put_checkpoint_file, staging_dir)
 from models.training.distributed import DistInfo, is_sharded
 from models.training.lora import is_peft
@@ -184,8 +184,7 @@ def _write_weights(mine: Dict[str, torch.Tensor], tmp: str, box: str, url: str, 
     rel = weight_file(info.rank, info.world_size)
     path = os.path.join(tmp, rel)
     save_file(mine, path, metadata={"format": "pt"})  # transformers refuses files without it
-    check_finite(path, rel, url)
-    digest = file_digest(path)
+    digest = checked_digest(path, rel, url)  # refused if not finite
     put_checkpoint_file(path, storage.join(box, rel), consume=True)
     return {rel: digest}
 

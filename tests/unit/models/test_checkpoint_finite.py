@@ -102,3 +102,39 @@ def test_a_file_that_is_no_safetensors_is_not_scanned(tmp_path):
         assert nonfinite_tensors(str(path)) == []
         with pytest.raises(ValueError, match="is not a safetensors file"):
             read_header(str(path))
+
+
+def _bytes_read() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def test_a_commit_hashes_and_checks_its_weights_from_one_read(tmp_path, monkeypatch):
+    """``checked_digest``, what a commit records for a weights file: :func:`file_digest`'s digest and the finite
+    check's verdict from one read of the file (the commit read it once for each: twice a checkpoint's size from disk
+    where the page cache cannot hold it), across blocks, dtypes and tensors of every size; a file that is no
+    safetensors file is hashed whole, unchecked."""
+    from safetensors.torch import save_file
+
+    from models.checkpoint import checked_digest, file_digest, tensor_file
+
+    monkeypatch.setattr(tensor_file, "BLOCK", 1 << 20)
+    tensors = {"a": torch.zeros(3 << 20), "b": torch.zeros((1 << 20) + 3, dtype=torch.bfloat16),
+               "c": torch.zeros(5, dtype=torch.float16), "d": torch.arange(7, dtype=torch.int64)}
+    path = str(tmp_path / "model.safetensors")
+    save_file(tensors, path, metadata={"format": "pt"})
+    size = os.path.getsize(path)
+    before = _bytes_read()
+    got = checked_digest(path, "model.safetensors", "s3://b/run/iter-000001/actor")
+    read = _bytes_read() - before
+    assert got == file_digest(path) and got["size"] == size
+    assert size <= read < 1.2 * size, (read, size)  # once; the two passes read 2x
+    tensors["b"][(1 << 19) + 1] = float("nan")  # the second block of b's
+    tensors["c"][-1] = float("inf")
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"s3://b/run/iter-000001/actor: 'model\.safetensors' holds NaN or inf "
+                                              r"in 2 tensor\(s\) \(b, c\)"):
+        checked_digest(path, "model.safetensors", "s3://b/run/iter-000001/actor")
+    other = tmp_path / "x.safetensors"
+    other.write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00[]" + b"\x00" * 100)
+    assert checked_digest(str(other), "x.safetensors", "u") == file_digest(str(other))
