@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import os
+import time
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional
 
@@ -94,8 +95,23 @@ def shutdown_distributed(failed: bool = False) -> None:
         from models.training.host_collectives import forget
 
         forget()
+        settle_gloo_threads()
         dist.destroy_process_group()
     _JOINED = False
+
+
+GLOO_SETTLE_S = 0.2
+
+
+def settle_gloo_threads() -> None:
+    """Before a gloo process group can be destroyed: this thread sleeps :data:`GLOO_SETTLE_S`, the GIL released, so
+    that gloo's worker threads finish freeing the works they ran. A worker thread frees a work's tensors after the
+    caller's ``wait`` returned, and a tensor Python still knew needs the GIL for that; the group's destructor joins
+    those threads, and it ran with the GIL held when the last reference to the group (DDP's reducer keeps one) went
+    with the model: a rank of a two-rank DDP test then waited for ever (observed 2026-12-01 in ``make test``: the
+    main thread in ``~ProcessGroupGloo`` joining, a worker thread in ``~AsyncAllreduceWork`` waiting for the GIL)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        time.sleep(GLOO_SETTLE_S)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
