@@ -85,7 +85,8 @@ def hash_and_scan(path: str, h: Any) -> Optional[List[str]]:
     """Every byte of the safetensors file ``path``, in order, into the hash ``h`` (``update``) and the names of its
     floating-point tensors that hold NaN or ±inf, from one read of the file (a commit hashed it and checked it in two:
     twice the disk reads at a size no page cache holds). None, with nothing hashed, for a file that is no safetensors
-    file or whose tensors overlap or run past its end (the caller hashes it whole; loading it fails on its own)."""
+    file or whose tensors overlap (the caller hashes it whole; loading it fails on its own); a ValueError for one whose
+    last tensor runs past its end (truncated)."""
     try:
         header, start = read_header(path)
     except (OSError, ValueError, struct.error, UnicodeDecodeError):
@@ -93,9 +94,10 @@ def hash_and_scan(path: str, h: Any) -> Optional[List[str]]:
     size = os.path.getsize(path)
     spans = sorted((start + e["data_offsets"][0], start + e["data_offsets"][1], name, FLOAT_DTYPES.get(e["dtype"]))
                    for name, e in header.items())
-    if any(lo > hi for lo, hi, _, _ in spans) or any(a[1] > b[0] for a, b in zip(spans, spans[1:])) or \
-            (spans and spans[-1][1] > size):
+    if any(lo > hi for lo, hi, _, _ in spans) or any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
         return None
+    if spans and spans[-1][1] > size:  # as the separate finite check refused it
+        raise ValueError(f"{path}: ends inside a tensor (truncated file)")
     buf = torch.empty(BLOCK, dtype=torch.uint8)
     view = memoryview(buf.numpy())
     bad: List[str] = []

@@ -135,6 +135,10 @@ def test_a_commit_hashes_and_checks_its_weights_from_one_read(tmp_path, monkeypa
     with pytest.raises(CheckpointError, match=r"s3://b/run/iter-000001/actor: 'model\.safetensors' holds NaN or inf "
                                               r"in 2 tensor\(s\) \(b, c\)"):
         checked_digest(path, "model.safetensors", "s3://b/run/iter-000001/actor")
+    with open(path, "r+b") as f:  # cut inside the last tensor: refused, as the separate check refused it
+        f.truncate(size - 8)
+    with pytest.raises(ValueError, match="truncated file"):
+        checked_digest(path, "model.safetensors", "u")
     other = tmp_path / "x.safetensors"
     other.write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00[]" + b"\x00" * 100)
     assert checked_digest(str(other), "x.safetensors", "u") == file_digest(str(other))
