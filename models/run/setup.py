@@ -29,7 +29,9 @@ from models.run.types import PolicyState, RunHandle
 
 log = logging.getLogger(__name__)
 
-_TOKENIZER_SUFFIXES = (".json", ".txt", ".model", ".jinja")
+_TOKENIZER_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
+"""The files of a remote checkpoint :func:`load_tokenizer_only` fetches (top level only): its configs, vocabularies,
+merges, sentencepiece and tiktoken models, chat templates; never its weights."""
 
 
 class RunSetup(NamedTuple):

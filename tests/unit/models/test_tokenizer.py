@@ -117,3 +117,27 @@ def test_a_process_loads_each_tokenizer_once_and_another_one_anew(tmp_path):
     assert cached_tokenizer(actor) is first and first("ab").input_ids == [1, 4, 5]
     assert cached_tokenizer(other) is not first and cached_tokenizer(other)("ab").input_ids == [1, 6, 5]
     assert AutoTokenizer.from_pretrained(other)("ab").input_ids == [1, 6, 5]  # what the cache stands in for
+
+
+def test_a_remote_checkpoints_tokenizer_is_fetched_without_its_weights(qwen2_chat_dir, s3_url, monkeypatch):
+    """``load_tokenizer_only`` of a checkpoint on S3 fetches its top-level tokenizer files, a ``*.tiktoken`` one among
+    them (a file a checkpoint may hold: ``check_file_allowed``), and not its weights; the tokenizer is the local
+    one's."""
+    import os
+    import tempfile
+
+    from models import storage
+    from models.run import setup
+
+    for name in os.listdir(qwen2_chat_dir):
+        storage.put_file(os.path.join(qwen2_chat_dir, name), storage.join(s3_url, name))
+    storage.write_bytes(storage.join(s3_url, "extra.tiktoken"), b"IQ== 0\n")
+    made = []
+    mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(setup.tempfile, "mkdtemp", lambda **kw: made.append(mkdtemp(**kw)) or made[-1])
+    remote = setup.load_tokenizer_only(s3_url)
+    fetched = sorted(os.listdir(made[0]))
+    assert "extra.tiktoken" in fetched and not [f for f in fetched if f.endswith(".safetensors")], fetched
+    local = AutoTokenizer.from_pretrained(qwen2_chat_dir)
+    text = "<|im_start|>user\nHello, 12 + 30?<|im_end|>"
+    assert remote(text)["input_ids"] == local(text)["input_ids"] and len(remote) == len(local)
