@@ -21,6 +21,7 @@ from typing import Any, Callable, List, Optional
 
 from models import console
 from models.library_imports import skip_unused_optional_imports
+from models.memory import use_huge_pages
 
 RESIDENT = ("engine", "actor", "critic")
 
@@ -146,6 +147,7 @@ def resident(args: argparse.Namespace) -> None:
 def main(argv: Optional[List[str]] = None) -> None:
     console.quiet_libraries()  # before torch, transformers and vLLM load (RLHF_VERBOSE=1: all their output)
     skip_unused_optional_imports()  # transformers without scikit-learn (models/library_imports.py)
+    use_huge_pages()  # before torch allocates (models/memory.py)
     if argv and argv[0] == "ranks":
         from models.hosts.ranks import main as ranks
 

@@ -23,10 +23,12 @@ from typing import Callable, List, Sequence
 
 from models import console
 from models.library_imports import skip_unused_optional_imports
+from models.memory import use_huge_pages
 from models.processes import FORKSERVER, start_forkserver
 
 console.quiet_libraries()  # here too: this module is the first the forkserver imports (a fresh interpreter)
 skip_unused_optional_imports()
+use_huge_pages()
 
 TRAINER_PRELOAD = ("models.hosts.ranks", "models.hosts.resident", "models.hosts.trainers", "transformers.modeling_utils",
                    "transformers.models.auto.modeling_auto")

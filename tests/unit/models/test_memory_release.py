@@ -58,3 +58,45 @@ def test_bound_heap_maps_what_glibc_would_keep_in_its_heap(how, env, bounded, ma
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["bounded"] == bounded and (got["mapped"] >= 8 << 20) == mapped, got
+
+
+ADVISED = r"""
+import json, os, sys
+if sys.argv[1] == "tasks":
+    import tasks  # noqa: F401  (what every process that runs a task imports first)
+import torch
+t = torch.empty(8 << 20, dtype=torch.uint8).fill_(1)
+flags, inside = [], False
+for line in open("/proc/self/smaps"):  # the mapping that holds the tensor: its VmFlags
+    head = line.split()
+    if "-" in head[0] and not head[0].endswith(":"):
+        lo, hi = (int(x, 16) for x in head[0].split("-"))
+        inside = lo <= t.data_ptr() < hi
+    elif inside and head[0] == "VmFlags:":
+        flags = head[1:]
+print(json.dumps({"env": os.environ.get("THP_MEM_ALLOC_ENABLE"), "advised": "hg" in flags}))
+"""
+
+
+@pytest.mark.parametrize("entry, env, on", [
+    ("tasks", {}, True),  # a task's process: on before torch allocates, and so in every process it starts
+    ("tasks", {memory.HUGE_PAGES_ENV: "0"}, False),  # the user's value stands
+    ("plain", {}, False),  # torch's default: no advice
+])
+def test_huge_pages_are_on_in_a_tasks_process_and_its_children(entry, env, on):
+    """torch's large allocations advised ``MADV_HUGEPAGE`` (the mapping's ``hg`` flag in /proc/self/smaps, whatever
+    the kernel's THP setting then makes of it) in a process that imported ``tasks`` first; the variable it set is
+    what that process's children inherit."""
+    base = {k: v for k, v in os.environ.items() if k != memory.HUGE_PAGES_ENV}
+    proc = subprocess.run([sys.executable, "-c", ADVISED, entry], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**base, **env, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"env": "1" if on else env.get(memory.HUGE_PAGES_ENV), "advised": on}, got
+
+
+def test_use_huge_pages_sets_a_default_only(monkeypatch):
+    monkeypatch.delenv(memory.HUGE_PAGES_ENV, raising=False)
+    assert memory.use_huge_pages() is True and os.environ[memory.HUGE_PAGES_ENV] == "1"
+    monkeypatch.setenv(memory.HUGE_PAGES_ENV, "0")
+    assert memory.use_huge_pages() is False and os.environ[memory.HUGE_PAGES_ENV] == "0"
