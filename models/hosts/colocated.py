@@ -7,9 +7,10 @@ so the run has no engine service, no weight transport and no engine node on a cl
   seeded by its index in the call); the batch is written once, by rank 0.
 - After each update every rank loads the new weights into its own engine in process: each tensor all-gathered from
   the FSDP2 shards and cast to the engine's dtype (:meth:`~models.training.weight_source.WeightSource.gathered`
-  ``everywhere``), put into buckets sealed with their samples and checksum, and loaded bucket by bucket with the
-  checks a transported push gets (:func:`~models.hosts.pushes.received`: the checksum of each bucket, then the
-  engine's weights read back at the samples bit for bit), then the probe against the trainer's forward. LoRA: the
+  ``everywhere``), given to the engine as gathered, a bucket's tensors at a time, with the samples a transported
+  push draws (:class:`~models.hosts.pushes.Unsealed`: no bucket buffer or checksum, since no byte crosses a
+  channel), then the engine's weights read back at the samples bit for bit, then the probe against the trainer's
+  forward. LoRA: the
   adapter's file, made on every rank and served as the separate layout's engine serves it. No byte crosses a
   process: ``resident/weights_bytes`` is 0 (``resident/weights_loaded_bytes``: what each engine took).
 - The engine sleeps after each rollout and evaluation (:mod:`models.engines.in_rank`): after a rollout, which a
@@ -47,7 +48,7 @@ import torch.distributed as dist
 from models.checkpoint.local import local_checkpoint
 from models.engines import in_rank
 from models.engines.rank_engines import RankEngines, engine_groups, follow
-from models.hosts.pushes import Push, received, sealed
+from models.hosts.pushes import Push, Unsealed, loaded
 from models.hosts.trainers import ActorHost, PushFailed
 from models.hosts.transports import adapter_file
 from models.run.types import PolicyState
@@ -182,24 +183,18 @@ def empty_device_cache() -> None:
 
 def load_in_process(engine, source: WeightSource, dtype: torch.dtype, version: int, device,
                     bucket_bytes: Optional[int] = None, shard: Optional[Dict[str, Any]] = None) -> Dict[str, float]:
-    """Every tensor of ``source`` whole on this rank (an all-gather of each FSDP2 shard in turn) at ``dtype``,
-    sealed into buckets (samples and checksum, :func:`~models.hosts.pushes.sealed`; the samples drawn with a
-    generator seeded ``version``) and loaded into ``engine`` bucket by bucket as a transported push is
-    (:func:`~models.hosts.pushes.received`: each checksum checked, then the samples read back bit for bit). Every
-    rank of ``source`` calls it (the gathers are collectives); its figures, with
-    ``resident/weights_loaded_bytes`` the tensors' bytes at ``dtype``. ``shard`` (a dict): ``engine`` holds one
-    tensor-parallel shard; only what it holds is read back, and ``shard`` gets what was sampled and what it holds
-    (:func:`uncovered` checks a group's union)."""
+    """Every tensor of ``source`` whole on this rank (an all-gather of each FSDP2 shard in turn) at ``dtype``, loaded
+    into ``engine`` a bucket's tensors at a time as gathered (:class:`~models.hosts.pushes.Unsealed`: no buffer, no
+    checksum; the samples drawn with a generator seeded ``version``, as a transported push's), then the samples
+    read back bit for bit (:func:`~models.hosts.pushes.loaded`). Every rank of ``source`` calls it (the gathers are
+    collectives); its figures, with ``resident/weights_loaded_bytes`` the tensors' bytes at ``dtype``. ``shard`` (a
+    dict): ``engine`` holds one tensor-parallel shard; only what it holds is read back, and ``shard`` gets what was
+    sampled and what it holds (:func:`uncovered` checks a group's union)."""
     push = Push(dtype, bucket_bytes)
     header = push.header(source, device)
-    buckets = sealed(header, source, device, version, dtype, everywhere=True)
-    try:
-        put = received(header, enumerate(buckets), engine, shard=shard)
-    except BaseException:
-        buckets.drain()  # the other ranks gather the rest: take part
-        raise
+    out = loaded(header, Unsealed(header, source, device, version, dtype), engine, shard=shard)
     sizes = push.stats(header)
-    return {**put(engine), "resident/weights_loaded_bytes": sizes["resident/weights_bytes"],
+    return {**out, "resident/weights_loaded_bytes": sizes["resident/weights_bytes"],
             "resident/weights_params": sizes["resident/weights_params"]}
 
 
@@ -226,7 +221,7 @@ def attempt(step: Callable[[], None], rank: int) -> str:
 
 def agreed(failed: str, shard: Optional[Mapping[str, Any]], group, world: int, groups: List[List[int]]) -> str:
     """Every rank's failure (``failed``: its text, empty for none) told to every rank over ``group``: the first one;
-    then, with ``shard`` (this rank's sampled and held elements, :func:`~models.hosts.pushes.received`), the first
+    then, with ``shard`` (this rank's sampled and held elements, :func:`~models.hosts.pushes.loaded`), the first
     sampled element no rank of an engine group holds (:func:`uncovered`). Every rank calls it and gets the same
     answer (empty: every rank succeeded)."""
     mine = (failed, dict(shard or {}))
@@ -242,7 +237,7 @@ def agreed(failed: str, shard: Optional[Mapping[str, Any]], group, world: int, g
 
 def uncovered(shards: Sequence[Mapping[str, Any]], groups: List[List[int]]) -> Optional[str]:
     """The first sampled element of a push that no rank of an engine group holds (``shards[r]``: rank ``r``'s
-    ``sent`` and ``holds``, :func:`~models.hosts.pushes.received`, each ``{tensor: [flat positions]}``), naming the
+    ``sent`` and ``holds``, :func:`~models.hosts.pushes.loaded`, each ``{tensor: [flat positions]}``), naming the
     group and the tensor; None when every group holds every element between its ranks."""
     for g, ranks in enumerate(groups):
         for name, where in shards[ranks[0]].get("sent", {}).items():

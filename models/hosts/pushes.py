@@ -20,7 +20,7 @@ import torch
 
 from models.engines.weight_delta import open_delta, seal_delta
 from models.engines.weight_patch import Patch
-from models.engines.weight_stream import (BUCKET_BYTES, BucketWriter, PushError, Samples, check_header,
+from models.engines.weight_stream import (BUCKET_BYTES, BucketWriter, PushError, Samples, bits, check_header,
                                           check_read_back, checksum_kind, open_bucket, plan_push, positions,
                                           tensor_bytes)
 from models.training.weight_shadow import Shadow
@@ -92,6 +92,58 @@ class Sealed:
         """The gathers left (the other trainer ranks are in them), nothing sent."""
         for _ in self.gathered:
             pass
+
+
+class Unsealed(Sealed):
+    """A push into an engine in this process (``run.resident_layout=colocated``): the tensors of each of
+    ``header``'s buckets as every rank gathers them whole (cast to ``dtype`` before the gather), each with the
+    samples :class:`Sealed` would draw, given out as ``(tensors, samples)``, what :func:`loaded` takes. No bucket
+    buffer and no checksum: no byte crosses a channel, so there is nothing a checksum could catch that the samples
+    read back from the engine do not (a bucket's copy, its checksum and the check of it were 3 passes over the
+    model's bytes on each rank)."""
+
+    def __init__(self, header: Mapping[str, Any], source: WeightSource, device, push: int,
+                 dtype: Optional[torch.dtype] = None):
+        super().__init__(header, source, device, push, dtype, everywhere=True)
+
+    def __iter__(self) -> Iterator[Tuple[Dict[str, torch.Tensor], Samples]]:
+        entries: List[List[Any]] = [[] for _ in self.header["buckets"]]
+        for entry in self.header["tensors"]:
+            entries[entry[3]].append(entry)
+        for bucket in entries:
+            tensors: Dict[str, torch.Tensor] = {}
+            samples: Samples = {}
+            for want, _, shape, _, _, n in bucket:
+                name, tensor = next(self.gathered)
+                if name != want or list(tensor.shape) != list(shape):
+                    raise ValueError(f"the push gathers {name!r} {list(tensor.shape)} where its header has {want!r} "
+                                     f"{list(shape)}")
+                at = torch.randint(0, max(tensor.numel(), 1), (n,), generator=self.generator).sort().values  # [n]
+                samples[name] = list(zip(at.tolist(), bits(tensor.reshape(-1)[at.to(tensor.device)]).tolist()))
+                tensors[name] = tensor
+                del tensor
+            yield tensors, samples
+            del tensors
+
+
+def loaded(header: Mapping[str, Any], chunks: Unsealed, engine, shard: Optional[Dict[str, Any]] = None
+           ) -> Dict[str, float]:
+    """``chunks`` loaded into ``engine`` (in this process) one bucket's tensors at a time, then the samples read back
+    and compared bit for bit (:class:`~models.engines.weight_stream.PushError` naming the first tensor that
+    differs); ``shard`` as :func:`received` takes it. ``chunks`` is drained if the load fails (the other ranks'
+    gathers go on)."""
+    samples: Samples = {}
+    t0 = time.perf_counter()
+    try:
+        _load(engine, header, chunks, samples)
+    except BaseException:
+        chunks.drain()
+        raise
+    t1 = time.perf_counter()
+    holds = _confirmed(header, samples, engine, "after the push, reading the weights back", shard is not None)
+    if shard is not None:
+        shard.update(sent=positions(samples), holds=holds)
+    return {"time/weights_receive_s": t1 - t0, "time/weights_read_back_s": time.perf_counter() - t1}
 
 
 def sealed(header: Mapping[str, Any], source: WeightSource, device, push: int,

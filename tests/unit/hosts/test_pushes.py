@@ -113,3 +113,31 @@ def test_delta_pushes_serve_the_same_weights_and_samples_as_full_pushes(ckpts, d
         assert full.generate(PROMPTS, spec) == delta.generate(PROMPTS, spec)
     if dtype == "bfloat16":
         assert max(sent) < 0.5, sent
+
+
+def test_an_in_process_push_draws_the_transported_samples_without_buckets(ckpts, monkeypatch):
+    """:class:`Unsealed` (the colocated load) gives each bucket's tensors as gathered, with the very samples the
+    sealed buckets of the same push carry, and computes no checksum (nothing crosses a channel); :func:`loaded` puts
+    them into the engine, which then holds the trained weights at its dtype bit for bit."""
+    from models.engines import weight_stream
+    from models.engines.weight_stream import read_samples
+    from models.hosts.pushes import Unsealed, loaded
+
+    trained = AutoModelForCausalLM.from_pretrained(ckpts["b"], dtype=torch.float32)
+    source = WeightSource(trained, INFO, prefix="")
+    pusher = Push(torch.bfloat16, 1 << 14)
+    header = pusher.header(source, "cpu")
+    want = {}
+    for index, bucket in enumerate(sealed(header, source, "cpu", 7, torch.bfloat16)):
+        data = int(header["buckets"][index][0])
+        want.update(read_samples(header, index, bucket[data:-8]))
+    monkeypatch.setattr(weight_stream, "checksum", lambda *a, **k: pytest.fail("an in-process push checksummed"))
+    chunks = list(Unsealed(header, source, "cpu", 7, torch.bfloat16))
+    assert len(chunks) == len(header["buckets"]) > 3
+    assert {k: v for _, samples in chunks for k, v in samples.items()} == want
+    assert all(t.dtype == torch.bfloat16 for tensors, _ in chunks for t in tensors.values())
+    engine = HFEngine(ckpts["a"], dtype="bfloat16")
+    out = loaded(header, Unsealed(header, source, "cpu", 7, torch.bfloat16), engine)
+    assert set(out) == {"time/weights_receive_s", "time/weights_read_back_s"}
+    held, trained_state = engine.model.state_dict(), trained.state_dict()
+    assert all(torch.equal(bits(held[k]), bits(trained_state[k].to(torch.bfloat16))) for k in trained_state)
