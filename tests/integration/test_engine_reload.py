@@ -58,9 +58,10 @@ def _worst_logp_error(engine, ckpt) -> float:
     return worst
 
 
-def test_same_layout_goes_in_place_and_serves_the_new_weights(engine, ckpts):
+def test_same_layout_goes_in_place_and_serves_the_new_weights(engine, ckpts, monkeypatch):
     assert engine.stats.extra["cuda_graphs"] == 0.0  # the CPU runs eager (rollout.enforce_eager aside)
     assert _worst_logp_error(engine, ckpts["a"]) < 1e-3
+    _probe_takes_one_request_a_sequence(engine, monkeypatch)
     # a chunk an engine replica is given (rollout.data_parallel_size): prompts[1:3] from index 1, or prompts 0 and 2
     # by their indices (a sticky session's), sample what one engine samples for them in the whole request (each
     # sample's own seed)
@@ -76,6 +77,18 @@ def test_same_layout_goes_in_place_and_serves_the_new_weights(engine, ckpts):
     assert (engine.stats.reloads, engine.stats.restarts) == (3, 0)
     check_reads_back_what_was_pushed(engine, ckpts["b"], ckpts["a"], "float32")  # from the worker, bit for bit
     assert engine.stats.restarts == 0
+
+
+def _probe_takes_one_request_a_sequence(engine, monkeypatch):
+    """The probe's log-probs (no adapter): one request a sequence, the values a request per prefix gives (the way
+    a LoRA engine takes) bit for bit, for a sequence shorter than a KV block and one longer."""
+    sequences = [[3, 5, 7, 11, 13, 17, 19, 23], list(range(2, 38, 2))]
+    sent, generate = [], engine.llm.generate
+    monkeypatch.setattr(engine.llm, "generate", lambda prompts, *a, **k: sent.append(len(prompts)) or
+                        generate(prompts, *a, **k))
+    one, by_prefix = engine.prompt_logprobs(sequences), engine._logprobs_by_prefix(sequences)
+    assert sent == [2, 7 + 17] and [len(r) for r in one] == [7, 17]
+    assert one == by_prefix
 
 
 def test_other_shapes_restart_from_the_checkpoint(engine, ckpts):
