@@ -42,6 +42,7 @@ BENCHMARKS: Dict[str, str] = {
     "gpu": "bench_gpu.py",  # actor update (FSDP2, bf16) and kernels on a GPU; a "skipped" row without one
     "resident": "bench_resident.py",  # resident vs stateless s/iteration and rewards on the tiny presets (#29)
     "sharded_load": "bench_sharded_load.py",  # rank-local vs whole checkpoint load, full weights and LoRA (#30)
+    "huge_pages": "bench_huge_pages.py",  # torch's CPU allocations with and without transparent huge pages (#46)
     "projection": "project_iteration.py",  # an iteration at 8B / 70B on paper, both run modes (docs/cluster.md)
     "weight_push": "bench_weight_push.py",  # the engine's peak extra memory per resident push vs the model (#38)
     "delta_push": "bench_delta_push.py",  # delta vs full pushes at Qwen3-0.6B's width: bytes, seconds, density (#48)
