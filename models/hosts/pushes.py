@@ -8,7 +8,9 @@
   (off-policy, asynchronous: the push is served later) in host memory, each copied there from the channel's
   buffer as it arrives (pinned where CUDA: an NCCL push lands on the engine's GPU, which vLLM keeps generating on
   meanwhile, so the GPU holds two buckets at most, never the whole push); then the engine's weights are read back at the samples and compared
-  bit for bit with what was sent (:func:`~models.engines.weight_stream.check_read_back`).
+  bit for bit with what was sent (:func:`~models.engines.weight_stream.check_read_back`);
+- an engine in the trainer's own process (the colocated layout): :class:`Unsealed` gives each bucket's tensors as
+  gathered, with the same samples, and :func:`loaded` loads them and reads the samples back: no buffer, no checksum.
 """
 
 from __future__ import annotations
