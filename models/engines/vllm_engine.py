@@ -257,11 +257,11 @@ class VLLMEngine(SwappableEngine):
 
     def prompt_logprobs(self, sequences: List[List[int]]) -> List[List[float]]:
         """log p(token t | tokens < t) at temperature 1: a request a sequence (``prompt_logprobs``, raw log-softmax);
-        with an adapter (that path fails with LoRA) a greedy request a prefix ``seq[:t]`` for ``seq[t]``: the same
-        bits, but 480 tokens through the model for the probe's 4 x 16 (7.9 s, not 2.4, at Qwen3-0.6B's shape)."""
+        in an engine started for LoRA (that path fails there) a greedy request a prefix ``seq[:t]`` for ``seq[t]``: the
+        same bits, but 480 tokens through the model for the probe's 4 x 16 (7.9 s, not 2.4, at Qwen3-0.6B's shape)."""
         from vllm import SamplingParams, TokensPrompt
 
-        if self._lora is not None:
+        if self._llm_kwargs.get("enable_lora"):  # even without an adapter served: vLLM's LoRA kernels fail on it
             return self._logprobs_by_prefix(sequences)
         outs = self._llm().generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences],
                                     SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0), use_tqdm=False)
