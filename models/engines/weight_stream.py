@@ -181,6 +181,11 @@ def checksum(data: torch.Tensor, kind: str = "crc32") -> int:
     return CHECKSUMS[kind](data)
 
 
+def sample_positions(numel: int, n: int, generator: torch.Generator) -> torch.Tensor:
+    """The ``n`` flat positions (sorted) a push samples of a tensor of ``numel`` elements, drawn from ``generator``."""
+    return torch.randint(0, max(numel, 1), (n,), generator=generator).sort().values
+
+
 class BucketWriter:
     """The sender's side of one bucket: its buffer, filled tensor by tensor, then sealed (samples and checksum)."""
 
@@ -201,7 +206,7 @@ class BucketWriter:
         nbytes = _numel(shape) * _dtype(dtype).itemsize
         slot = self.buffer[offset:offset + nbytes].view(_dtype(dtype)).view(shape)
         slot.copy_(tensor)
-        positions = torch.randint(0, max(_numel(shape), 1), (n,), generator=self.generator).sort().values  # [n]
+        positions = sample_positions(_numel(shape), n, self.generator)  # [n]
         self.samples.append(torch.stack([positions, bits(slot.reshape(-1)[positions.to(slot.device)]).cpu()]))
         self.filled += 1
 

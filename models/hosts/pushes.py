@@ -24,7 +24,7 @@ from models.engines.weight_delta import open_delta, seal_delta
 from models.engines.weight_patch import Patch
 from models.engines.weight_stream import (BUCKET_BYTES, BucketWriter, PushError, Samples, bits, check_header,
                                           check_read_back, checksum_kind, open_bucket, plan_push, positions,
-                                          tensor_bytes)
+                                          sample_positions, tensor_bytes)
 from models.training.weight_shadow import Shadow
 from models.training.weight_source import WeightSource
 
@@ -120,7 +120,7 @@ class Unsealed(Sealed):
                 if name != want or list(tensor.shape) != list(shape):
                     raise ValueError(f"the push gathers {name!r} {list(tensor.shape)} where its header has {want!r} "
                                      f"{list(shape)}")
-                at = torch.randint(0, max(tensor.numel(), 1), (n,), generator=self.generator).sort().values  # [n]
+                at = sample_positions(tensor.numel(), n, self.generator)  # [n]
                 samples[name] = list(zip(at.tolist(), bits(tensor.reshape(-1)[at.to(tensor.device)]).tolist()))
                 tensors[name] = tensor
                 del tensor
