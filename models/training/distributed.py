@@ -207,6 +207,29 @@ def checkpoint_activations(module: nn.Module) -> None:
                          f"checkpointed")
 
 
+def sparse_tied_embedding_grads(module: nn.Module) -> bool:
+    """The input embedding of the model ``module`` wraps made to give a sparse gradient (``nn.Embedding.sparse``)
+    when it trains and is tied to the output head; whether it was.
+
+    Its backward otherwise makes a dense ``[vocab, hidden]`` gradient, zeros but for the rows of the batch's
+    tokens, which autograd then adds to the head's own dense gradient of the same weight: at Qwen3-0.6B's
+    151,936 x 1,024 a second float32 copy of the embedding (0.62 GB a rank) at the end of every micro-batch's
+    backward, beside the head's gradient and their sum, the moment of a sharded update's peak
+    (benchmarks/RESULTS.md, 2026-12-01). The sparse one holds only those rows; autograd adds it to the head's,
+    so the weight's gradient is dense as before: FSDP2, DDP and AdamW see what they saw. An untied embedding
+    keeps its dense gradient: alone, a sparse one would reach them. Not under DDP, whose reducer, seeing a sparse
+    embedding, expects the weight's gradient sparse."""
+    inner = _inner(module)
+    if not hasattr(inner, "get_input_embeddings") or not hasattr(inner, "get_output_embeddings"):
+        return False
+    embedding, head = inner.get_input_embeddings(), inner.get_output_embeddings()
+    if (not isinstance(embedding, nn.Embedding) or head is None or getattr(head, "weight", None) is not embedding.weight
+            or not embedding.weight.requires_grad):
+        return False
+    embedding.sparse = True
+    return True
+
+
 def wrap_for_training(module: nn.Module, info: DistInfo, sharding: str = "auto",
                       compute_dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
                       held_dtype: torch.dtype = torch.float32, frozen: bool = False) -> nn.Module:
@@ -215,13 +238,17 @@ def wrap_for_training(module: nn.Module, info: DistInfo, sharding: str = "auto",
 
     ``compute_dtype`` below float32: forwards compute in it, the trained weights, their gradients
     and AdamW's state stay float32 (FSDP2's mixed precision, else the wrapper's autocast).
-    ``activation_checkpointing``: each decoder layer checkpointed first (:func:`checkpoint_activations`).
+    ``activation_checkpointing``: each decoder layer checkpointed first (:func:`checkpoint_activations`). A tied
+    input embedding of a model that trains gives sparse gradients (:func:`sparse_tied_embedding_grads`; not
+    under DDP).
     ``held_dtype`` (FSDP2): the dtype ``module``'s weights are in, when not float32 (a frozen model held at its
     checkpoint's bfloat16): each unit's weights cast to ``compute_dtype`` as they are gathered. ``frozen`` (FSDP2:
     a model that only runs forwards): the root unit (embeddings, head) resharded after each forward, as the others
     are; FSDP2 keeps a trained model's root gathered from its forward to its backward, which for a model that never
     runs a backward held the whole embedding on every rank from one forward to the next (2.1 GB a rank at 8B)."""
     low = compute_dtype != torch.float32 or held_dtype != compute_dtype
+    if not frozen and (uses_fsdp2(sharding, info) or info.world_size == 1):  # DDP's reducer wants sparse ones
+        sparse_tied_embedding_grads(module)
     if activation_checkpointing:
         checkpoint_activations(module)
     if uses_fsdp2(sharding, info):

@@ -37,7 +37,8 @@ def policy(layers: int = 2) -> PolicyLogprobs:
 
     torch.manual_seed(0)
     lm = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
-                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                                      tie_word_embeddings=True))  # tied, as Qwen3-0.6B: its gradient sparse
     return PolicyLogprobs(lm, packed=True)
 
 
