@@ -53,8 +53,9 @@ from models.run.layout import RunLayout  # noqa: E402
 SECTION = "real_shape"
 PRESET = "configs/qwen3_grpo.yaml"
 MODES = {"stateless": [], "separate": ["run.resident=true"],
-         "colocated": ["run.resident=true", "run.resident_layout=colocated"]}
-"""Our modes and their overrides of the preset."""
+         "colocated": ["run.resident=true", "run.resident_layout=colocated", "rollout.tensor_parallel_size=2"]}
+"""Our modes and their overrides of the preset. Colocated: one engine sharded over the two ranks of the host
+(each holds half its weights and KV cache) rather than a whole engine in each (docs/real_checkpoints.md)."""
 GAPS = ("rollout/logprob_gap_mean", "rollout/logprob_gap_max", "rollout/probe_gap_max")
 RUN_TIMEOUT_S = 3 * 3600
 
