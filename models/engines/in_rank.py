@@ -17,7 +17,8 @@ scores and updates, and wakes for the rollout (:func:`sleep` / :func:`wake`, eac
   CPU's GEMM packed, which each linear layer's ``cpu_linear`` holds); waking ``weights`` gives the parameters their
   storage back, and the full push that follows writes every one and packs every layer again (vLLM's layerwise
   reload copies into the parameters' storage and runs each layer's processing). At Qwen3-0.6B's shape in bfloat16
-  that is 0.9 GiB of weights and the 1 GiB KV cache out of the engine from the rollout to the push.
+  that is 0.9 GiB of weights and the 1 GiB KV cache out of the engine from the rollout to the push. What was freed
+  is then given back to the machine (:func:`trim_heap`: glibc keeps freed blocks under its mmap threshold).
 - The HF engine holds no cache between calls: nothing to free (0 s).
 """
 
@@ -29,6 +30,7 @@ from typing import Any, Dict, Sequence, Set
 
 import torch
 
+from models import memory
 from models.engines.vllm_steps import reset_prefix_cache
 
 _KV_RECORD, _WEIGHTS_RECORD = "_rlhf_freed_kv_cache", "_rlhf_freed_weights"
@@ -97,6 +99,13 @@ def free_weights(worker: Any) -> int:
     return _free(worker, _WEIGHTS_RECORD, found.values())
 
 
+def trim_heap(worker: Any) -> bool:
+    """In a vLLM worker: what was freed given back to the machine (:func:`models.memory.release`): blocks under the
+    process's mmap threshold stay in glibc's arenas when freed (a worker that vLLM started, or a process that did not
+    fix the threshold: :func:`models.memory.bound_heap`)."""
+    return memory.release()
+
+
 def restore_weights(worker: Any) -> int:
     """In a vLLM worker: the parameters' storage back at its size, contents undefined until a push writes them; the
     bytes restored."""
@@ -135,6 +144,7 @@ def sleep(engine, discard_weights: bool = False) -> float:
             if discard_weights:
                 llm.collective_rpc(free_weights)
                 _DISCARDED[llm] = True
+            llm.collective_rpc(trim_heap)
     return time.perf_counter() - t0
 
 

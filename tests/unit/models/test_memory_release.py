@@ -39,6 +39,9 @@ class MallInfo2(ctypes.Structure):
 libc.mallinfo2.restype = MallInfo2
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
 bounded = memory.bound_heap(1 << 20) if sys.argv[1] == "bound" else None
+if sys.argv[1] == "service":  # what a service's process (an engine service, the rollout server) sets first
+    from models.hosts.__main__ import prepare
+    prepare()
 libc.free(libc.malloc(16 << 20))  # a freed 16 MiB mapping: glibc's dynamic threshold rises past it
 before = libc.mallinfo2().hblkhd
 block = libc.malloc(8 << 20)
@@ -50,6 +53,7 @@ print(json.dumps({"bounded": bounded, "mapped": libc.mallinfo2().hblkhd - before
     ("dynamic", {}, None, False),  # glibc's own: 8 MiB from the heap once a 16 MiB block was freed
     ("bound", {}, True, True),  # bound_heap: its own mapping, given back when freed
     ("bound", {"MALLOC_MMAP_THRESHOLD_": str(32 << 20)}, False, False),  # the user's threshold stands
+    ("service", {}, None, True),  # python -m models.hosts: an engine service's freed weights go back too
 ])
 def test_bound_heap_maps_what_glibc_would_keep_in_its_heap(how, env, bounded, mapped):
     proc = subprocess.run([sys.executable, "-c", PROBE, how], cwd=ROOT, capture_output=True, text=True, timeout=60,
