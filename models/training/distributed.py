@@ -216,9 +216,9 @@ def sparse_tied_embedding_grads(module: nn.Module) -> bool:
     151,936 x 1,024 a second float32 copy of the embedding (0.62 GB a rank) at the end of every micro-batch's
     backward, beside the head's gradient and their sum, the moment of a sharded update's peak
     (benchmarks/RESULTS.md, 2026-12-01). The sparse one holds only those rows; autograd adds it to the head's,
-    so the weight's gradient is dense as before: FSDP2, DDP and AdamW see what they saw. An untied embedding
-    keeps its dense gradient: alone, a sparse one would reach them. Not under DDP, whose reducer, seeing a sparse
-    embedding, expects the weight's gradient sparse."""
+    so the weight's gradient is dense as before: FSDP2, clipping and AdamW see what they saw. An untied embedding
+    keeps its dense gradient: alone, a sparse one would reach them. :func:`wrap_for_training` does not call it under
+    DDP, whose reducer, seeing a sparse embedding, expects the weight's gradient sparse."""
     inner = _inner(module)
     if not hasattr(inner, "get_input_embeddings") or not hasattr(inner, "get_output_embeddings"):
         return False
