@@ -32,13 +32,15 @@ SETTINGS = LoopSettings(epochs=2, minibatch_size=8, micro_batch_size=2, grad_cli
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))
 
 
-def policy(layers: int = 2) -> PolicyLogprobs:
+def policy(layers: int = 2, tied: bool = False) -> PolicyLogprobs:
+    """The tiny policy; ``tied``: its head the embedding's weight, as Qwen3-0.6B's (the embedding's gradient then
+    sparse: ``sparse_tied_embedding_grads``); this file's tests train it tied."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     lm = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
                                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-                                      tie_word_embeddings=True))  # tied, as Qwen3-0.6B: its gradient sparse
+                                      tie_word_embeddings=tied))
     return PolicyLogprobs(lm, packed=True)
 
 
@@ -93,7 +95,7 @@ def _worker(rank: int, world: int, port: int, sharding: str, out_dir: str, compu
 
     info = join_gloo(rank, world, port)
     try:
-        model = wrap_for_training(policy(), info, sharding, getattr(torch, compute),
+        model = wrap_for_training(policy(tied=True), info, sharding, getattr(torch, compute),
                                   activation_checkpointing=sharding == "fsdp2")
         first = train(model, info, lr)
         state = optimizer_state.gather(model, first["optimizer"])
@@ -121,7 +123,7 @@ def two_ranks(sharding: str, tmp_path, compute: str = "float32", lr: float = 1e-
 
 
 def one_process(compute: torch.dtype = torch.float32, lr: float = 1e-2) -> dict:
-    model = wrap_for_training(policy(), CPU, compute_dtype=compute)
+    model = wrap_for_training(policy(tied=True), CPU, compute_dtype=compute)
     first = train(model, CPU, lr)
     state = {k: v.clone() for k, v in optimizer_state.gather(model, first["optimizer"]).items()}  # not views
     second = train(model, CPU, lr, optimizer=first["optimizer"])  # one process keeps its optimizer
@@ -144,7 +146,7 @@ def test_two_ranks_train_as_one_process(sharding, reference, tmp_path):
     # 2 micro-batches a minibatch per rank: the second finds the first's gradients, under FSDP2 already
     # reduce-scattered to this rank's shard (never a whole float32 gradient of the model held until the last)
     assert got["grads"] == ["none", "sharded" if sharding == "fsdp2" else "whole"] * 4, got["grads"]
-    start = policy().state_dict()
+    start = policy(tied=True).state_dict()
     moved = 0.0
     assert set(got["weights"]) == set(reference["weights"])
     for name, want in reference["weights"].items():
@@ -175,7 +177,7 @@ SMALL_LR = 1e-5  # AdamW moves each weight by about lr per step: below bfloat16'
 def small_steps():
     """One process's float32 update with a small learning rate, and the weights it started from."""
     torch.set_num_threads(2)
-    return one_process(lr=SMALL_LR)["weights"], policy().state_dict()
+    return one_process(lr=SMALL_LR)["weights"], policy(tied=True).state_dict()
 
 
 def relative_error(got: dict, want: dict, start: dict) -> float:
