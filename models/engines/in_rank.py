@@ -99,11 +99,12 @@ def free_weights(worker: Any) -> int:
     return _free(worker, _WEIGHTS_RECORD, found.values())
 
 
-def trim_heap(worker: Any) -> bool:
-    """In a vLLM worker: what was freed given back to the machine (:func:`models.memory.release`): blocks under the
-    process's mmap threshold stay in glibc's arenas when freed (a worker that vLLM started, or a process that did not
-    fix the threshold: :func:`models.memory.bound_heap`)."""
-    return memory.release()
+def trim_heap(worker: Any, freed_bytes: int) -> bool:
+    """In a vLLM worker that just freed ``freed_bytes``: that memory given back to the machine
+    (:func:`models.memory.release`, nothing done below its minimum): blocks under the process's mmap threshold stay
+    in glibc's arenas when freed (a worker that vLLM started, or a process that did not fix the threshold:
+    :func:`models.memory.bound_heap`)."""
+    return memory.release(freed_bytes)
 
 
 def restore_weights(worker: Any) -> int:
@@ -140,11 +141,11 @@ def sleep(engine, discard_weights: bool = False) -> float:
             _DISCARDED[llm] = discard_weights
         else:
             reset_prefix_cache(llm)  # no prefix may be served from a freed cache
-            llm.collective_rpc(free_kv)
+            freed = llm.collective_rpc(free_kv)
             if discard_weights:
-                llm.collective_rpc(free_weights)
+                freed = [a + b for a, b in zip(freed, llm.collective_rpc(free_weights))]
                 _DISCARDED[llm] = True
-            llm.collective_rpc(trim_heap)
+            llm.collective_rpc(trim_heap, args=(max(freed, default=0),))
     return time.perf_counter() - t0
 
 
